@@ -1,0 +1,81 @@
+"""Head allocators: split a layer's budget among its kv heads."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+from pydantic import Field
+
+from ..components import Component, Registry
+from .rounding import round_preserving_sum
+
+
+class HeadAllocator(Component):
+    """``allocate(scores [B, H, L], budget [B]) -> counts [B, H]`` with ``counts.sum(-1) == H * budget``
+    exactly and ``counts <= L``. ``comparable`` says whether scores of different heads share a scale."""
+
+    kind: ClassVar[str] = "allocator"
+
+    def allocate(self, scores: torch.Tensor, budget: torch.Tensor, comparable: bool = True) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+
+ALLOCATORS = Registry("allocator", HeadAllocator)
+
+
+def register_allocator(name: str):
+    """Decorator making a user's ``HeadAllocator`` subclass usable by ``name`` in configs."""
+    return ALLOCATORS.register(name)
+
+
+@register_allocator("uniform")
+class UniformHead(HeadAllocator):
+    """Every kv head of a layer keeps the same number of tokens (SnapKV, PyramidKV)."""
+
+    name: Literal["uniform"] = "uniform"
+
+    def allocate(self, scores: torch.Tensor, budget: torch.Tensor, comparable: bool = True) -> torch.Tensor:
+        return budget.long()[:, None].expand(-1, scores.shape[1]).clone()
+
+
+@register_allocator("ada")
+class AdaHead(HeadAllocator):
+    """Ada-KV (Feng et al., NeurIPS 2025): a top-k over the flattened scores of all kv heads of a
+    layer gives head ``i`` its adaptive share ``n_i``; the safeguard mixes it with the uniform share,
+    ``alpha * b + (1 - alpha) * n_i``, rounded (largest remainder) so the layer total is exact.
+    ``alpha=1`` is ``UniformHead``. When scores are not comparable across heads, each head's
+    scores are first turned into shares of its own mass, which makes the comparison scale-free."""
+
+    name: Literal["ada"] = "ada"
+    alpha: float = Field(0.2, ge=0.0, le=1.0, description="safeguard: fraction of the uniform share every head keeps")
+
+    def allocate(self, scores: torch.Tensor, budget: torch.Tensor, comparable: bool = True) -> torch.Tensor:
+        B, H, L = scores.shape
+        budget = budget.long()
+        if not comparable:
+            scores = head_shares(scores)
+        adaptive = flat_topk_counts(scores, H * budget)
+        mixed = self.alpha * budget.double()[:, None] + (1.0 - self.alpha) * adaptive.double()
+        return round_preserving_sum(mixed, total=H * budget, upper=torch.full_like(budget, L), tie_break=adaptive)
+
+
+def flat_topk_counts(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """How many of the top ``k[b]`` entries of the flattened ``[H * L]`` scores fall in each head."""
+    B, H, L = scores.shape
+    flat = scores.reshape(B, H * L)
+    order = flat.argsort(dim=-1, descending=True, stable=True)
+    selected = torch.arange(H * L, device=scores.device)[None, :] < k[:, None]
+    head_of = torch.div(order, L, rounding_mode="floor")
+    counts = torch.zeros(B, H, device=scores.device, dtype=torch.long)
+    return counts.scatter_add_(1, head_of, selected.long())
+
+
+def head_shares(scores: torch.Tensor) -> torch.Tensor:
+    """Each head's finite scores shifted to be non-negative and divided by their sum;
+    ``+inf`` (protected) and ``-inf`` (padding) entries are left as they are."""
+    finite = torch.isfinite(scores)
+    low = torch.where(finite, scores, torch.full_like(scores, float("inf"))).amin(-1, keepdim=True)
+    shifted = torch.where(finite, scores - low, torch.zeros_like(scores))
+    mass = shifted.sum(-1, keepdim=True).clamp(min=torch.finfo(scores.dtype).tiny)
+    return torch.where(finite, shifted / mass, scores)

@@ -1,0 +1,76 @@
+"""Layer schedules: how many tokens per kv head each layer keeps, given the average budget."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+from pydantic import Field
+
+from ..components import Component, Registry
+from .rounding import round_preserving_sum
+
+
+class LayerSchedule(Component):
+    """``budgets(avg, n_layers, lengths) -> [B, n_layers]`` integer per-head budgets whose mean
+    over layers equals ``avg`` (as far as clipping to the context length allows)."""
+
+    kind: ClassVar[str] = "layer schedule"
+
+    def budgets(self, avg: torch.Tensor, n_layers: int, lengths: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def layer_budget(self, avg: torch.Tensor, layer_idx: int, n_layers: int, lengths: torch.Tensor) -> torch.Tensor:
+        """Per-head budget of one layer, ``[B]`` long."""
+        return self.budgets(avg, n_layers, lengths)[:, layer_idx]
+
+
+LAYER_SCHEDULES = Registry("layer schedule", LayerSchedule)
+
+
+def register_layer_schedule(name: str):
+    return LAYER_SCHEDULES.register(name)
+
+
+@register_layer_schedule("uniform")
+class UniformLayer(LayerSchedule):
+    """Every layer keeps the average budget (SnapKV, Ada-SnapKV)."""
+
+    name: Literal["uniform"] = "uniform"
+
+    def budgets(self, avg: torch.Tensor, n_layers: int, lengths: torch.Tensor) -> torch.Tensor:
+        return torch.minimum(avg, lengths).long()[:, None].expand(-1, n_layers)
+
+
+@register_layer_schedule("pyramid")
+class PyramidLayer(LayerSchedule):
+    """PyramidKV (Cai et al., 2024): budgets decrease linearly with depth from ``2b - b/beta`` to
+    ``b/beta``; layers clipped at the context length hand their excess to the others."""
+
+    name: Literal["pyramid"] = "pyramid"
+    beta: float = Field(20.0, gt=1.0, description="ratio between the mean and the smallest layer budget")
+
+    def budgets(self, avg: torch.Tensor, n_layers: int, lengths: torch.Tensor) -> torch.Tensor:
+        avg = torch.minimum(avg, lengths).double()
+        lengths = lengths.double()
+        low = avg / self.beta
+        high = 2 * avg - low
+        steps = torch.linspace(0, 1, n_layers, dtype=torch.float64, device=avg.device) if n_layers > 1 else \
+            torch.zeros(1, dtype=torch.float64, device=avg.device)
+        raw = high[:, None] - (high - low)[:, None] * steps[None, :]
+        raw = _clip_and_redistribute(raw, lengths[:, None])
+        return round_preserving_sum(raw, total=(avg * n_layers).round().long(), upper=lengths.long())
+
+
+def _clip_and_redistribute(raw: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+    """Clip to ``cap`` and spread the clipped mass evenly over unclipped layers (water filling)."""
+    for _ in range(raw.shape[-1]):
+        over = (raw - cap).clamp(min=0)
+        excess = over.sum(-1, keepdim=True)
+        raw = torch.minimum(raw, cap)
+        free = raw < cap
+        n_free = free.sum(-1, keepdim=True).clamp(min=1)
+        raw = raw + free * excess / n_free
+        if not bool((raw > cap + 1e-9).any()):
+            break
+    return torch.minimum(raw, cap)

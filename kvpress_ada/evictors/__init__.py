@@ -1,0 +1,7 @@
+"""Evictors: which cache representation drops the unselected entries."""
+
+from .base import EVICTORS, Evictor, register_evictor, topk_mask
+from .mask import Mask
+from .topk import TopK
+
+__all__ = ["EVICTORS", "Evictor", "Mask", "TopK", "register_evictor", "topk_mask"]

@@ -1,0 +1,204 @@
+"""RaggedCache: a transformers ``Cache`` whose rows are (batch, kv head) pairs of different lengths.
+
+Evicted entries really leave memory: after compression each layer holds one flat ``[N, D]``
+buffer for keys and one for values, with int32 ``row_offsets``/``row_lengths`` on the device.
+
+Reserve policy (the only slack beyond kept tokens): every row gets ``decode_reserve`` spare slots
+(default 64) for tokens appended after compression. Since every row appends exactly one token per
+step, all rows run out together; the layer is then re-laid out once with a spare of
+``max(decode_reserve, ceil(growth * mean row length))`` per row (``growth=0.5``), so appends
+cost amortised O(1) and the whole cache is never copied per token. Right after compression,
+``nbytes() <= kept bytes + n_layers * B * H_kv * decode_reserve * D * 2 * itemsize``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .. import kernels
+from .masked_cache import _check_layer
+
+
+class RaggedLayer(CacheLayerMixin):
+    """One layer: dense while prefill is in flight, ragged once :meth:`compress` ran."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, decode_reserve: int = 64, growth: float = 0.5):
+        super().__init__()
+        if decode_reserve < 1:
+            raise ValueError(f"decode_reserve must be >= 1 token per row, got {decode_reserve}")
+        self.decode_reserve = decode_reserve
+        self.growth = growth
+        self.compressed = False
+        self.seen = 0  # logical tokens seen (context + appended): RoPE positions continue from it
+        self.k_flat = self.v_flat = None
+        self.row_offsets = self.row_lengths = None
+        self._base = []  # host copy of each row's length right after compression
+        self._appended = 0  # tokens appended to every row since compression
+        self._spare = 0  # free slots left in every row
+        self.shape = None  # (B, H_kv, D)
+
+    # ------------------------------------------------------------------ HF API
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.seen += key_states.shape[-2]
+        if not self.compressed:
+            self.keys = key_states if self.keys is None else torch.cat([self.keys, key_states], dim=-2)
+            self.values = value_states if self.values is None else torch.cat([self.values, value_states], dim=-2)
+            return self.keys, self.values
+        self._append(key_states, value_states)
+        return self.k_flat, self.v_flat
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.__init__(self.decode_reserve, self.growth)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (negative count, as in transformers 5)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        n = -tokens_to_remove
+        if n == 0 or not self.is_initialized:
+            return
+        if not self.compressed:
+            self.keys, self.values = self.keys[..., :-n, :], self.values[..., :-n, :]
+        else:
+            if n > self._appended:
+                raise ValueError(f"cannot crop {n} tokens: only {self._appended} were appended after compression "
+                                 "(compressed context entries cannot be restored)")
+            self._appended -= n
+            self._spare += n
+            self.row_lengths -= n
+        self.seen -= n
+
+    # --------------------------------------------------------------- ragged API
+    def compress(self, keep: torch.Tensor) -> None:
+        """Compact the dense prefill cache to the entries where ``keep [B, H_kv, L]`` is True."""
+        if self.keys is None:
+            raise ValueError("cannot compress a layer that holds no tokens")
+        B, H, L, D = self.keys.shape
+        if keep.shape != (B, H, L):
+            raise ValueError(f"keep mask of shape {tuple(keep.shape)} does not match the layer's cache {(B, H, L)}")
+        counts = keep.sum(-1).reshape(-1).to(torch.int32)
+        self._base = counts.tolist()  # one host sync per layer, at compression time only
+        self.shape = (B, H, D)
+        self._appended = 0
+        self._layout(self.decode_reserve, counts)
+        kernels.compact(self.keys, self.values, keep, self.row_offsets, self.k_flat, self.v_flat)
+        self.keys = self.values = None
+        self.compressed = True
+
+    def _layout(self, spare: int, lengths: torch.Tensor) -> None:
+        """Allocate flat storage with ``spare`` free slots per row after ``lengths`` tokens."""
+        B, H, D = self.shape
+        host = [n + self._appended for n in self._base]
+        caps = [n + spare for n in host]
+        offsets = [0] * len(caps)
+        for r in range(1, len(caps)):
+            offsets[r] = offsets[r - 1] + caps[r - 1]
+        total = offsets[-1] + caps[-1] if caps else 0
+        self.k_flat = torch.empty(total, D, dtype=self.dtype, device=self.device)
+        self.v_flat = torch.empty(total, D, dtype=self.dtype, device=self.device)
+        self.row_offsets = torch.tensor(offsets, dtype=torch.int32, device=self.device)
+        self.row_lengths = lengths.to(device=self.device, dtype=torch.int32).clone()
+        self._spare = spare
+
+    def _append(self, key_states, value_states) -> None:
+        q = key_states.shape[-2]
+        if q > self._spare:
+            self._grow(q)
+        kernels.append(key_states, value_states, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths)
+        self._appended += q
+        self._spare -= q
+
+    def _grow(self, needed: int) -> None:
+        """Re-lay the layer out with a geometric spare (amortised O(1) appends)."""
+        old_k, old_v, old_offsets, lengths = self.k_flat, self.v_flat, self.row_offsets, self.row_lengths
+        host_lengths = [n + self._appended for n in self._base]
+        mean = sum(host_lengths) / max(len(host_lengths), 1)
+        spare = max(self.decode_reserve, needed, math.ceil(self.growth * mean))
+        self._layout(spare, lengths)
+        src = _row_token_index(old_offsets, host_lengths)
+        dst = _row_token_index(self.row_offsets, host_lengths)
+        self.k_flat[dst] = old_k[src]
+        self.v_flat[dst] = old_v[src]
+
+    # ------------------------------------------------------------ inspection
+    def nbytes(self) -> int:
+        tensors = (self.k_flat, self.v_flat) if self.compressed else (self.keys, self.values)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def head_lengths(self) -> torch.Tensor:
+        if not self.compressed:
+            if self.keys is None:
+                return torch.zeros(0, 0, dtype=torch.long)
+            B, H, L, _ = self.keys.shape
+            return torch.full((B, H), L, dtype=torch.long, device=self.keys.device)
+        B, H, _ = self.shape
+        return self.row_lengths.view(B, H).long()
+
+
+def _row_token_index(offsets: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Flat positions of every valid token, row by row."""
+    counts = torch.tensor(lengths, dtype=torch.long, device=offsets.device)
+    starts = offsets.long().repeat_interleave(counts)
+    first = torch.cumsum(counts, 0) - counts
+    within = torch.arange(int(counts.sum()), device=offsets.device) - first.repeat_interleave(counts)
+    return starts + within
+
+
+class RaggedCache(Cache):
+    """Per-(batch, kv head) ragged KV cache; see the module docstring for the reserve policy.
+
+    ``nbytes()`` reports bytes held for keys and values of all layers; ``head_lengths(layer)``
+    returns ``LongTensor[B, H_kv]``. Compatible with ``model.generate`` (pass it as the cache, or
+    let ``with press(model)`` create it).
+    """
+
+    def __init__(self, config=None, num_layers: int | None = None, decode_reserve: int = 64):
+        if num_layers is None:
+            if config is None:
+                raise ValueError("RaggedCache needs a model config or num_layers")
+            num_layers = config.get_text_config(decoder=True).num_hidden_layers
+        super().__init__(layers=[RaggedLayer(decode_reserve) for _ in range(num_layers)])
+
+    def is_compressed(self, layer_idx: int) -> bool:
+        return self.layers[layer_idx].compressed
+
+    def compress_layer(self, layer_idx: int, keep: torch.Tensor) -> None:
+        _check_layer(layer_idx, len(self.layers))
+        self.layers[layer_idx].compress(keep)
+
+    def head_lengths(self, layer_idx: int) -> torch.Tensor:
+        _check_layer(layer_idx, len(self.layers))
+        return self.layers[layer_idx].head_lengths()
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def attend(self, layer_idx, query, key, value, attention_mask, scaling, dense_fn, module, **kwargs):
+        """Ragged attention over the layer's kept rows (dense attention before compression)."""
+        layer = self.layers[layer_idx]
+        if not layer.compressed:
+            return dense_fn(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        out = kernels.ragged_attention(query, layer.k_flat, layer.v_flat, layer.row_offsets, layer.row_lengths, scaling)
+        return out.transpose(1, 2).contiguous(), None

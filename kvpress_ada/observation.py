@@ -1,0 +1,45 @@
+"""What a scorer may read about one layer at the end of prefill."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Post-RoPE keys/values of one layer plus the queries a scorer asked for.
+
+    ``keys``/``values``: ``[B, H_kv, L, D]`` (never repeated for GQA).
+    ``queries``: the last ``w`` queries ``[B, H_q, w, D]`` (``w`` = the scorer's ``query_window``).
+    ``key_mask``: ``[B, L]`` bool, False on left padding.
+    ``output_weight``: the layer's ``o_proj.weight`` ``[hidden, H_q * D]`` (only for scorers that declare it).
+    ``rope_inv_freq``: RoPE inverse frequencies ``[D // 2]`` (only for scorers that declare it).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    queries: torch.Tensor
+    key_mask: torch.Tensor
+    layer_idx: int
+    n_layers: int
+    scaling: float
+    output_weight: torch.Tensor | None = None
+    rope_inv_freq: torch.Tensor | None = None
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def group_size(self) -> int:
+        return self.queries.shape[1] // self.keys.shape[1]
+
+    @property
+    def seq_len(self) -> int:
+        return self.keys.shape[2]
+
+    def valid_lengths(self) -> torch.Tensor:
+        """Number of non-padding tokens per batch row, ``[B]`` long."""
+        return self.key_mask.sum(-1)

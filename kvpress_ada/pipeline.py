@@ -1,0 +1,103 @@
+"""Pipeline: scorer x layer schedule x head allocator x evictor, declared as one pydantic config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
+
+from .allocators import ALLOCATORS, LAYER_SCHEDULES, HeadAllocator, LayerSchedule, UniformHead, UniformLayer
+from .evictors import EVICTORS, Evictor, TopK
+from .observation import Observation
+from .presses import SCORERS, Scorer
+
+
+class Pipeline(BaseModel):
+    """A press: ``Pipeline(scorer=SnapKV(), allocator=AdaHead(alpha=0.2), compression_ratio=0.5)``.
+
+    Exactly one of ``compression_ratio`` (fraction of the context's KV entries evicted, ``0 <= r < 1``)
+    or ``budget`` (average tokens kept per kv head) is given. ``with press(model): ...`` compresses
+    every layer right after its prefill attention, so the full cache of all layers is never held.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    scorer: SerializeAsAny[Scorer]
+    allocator: SerializeAsAny[HeadAllocator] = Field(default_factory=UniformHead)
+    layers: SerializeAsAny[LayerSchedule] = Field(default_factory=UniformLayer)
+    evictor: SerializeAsAny[Evictor] = Field(default_factory=TopK)
+    compression_ratio: float | None = Field(None, ge=0.0, lt=1.0)
+    budget: int | None = Field(None, ge=1)
+
+    @field_validator("scorer", mode="before")
+    @classmethod
+    def _build_scorer(cls, value: Any) -> Scorer:
+        return SCORERS.build(value)
+
+    @field_validator("allocator", mode="before")
+    @classmethod
+    def _build_allocator(cls, value: Any) -> HeadAllocator:
+        return ALLOCATORS.build(value)
+
+    @field_validator("layers", mode="before")
+    @classmethod
+    def _build_layers(cls, value: Any) -> LayerSchedule:
+        return LAYER_SCHEDULES.build(value)
+
+    @field_validator("evictor", mode="before")
+    @classmethod
+    def _build_evictor(cls, value: Any) -> Evictor:
+        return EVICTORS.build(value)
+
+    @model_validator(mode="after")
+    def _exactly_one_budget(self) -> "Pipeline":
+        if (self.compression_ratio is None) == (self.budget is None):
+            raise ValueError(
+                "give exactly one of compression_ratio (0 <= r < 1, fraction evicted) or budget "
+                f"(>= 1 tokens kept per kv head); got compression_ratio={self.compression_ratio}, budget={self.budget}"
+            )
+        return self
+
+    # ----------------------------------------------------------------- policy
+    @property
+    def is_noop(self) -> bool:
+        """Ratio 0 keeps every entry: the press leaves the model untouched."""
+        return self.compression_ratio == 0.0
+
+    def average_budget(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Average tokens kept per kv head for rows with ``lengths`` valid tokens, ``[B]`` long."""
+        if self.budget is not None:
+            return torch.clamp(torch.full_like(lengths, self.budget), max=lengths).clamp(min=1)
+        kept = torch.round((1.0 - self.compression_ratio) * lengths.double()).long()
+        return torch.minimum(kept.clamp(min=1), lengths)
+
+    def check_context(self, min_length: int) -> None:
+        """Raise a clear error when the shortest row is too short for the scorer."""
+        need = self.scorer.min_context()
+        if min_length < need:
+            raise ValueError(
+                f"context of {min_length} tokens is shorter than {type(self.scorer).__name__} needs "
+                f"({need} tokens, e.g. its observation window); use a longer context or a smaller window"
+            )
+
+    def counts(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores (padding at ``-inf``) and the kept count per (batch, kv head) for one layer."""
+        scores = self.scorer.score(obs).float()
+        scores = scores.masked_fill(~obs.key_mask[:, None, :], float("-inf"))
+        lengths = obs.valid_lengths()
+        budget = self.layers.layer_budget(self.average_budget(lengths), obs.layer_idx, obs.n_layers, lengths)
+        counts = self.allocator.allocate(scores, budget, comparable=type(self.scorer).comparable_across_heads)
+        return scores, counts
+
+    def select(self, obs: Observation) -> torch.Tensor:
+        """Score -> allocate -> select for one layer: the bool keep mask ``[B, H_kv, L]``."""
+        scores, counts = self.counts(obs)
+        return self.evictor.select(scores, counts)
+
+    # ------------------------------------------------------------ integration
+    def __call__(self, model):
+        """Context manager applying this press to ``model`` (see :mod:`kvpress_ada.integration`)."""
+        from .integration import apply_press
+
+        return apply_press(self, model)

@@ -1,0 +1,62 @@
+"""The Scorer contract: ``score(obs) -> [B, H_kv, L]``, higher means keep."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from ..components import Component, Registry
+from ..observation import Observation
+
+
+class Scorer(Component):
+    """Base class of every scorer.
+
+    Subclasses declare what they read: ``query_window()`` trailing queries (``None`` for all of
+    them), ``needs_output_weight`` / ``needs_rope`` for extra model tensors. Protected tokens get
+    ``+inf`` and count toward the budget. ``comparable_across_heads`` says whether raw scores of
+    different heads share a scale (attention probabilities do); Ada allocation makes the comparison
+    scale-free when they do not.
+    """
+
+    kind: ClassVar[str] = "scorer"
+    comparable_across_heads: ClassVar[bool] = True
+    needs_output_weight: ClassVar[bool] = False
+    needs_rope: ClassVar[bool] = False
+
+    def query_window(self) -> int | None:
+        """How many trailing prefill queries ``score`` reads (``None`` = all)."""
+        return 1
+
+    def min_context(self) -> int:
+        """Shortest context (non-padding tokens) this scorer accepts."""
+        return 1
+
+    def score(self, obs: Observation) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__} must implement score(obs)")
+
+
+SCORERS = Registry("scorer", Scorer)
+
+
+def register_scorer(name: str):
+    """Decorator making a user's ``Scorer`` subclass usable by ``name`` in configs and presets."""
+    return SCORERS.register(name)
+
+
+def protect_last(scores: torch.Tensor, n: int) -> torch.Tensor:
+    """Give the last ``n`` positions ``+inf`` (they are always valid: padding is on the left)."""
+    if n > 0:
+        scores = scores.clone()
+        scores[..., -n:] = float("inf")
+    return scores
+
+
+def protect_first_valid(scores: torch.Tensor, key_mask: torch.Tensor, n: int) -> torch.Tensor:
+    """Give the first ``n`` non-padding positions of each row ``+inf`` (attention sinks)."""
+    if n <= 0:
+        return scores
+    rank = key_mask.long().cumsum(-1)  # 1-based rank among valid tokens
+    sink = key_mask & (rank <= n)
+    return scores.masked_fill(sink[:, None, :], float("inf"))

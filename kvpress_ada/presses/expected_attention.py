@@ -1,0 +1,73 @@
+"""Expected Attention (Devoto et al., 2025): score keys by the attention that *future* queries
+are expected to pay them, modelling queries as a Gaussian and averaging RoPE over the next
+``n_future`` positions; weighted by the value norm."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+from pydantic import Field
+
+from ..observation import Observation
+from .base import Scorer, protect_first_valid, register_scorer
+
+
+@register_scorer("expected_attention")
+class ExpectedAttention(Scorer):
+    """Gaussian query model from the last ``window`` queries, rotated to the next ``n_future``
+    positions: ``logit = mu.k * s + 0.5 * s^2 * k^T Sigma k``, softmax over the context, times
+    ``||v||``. The first ``sinks`` tokens are protected."""
+
+    name: Literal["expected_attention"] = "expected_attention"
+    window: int = Field(128, ge=2, description="trailing queries used to estimate the query statistics")
+    n_future: int = Field(512, ge=1, description="future positions the expectation averages over")
+    sinks: int = Field(4, ge=0, description="initial tokens always kept")
+    use_covariance: bool = True
+    use_vnorm: bool = True
+    comparable_across_heads: ClassVar[bool] = False
+    needs_rope: ClassVar[bool] = True
+
+    def query_window(self) -> int:
+        return self.window
+
+    def min_context(self) -> int:
+        return 2
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        if obs.rope_inv_freq is None:
+            raise ValueError("ExpectedAttention needs the model's RoPE inverse frequencies (obs.rope_inv_freq)")
+        q = obs.queries.float()  # [B, Hq, w, D] at positions L-w .. L-1
+        B, Hq, w, D = q.shape
+        Hkv, G = obs.n_kv_heads, obs.group_size
+        q = _rotate_to_future(q, obs.rope_inv_freq.float().to(q.device), self.n_future)
+        q = q.view(B, Hkv, G, w, D)
+        mean = q.mean(dim=3)  # [B, Hkv, G, D]
+        keys = obs.keys.float()
+        logits = torch.einsum("bhgd,bhld->bhgl", mean, keys) * obs.scaling
+        if self.use_covariance:
+            centred = q - mean.unsqueeze(3)
+            cov = torch.einsum("bhgwd,bhgwe->bhgde", centred, centred) / max(w - 1, 1)
+            quad = torch.einsum("bhld,bhgde,bhle->bhgl", keys, cov, keys)
+            logits = logits + 0.5 * obs.scaling**2 * quad
+        logits = logits.masked_fill(~obs.key_mask[:, None, None, :], float("-inf"))
+        scores = torch.softmax(logits, dim=-1).mean(dim=2)
+        if self.use_vnorm:
+            scores = scores * obs.values.float().norm(dim=-1)
+        return protect_first_valid(scores, obs.key_mask, self.sinks)
+
+
+def _rotate_to_future(q: torch.Tensor, inv_freq: torch.Tensor, n_future: int) -> torch.Tensor:
+    """Average rotation taking each post-RoPE query from its position to the next ``n_future``
+    positions after the context: RoPE is a rotation group, so ``R(p + d) = R(d) R(p)``."""
+    w = q.shape[2]
+    # query j sits at L - w + j; future positions are L .. L + n_future - 1, so shifts are
+    # (w - j) .. (w - j + n_future - 1)
+    base = torch.arange(w, 0, -1, device=q.device, dtype=torch.float32)  # w - j
+    shifts = base[:, None] + torch.arange(n_future, device=q.device, dtype=torch.float32)[None, :]
+    angles = shifts[..., None] * inv_freq[None, None, :]  # [w, n_future, D/2]
+    cos = torch.cat([angles.cos().mean(1)] * 2, dim=-1)  # [w, D]
+    sin = torch.cat([angles.sin().mean(1)] * 2, dim=-1)
+    half = q.shape[-1] // 2
+    rotated_half = torch.cat([-q[..., half:], q[..., :half]], dim=-1)
+    return q * cos + rotated_half * sin

@@ -1,0 +1,24 @@
+"""KNorm (Devoto et al., 2024): keys with a small L2 norm attract attention; keep them."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+
+from ..observation import Observation
+from .base import Scorer, register_scorer
+
+
+@register_scorer("knorm")
+class KNorm(Scorer):
+    """Score = negative key norm (no queries needed)."""
+
+    name: Literal["knorm"] = "knorm"
+    comparable_across_heads: ClassVar[bool] = False
+
+    def query_window(self) -> int:
+        return 0
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        return -obs.keys.float().norm(dim=-1)

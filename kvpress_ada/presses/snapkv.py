@@ -1,0 +1,33 @@
+"""SnapKV (Li et al., 2024): window queries vote for the context keys, pooled to keep clusters."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from ..observation import Observation
+from .attention import pool_scores, window_attention
+from .base import Scorer, protect_last, register_scorer
+
+
+@register_scorer("snapkv")
+class SnapKV(Scorer):
+    """Attention of the last ``window`` queries, averaged over the window and the query group,
+    smoothed by 1-D average pooling of width ``kernel``; the window itself is always kept."""
+
+    name: Literal["snapkv"] = "snapkv"
+    window: int = Field(64, ge=1, description="observation window (trailing queries)")
+    kernel: int = Field(5, ge=1, description="average-pooling width")
+
+    def query_window(self) -> int:
+        return self.window
+
+    def min_context(self) -> int:
+        return self.window
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        attn = window_attention(obs, self.window)  # [B, Hkv, G, w, L]
+        scores = pool_scores(attn.mean(dim=3), self.kernel).mean(dim=2)
+        return protect_last(scores, self.window)

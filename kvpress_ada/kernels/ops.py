@@ -1,0 +1,333 @@
+"""``torch.library`` custom ops for the ragged (Ada-KV) cache, with backend dispatch.
+
+Each op is a ``torch.library.custom_op`` with a ``register_fake``, so a decode step that
+calls it compiles with ``torch.compile(fullgraph=True)`` and no graph break; the op body
+is opaque to the compiler and picks the implementation at run time:
+
+* ``"auto"`` (default): Triton when the tensors are on CUDA and triton is importable,
+  the torch reference otherwise (the CPU production path);
+* ``"triton"``: always Triton (on CPU tensors this needs ``TRITON_INTERPRET=1``);
+* ``"torch"``: always the torch reference.
+
+Choose with :func:`use_backend` (a setter that also works as a context manager) or the
+``KVPRESS_ADA_KERNELS`` environment variable; ``use_backend`` wins over the variable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from . import reference
+
+__all__ = [
+    "ragged_attention",
+    "compact",
+    "append",
+    "use_backend",
+    "get_backend",
+    "resolve_backend",
+    "triton_available",
+    "BACKENDS",
+    "ENV_VAR",
+]
+
+BACKENDS = ("auto", "triton", "torch")
+ENV_VAR = "KVPRESS_ADA_KERNELS"
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+_global_backend: list[str | None] = [None]
+
+
+def _check_backend(name: str) -> str:
+    if not isinstance(name, str) or name.lower() not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; expected one of {BACKENDS}")
+    return name.lower()
+
+
+class use_backend:
+    """Select the kernel backend: ``"triton"``, ``"torch"`` or ``"auto"``.
+
+    ``use_backend("torch")`` sets it for the process; ``with use_backend("torch"): ...``
+    sets it for the block and restores the previous choice afterwards. ``None`` clears
+    the choice (falls back to ``$KVPRESS_ADA_KERNELS``, then ``"auto"``).
+    """
+
+    def __init__(self, name: str | None):
+        self._prev = _global_backend[0]
+        _global_backend[0] = None if name is None else _check_backend(name)
+
+    def __enter__(self) -> "use_backend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _global_backend[0] = self._prev
+
+
+def get_backend() -> str:
+    """The configured backend name (``use_backend`` > ``$KVPRESS_ADA_KERNELS`` > auto)."""
+    if _global_backend[0] is not None:
+        return _global_backend[0]
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env:
+        return _check_backend(env)
+    return "auto"
+
+
+_triton_mod: list[ModuleType | None] = [None]
+
+
+def triton_available() -> bool:
+    """Whether triton is installed (does not import it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton() -> ModuleType:
+    """Import ``triton_kernels`` lazily (triton is an optional dependency)."""
+    if _triton_mod[0] is None:
+        if not triton_available():
+            raise RuntimeError(
+                "the 'triton' kernel backend was requested but triton is not installed "
+                "(pip install triton, or use_backend('torch'))"
+            )
+        from . import triton_kernels
+
+        _triton_mod[0] = triton_kernels
+    return _triton_mod[0]
+
+
+_SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)  # keep in sync with triton_kernels
+_warned: set[int] = set()
+
+
+def resolve_backend(device: torch.device, head_dim: int | None = None) -> str:
+    """``"triton"`` or ``"torch"``: what an op on tensors of ``device`` will run.
+
+    In ``"auto"`` mode an attention ``head_dim`` the Triton kernel does not support falls
+    back to the torch reference (with a one-time warning); an explicit ``"triton"`` raises.
+    """
+    name = get_backend()
+    if name == "auto":
+        if device.type != "cuda" or not triton_available():
+            return "torch"
+        if head_dim is not None and head_dim not in _SUPPORTED_HEAD_DIMS:
+            if head_dim not in _warned:
+                _warned.add(head_dim)
+                warnings.warn(
+                    f"head_dim={head_dim} is not supported by the Triton ragged attention "
+                    f"kernel (supported: {_SUPPORTED_HEAD_DIMS}); using the slower torch "
+                    "reference on CUDA",
+                    stacklevel=2,
+                )
+            return "torch"
+        return "triton"
+    if name == "triton" and device.type != "cuda":
+        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            raise RuntimeError(
+                f"the 'triton' kernel backend got tensors on {device}; Triton runs CPU "
+                "tensors only in interpreter mode (set TRITON_INTERPRET=1 before importing "
+                "kvpress_ada) or use_backend('torch')"
+            )
+    return name
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _tensor(name: str, x, ndim: int) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(x.shape)}")
+
+
+def _same_device(ref_name: str, ref: Tensor, **others: Tensor) -> None:
+    for name, t in others.items():
+        if t.device != ref.device:
+            raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
+
+
+def _check_cache(k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor | None) -> None:
+    _tensor("k_flat", k_flat, 2)
+    _tensor("v_flat", v_flat, 2)
+    _tensor("row_offsets", row_offsets, 1)
+    if k_flat.shape != v_flat.shape:
+        raise ValueError(f"k_flat {tuple(k_flat.shape)} and v_flat {tuple(v_flat.shape)} differ in shape")
+    if k_flat.dtype != v_flat.dtype:
+        raise ValueError(f"k_flat is {k_flat.dtype} but v_flat is {v_flat.dtype}")
+    if k_flat.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"cache dtype {k_flat.dtype} is not supported; expected one of {_FLOAT_DTYPES}")
+    if row_offsets.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"row_offsets must be int32 (or int64), got {row_offsets.dtype}")
+    if k_flat.stride(-1) != 1 or v_flat.stride(-1) != 1:
+        raise ValueError(
+            f"k_flat/v_flat need a unit stride on the head dim, got strides {k_flat.stride()} / {v_flat.stride()}"
+        )
+    _same_device("k_flat", k_flat, v_flat=v_flat, row_offsets=row_offsets)
+    if row_lengths is not None:
+        _tensor("row_lengths", row_lengths, 1)
+        if row_lengths.dtype not in _INDEX_DTYPES:
+            raise TypeError(f"row_lengths must be int32 (or int64), got {row_lengths.dtype}")
+        if row_lengths.shape != row_offsets.shape:
+            raise ValueError(
+                f"row_lengths {tuple(row_lengths.shape)} and row_offsets {tuple(row_offsets.shape)} differ in shape"
+            )
+        _same_device("k_flat", k_flat, row_lengths=row_lengths)
+
+
+def _check_rows(name: str, x: Tensor, k_flat: Tensor, row_offsets: Tensor) -> tuple[int, int]:
+    """x: [B, H_x, *, D]; returns (B, H_kv) after checking it fits the cache."""
+    B, H_x, _, D = x.shape
+    R = row_offsets.shape[0]
+    if x.device != k_flat.device:
+        raise ValueError(f"{name} is on {x.device} but the cache (k_flat) is on {k_flat.device}")
+    if x.dtype != k_flat.dtype:
+        raise ValueError(f"{name} is {x.dtype} but the cache (k_flat) is {k_flat.dtype}")
+    if D != k_flat.shape[1]:
+        raise ValueError(f"head_dim mismatch: {name} has head_dim={D}, the cache has {k_flat.shape[1]}")
+    if B == 0 or R % B != 0:
+        raise ValueError(f"number of cache rows R={R} is not a multiple of the batch size B={B} of {name}")
+    return B, R // B
+
+
+def _validate_attention(q, k_flat, v_flat, row_offsets, row_lengths, scale) -> None:
+    _tensor("q", q, 4)
+    _check_cache(k_flat, v_flat, row_offsets, row_lengths)
+    B, H_kv = _check_rows("q", q, k_flat, row_offsets)
+    H_q = q.shape[1]
+    if H_kv == 0 or H_q % H_kv != 0:
+        raise ValueError(
+            f"query heads H_q={H_q} must be a multiple of the kv heads H_kv={H_kv} "
+            f"(= {row_offsets.shape[0]} cache rows / batch {B})"
+        )
+
+
+def _validate_compact(keys, values, keep, row_offsets, k_flat, v_flat) -> None:
+    _tensor("keys", keys, 4)
+    _tensor("values", values, 4)
+    _tensor("keep", keep, 3)
+    _check_cache(k_flat, v_flat, row_offsets, None)
+    if keys.shape != values.shape:
+        raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape")
+    if keep.dtype != torch.bool:
+        raise TypeError(f"keep must be a bool mask, got {keep.dtype}")
+    if tuple(keep.shape) != tuple(keys.shape[:3]):
+        raise ValueError(f"keep {tuple(keep.shape)} must have shape [B, H_kv, L] = {tuple(keys.shape[:3])}")
+    B, H = _check_rows("keys", keys, k_flat, row_offsets)
+    _check_rows("values", values, k_flat, row_offsets)
+    if H != keys.shape[1]:
+        raise ValueError(
+            f"keys has {keys.shape[1]} kv heads but the cache has {row_offsets.shape[0]} rows for batch {B}"
+        )
+    _same_device("keys", keys, keep=keep)
+
+
+def _validate_append(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths) -> None:
+    _tensor("k_new", k_new, 4)
+    _tensor("v_new", v_new, 4)
+    _check_cache(k_flat, v_flat, row_offsets, row_lengths)
+    if k_new.shape != v_new.shape:
+        raise ValueError(f"k_new {tuple(k_new.shape)} and v_new {tuple(v_new.shape)} differ in shape")
+    B, H = _check_rows("k_new", k_new, k_flat, row_offsets)
+    _check_rows("v_new", v_new, k_flat, row_offsets)
+    if H != k_new.shape[1]:
+        raise ValueError(
+            f"k_new has {k_new.shape[1]} kv heads but the cache has {row_offsets.shape[0]} rows for batch {B}"
+        )
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("kvpress_ada::ragged_attention", mutates_args=())
+def ragged_attention(
+    q: Tensor,
+    k_flat: Tensor,
+    v_flat: Tensor,
+    row_offsets: Tensor,
+    row_lengths: Tensor,
+    scale: float,
+    split_size: int = 0,
+) -> Tensor:
+    """Ragged (Ada-KV) attention over a per-(batch, kv head) variable-length cache.
+
+    ``q [B, H_q, Q, D]``; ``k_flat, v_flat [N_cap, D]``; ``row_offsets, row_lengths``
+    int32 ``[B * H_kv]``. Query heads ``h*G .. h*G+G-1`` share kv row ``b*H_kv + h``.
+    Query ``i`` sees the first ``row_lengths[r] - (Q - 1 - i)`` entries of its row
+    (bottom-right causal); a query that sees nothing outputs 0. Returns
+    ``softmax(scale * q k^T) v`` as ``[B, H_q, Q, D]`` in ``q.dtype`` (fp32 accumulation).
+    On CUDA this is FlashDecoding split-K (``split_size`` tokens per program, 0 = auto).
+    """
+    _validate_attention(q, k_flat, v_flat, row_offsets, row_lengths, scale)
+    if q.numel() == 0:
+        return torch.zeros_like(q)
+    if resolve_backend(q.device, q.shape[-1]) == "triton":
+        return _triton().ragged_attention_triton(
+            q, k_flat, v_flat, row_offsets, row_lengths, scale, split_size=split_size
+        )
+    return reference.ragged_attention_ref(q, k_flat, v_flat, row_offsets, row_lengths, scale)
+
+
+@ragged_attention.register_fake
+def _(q, k_flat, v_flat, row_offsets, row_lengths, scale, split_size=0):
+    _validate_attention(q, k_flat, v_flat, row_offsets, row_lengths, scale)
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("kvpress_ada::compact", mutates_args=("k_flat", "v_flat"))
+def compact(
+    keys: Tensor,
+    values: Tensor,
+    keep: Tensor,
+    row_offsets: Tensor,
+    k_flat: Tensor,
+    v_flat: Tensor,
+) -> None:
+    """Compact kept tokens into the ragged cache (in place).
+
+    ``keys, values [B, H_kv, L, D]`` (strided views are fine), ``keep`` bool
+    ``[B, H_kv, L]``: row ``r = b*H_kv + h``'s kept tokens, in ascending position order,
+    are written to ``k_flat[row_offsets[r] + j]``, ``j = 0 .. keep[b, h].sum() - 1``.
+    The caller guarantees the capacity (and sets ``row_lengths`` to the counts).
+    """
+    _validate_compact(keys, values, keep, row_offsets, k_flat, v_flat)
+    if keys.numel() == 0:
+        return
+    if resolve_backend(keys.device) == "triton":
+        _triton().compact_triton(keys, values, keep, row_offsets, k_flat, v_flat)
+    else:
+        reference.compact_ref(keys, values, keep, row_offsets, k_flat, v_flat)
+
+
+@compact.register_fake
+def _(keys, values, keep, row_offsets, k_flat, v_flat):
+    _validate_compact(keys, values, keep, row_offsets, k_flat, v_flat)
+
+
+@torch.library.custom_op("kvpress_ada::append", mutates_args=("k_flat", "v_flat", "row_lengths"))
+def append(
+    k_new: Tensor,
+    v_new: Tensor,
+    k_flat: Tensor,
+    v_flat: Tensor,
+    row_offsets: Tensor,
+    row_lengths: Tensor,
+) -> None:
+    """Append ``Q`` tokens per row in place: ``k_new [B, H_kv, Q, D]`` goes to
+    ``k_flat[row_offsets[r] + row_lengths[r] + i]``, then ``row_lengths += Q``.
+    Device-side index ops on every backend (no host sync). Caller guarantees capacity."""
+    _validate_append(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths)
+    if k_new.numel() == 0:
+        return
+    reference.append_ref(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths)
+
+
+@append.register_fake
+def _(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths):
+    _validate_append(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths)

@@ -1,0 +1,153 @@
+"""Plain torch reference implementations of the ragged-cache kernels (Ada-KV layout).
+
+These are the ground truth for the Triton kernels *and* the production CPU path, so they
+are written to be fast for CPU decode: no padded copies of the cache, one
+``[G*Q, D] @ [D, n]`` matmul per kv row (the whole GQA group reads the row once), and a
+batched no-copy fast path when every row has the same length and a regular stride.
+
+Layout (see ``kvpress_ada.kernels``): row ``r = b * H_kv + h`` of one layer lives in
+``k_flat[row_offsets[r] : row_offsets[r] + row_lengths[r]]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["ragged_attention_ref", "compact_ref", "append_ref"]
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, n: int, out: Tensor) -> None:
+    """Bottom-right aligned causal attention of ``q [..., G, Q, D]`` (fp32, pre-scaled)
+    over ``k, v [..., n, D]``; writes ``out [..., G, Q, D]``. Queries that see nothing are
+    left untouched (the caller zero-fills ``out``)."""
+    *lead, G, Q, D = q.shape
+    if n <= 0:
+        return
+    if Q > n:  # the first Q - n queries see no entry at all: leave them at 0
+        q = q[..., Q - n :, :]
+        out = out[..., Q - n :, :]
+        Q = n
+    # GQA group and queries folded into M: the kv row is read once for the whole group
+    s = torch.matmul(q.reshape(*lead, G * Q, D), k.transpose(-1, -2))  # [..., G*Q, n]
+    if Q > 1:
+        # query i sees the first n - (Q - 1 - i) entries: only the last Q - 1 columns
+        # can be masked.
+        c0 = n - Q + 1
+        i = torch.arange(Q, device=s.device).unsqueeze(-1)
+        j = torch.arange(c0, n, device=s.device).unsqueeze(0)
+        s.view(*lead, G, Q, n)[..., c0:].masked_fill_(j >= c0 + i, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    out.copy_(torch.matmul(p, v).view(*lead, G, Q, D))
+
+
+def ragged_attention_ref(
+    q: Tensor,
+    k_flat: Tensor,
+    v_flat: Tensor,
+    row_offsets: Tensor,
+    row_lengths: Tensor,
+    scale: float,
+) -> Tensor:
+    """Reference ragged (Ada-KV) attention: ``softmax(scale * q k^T) v`` per kv row.
+
+    ``q [B, H_q, Q, D]``; query heads ``h*G .. h*G+G-1`` share kv row ``b*H_kv + h``.
+    Query ``i`` sees the first ``row_lengths[r] - (Q - 1 - i)`` entries of its row; a query
+    that sees nothing outputs exactly 0. fp32 accumulation, output in ``q.dtype``.
+    """
+    B, H_q, Q, D = q.shape
+    R = row_offsets.shape[0]
+    H_kv = R // B
+    G = H_q // H_kv
+    offs = row_offsets.tolist()
+    lens = row_lengths.tolist()
+    low_precision = q.dtype != torch.float32
+    qs = q.float() * scale if low_precision or scale != 1.0 else q
+    if low_precision:
+        out32 = torch.zeros(B, H_q, Q, D, dtype=torch.float32, device=q.device)
+    else:
+        out32 = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    qg = qs.view(B, H_kv, G, Q, D) if qs.is_contiguous() else qs.reshape(B, H_kv, G, Q, D)
+    og = out32.view(B, H_kv, G, Q, D)
+
+    n0 = lens[0] if R else 0
+    stride = offs[1] - offs[0] if R > 1 else 0
+    uniform = (
+        R > 1
+        and n0 > 0
+        and stride >= n0
+        and k_flat.is_contiguous()
+        and v_flat.is_contiguous()
+        and all(n == n0 for n in lens)
+        and all(offs[r] == offs[0] + r * stride for r in range(R))
+    )
+    if uniform:
+        # Every row has the same length and a regular stride: one batched no-copy view.
+        def view(x: Tensor) -> Tensor:
+            v_ = x.as_strided(
+                (B, H_kv, n0, D),
+                (H_kv * stride * D, stride * D, D, 1),
+                x.storage_offset() + offs[0] * D,
+            )
+            return v_.float() if low_precision else v_
+
+        _attend(qg, view(k_flat), view(v_flat), n0, og)
+    else:
+        for r in range(R):
+            n = lens[r]
+            if n <= 0:
+                continue
+            b, h = divmod(r, H_kv)
+            o = offs[r]
+            k = k_flat[o : o + n]
+            v = v_flat[o : o + n]
+            if low_precision:
+                k, v = k.float(), v.float()
+            if Q == 1:
+                # hot decode path: [G, D] @ [D, n] -> softmax -> @ [n, D], written in place
+                s = torch.mm(qg[b, h, :, 0], k.t())
+                p = torch.softmax(s, dim=-1)
+                o_view = og[b, h, :, 0]
+                torch.mm(p, v, out=o_view)
+            else:
+                _attend(qg[b, h], k, v, n, og[b, h])
+    return out32 if not low_precision else out32.to(q.dtype)
+
+
+def compact_ref(
+    keys: Tensor,
+    values: Tensor,
+    keep: Tensor,
+    row_offsets: Tensor,
+    k_flat: Tensor,
+    v_flat: Tensor,
+) -> None:
+    """Reference compaction: row ``r``'s kept tokens (ascending position) go to
+    ``k_flat[row_offsets[r] + j]``, ``j = 0 .. count - 1``. One vectorised scatter."""
+    B, H, L, D = keys.shape
+    b, h, pos = keep.nonzero(as_tuple=True)
+    if b.numel() == 0:
+        return
+    rank = torch.cumsum(keep, dim=-1, dtype=torch.int64)[b, h, pos] - 1
+    dst = row_offsets.to(torch.int64)[b * H + h] + rank
+    k_flat.index_copy_(0, dst, keys[b, h, pos])
+    v_flat.index_copy_(0, dst, values[b, h, pos])
+
+
+def append_ref(
+    k_new: Tensor,
+    v_new: Tensor,
+    k_flat: Tensor,
+    v_flat: Tensor,
+    row_offsets: Tensor,
+    row_lengths: Tensor,
+) -> None:
+    """Append ``Q`` new tokens per row at ``row_offsets + row_lengths`` (in place), then
+    ``row_lengths += Q``. Pure device-side index ops: no host sync, CUDA-graph friendly."""
+    B, H, Q, D = k_new.shape
+    R = B * H
+    start = row_offsets.to(torch.int64) + row_lengths.to(torch.int64)  # [R]
+    dst = (start.unsqueeze(1) + torch.arange(Q, device=start.device)).reshape(-1)
+    k_flat.index_copy_(0, dst, k_new.reshape(R * Q, D))
+    v_flat.index_copy_(0, dst, v_new.reshape(R * Q, D))
+    row_lengths.add_(Q)

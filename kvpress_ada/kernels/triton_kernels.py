@@ -1,0 +1,457 @@
+"""Triton kernels for the ragged (Ada-KV) KV cache: FlashDecoding-style split-K attention
+over variable-length rows, and compaction of kept tokens into the ragged layout.
+
+Importing this module imports triton; ``kvpress_ada.kernels`` only does so lazily. On a
+machine without a GPU set ``TRITON_INTERPRET=1`` *before* this module is imported to run
+the kernels on CPU tensors (fp32/fp16 only: the interpreter's ``tl.dot`` on bf16 is wrong).
+
+Ragged attention (FlashDecoding, Dao et al. 2023, adapted to variable-length rows):
+
+* work is cut into splits of ``split_size`` tokens; row ``r`` gets
+  ``cdiv(row_lengths[r], split_size)`` splits, numbered consecutively over rows. Each
+  program of the first kernel finds its (row, split) from an in-kernel prefix sum of the
+  row lengths (no host sync, no extra launches), so every program does at most
+  ``split_size`` tokens of work whatever the spread of row lengths (Ada-KV rows differ by
+  10x and more). The grid is ``cdiv(N_cap, split_size) + R`` programs, an upper bound of the
+  number of splits when rows do not overlap; surplus programs exit at once.
+* the ``G * Q`` queries that share a kv row (the GQA group times the new tokens) are packed
+  into one ``BLOCK_M >= 16`` tile, so K/V of a row are read once per split;
+* each split writes online-softmax partials ``(m, l, acc)`` (fp32); a second kernel merges
+  the splits of each (row, query). Empty rows, empty splits and fully masked queries give
+  exact zeros, never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+__all__ = [
+    "SUPPORTED_HEAD_DIMS",
+    "ragged_attention_triton",
+    "compact_triton",
+    "default_config",
+]
+
+
+@triton.jit
+def _ragged_attn_split_kernel(
+    Q_ptr,
+    K_ptr,
+    V_ptr,
+    OFF_ptr,
+    LEN_ptr,
+    PM_ptr,
+    PL_ptr,
+    PACC_ptr,
+    qk_scale,  # scale * log2(e)
+    R,
+    H_kv,
+    G,
+    NQ,  # queries per head (Q)
+    M_TOTAL,  # G * Q
+    SPLIT,  # tokens per split
+    stride_qb,
+    stride_qh,
+    stride_qq,
+    stride_k,  # row stride of k_flat
+    stride_v,
+    stride_pm,  # partial m/l: [slots, M_PAD]
+    stride_pacc_s,  # partial acc: [slots, M_PAD, D]
+    stride_pacc_m,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    R_PAD: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    mt = tl.program_id(1)
+
+    # ---- which (row, split) is this program? in-kernel prefix sum over row lengths
+    ridx = tl.arange(0, R_PAD)
+    lens = tl.load(LEN_ptr + ridx, mask=ridx < R, other=0).to(tl.int32)
+    nsp = (lens + SPLIT - 1) // SPLIT
+    cum = tl.cumsum(nsp, axis=0)  # inclusive
+    total = tl.sum(nsp, axis=0)
+    if pid < total:
+        row = tl.sum((cum <= pid).to(tl.int32), axis=0)
+        first = tl.sum(tl.where(ridx == row, cum - nsp, 0), axis=0)
+        local = pid - first
+        n = tl.load(LEN_ptr + row).to(tl.int32)
+        base = tl.load(OFF_ptr + row).to(tl.int64)
+        lo = local * SPLIT
+        hi = tl.minimum(lo + SPLIT, n)
+        b = row // H_kv
+        h = row % H_kv
+
+        offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        m_valid = offs_m < M_TOTAL
+        g = offs_m // NQ
+        qi = offs_m % NQ
+        q_ptrs = (
+            Q_ptr
+            + b.to(tl.int64) * stride_qb
+            + (h * G + g).to(tl.int64)[:, None] * stride_qh
+            + qi[:, None] * stride_qq
+            + offs_d[None, :]
+        )
+        q = tl.load(q_ptrs, mask=m_valid[:, None], other=0.0)
+        # bottom-right aligned causal limit: query i sees the first n - (Q - 1 - i) entries
+        limit = n - (NQ - 1 - qi)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            kv_mask = offs_n < hi
+            rows = base + offs_n
+            k = tl.load(
+                K_ptr + rows[:, None] * stride_k + offs_d[None, :],
+                mask=kv_mask[:, None],
+                other=0.0,
+            )
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * qk_scale
+            vis = (offs_n[None, :] < limit[:, None]) & kv_mask[None, :]
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(
+                V_ptr + rows[:, None] * stride_v + offs_d[None, :],
+                mask=kv_mask[:, None],
+                other=0.0,
+            )
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        slot = pid.to(tl.int64)
+        tl.store(PM_ptr + slot * stride_pm + offs_m, m_i)
+        tl.store(PL_ptr + slot * stride_pm + offs_m, l_i)
+        tl.store(
+            PACC_ptr + slot * stride_pacc_s + offs_m[:, None] * stride_pacc_m + offs_d[None, :],
+            acc,
+        )
+
+
+@triton.jit
+def _ragged_attn_reduce_kernel(
+    O_ptr,
+    LEN_ptr,
+    PM_ptr,
+    PL_ptr,
+    PACC_ptr,
+    R,
+    H_kv,
+    G,
+    NQ,
+    SPLIT,
+    stride_ob,
+    stride_oh,
+    stride_oq,
+    stride_pm,
+    stride_pacc_s,
+    stride_pacc_m,
+    HEAD_DIM: tl.constexpr,
+    R_PAD: tl.constexpr,
+):
+    row = tl.program_id(0)
+    m = tl.program_id(1)  # query index within the row's G * Q
+    ridx = tl.arange(0, R_PAD)
+    lens = tl.load(LEN_ptr + ridx, mask=ridx < R, other=0).to(tl.int32)
+    nsp = (lens + SPLIT - 1) // SPLIT
+    cum = tl.cumsum(nsp, axis=0)
+    first = tl.sum(tl.where(ridx == row, cum - nsp, 0), axis=0)
+    count = tl.sum(tl.where(ridx == row, nsp, 0), axis=0)
+
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_run = tl.full([1], float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    zero1 = tl.zeros([1], dtype=tl.int32)
+    for s in range(count):
+        slot = (first + s).to(tl.int64)
+        pm = tl.load(PM_ptr + slot * stride_pm + m + zero1)
+        pl = tl.load(PL_ptr + slot * stride_pm + m + zero1)
+        pa = tl.load(PACC_ptr + slot * stride_pacc_s + m * stride_pacc_m + offs_d)
+        m_new = tl.maximum(m_run, pm)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp2(m_run - m_safe)
+        w = tl.exp2(pm - m_safe)
+        l_run = l_run * a + w * pl
+        acc = acc * a + w * pa
+        m_run = m_new
+    l_safe = tl.where(l_run > 0.0, l_run, 1.0)
+    out = tl.where(l_run > 0.0, acc / l_safe, 0.0)
+
+    b = row // H_kv
+    h = row % H_kv
+    g = m // NQ
+    qi = m % NQ
+    o_ptrs = (
+        O_ptr
+        + b.to(tl.int64) * stride_ob
+        + (h * G + g).to(tl.int64) * stride_oh
+        + qi * stride_oq
+        + offs_d
+    )
+    tl.store(o_ptrs, out.to(O_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _compact_kernel(
+    K_ptr,
+    V_ptr,
+    KEEP_ptr,
+    CSUM_ptr,
+    OFF_ptr,
+    KF_ptr,
+    VF_ptr,
+    H,
+    L,
+    D,
+    skb,
+    skh,
+    skl,
+    skd,
+    svb,
+    svh,
+    svl,
+    svd,
+    sxb,
+    sxh,
+    sxl,
+    stride_kf,
+    stride_vf,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    b = (row // H).to(tl.int64)
+    h = (row % H).to(tl.int64)
+    offs_l = blk * BLOCK_L + tl.arange(0, BLOCK_L)
+    in_l = offs_l < L
+    keep = tl.load(KEEP_ptr + b * sxb + h * sxh + offs_l * sxl, mask=in_l, other=0) != 0
+    csum = tl.load(CSUM_ptr + row.to(tl.int64) * L + offs_l, mask=in_l, other=0)
+    base = tl.load(OFF_ptr + row).to(tl.int64)
+    dst = base + csum.to(tl.int64) - 1
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = keep[:, None] & (offs_d < D)[None, :]
+    lpos = offs_l.to(tl.int64)[:, None]
+    k = tl.load(K_ptr + b * skb + h * skh + lpos * skl + offs_d[None, :] * skd, mask=mask)
+    tl.store(KF_ptr + dst[:, None] * stride_kf + offs_d[None, :], k, mask=mask)
+    v = tl.load(V_ptr + b * svb + h * svh + lpos * svl + offs_d[None, :] * svd, mask=mask)
+    tl.store(VF_ptr + dst[:, None] * stride_vf + offs_d[None, :], v, mask=mask)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def default_config(head_dim: int, m_total: int, n_cap: int, rows: int, device: torch.device) -> dict:
+    """Launch parameters chosen from host-known shapes only (no sync): ``block_m`` packs
+    the GQA group x queries (>= 16 for ``tl.dot``), ``block_n`` keys per inner step,
+    ``split_size`` tokens per program, aiming at ~4 programs per SM for the whole layer."""
+    block_m = min(max(16, _next_pow2(m_total)), 64)
+    block_n = 64 if head_dim <= 128 else 32
+    target = 4 * _num_sms(device)
+    avg = max(1, n_cap // max(1, target))
+    split = min(max(_next_pow2(avg), 4 * block_n), 4096)
+    return {"block_m": block_m, "block_n": block_n, "split_size": split, "num_warps": 4, "num_stages": 2}
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"head_dim={head_dim} is not supported by the Triton ragged attention kernel; "
+            f"supported head dims: {SUPPORTED_HEAD_DIMS} (use the torch backend otherwise)"
+        )
+
+
+def ragged_attention_triton(
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    row_offsets: torch.Tensor,
+    row_lengths: torch.Tensor,
+    scale: float,
+    *,
+    split_size: int = 0,
+    block_n: int = 0,
+    block_m: int = 0,
+    num_warps: int = 0,
+    num_stages: int = 0,
+) -> torch.Tensor:
+    """FlashDecoding split-K attention over the ragged cache (two launches, no host sync).
+
+    Inputs are assumed validated (see ``kvpress_ada.kernels.ops``); ``k_flat``/``v_flat``
+    must have a unit stride on the head dim; rows must not overlap (so that
+    ``sum(row_lengths) <= N_cap``, which bounds the number of splits). Zero arguments
+    mean "choose automatically" (:func:`default_config`).
+    """
+    B, H_q, Q, D = q.shape
+    check_head_dim(D)
+    R = row_offsets.shape[0]
+    H_kv = R // B
+    G = H_q // H_kv
+    M_total = G * Q
+    n_cap = k_flat.shape[0]
+    cfg = default_config(D, M_total, n_cap, R, q.device)
+    block_m = block_m or cfg["block_m"]
+    block_n = block_n or cfg["block_n"]
+    split = split_size or cfg["split_size"]
+    num_warps = num_warps or cfg["num_warps"]
+    num_stages = num_stages or cfg["num_stages"]
+    if block_m < 16 or block_n < 16 or block_m & (block_m - 1) or block_n & (block_n - 1):
+        raise ValueError(f"block_m={block_m}, block_n={block_n}: must be powers of two >= 16")
+    if split <= 0:
+        raise ValueError(f"split_size={split} must be positive")
+
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    m_tiles = triton.cdiv(M_total, block_m)
+    m_pad = m_tiles * block_m
+    slots = triton.cdiv(n_cap, split) + R
+    pm = torch.empty(slots, m_pad, device=q.device, dtype=torch.float32)
+    pl = torch.empty_like(pm)
+    pacc = torch.empty(slots, m_pad, D, device=q.device, dtype=torch.float32)
+    r_pad = max(16, _next_pow2(R))
+    ieee = q.dtype == torch.float32
+    if R > 0:
+        _ragged_attn_split_kernel[(slots, m_tiles)](
+            q,
+            k_flat,
+            v_flat,
+            row_offsets,
+            row_lengths,
+            pm,
+            pl,
+            pacc,
+            float(scale) * math.log2(math.e),
+            R,
+            H_kv,
+            G,
+            Q,
+            M_total,
+            split,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k_flat.stride(0),
+            v_flat.stride(0),
+            pm.stride(0),
+            pacc.stride(0),
+            pacc.stride(1),
+            HEAD_DIM=D,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            R_PAD=r_pad,
+            IEEE=ieee,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+        _ragged_attn_reduce_kernel[(R, M_total)](
+            out,
+            row_lengths,
+            pm,
+            pl,
+            pacc,
+            R,
+            H_kv,
+            G,
+            Q,
+            split,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            pm.stride(0),
+            pacc.stride(0),
+            pacc.stride(1),
+            HEAD_DIM=D,
+            R_PAD=r_pad,
+            num_warps=1 if D <= 64 else 2,
+        )
+    else:
+        out.zero_()
+    return out
+
+
+def compact_triton(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    keep: torch.Tensor,
+    row_offsets: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    *,
+    block_l: int = 64,
+) -> None:
+    """Gather the kept tokens of each (batch, kv head) row into the ragged layout.
+
+    One torch ``cumsum`` of ``keep`` gives each kept token its rank in its row; the kernel
+    (grid ``(R, cdiv(L, block_l))``) then copies kept K/V rows to
+    ``row_offsets[r] + rank``. ``keys``/``values``/``keep`` may be strided views."""
+    B, H, L, D = keys.shape
+    R = B * H
+    if R == 0 or L == 0:
+        return
+    csum = torch.cumsum(keep, dim=-1, dtype=torch.int32)
+    keep_u8 = keep.view(torch.uint8)
+    block_d = max(16, _next_pow2(D))
+    _compact_kernel[(R, triton.cdiv(L, block_l))](
+        keys,
+        values,
+        keep_u8,
+        csum,
+        row_offsets,
+        k_flat,
+        v_flat,
+        H,
+        L,
+        D,
+        *keys.stride(),
+        *values.stride(),
+        *keep_u8.stride(),
+        k_flat.stride(0),
+        v_flat.stride(0),
+        BLOCK_L=block_l,
+        BLOCK_D=block_d,
+        num_warps=4,
+    )
+
+
+def interpreted() -> bool:
+    """True when Triton runs in interpreter mode (kernels accept CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

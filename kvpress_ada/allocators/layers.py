@@ -55,8 +55,9 @@ class PyramidLayer(LayerSchedule):
         lengths = lengths.double()
         low = avg / self.beta
         high = 2 * avg - low
-        steps = torch.linspace(0, 1, n_layers, dtype=torch.float64, device=avg.device) if n_layers > 1 else \
-            torch.zeros(1, dtype=torch.float64, device=avg.device)
+        if n_layers == 1:
+            return avg.round().long()[:, None]
+        steps = torch.linspace(0, 1, n_layers, dtype=torch.float64, device=avg.device)
         raw = high[:, None] - (high - low)[:, None] * steps[None, :]
         raw = _clip_and_redistribute(raw, lengths[:, None])
         return round_preserving_sum(raw, total=(avg * n_layers).round().long(), upper=lengths.long())

@@ -1,0 +1,86 @@
+"""Shared fixtures: tiny random models of every supported architecture and a char tokenizer.
+
+TRITON_INTERPRET must be set before any module defining Triton kernels is imported, so it is
+set here (only when there is no GPU) before kvpress_ada is imported by any test.
+"""
+
+import os
+
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover
+    pass
+
+import string
+
+import pytest
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+VOCAB = 128
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False)
+
+
+def build_model(arch: str, seed: int = 0, **overrides):
+    """A tiny randomly initialised causal LM (fp32, eval mode) of the given architecture."""
+    torch.manual_seed(seed)
+    kwargs = {**_COMMON, **overrides}
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**kwargs))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(sliding_window=None, **kwargs))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**kwargs))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **kwargs))
+    else:
+        raise ValueError(arch)
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+_MODELS = {}
+
+
+@pytest.fixture(params=ARCHITECTURES)
+def arch_model(request):
+    """One tiny model per supported architecture (cached across tests: treat as read-only)."""
+    if request.param not in _MODELS:
+        _MODELS[request.param] = build_model(request.param)
+    return _MODELS[request.param]
+
+
+@pytest.fixture(scope="session")
+def llama():
+    return build_model("llama")
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer (ids < VOCAB) with a small chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    chars = list(string.printable)
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    assert len(vocab) <= VOCAB
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+    fast.padding_side = "left"
+    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                          "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tokenizer()

@@ -143,12 +143,14 @@ def _ragged_attn_split_kernel(
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
+        # only the real queries' partials are written (the reduce reads only those)
         slot = pid.to(tl.int64)
-        tl.store(PM_ptr + slot * stride_pm + offs_m, m_i)
-        tl.store(PL_ptr + slot * stride_pm + offs_m, l_i)
+        tl.store(PM_ptr + slot * stride_pm + offs_m, m_i, mask=m_valid)
+        tl.store(PL_ptr + slot * stride_pm + offs_m, l_i, mask=m_valid)
         tl.store(
             PACC_ptr + slot * stride_pacc_s + offs_m[:, None] * stride_pacc_m + offs_d[None, :],
             acc,
+            mask=m_valid[:, None],
         )
 
 
@@ -281,16 +283,39 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def default_config(head_dim: int, m_total: int, n_cap: int, rows: int, device: torch.device) -> dict:
-    """Launch parameters chosen from host-known shapes only (no sync): ``block_m`` packs
-    the GQA group x queries (>= 16 for ``tl.dot``), ``block_n`` keys per inner step,
-    ``split_size`` tokens per program, aiming at ~4 programs per SM for the whole layer."""
-    block_m = min(max(16, _next_pow2(m_total)), 64)
-    block_n = 64 if head_dim <= 128 else 32
+def default_config(
+    head_dim: int, m_total: int, n_cap: int, dtype: torch.dtype, device: torch.device
+) -> dict:
+    """Launch parameters chosen from host-known shapes only (no sync).
+
+    ``block_m`` packs the GQA group x queries (>= 16 for ``tl.dot``), ``block_n`` keys per
+    inner step, ``split_size`` tokens per program (aiming at ~4 programs per SM over the
+    layer's capacity ``n_cap``). Shared memory stays under ~85 KB for every supported
+    head dim / dtype (sm_80 and sm_86 included): 16-bit caches use 3 pipeline stages,
+    fp32 ones 2 and half the ``block_n`` at ``head_dim >= 128``.
+    """
+    row_bytes = head_dim * (4 if dtype == torch.float32 else 2)
+    block_m_cap = 64 if row_bytes <= 256 else (32 if row_bytes <= 512 else 16)
+    block_m = min(max(16, _next_pow2(m_total)), block_m_cap)
+    wide = dtype == torch.float32
+    if wide:
+        block_n = 64 if head_dim < 128 else 32
+        num_stages = 2
+    else:
+        block_n = 64 if head_dim <= 128 else 32
+        num_stages = 3
+    if block_m >= 64:  # big query tiles (chunked prefill): keep registers in check
+        block_n = min(block_n, 32)
     target = 4 * _num_sms(device)
     avg = max(1, n_cap // max(1, target))
     split = min(max(_next_pow2(avg), 4 * block_n), 4096)
-    return {"block_m": block_m, "block_n": block_n, "split_size": split, "num_warps": 4, "num_stages": 2}
+    return {
+        "block_m": block_m,
+        "block_n": block_n,
+        "split_size": split,
+        "num_warps": 4,
+        "num_stages": num_stages,
+    }
 
 
 def check_head_dim(head_dim: int) -> None:
@@ -329,7 +354,7 @@ def ragged_attention_triton(
     G = H_q // H_kv
     M_total = G * Q
     n_cap = k_flat.shape[0]
-    cfg = default_config(D, M_total, n_cap, R, q.device)
+    cfg = default_config(D, M_total, n_cap, q.dtype, q.device)
     block_m = block_m or cfg["block_m"]
     block_n = block_n or cfg["block_n"]
     split = split_size or cfg["split_size"]

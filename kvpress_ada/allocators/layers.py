@@ -64,7 +64,10 @@ class PyramidLayer(LayerSchedule):
 
 
 def _clip_and_redistribute(raw: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
-    """Clip to ``cap`` and spread the clipped mass evenly over unclipped layers (water filling)."""
+    """Clip to ``cap`` and spread the clipped mass evenly over unclipped layers (water filling).
+
+    Runs a fixed number of rounds (no data-dependent exit), so it compiles without graph breaks.
+    """
     for _ in range(raw.shape[-1]):
         over = (raw - cap).clamp(min=0)
         excess = over.sum(-1, keepdim=True)
@@ -72,6 +75,4 @@ def _clip_and_redistribute(raw: torch.Tensor, cap: torch.Tensor) -> torch.Tensor
         free = raw < cap
         n_free = free.sum(-1, keepdim=True).clamp(min=1)
         raw = raw + free * excess / n_free
-        if not bool((raw > cap + 1e-9).any()):
-            break
     return torch.minimum(raw, cap)

@@ -92,8 +92,9 @@ class Pipeline(BaseModel):
 
     def select(self, obs: Observation) -> torch.Tensor:
         """Score -> allocate -> select for one layer: the bool keep mask ``[B, H_kv, L]``."""
-        scores, counts = self.counts(obs)
-        return self.evictor.select(scores, counts)
+        with torch.no_grad():
+            scores, counts = self.counts(obs)
+            return self.evictor.select(scores, counts)
 
     # ------------------------------------------------------------ integration
     def __call__(self, model):

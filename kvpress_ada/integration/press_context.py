@@ -39,19 +39,28 @@ class PressRun:
     compress: bool
     key_mask: torch.Tensor | None
 
-    def observation(self, module, query, key, value, scaling) -> Observation:
-        scorer = self.press.scorer
-        window = scorer.query_window()
-        queries = query if window is None else query[:, :, query.shape[2] - window:]
-        key_mask = self.key_mask
-        if key_mask is None or key_mask.shape[-1] != key.shape[2]:
-            key_mask = torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device)
-        return Observation(
-            keys=key, values=value, queries=queries, key_mask=key_mask.to(key.device),
-            layer_idx=module.layer_idx, n_layers=len(self.cache.layers), scaling=scaling,
-            output_weight=module.o_proj.weight if scorer.needs_output_weight else None,
-            rope_inv_freq=_rope_inv_freq(self.model) if scorer.needs_rope else None,
-        )
+    def handles_prefill(self, layer_idx: int) -> bool:
+        return self.compress and not self.cache.is_compressed(layer_idx)
+
+    def after_prefill(self, module, query, key, value, scaling) -> None:
+        """Score, allocate and compact this layer right after its dense prefill attention."""
+        obs = observation_for(self.press.scorer, self.model, module.layer_idx, len(self.cache.layers), query, key,
+                              value, self.key_mask, scaling, module.o_proj.weight)
+        self.cache.compress_layer(module.layer_idx, self.press.select(obs))
+
+
+def observation_for(scorer, model, layer_idx, n_layers, query, key, value, key_mask, scaling, output_weight):
+    """The :class:`Observation` of one layer, holding only what ``scorer`` declares it reads."""
+    window = scorer.query_window()
+    queries = query if window is None else query[:, :, query.shape[2] - window:]
+    if key_mask is None or key_mask.shape[-1] != key.shape[2]:
+        key_mask = torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device)
+    return Observation(
+        keys=key, values=value, queries=queries, key_mask=key_mask.to(key.device),
+        layer_idx=layer_idx, n_layers=n_layers, scaling=scaling,
+        output_weight=output_weight.detach() if scorer.needs_output_weight else None,
+        rope_inv_freq=_rope_inv_freq(model) if scorer.needs_rope else None,
+    )
 
 
 def press_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -61,13 +70,11 @@ def press_attention(module, query, key, value, attention_mask, scaling=None, dro
     if run is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     layer_idx = module.layer_idx
-    cache = run.cache
-    if run.compress and not cache.is_compressed(layer_idx):
+    if run.handles_prefill(layer_idx):
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        keep = run.press.select(run.observation(module, query, key, value, scaling))
-        cache.compress_layer(layer_idx, keep)
+        run.after_prefill(module, query, key, value, scaling)
         return out
-    return cache.attend(layer_idx, query, key, value, attention_mask, scaling, sdpa_attention_forward, module,
+    return run.cache.attend(layer_idx, query, key, value, attention_mask, scaling, sdpa_attention_forward, module,
                         dropout=dropout, **kwargs)
 
 
@@ -152,17 +159,26 @@ def _prefill_key_mask(args, kwargs) -> torch.Tensor:
 
 
 @contextmanager
+def attention_routed(model):
+    """Switch ``model`` to the ``"kvpress_ada"`` attention implementation inside the block."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@contextmanager
 def apply_press(press, model):
     """Apply ``press`` to ``model`` inside the ``with`` block (see the module docstring)."""
     check_supported(model)
     if press.is_noop:
         yield model
         return
-    previous = model.config._attn_implementation
     handle = model.register_forward_pre_hook(_make_pre_hook(press, model), with_kwargs=True)
-    model.set_attn_implementation(ATTENTION_NAME)
     try:
-        yield model
+        with attention_routed(model):
+            yield model
     finally:
         handle.remove()
-        model.set_attn_implementation(previous)

@@ -1,0 +1,97 @@
+"""Fan-out: prefill once, derive the compressed cache of any number of presses.
+
+Compression happens after each layer's dense prefill attention and never changes the prefill's
+hidden states, so every press sees the same observations. :func:`capture_prefill` records them
+(keys, values, all queries) once; :meth:`Prefill.compressed_cache` then builds exactly the cache
+that running the press on its own would have built, without another prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from .press_context import (RUN_KWARG, _cache_key, _prefill_key_mask, attention_routed, check_supported, new_cache,
+                            observation_for)
+
+
+@dataclass
+class LayerCapture:
+    keys: torch.Tensor
+    values: torch.Tensor
+    queries: torch.Tensor
+    scaling: float
+    output_weight: torch.Tensor
+
+
+@dataclass
+class CaptureRun:
+    """A run that records each layer's prefill instead of compressing it."""
+
+    cache: DynamicCache
+    layers: dict = field(default_factory=dict)
+
+    def handles_prefill(self, layer_idx: int) -> bool:
+        return True
+
+    def after_prefill(self, module, query, key, value, scaling) -> None:
+        self.layers[module.layer_idx] = LayerCapture(key, value, query, scaling, module.o_proj.weight)
+
+
+@dataclass
+class Prefill:
+    """One prefill's observations, its dense cache and its last-position logits."""
+
+    model: torch.nn.Module
+    layers: list[LayerCapture]
+    key_mask: torch.Tensor
+    full_cache: DynamicCache
+    logits: torch.Tensor
+
+    @property
+    def seq_len(self) -> int:
+        return self.key_mask.shape[-1]
+
+    def observation(self, scorer, layer_idx: int):
+        c = self.layers[layer_idx]
+        return observation_for(scorer, self.model, layer_idx, len(self.layers), c.queries, c.keys, c.values,
+                               self.key_mask, c.scaling, c.output_weight)
+
+    def keep_masks(self, press) -> list[torch.Tensor]:
+        """The keep mask ``[B, H_kv, L]`` the press selects in every layer."""
+        if press.is_noop:
+            return [torch.ones(c.keys.shape[:3], dtype=torch.bool, device=c.keys.device) for c in self.layers]
+        press.check_context(int(self.key_mask.sum(-1).min()))
+        return [press.select(self.observation(press.scorer, i)) for i in range(len(self.layers))]
+
+    def compressed_cache(self, press, keep_masks: list[torch.Tensor] | None = None):
+        """A fresh cache holding what ``press`` keeps (a dense copy for a no-op press)."""
+        if press is None or press.is_noop:
+            cache = DynamicCache(config=self.model.config)
+            for i, c in enumerate(self.layers):
+                cache.update(c.keys.clone(), c.values.clone(), i)
+            return cache
+        keep_masks = self.keep_masks(press) if keep_masks is None else keep_masks
+        cache = new_cache(press, self.model)
+        for i, (c, keep) in enumerate(zip(self.layers, keep_masks)):
+            cache.update(c.keys, c.values, i)
+            cache.compress_layer(i, keep)
+        return cache
+
+
+@torch.inference_mode()
+def capture_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Prefill:
+    """Prefill ``input_ids`` once with dense attention and record what every press needs."""
+    check_supported(model)
+    cache = DynamicCache(config=model.config)
+    run = CaptureRun(cache=cache)
+    kwargs = {"input_ids": input_ids, "use_cache": True, _cache_key(model): cache, RUN_KWARG: run}
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    with attention_routed(model):
+        out = model(**kwargs)
+    layers = [run.layers[i] for i in range(len(run.layers))]
+    key_mask = _prefill_key_mask((), {"input_ids": input_ids, "attention_mask": attention_mask})
+    return Prefill(model=model, layers=layers, key_mask=key_mask, full_cache=cache, logits=out.logits[:, -1])

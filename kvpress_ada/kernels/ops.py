@@ -85,7 +85,10 @@ _triton_mod: list[ModuleType | None] = [None]
 
 def triton_available() -> bool:
     """Whether triton is installed (does not import it)."""
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _triton() -> ModuleType:
@@ -246,6 +249,80 @@ def _validate_append(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths) -> 
 
 
 @torch.library.custom_op("kvpress_ada::ragged_attention", mutates_args=())
+def _ragged_attention_op(
+    q: Tensor,
+    k_flat: Tensor,
+    v_flat: Tensor,
+    row_offsets: Tensor,
+    row_lengths: Tensor,
+    scale: float,
+    split_size: int = 0,
+) -> Tensor:
+    """Raw op behind :func:`ragged_attention` (no validation): backend dispatch."""
+    if q.numel() == 0:
+        return torch.zeros_like(q)
+    if resolve_backend(q.device, q.shape[-1]) == "triton":
+        return _triton().ragged_attention_triton(
+            q, k_flat, v_flat, row_offsets, row_lengths, scale, split_size=split_size
+        )
+    return reference.ragged_attention_ref(q, k_flat, v_flat, row_offsets, row_lengths, scale)
+
+
+@_ragged_attention_op.register_fake
+def _(q, k_flat, v_flat, row_offsets, row_lengths, scale, split_size=0):
+    _validate_attention(q, k_flat, v_flat, row_offsets, row_lengths, scale)
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("kvpress_ada::compact", mutates_args=("k_flat", "v_flat"))
+def _compact_op(
+    keys: Tensor,
+    values: Tensor,
+    keep: Tensor,
+    row_offsets: Tensor,
+    k_flat: Tensor,
+    v_flat: Tensor,
+) -> None:
+    """Raw op behind :func:`compact` (no validation): backend dispatch."""
+    if keys.numel() == 0:
+        return
+    if resolve_backend(keys.device) == "triton":
+        _triton().compact_triton(keys, values, keep, row_offsets, k_flat, v_flat)
+    else:
+        reference.compact_ref(keys, values, keep, row_offsets, k_flat, v_flat)
+
+
+@_compact_op.register_fake
+def _(keys, values, keep, row_offsets, k_flat, v_flat):
+    _validate_compact(keys, values, keep, row_offsets, k_flat, v_flat)
+
+
+@torch.library.custom_op("kvpress_ada::append", mutates_args=("k_flat", "v_flat", "row_lengths"))
+def _append_op(
+    k_new: Tensor,
+    v_new: Tensor,
+    k_flat: Tensor,
+    v_flat: Tensor,
+    row_offsets: Tensor,
+    row_lengths: Tensor,
+) -> None:
+    """Raw op behind :func:`append` (no validation); torch index ops on every backend."""
+    if k_new.numel() == 0:
+        return
+    reference.append_ref(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths)
+
+
+@_append_op.register_fake
+def _(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths):
+    _validate_append(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths)
+
+
+# ----------------------------------------------------------------------------- public API
+# Thin wrappers: validate (cheap shape/dtype/device checks; traced away under
+# torch.compile) with clear errors, then call the op. ``torch.ops.kvpress_ada.*`` are the
+# raw ops: their fake kernels validate too, their eager kernels do not.
+
+
 def ragged_attention(
     q: Tensor,
     k_flat: Tensor,
@@ -262,72 +339,29 @@ def ragged_attention(
     Query ``i`` sees the first ``row_lengths[r] - (Q - 1 - i)`` entries of its row
     (bottom-right causal); a query that sees nothing outputs 0. Returns
     ``softmax(scale * q k^T) v`` as ``[B, H_q, Q, D]`` in ``q.dtype`` (fp32 accumulation).
-    On CUDA this is FlashDecoding split-K (``split_size`` tokens per program, 0 = auto).
+    Triton path: FlashDecoding split-K with ``split_size`` tokens per program (0 = auto).
     """
     _validate_attention(q, k_flat, v_flat, row_offsets, row_lengths, scale)
-    if q.numel() == 0:
-        return torch.zeros_like(q)
-    if resolve_backend(q.device, q.shape[-1]) == "triton":
-        return _triton().ragged_attention_triton(
-            q, k_flat, v_flat, row_offsets, row_lengths, scale, split_size=split_size
-        )
-    return reference.ragged_attention_ref(q, k_flat, v_flat, row_offsets, row_lengths, scale)
+    return _ragged_attention_op(q, k_flat, v_flat, row_offsets, row_lengths, float(scale), int(split_size))
 
 
-@ragged_attention.register_fake
-def _(q, k_flat, v_flat, row_offsets, row_lengths, scale, split_size=0):
-    _validate_attention(q, k_flat, v_flat, row_offsets, row_lengths, scale)
-    return torch.empty_like(q)
-
-
-@torch.library.custom_op("kvpress_ada::compact", mutates_args=("k_flat", "v_flat"))
-def compact(
-    keys: Tensor,
-    values: Tensor,
-    keep: Tensor,
-    row_offsets: Tensor,
-    k_flat: Tensor,
-    v_flat: Tensor,
-) -> None:
+def compact(keys: Tensor, values: Tensor, keep: Tensor, row_offsets: Tensor, k_flat: Tensor, v_flat: Tensor) -> None:
     """Compact kept tokens into the ragged cache (in place).
 
     ``keys, values [B, H_kv, L, D]`` (strided views are fine), ``keep`` bool
     ``[B, H_kv, L]``: row ``r = b*H_kv + h``'s kept tokens, in ascending position order,
-    are written to ``k_flat[row_offsets[r] + j]``, ``j = 0 .. keep[b, h].sum() - 1``.
-    The caller guarantees the capacity (and sets ``row_lengths`` to the counts).
+    go to ``k_flat[row_offsets[r] + j]``, ``j = 0 .. keep[b, h].sum() - 1``. The caller
+    guarantees the capacity and sets ``row_lengths`` to the counts.
     """
     _validate_compact(keys, values, keep, row_offsets, k_flat, v_flat)
-    if keys.numel() == 0:
-        return
-    if resolve_backend(keys.device) == "triton":
-        _triton().compact_triton(keys, values, keep, row_offsets, k_flat, v_flat)
-    else:
-        reference.compact_ref(keys, values, keep, row_offsets, k_flat, v_flat)
+    _compact_op(keys, values, keep, row_offsets, k_flat, v_flat)
 
 
-@compact.register_fake
-def _(keys, values, keep, row_offsets, k_flat, v_flat):
-    _validate_compact(keys, values, keep, row_offsets, k_flat, v_flat)
-
-
-@torch.library.custom_op("kvpress_ada::append", mutates_args=("k_flat", "v_flat", "row_lengths"))
 def append(
-    k_new: Tensor,
-    v_new: Tensor,
-    k_flat: Tensor,
-    v_flat: Tensor,
-    row_offsets: Tensor,
-    row_lengths: Tensor,
+    k_new: Tensor, v_new: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor
 ) -> None:
     """Append ``Q`` tokens per row in place: ``k_new [B, H_kv, Q, D]`` goes to
     ``k_flat[row_offsets[r] + row_lengths[r] + i]``, then ``row_lengths += Q``.
     Device-side index ops on every backend (no host sync). Caller guarantees capacity."""
     _validate_append(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths)
-    if k_new.numel() == 0:
-        return
-    reference.append_ref(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths)
-
-
-@append.register_fake
-def _(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths):
-    _validate_append(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths)
+    _append_op(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths)

@@ -1,0 +1,462 @@
+"""Ragged-cache kernels: torch references vs a dense oracle, Triton (interpreted on CPU) vs
+the references, compaction/append round trips, backend dispatch and error messages."""
+
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # standalone runs; conftest sets it too
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpress_ada import kernels
+from kvpress_ada.kernels import (
+    append,
+    append_ref,
+    compact,
+    compact_ref,
+    ragged_attention,
+    ragged_attention_ref,
+    use_backend,
+)
+
+triton = pytest.importorskip("triton")
+from kvpress_ada.kernels import triton_kernels as tk  # noqa: E402
+
+needs_interpreter = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="Triton on CPU needs TRITON_INTERPRET=1",
+)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def dense_attention(q, k_flat, v_flat, row_offsets, row_lengths, scale):
+    """Obviously-correct oracle: pad every row, repeat kv for GQA, mask, softmax (fp64)."""
+    B, H_q, Q, D = q.shape
+    R = row_offsets.numel()
+    H_kv = R // B
+    G = H_q // H_kv
+    lens = row_lengths.tolist()
+    offs = row_offsets.tolist()
+    Lmax = max(lens + [1])
+    K = torch.zeros(R, Lmax, D, dtype=torch.float64)
+    V = torch.zeros(R, Lmax, D, dtype=torch.float64)
+    for r in range(R):
+        K[r, : lens[r]] = k_flat[offs[r] : offs[r] + lens[r]].double().cpu()
+        V[r, : lens[r]] = v_flat[offs[r] : offs[r] + lens[r]].double().cpu()
+    K = K.view(B, H_kv, Lmax, D).repeat_interleave(G, dim=1)
+    V = V.view(B, H_kv, Lmax, D).repeat_interleave(G, dim=1)
+    n = torch.tensor(lens).view(B, H_kv).repeat_interleave(G, dim=1)  # [B, H_q]
+    i = torch.arange(Q).view(1, 1, Q, 1)
+    j = torch.arange(Lmax).view(1, 1, 1, Lmax)
+    visible = j < (n.view(B, H_q, 1, 1) - (Q - 1 - i))  # [B, H_q, Q, Lmax]
+    s = (q.double().cpu() @ K.transpose(-1, -2)) * scale
+    s = s.masked_fill(~visible, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # fully masked queries -> 0
+    return p @ V
+
+
+def make_cache(lens, D, dtype, *, gaps=None, perm=None, extra=3, seed=0):
+    """Flat K/V with rows of the given lengths placed in storage order ``perm`` with
+    ``gaps`` spare slots after each row; spare slots hold huge garbage (must never be read)."""
+    g = torch.Generator().manual_seed(seed)
+    R = len(lens)
+    gaps = gaps or [0] * R
+    perm = perm or list(range(R))
+    offs = [0] * R
+    pos = 0
+    for r in perm:
+        offs[r] = pos
+        pos += lens[r] + gaps[r]
+    N = pos + extra
+    k = torch.full((N, D), 1e4, dtype=torch.float32)
+    v = torch.full((N, D), -1e4, dtype=torch.float32)
+    for r in range(R):
+        k[offs[r] : offs[r] + lens[r]] = torch.randn(lens[r], D, generator=g)
+        v[offs[r] : offs[r] + lens[r]] = torch.randn(lens[r], D, generator=g)
+    return (
+        k.to(dtype).to(DEV),
+        v.to(dtype).to(DEV),
+        torch.tensor(offs, dtype=torch.int32, device=DEV),
+        torch.tensor(lens, dtype=torch.int32, device=DEV),
+    )
+
+
+@st.composite
+def attention_case(draw, dtypes=(torch.float32, torch.float16), head_dims=(16, 32, 64), max_len=80):
+    B = draw(st.integers(1, 2))
+    H_kv = draw(st.integers(1, 3))
+    G = draw(st.sampled_from([1, 2, 4]))
+    D = draw(st.sampled_from(head_dims))
+    Q = draw(st.sampled_from([1, 2, 5]))
+    R = B * H_kv
+    lens = draw(
+        st.lists(
+            st.one_of(st.sampled_from([0, 1, 2, Q]), st.integers(0, max_len)), min_size=R, max_size=R
+        )
+    )
+    gaps = draw(st.lists(st.integers(0, 4), min_size=R, max_size=R))
+    perm = draw(st.permutations(list(range(R))))
+    dtype = draw(st.sampled_from(dtypes))
+    seed = draw(st.integers(0, 2**16))
+    return dict(B=B, H_kv=H_kv, G=G, D=D, Q=Q, lens=lens, gaps=gaps, perm=perm, dtype=dtype, seed=seed)
+
+
+def build(case):
+    k, v, offs, lens = make_cache(
+        case["lens"], case["D"], case["dtype"], gaps=case["gaps"], perm=case["perm"], seed=case["seed"]
+    )
+    g = torch.Generator().manual_seed(case["seed"] + 1)
+    q = torch.randn(case["B"], case["H_kv"] * case["G"], case["Q"], case["D"], generator=g)
+    return q.to(case["dtype"]).to(DEV), k, v, offs, lens, case["D"] ** -0.5
+
+
+def assert_close(out, ref, dtype):
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double().cpu(), ref.double().cpu(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+@settings(max_examples=60, deadline=None)
+@given(attention_case(dtypes=(torch.float32, torch.float16, torch.bfloat16), head_dims=(16, 32, 64, 96)))
+def test_reference_attention_matches_dense(case):
+    q, k, v, offs, lens, scale = build(case)
+    out = ragged_attention_ref(q, k, v, offs, lens, scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert_close(out, dense_attention(q, k, v, offs, lens, scale), case["dtype"])
+
+
+@pytest.mark.parametrize("Q", [1, 3])
+def test_reference_uniform_fast_path(Q):
+    """Equal lengths at a regular stride take the batched no-copy path."""
+    B, H_kv, G, D, n = 2, 3, 2, 32, 7
+    lens = [n] * (B * H_kv)
+    k, v, offs, lens_t = make_cache(lens, D, torch.float32, gaps=[2] * (B * H_kv))
+    q = torch.randn(B, H_kv * G, Q, D, device=DEV)
+    out = ragged_attention_ref(q, k, v, offs, lens_t, 0.3)
+    assert_close(out, dense_attention(q, k, v, offs, lens_t, 0.3), torch.float32)
+
+
+def test_reference_noncontiguous_q():
+    B, H_kv, G, Q, D = 1, 2, 2, 5, 16
+    k, v, offs, lens = make_cache([9, 3], D, torch.float32)
+    q = torch.randn(B, Q, H_kv * G, D, device=DEV).transpose(1, 2)  # HF layout
+    assert not q.is_contiguous()
+    out = ragged_attention(q, k, v, offs, lens, 0.25)
+    assert_close(out, dense_attention(q, k, v, offs, lens, 0.25), torch.float32)
+
+
+def test_zero_visible_is_zero_not_nan():
+    D = 16
+    k, v, offs, lens = make_cache([0, 1, 0, 2], D, torch.float32)
+    q = torch.randn(2, 4, 5, D, device=DEV)  # Q=5 > every row length
+    for backend in ("torch", "triton"):
+        with use_backend(backend):
+            out = ragged_attention(q, k, v, offs, lens, 1.0)
+        assert torch.isfinite(out).all()
+        assert (out[0, 0:2] == 0).all() and (out[1, 0:2] == 0).all()  # empty rows
+        assert (out[0, 2:4, :4] == 0).all()  # 1 token: only the last query sees it
+        assert (out[0, 2:4, 4] != 0).any()
+        assert (out[1, 2:4, :3] == 0).all() and (out[1, 2:4, 3:] != 0).any()  # 2 tokens
+        assert_close(out, dense_attention(q, k, v, offs, lens, 1.0), torch.float32)
+
+
+# ----------------------------------------------------------------------------- triton
+
+
+@needs_interpreter
+@settings(max_examples=40, deadline=None)
+@given(
+    attention_case(),
+    st.sampled_from([16, 32, 48, 64, 128]),
+    st.sampled_from([16, 32, 64]),
+)
+def test_triton_attention_matches_reference(case, split_size, block_n):
+    q, k, v, offs, lens, scale = build(case)
+    out = tk.ragged_attention_triton(q, k, v, offs, lens, scale, split_size=split_size, block_n=block_n)
+    ref = ragged_attention_ref(q, k, v, offs, lens, scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert_close(out, ref, case["dtype"])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("D", [128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_large_head_dims(D, dtype):
+    k, v, offs, lens = make_cache([40, 0, 1, 70], D, dtype, gaps=[1, 0, 2, 0], perm=[2, 0, 3, 1])
+    q = torch.randn(2, 4, 2, D, device=DEV).to(dtype)
+    with use_backend("triton"):
+        out = ragged_attention(q, k, v, offs, lens, D**-0.5)
+    assert_close(out, dense_attention(q, k, v, offs, lens, D**-0.5), dtype)
+
+
+@needs_interpreter
+def test_triton_default_config_and_noncontiguous_q():
+    B, H_kv, G, Q, D = 2, 2, 4, 2, 64
+    k, v, offs, lens = make_cache([130, 5, 0, 77], D, torch.float16)
+    q = torch.randn(B, Q, H_kv * G, D, device=DEV).to(torch.float16).transpose(1, 2)
+    with use_backend("triton"):
+        out = ragged_attention(q, k, v, offs, lens, 0.125)
+    assert_close(out, dense_attention(q, k, v, offs, lens, 0.125), torch.float16)
+
+
+@needs_interpreter
+def test_triton_big_query_tile():
+    """G * Q > 64: several M tiles per row (chunked-prefill shape)."""
+    k, v, offs, lens = make_cache([40, 25], 32, torch.float32)
+    q = torch.randn(1, 8, 20, 32, device=DEV)  # G=4, Q=20 -> 80 rows
+    out = tk.ragged_attention_triton(q, k, v, offs, lens, 0.2, split_size=16, block_m=32)
+    assert_close(out, dense_attention(q, k, v, offs, lens, 0.2), torch.float32)
+
+
+def test_triton_unsupported_head_dim():
+    k, v, offs, lens = make_cache([3, 4], 96, torch.float32)
+    q = torch.randn(1, 2, 1, 96, device=DEV)
+    with use_backend("triton"), pytest.raises(ValueError, match=r"head_dim=96.*\(16, 32, 64, 128, 256\)"):
+        ragged_attention(q, k, v, offs, lens, 1.0)
+    with use_backend("torch"):  # the torch path takes any head dim
+        ragged_attention(q, k, v, offs, lens, 1.0)
+
+
+# ----------------------------------------------------------------------------- compact / append
+
+
+@st.composite
+def compact_case(draw):
+    B = draw(st.integers(1, 2))
+    H = draw(st.integers(1, 3))
+    L = draw(st.integers(1, 70))
+    D = draw(st.sampled_from([16, 24, 64]))
+    density = draw(st.sampled_from([0.0, 0.1, 0.5, 1.0]))
+    seed = draw(st.integers(0, 2**16))
+    layout = draw(st.sampled_from(["contiguous", "transposed", "sliced"]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float16]))
+    return B, H, L, D, density, seed, layout, dtype
+
+
+def make_kv(B, H, L, D, layout, dtype, g):
+    if layout == "transposed":  # [B, L, H, D] -> [B, H, L, D] view
+        x = torch.randn(B, L, H, D, generator=g).transpose(1, 2)
+    elif layout == "sliced":  # a window of a longer cache
+        x = torch.randn(B, H, L + 5, D, generator=g)[:, :, 3 : 3 + L]
+    else:
+        x = torch.randn(B, H, L, D, generator=g)
+    return x.to(dtype).to(DEV)
+
+
+def compact_oracle(keys, keep, row_offsets, k_flat):
+    out = k_flat.clone()
+    B, H, L, _ = keys.shape
+    for b in range(B):
+        for h in range(H):
+            o = int(row_offsets[b * H + h])
+            for j, pos in enumerate(keep[b, h].nonzero().flatten().tolist()):
+                out[o + j] = keys[b, h, pos]
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(compact_case())
+def test_compact_matches_oracle(case):
+    B, H, L, D, density, seed, layout, dtype = case
+    g = torch.Generator().manual_seed(seed)
+    keys = make_kv(B, H, L, D, layout, dtype, g)
+    values = make_kv(B, H, L, D, layout, dtype, g)
+    keep = (torch.rand(B, H, L, generator=g) < density).to(DEV)
+    counts = keep.sum(-1).flatten().tolist()
+    caps = [c + 2 for c in counts]
+    offs = torch.tensor([sum(caps[:r]) for r in range(B * H)], dtype=torch.int32, device=DEV)
+    N = sum(caps) + 1
+    k_exp = compact_oracle(keys, keep, offs, torch.zeros(N, D, dtype=dtype, device=DEV))
+    v_exp = compact_oracle(values, keep, offs, torch.zeros(N, D, dtype=dtype, device=DEV))
+    backends = ["torch", "triton"] if os.environ.get("TRITON_INTERPRET") == "1" or DEV == "cuda" else ["torch"]
+    for backend in backends:
+        k_flat = torch.zeros(N, D, dtype=dtype, device=DEV)
+        v_flat = torch.zeros(N, D, dtype=dtype, device=DEV)
+        with use_backend(backend):
+            compact(keys, values, keep, offs, k_flat, v_flat)
+        assert torch.equal(k_flat, k_exp), backend
+        assert torch.equal(v_flat, v_exp), backend
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
+def test_compact_append_attend_round_trip(backend):
+    """Compact a dense prefill cache, append Q decode tokens, attend: equals dense attention
+    over (kept tokens ++ new tokens) with causal masking among the new tokens."""
+    torch.manual_seed(0)
+    B, H, G, L, D, Q = 2, 2, 2, 37, 32, 2
+    keys = torch.randn(B, H, L, D, device=DEV)
+    values = torch.randn(B, H, L, D, device=DEV)
+    keep = torch.rand(B, H, L, device=DEV) < 0.4
+    keep[0, 1] = False  # one row keeps nothing
+    counts = keep.sum(-1).flatten()
+    caps = counts + Q + 3
+    offs = (torch.cumsum(caps, 0) - caps).to(torch.int32)
+    N = int(caps.sum())
+    k_flat = torch.zeros(N, D, device=DEV)
+    v_flat = torch.zeros(N, D, device=DEV)
+    lens = counts.to(torch.int32).clone()
+    k_new = torch.randn(B, H, Q, D, device=DEV)
+    v_new = torch.randn(B, H, Q, D, device=DEV)
+    q = torch.randn(B, H * G, Q, D, device=DEV)
+    with use_backend(backend):
+        compact(keys, values, keep, offs, k_flat, v_flat)
+        append(k_new, v_new, k_flat, v_flat, offs, lens)
+        out = ragged_attention(q, k_flat, v_flat, offs, lens, 0.2)
+    assert lens.tolist() == (counts + Q).tolist()
+    for b in range(B):
+        for h in range(H):
+            r = b * H + h
+            o, n = int(offs[r]), int(lens[r])
+            kk = torch.cat([keys[b, h][keep[b, h]], k_new[b, h]])
+            vv = torch.cat([values[b, h][keep[b, h]], v_new[b, h]])
+            assert torch.equal(k_flat[o : o + n], kk) and torch.equal(v_flat[o : o + n], vv)
+            s = (q[b, h * G : h * G + G] @ kk.T) * 0.2  # [G, Q, n]
+            causal = torch.ones(Q, n, dtype=torch.bool).tril(n - Q)
+            p = torch.softmax(s.masked_fill(~causal, float("-inf")), -1)
+            torch.testing.assert_close(out[b, h * G : h * G + G], p @ vv, atol=1e-5, rtol=1e-5)
+
+
+def test_append_ref_in_place():
+    k, v, offs, lens = make_cache([2, 0, 5], 16, torch.float32, gaps=[3, 3, 3])
+    k_new = torch.randn(1, 3, 3, 16, device=DEV)
+    v_new = torch.randn(1, 3, 3, 16, device=DEV)
+    k0 = k.clone()
+    append_ref(k_new, v_new, k, v, offs, lens)
+    assert lens.tolist() == [5, 3, 8]
+    for r, (o, n0) in enumerate([(0, 2), (5, 0), (8, 5)]):
+        assert torch.equal(k[o : o + n0], k0[o : o + n0])
+        assert torch.equal(k[o + n0 : o + n0 + 3], k_new[0, r])
+        assert torch.equal(v[o + n0 : o + n0 + 3], v_new[0, r])
+
+
+def test_compact_ref_empty_keep_is_noop():
+    keys = torch.randn(1, 2, 4, 16)
+    k_flat = torch.zeros(3, 16)
+    compact_ref(keys, keys, torch.zeros(1, 2, 4, dtype=torch.bool), torch.tensor([0, 1], dtype=torch.int32), k_flat, k_flat)
+    assert (k_flat == 0).all()
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def test_backend_override_and_env(monkeypatch):
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    assert kernels.get_backend() == "auto"
+    assert kernels.resolve_backend(torch.device("cpu")) == "torch"
+    with use_backend("triton"):
+        assert kernels.get_backend() == "triton"
+        with use_backend("torch"):
+            assert kernels.get_backend() == "torch"
+        assert kernels.get_backend() == "triton"
+    assert kernels.get_backend() == "auto"
+    monkeypatch.setenv(kernels.ENV_VAR, "torch")
+    assert kernels.get_backend() == "torch"
+    with use_backend("auto"):  # explicit choice wins over the variable
+        assert kernels.get_backend() == "auto"
+    monkeypatch.setenv(kernels.ENV_VAR, "cuda-magic")
+    with pytest.raises(ValueError, match="cuda-magic"):
+        kernels.get_backend()
+    with pytest.raises(ValueError, match="'fast'"):
+        use_backend("fast")
+    prev = use_backend("torch")  # plain setter
+    try:
+        assert kernels.get_backend() == "torch"
+    finally:
+        prev.__exit__(None, None, None)
+
+
+def test_triton_backend_on_cpu_needs_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with use_backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        kernels.resolve_backend(torch.device("cpu"))
+
+
+def test_works_without_triton():
+    """The package imports and the torch path runs when triton is not installed."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch\n"
+        "from kvpress_ada.kernels import ragged_attention, triton_available, compact, append\n"
+        "assert not triton_available()\n"
+        "k = torch.randn(10, 16); offs = torch.tensor([0, 5], dtype=torch.int32)\n"
+        "lens = torch.tensor([3, 4], dtype=torch.int32)\n"
+        "out = ragged_attention(torch.randn(1, 4, 1, 16), k, k.clone(), offs, lens, 1.0)\n"
+        "assert out.shape == (1, 4, 1, 16) and torch.isfinite(out).all()\n"
+        "append(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), k, k.clone(), offs, lens)\n"
+        "assert lens.tolist() == [4, 5]\n"
+        "assert 'triton' not in [m.split('.')[0] for m in sys.modules if sys.modules[m] is not None]\n"
+    )
+    env = dict(os.environ, KVPRESS_ADA_KERNELS="")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _good():
+    k, v, offs, lens = make_cache([3, 4, 0, 2], 16, torch.float32)
+    return dict(q=torch.randn(2, 4, 1, 16, device=DEV), k_flat=k, v_flat=v, row_offsets=offs, row_lengths=lens, scale=1.0)
+
+
+@pytest.mark.parametrize(
+    "change, exc, pattern",
+    [
+        (lambda a: a.update(q=a["q"].half()), ValueError, r"q is torch.float16 but the cache .* torch.float32"),
+        (lambda a: a.update(q=a["q"][..., :8].contiguous()), ValueError, r"head_dim mismatch.*head_dim=8.*16"),
+        (lambda a: a.update(q=torch.randn(2, 3, 1, 16)), ValueError, r"H_q=3 .* multiple of the kv heads H_kv=2"),
+        (lambda a: a.update(q=torch.randn(4, 1, 16)), ValueError, r"q must have 4 dims, got shape \(4, 1, 16\)"),
+        (lambda a: a.update(q=torch.randn(3, 4, 1, 16)), ValueError, r"R=4 .* batch size B=3"),
+        (lambda a: a.update(k_flat=a["k_flat"][None]), ValueError, r"k_flat must have 2 dims"),
+        (lambda a: a.update(v_flat=a["v_flat"].half()), ValueError, r"k_flat is torch.float32 but v_flat is torch.float16"),
+        (lambda a: a.update(row_offsets=a["row_offsets"].float()), TypeError, r"row_offsets must be int32.*float32"),
+        (lambda a: a.update(row_lengths=a["row_lengths"][:3]), ValueError, r"row_lengths \(3,\) and row_offsets \(4,\)"),
+        (lambda a: a.update(q=a["q"].to(torch.float64), k_flat=a["k_flat"].double(), v_flat=a["v_flat"].double()),
+         TypeError, r"torch.float64 is not supported"),
+        (lambda a: a.update(q=[1, 2]), TypeError, r"q must be a torch.Tensor, got list"),
+        (lambda a: a.update(k_flat=a["k_flat"].t().contiguous().t()), ValueError, r"unit stride on the head dim"),
+    ],
+)
+def test_attention_errors(change, exc, pattern):
+    args = _good()
+    change(args)
+    with pytest.raises(exc, match=pattern):
+        ragged_attention(**args)
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="needs a second device type")
+def test_attention_mixed_devices_error():
+    args = _good()
+    args["q"] = args["q"].to("meta")
+    with pytest.raises(ValueError, match=r"q is on meta but the cache \(k_flat\) is on cpu"):
+        ragged_attention(**args)
+
+
+def test_compact_append_errors():
+    k_flat = torch.zeros(20, 16)
+    offs = torch.tensor([0, 10], dtype=torch.int32)
+    lens = torch.tensor([0, 0], dtype=torch.int32)
+    keys = torch.randn(1, 2, 5, 16)
+    keep = torch.ones(1, 2, 5, dtype=torch.bool)
+    with pytest.raises(TypeError, match="keep must be a bool mask, got torch.int64"):
+        compact(keys, keys, keep.long(), offs, k_flat, k_flat.clone())
+    with pytest.raises(ValueError, match=r"keep \(1, 2, 4\) must have shape"):
+        compact(keys, keys, keep[..., :4], offs, k_flat, k_flat.clone())
+    with pytest.raises(ValueError, match="keys is torch.float16 but the cache"):
+        compact(keys.half(), keys.half(), keep, offs, k_flat, k_flat.clone())
+    with pytest.raises(ValueError, match="keys has 1 kv heads but the cache has 2 rows"):
+        compact(keys[:, :1], keys[:, :1], keep[:, :1], offs, k_flat, k_flat.clone())
+    with pytest.raises(ValueError, match=r"k_new \(1, 2, 1, 16\) and v_new \(1, 2, 2, 16\) differ"):
+        append(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 2, 16), k_flat, k_flat.clone(), offs, lens)
+    with pytest.raises(ValueError, match="head_dim mismatch: k_new has head_dim=8"):
+        append(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), k_flat, k_flat.clone(), offs, lens)

@@ -4,11 +4,12 @@ Evicted entries really leave memory: after compression each layer holds one flat
 buffer for keys and one for values, with int32 ``row_offsets``/``row_lengths`` on the device.
 
 Reserve policy (the only slack beyond kept tokens): every row gets ``decode_reserve`` spare slots
-(default 64) for tokens appended after compression. Since every row appends exactly one token per
+(default 32) for tokens appended after compression. Since every row appends exactly one token per
 step, all rows run out together; the layer is then re-laid out once with a spare of
-``max(decode_reserve, ceil(growth * mean row length))`` per row (``growth=0.5``), so appends
-cost amortised O(1) and the whole cache is never copied per token. Right after compression,
-``nbytes() <= kept bytes + n_layers * B * H_kv * decode_reserve * D * 2 * itemsize``.
+``max(decode_reserve, ceil(growth * mean row length))`` per row (``growth=0.125``). Appends thus
+cost amortised O(1) (one copy of the layer every ``growth * length`` steps, never one per token)
+and the slack stays within ``max(decode_reserve tokens, 12.5%)`` of each row. Right after
+compression, ``nbytes() == kept bytes + n_layers * B * H_kv * decode_reserve * D * 2 * itemsize``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class RaggedLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, decode_reserve: int = 64, growth: float = 0.5):
+    def __init__(self, decode_reserve: int = 32, growth: float = 0.125):
         super().__init__()
         if decode_reserve < 1:
             raise ValueError(f"decode_reserve must be >= 1 token per row, got {decode_reserve}")
@@ -174,7 +175,7 @@ class RaggedCache(Cache):
     let ``with press(model)`` create it).
     """
 
-    def __init__(self, config=None, num_layers: int | None = None, decode_reserve: int = 64):
+    def __init__(self, config=None, num_layers: int | None = None, decode_reserve: int = 32):
         if num_layers is None:
             if config is None:
                 raise ValueError("RaggedCache needs a model config or num_layers")

@@ -1,0 +1,201 @@
+"""Evaluate a grid of presses x compression ratios on samples, with fan-out.
+
+Fan-out: each sample is prefilled once (:func:`capture_prefill`); every press's compressed
+cache is derived from the same observations, which gives exactly the answers a separate run
+per press would give (tested) at a fraction of the cost (prefill dominates on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from ..integration.fanout import capture_prefill
+from ..integration.generation import encode, eos_ids, generate, greedy_continue, greedy_decode, output_cache, split_prompt
+from ..integration.press_context import _cache_key
+from ..pipeline import Pipeline
+from ..presets import preset
+from .scoring import score_sample
+from .signals import eviction_loss, fidelity
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One cell of the grid: a label (preset name or config), a ratio and the press (None = full)."""
+
+    label: str
+    ratio: float
+    press: Pipeline | None
+
+
+def grid(presets: list[str] | dict[str, Pipeline], ratios: list[float]) -> list[Entry]:
+    """Entries for every preset x ratio; ``presets`` may map labels to Pipelines (ratio overridden)."""
+    entries = []
+    items = presets.items() if isinstance(presets, dict) else ((name, None) for name in presets)
+    for label, base in items:
+        for ratio in ratios:
+            if base is None:
+                press = preset(label, compression_ratio=ratio)
+            else:
+                press = base.model_copy(update={"compression_ratio": ratio, "budget": None})
+                press = Pipeline.model_validate(press.model_dump())
+            entries.append(Entry(label, ratio, press))
+    return entries
+
+
+@dataclass
+class Record:
+    sample: int
+    task: str
+    label: str
+    ratio: float
+    answer: str
+    score: float
+    kv_bytes: int
+    full_kv_bytes: int
+    kl: float | None = None
+    top1: float | None = None
+    hidden_error: list[float] = field(default_factory=list)
+    eviction_loss: list[float] = field(default_factory=list)
+
+
+def _routed(press, model):
+    return press(model) if press is not None and not press.is_noop else nullcontext()
+
+
+def _crop_to(cache, length: int) -> None:
+    cache.crop(length - cache.get_seq_length())
+
+
+@torch.inference_mode()
+def _teacher_forced(model, press, cache, tokens: torch.Tensor):
+    length = cache.get_seq_length()
+    with _routed(press, model):
+        out = model(input_ids=tokens, use_cache=True, output_hidden_states=True, **{_cache_key(model): cache})
+    _crop_to(output_cache(out), length)
+    return out.logits[0], [h[0] for h in out.hidden_states]
+
+
+@torch.inference_mode()
+def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int = 0, question_aware: bool = False,
+                    max_new_tokens: int = 16, window: int = 64, on_entry=None) -> list[Record]:
+    """All entries on one sample from a single prefill; the full cache is recorded as ``label='full'``."""
+    device = next(model.parameters()).device
+    eos = eos_ids(model, tokenizer)
+    head, tail = split_prompt(tokenizer, sample.context, sample.question)
+    head_ids, tail_ids = encode(tokenizer, head, device), encode(tokenizer, tail, device)
+    prompt = torch.cat([head_ids, tail_ids], 1) if question_aware else head_ids
+    prefill = capture_prefill(model, prompt)
+    length = prefill.seq_len
+
+    def answer(press, cache):
+        with _routed(press, model):
+            if question_aware:
+                tokens, cache = greedy_decode(model, prefill.logits, cache, max_new_tokens, eos)
+            else:
+                tokens, cache = greedy_continue(model, tail_ids, cache, max_new_tokens, eos)
+        _crop_to(cache, length)
+        return tokens
+
+    full_cache = prefill.full_cache
+    full_bytes = sum(t.numel() * t.element_size() for c in prefill.layers for t in (c.keys, c.values))
+    full_tokens = answer(None, full_cache)
+    first = [int(prefill.logits.argmax(-1))]
+    continuation = (full_tokens or first) if question_aware else full_tokens
+    forced = torch.tensor([continuation], device=device, dtype=torch.long)
+    if not question_aware:
+        forced = torch.cat([tail_ids, forced], 1)
+    full_logits, full_hidden = _teacher_forced(model, None, full_cache, forced)
+    full_text = tokenizer.decode(full_tokens, skip_special_tokens=True).strip()
+    records = [Record(index, sample.task, "full", 0.0, full_text, score_sample(sample, full_text), full_bytes,
+                      full_bytes, 0.0, 1.0, [0.0] * len(prefill.layers), [0.0] * len(prefill.layers))]
+    for entry in entries:
+        keep = prefill.keep_masks(entry.press)
+        cache = prefill.compressed_cache(entry.press, keep)
+        kv_bytes = cache.nbytes() if hasattr(cache, "nbytes") else full_bytes
+        text = tokenizer.decode(answer(entry.press, cache), skip_special_tokens=True).strip()
+        logits, hidden = _teacher_forced(model, entry.press, cache, forced)
+        signal = fidelity(full_logits, logits, full_hidden, hidden)
+        loss = eviction_loss(prefill, keep, window=window)
+        records.append(Record(index, sample.task, entry.label, entry.ratio, text, score_sample(sample, text),
+                              kv_bytes, full_bytes, signal["kl"], signal["top1"], signal["hidden_error"],
+                              loss.tolist()))
+        del cache
+        if on_entry is not None:
+            on_entry()
+    return records
+
+
+def evaluate(model, tokenizer, samples, entries: list[Entry], question_aware: bool = False, max_new_tokens: int = 16,
+             progress: bool = True) -> "EvalResult":
+    """Fan-out evaluation of ``entries`` on ``samples`` (one prefill per sample)."""
+    start = time.perf_counter()
+    records = []
+    bar = tqdm(total=len(samples) * (len(entries) + 1), disable=not progress, desc="evaluating", unit="run")
+    for i, sample in enumerate(samples):
+        records += evaluate_sample(model, tokenizer, sample, entries, i, question_aware, max_new_tokens,
+                                   on_entry=bar.update)
+        bar.update(1)
+    bar.close()
+    return EvalResult(records, time.perf_counter() - start, question_aware)
+
+
+def evaluate_separately(model, tokenizer, samples, entries: list[Entry], question_aware: bool = False,
+                        max_new_tokens: int = 16, progress: bool = True) -> list[list[str]]:
+    """Answers with one full prefill per (sample, entry): the slow path fan-out must match."""
+    answers = []
+    bar = tqdm(total=len(samples) * len(entries), disable=not progress, desc="separate runs", unit="run")
+    for sample in samples:
+        row = []
+        for entry in entries:
+            row.append(generate(model, tokenizer, sample.context, [sample.question], press=entry.press,
+                                max_new_tokens=max_new_tokens, question_aware=question_aware)[0])
+            bar.update(1)
+        answers.append(row)
+    bar.close()
+    return answers
+
+
+@dataclass
+class EvalResult:
+    records: list[Record]
+    seconds: float
+    question_aware: bool
+
+    def summary(self) -> list[dict]:
+        """Per (label, ratio): accuracy with a 95% CI, fidelity, eviction loss, KV bytes."""
+        cells: dict[tuple[str, float], list[Record]] = {}
+        for r in self.records:
+            cells.setdefault((r.label, r.ratio), []).append(r)
+        rows = []
+        for (label, ratio), recs in cells.items():
+            scores = [r.score for r in recs]
+            n = len(scores)
+            mean = sum(scores) / n
+            var = sum((s - mean) ** 2 for s in scores) / max(n - 1, 1)
+            n_layers = len(recs[0].eviction_loss)
+            rows.append({
+                "label": label, "ratio": ratio, "n": n, "accuracy": mean,
+                "ci95": 1.96 * math.sqrt(var / n) if n > 1 else float("nan"),
+                "kl": _mean([r.kl for r in recs]), "top1": _mean([r.top1 for r in recs]),
+                "eviction_loss": _mean([_mean(r.eviction_loss) for r in recs]),
+                "eviction_loss_per_layer": [_mean([r.eviction_loss[i] for r in recs]) for i in range(n_layers)],
+                "hidden_error_per_layer": [_mean([r.hidden_error[i] for r in recs]) for i in range(n_layers)],
+                "kv_bytes": _mean([r.kv_bytes for r in recs]),
+                "kv_fraction": _mean([r.kv_bytes / r.full_kv_bytes for r in recs]),
+            })
+        return rows
+
+    def to_dict(self) -> dict:
+        return {"seconds": self.seconds, "question_aware": self.question_aware, "summary": self.summary(),
+                "records": [asdict(r) for r in self.records]}
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None

@@ -1,0 +1,63 @@
+"""Fan-out evaluation: one prefill per sample gives exactly the answers of separate runs."""
+
+import pytest
+import torch
+
+from conftest import build_model
+from kvpress_ada import AdaHead, Pipeline, SnapKV
+from kvpress_ada.eval import Sample
+from kvpress_ada.eval.runner import evaluate, evaluate_separately, grid
+from kvpress_ada.eval.signals import eviction_loss
+from kvpress_ada.integration.fanout import capture_prefill
+
+SAMPLES = [
+    Sample(context="The pass key is 4821. " + "Blue doors and seven gates. " * 4, question="What is the pass key?",
+           answers=["4821"], task="passkey", metric="string_match_all"),
+    Sample(context="Remember: the magic word is tulip. " + "Grey clouds over a quiet lake. " * 3,
+           question="What is the magic word?", answers=["tulip"], task="passkey", metric="string_match_all"),
+]
+
+
+@pytest.mark.parametrize("question_aware", [False, True])
+def test_fanout_answers_equal_separate_runs(tokenizer, question_aware):
+    model = build_model("qwen2", seed=3)
+    entries = grid(["snapkv", "ada_snapkv", "ada_pyramidkv", "h2o", "ada_criticalkv", "streamingllm"], [0.3, 0.7])
+    result = evaluate(model, tokenizer, SAMPLES, entries, question_aware=question_aware, max_new_tokens=5,
+                      progress=False)
+    separate = evaluate_separately(model, tokenizer, SAMPLES, entries, question_aware=question_aware,
+                                   max_new_tokens=5, progress=False)
+    for i, row in enumerate(separate):
+        fanned = [r.answer for r in result.records if r.sample == i and r.label != "full"]
+        assert fanned == row
+    full = [r for r in result.records if r.label == "full"]
+    assert len(full) == len(SAMPLES) and all(r.kl == 0.0 for r in full)
+
+
+def test_summary_signals_are_sane(tokenizer):
+    model = build_model("llama", seed=4)
+    entries = grid(["snapkv", "ada_snapkv"], [0.2, 0.8])
+    rows = {(r["label"], r["ratio"]): r for r in evaluate(model, tokenizer, SAMPLES, entries, max_new_tokens=3,
+                                                          progress=False).summary()}
+    assert rows[("full", 0.0)]["kv_fraction"] == 1.0
+    for label in ("snapkv", "ada_snapkv"):
+        low, high = rows[(label, 0.2)], rows[(label, 0.8)]
+        # bytes held include the decode reserve (32 slots per row), large next to these tiny contexts
+        assert high["kv_fraction"] < low["kv_fraction"] and high["kv_fraction"] < 1.0
+        assert high["eviction_loss"] >= low["eviction_loss"] >= 0.0
+        assert 0.0 <= high["top1"] <= 1.0 and high["kl"] >= 0.0
+        assert len(high["eviction_loss_per_layer"]) == model.config.num_hidden_layers
+
+
+def test_eviction_loss_zero_when_keeping_everything(llama):
+    prefill = capture_prefill(llama, torch.randint(5, 100, (1, 80)))
+    keep_all = [torch.ones(c.keys.shape[:3], dtype=torch.bool) for c in prefill.layers]
+    assert float(eviction_loss(prefill, keep_all).abs().max()) == 0.0
+    press = Pipeline(scorer=SnapKV(window=8), allocator=AdaHead(), compression_ratio=0.8)
+    assert float(eviction_loss(prefill, prefill.keep_masks(press)).min()) > 0.0
+
+
+def test_custom_config_grid_overrides_ratio():
+    base = Pipeline(scorer=SnapKV(window=16), allocator=AdaHead(alpha=0.5), budget=10)
+    entries = grid({"mine": base}, [0.25, 0.5])
+    assert [e.press.compression_ratio for e in entries] == [0.25, 0.5]
+    assert all(e.press.budget is None and e.press.scorer == SnapKV(window=16) for e in entries)

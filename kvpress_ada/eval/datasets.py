@@ -265,7 +265,7 @@ def _ruler_sample(row: Mapping[str, Any], where: str, task: str | None,
     if answer_prefix and row.get("answer_prefix"):
         question = question + str(row["answer_prefix"])
     refs = [refs] if isinstance(refs, str) else [str(r) for r in refs]
-    name = task or family or "ruler"
+    name = task or family or "unknown"
     meta = {"benchmark": "ruler", "index": row.get("index"), "length": row.get("length"),
             "answer_prefix": row.get("answer_prefix"),
             "max_new_tokens": row.get("max_new_tokens")}

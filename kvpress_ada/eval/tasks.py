@@ -120,10 +120,14 @@ def _corpus() -> tuple[tuple[str, ...], str]:
                 continue
             if len(lines) >= 2 and set(lines[-1].strip()) <= set("*=-^~"):
                 continue
+            if any(line.startswith(("+", "|")) or "---" in line or "===" in line
+                   for line in lines):  # tables
+                continue
             para = " ".join(line.strip() for line in lines)
             for sent in re.split(r"(?<=[.!?])\s+(?=[A-Z\"(])", para):
                 sent = sent.strip()
-                if len(sent.split()) >= 4 and sent[-1] in ".!?":
+                words = sent.split()
+                if len(words) >= 4 and sent[-1] in ".!?" and max(map(len, words)) <= 40:
                     sentences.append(sent)
     whole = "\n".join(topics[k] for k in sorted(topics))
     return tuple(sentences), whole
@@ -148,10 +152,12 @@ def _manual_words() -> tuple[str, ...]:
 
 
 def _too_small(task: str, context_tokens: int, needed: int) -> ValueError:
+    # needles differ between samples: suggest a size that fits (almost) every seed
+    safe = -(-needed * 5 // 4) + 8
     return ValueError(
         f"context_tokens={context_tokens} is too small for task {task!r}: its instruction "
         f"and needles alone take about {needed} tokens with this tokenizer; use "
-        f"context_tokens >= {needed}")
+        f"context_tokens >= {safe}")
 
 
 _MIN_HAYSTACK_TOKENS = 32
@@ -335,50 +341,55 @@ def _vartrack(tok, rng, n_tokens, num_chains: int = 2, num_hops: int = 4):
     return ctx, q, answers, {"distractors": names[num_hops + 1:]}
 
 
+_CWE_PREFACE = ("Below is a numbered list of words. Some words appear much more often than "
+                "others. Memorize the ones that appear most often.\n\n")
+_CWE_QUESTION = ("What are the {k} most common words in the list above? Answer with the "
+                 "words only, separated by commas.")
+
+
 def _cwe(tok, rng, n_tokens, num_common: int = 3, freq_uncommon: int = 2):
-    pool = _manual_words()
-    order = rng.sample(range(len(pool)), len(pool))
+    prompt = (_CWE_PREFACE + _CWE_QUESTION).lower()
+    pool = [w for w in _manual_words() if w not in prompt]  # no answer in the question
     common: list[str] = []
     others: list[str] = []
-    for i in order:  # no chosen word may contain a common word (substring scoring)
-        w = pool[i]
+    for i in rng.sample(range(len(pool)), len(pool)):
+        w = pool[i]  # no listed word may contain a common word (substring scoring)
         if len(common) < num_common:
             if not any(c in w or w in c for c in common):
                 common.append(w)
         elif not any(c in w for c in common):
             others.append(w)
-    preface = ("Below is a numbered list of words. Some words appear much more often than "
-               "others. Memorize the ones that appear most often.\n\n")
+    preface = _CWE_PREFACE
     per_entry = max(1.0, _count(tok, "\n".join(f"{i + 101}. {w}" for i, w in
                                               enumerate(others[:50]))) / 50)
     capacity = max(0, int((n_tokens - _count(tok, preface)) / per_entry))
     # long lists repeat the uncommon words more often rather than run out of words
-    freq_uncommon = max(freq_uncommon, -(-capacity // max(1, len(others) - 1)))
+    freq_uncommon = max(freq_uncommon, -(-capacity // max(1, len(others) - 64)))
     freq_common = max(3 * freq_uncommon, capacity // 30)
     shuffle_seed = rng.random()
 
-    def assemble(m: int, extra: int = 0) -> str:
-        entries = common * freq_common + others[:m] * freq_uncommon + [others[m]] * extra
+    def assemble(m: int, singles: Sequence[str] = ()) -> str:
+        entries = common * freq_common + others[:m] * freq_uncommon + list(singles)
         random.Random(shuffle_seed).shuffle(entries)
         return preface + "\n".join(f"{i + 1}. {w}" for i, w in enumerate(entries))
 
     needed = _count(tok, assemble(num_common))
     if needed > n_tokens:
         raise _too_small("cwe", n_tokens, needed)
-    lo, hi = num_common, min(len(others) - 1, capacity + 1)
+    lo, hi = num_common, min(len(others) - 64, capacity + 1)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if _count(tok, assemble(mid)) <= n_tokens:
             lo = mid
         else:
             hi = mid - 1
-    extra = 0
-    while extra + 1 < freq_uncommon and _count(tok, assemble(lo, extra + 1)) <= n_tokens:
-        extra += 1
-    q = (f"What are the {num_common} most common words in the list above? Answer with the "
-         "words only, separated by commas.")
-    return assemble(lo, extra), q, list(common), {
-        "distractors": others[:lo + (extra > 0)], "freq_common": freq_common}
+    singles: list[str] = []  # fill the last few tokens with words listed once
+    for w in others[lo:lo + 16]:
+        if _count(tok, assemble(lo, singles + [w])) <= n_tokens:
+            singles.append(w)
+    q = _CWE_QUESTION.format(k=num_common)
+    return assemble(lo, singles), q, list(common), {
+        "distractors": others[:lo] + singles, "freq_common": freq_common}
 
 
 TASKS: dict[str, TaskSpec] = {

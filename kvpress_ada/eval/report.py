@@ -1,0 +1,47 @@
+"""Tables and plots for evaluation results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def format_table(summary: list[dict]) -> str:
+    """A plain-text table: accuracy (95% CI), KL, top-1, eviction loss, KV bytes per label x ratio."""
+    header = f"{'press':<24}{'ratio':>6}{'n':>5}{'accuracy':>17}{'KL':>9}{'top1':>7}{'evict L1':>10}{'KV MB':>9}{'KV frac':>9}"
+    lines = [header, "-" * len(header)]
+    for row in sorted(summary, key=lambda r: (r["label"] != "full", r["label"], r["ratio"])):
+        acc = f"{row['accuracy']:.3f} ± {row['ci95']:.3f}" if row["ci95"] == row["ci95"] else f"{row['accuracy']:.3f}"
+        lines.append(f"{row['label']:<24}{row['ratio']:>6.2f}{row['n']:>5}{acc:>17}{row['kl']:>9.4f}{row['top1']:>7.3f}"
+                     f"{row['eviction_loss']:>10.4f}{row['kv_bytes'] / 2**20:>9.2f}{row['kv_fraction']:>9.3f}")
+    return "\n".join(lines)
+
+
+def plot_accuracy(summary: list[dict], path: str | Path, title: str = "") -> Path:
+    """PNG of accuracy vs compression ratio, one line per press (full cache as a dashed line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    full = [r for r in summary if r["label"] == "full"]
+    labels = sorted({r["label"] for r in summary} - {"full"})
+    for label in labels:
+        rows = sorted((r for r in summary if r["label"] == label), key=lambda r: r["ratio"])
+        x = [r["ratio"] for r in rows]
+        y = [r["accuracy"] for r in rows]
+        err = [0.0 if r["ci95"] != r["ci95"] else r["ci95"] for r in rows]
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=label, linestyle="--" if "ada" not in label else "-")
+    if full:
+        ax.axhline(full[0]["accuracy"], color="black", linestyle=":", label="full cache")
+    ax.set_xlabel("compression ratio (fraction of KV entries evicted)")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,79 @@
+"""The kvpress-ada command line on a tiny local model: eval end to end, one-line errors, exit 2."""
+
+import json
+
+import pytest
+
+from conftest import build_model, build_tokenizer
+from kvpress_ada.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    model = build_model("llama", max_position_embeddings=4096)
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def test_eval_writes_results_and_plot(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["eval", "--model", tiny_model_dir, "--presets", "snapkv,ada_snapkv", "--ratios", "0.5,0.75",
+                 "--tasks", "passkey", "--n", "2", "--context", "300", "--max-new-tokens", "3", "--out", str(out),
+                 "--no-progress"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "ada_snapkv" in printed and "accuracy" in printed
+    data = json.loads((out / "results.json").read_text())
+    cells = {(r["label"], r["ratio"]) for r in data["summary"]}
+    assert cells == {("full", 0.0), ("snapkv", 0.5), ("snapkv", 0.75), ("ada_snapkv", 0.5), ("ada_snapkv", 0.75)}
+    assert (out / "accuracy.png").stat().st_size > 1000
+
+
+def test_eval_with_config_file(tiny_model_dir, tmp_path):
+    config = tmp_path / "mine.yaml"
+    config.write_text("scorer: {name: tova}\nallocator: {name: ada, alpha: 0.5}\ncompression_ratio: 0.5\n")
+    out = tmp_path / "run"
+    assert main(["eval", "--model", tiny_model_dir, "--presets", "", "--config", str(config), "--ratios", "0.5",
+                 "--tasks", "passkey", "--n", "1", "--context", "200", "--max-new-tokens", "2", "--out", str(out),
+                 "--no-progress"]) == 0
+    labels = {r["label"] for r in json.loads((out / "results.json").read_text())["summary"]}
+    assert labels == {"full", "mine"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--presets", "snapkv,nope"], "unknown preset 'nope'; valid presets: snapkv"),
+    (["--tasks", "passkey,bogus"], "unknown task 'bogus'; valid tasks: passkey"),
+    (["--ratios", "0.5,1.0"], "--ratios must be in [0, 1)"),
+    (["--ratios", "abc"], "comma-separated numbers"),
+    (["--n", "0"], "--n must be >= 1"),
+    (["--config", "/no/such/file.json"], "no such file"),
+])
+def test_eval_bad_input_one_line_exit_2(args, message, capsys):
+    assert main(["eval", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_context_longer_than_model_supports(tiny_model_dir, capsys):
+    assert main(["eval", "--model", tiny_model_dir, "--context", "5000", "--n", "1"]) == 2
+    assert "longer than the model supports (4096" in capsys.readouterr().err
+
+
+def test_demo_bad_ratio(capsys):
+    assert main(["demo", "--ratio", "1.5"]) == 2
+    assert "--ratio must be in [0, 1)" in capsys.readouterr().err
+
+
+def test_bad_config_content(tmp_path, capsys):
+    config = tmp_path / "bad.json"
+    config.write_text('{"scorer": {"name": "snapkv"}, "compression_ratio": 2}')
+    assert main(["eval", "--config", str(config)]) == 2
+    assert "compression_ratio" in capsys.readouterr().err
+
+
+def test_demo_runs_on_a_local_model(tiny_model_dir, capsys):
+    assert main(["demo", "--model", tiny_model_dir, "--context", "300", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "full cache" in out and "ada_snapkv @ 75%" in out and "KV bytes" in out

@@ -110,15 +110,15 @@ def _ragged_attn_split_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        # 64-bit base pointers of this split, 32-bit offsets inside it (split <= 2^31 / D)
+        k_base = K_ptr + (base + lo) * stride_k
+        v_base = V_ptr + (base + lo) * stride_v
+        offs_j = tl.arange(0, BLOCK_N)
         for start in range(lo, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
+            offs_n = start + offs_j
             kv_mask = offs_n < hi
-            rows = base + offs_n
-            k = tl.load(
-                K_ptr + rows[:, None] * stride_k + offs_d[None, :],
-                mask=kv_mask[:, None],
-                other=0.0,
-            )
+            rel = (offs_n - lo)[:, None]
+            k = tl.load(k_base + rel * stride_k + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -131,11 +131,7 @@ def _ragged_attn_split_kernel(
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(
-                V_ptr + rows[:, None] * stride_v + offs_d[None, :],
-                mask=kv_mask[:, None],
-                other=0.0,
-            )
+            v = tl.load(v_base + rel * stride_v + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
             if IEEE:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -174,7 +170,9 @@ def _ragged_attn_reduce_kernel(
     stride_pacc_m,
     HEAD_DIM: tl.constexpr,
     R_PAD: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
+    """Merge the split partials of one (row, query): BLOCK_S splits per step."""
     row = tl.program_id(0)
     m = tl.program_id(1)  # query index within the row's G * Q
     ridx = tl.arange(0, R_PAD)
@@ -185,21 +183,27 @@ def _ragged_attn_reduce_kernel(
     count = tl.sum(tl.where(ridx == row, nsp, 0), axis=0)
 
     offs_d = tl.arange(0, HEAD_DIM)
-    m_run = tl.full([1], float("-inf"), dtype=tl.float32)
-    l_run = tl.zeros([1], dtype=tl.float32)
+    offs_s = tl.arange(0, BLOCK_S)
+    m_run = tl.max(tl.full([BLOCK_S], float("-inf"), dtype=tl.float32), axis=0)
+    l_run = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), axis=0)
     acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    zero1 = tl.zeros([1], dtype=tl.int32)
-    for s in range(count):
-        slot = (first + s).to(tl.int64)
-        pm = tl.load(PM_ptr + slot * stride_pm + m + zero1)
-        pl = tl.load(PL_ptr + slot * stride_pm + m + zero1)
-        pa = tl.load(PACC_ptr + slot * stride_pacc_s + m * stride_pacc_m + offs_d)
-        m_new = tl.maximum(m_run, pm)
+    for s0 in range(0, count, BLOCK_S):
+        idx = s0 + offs_s
+        valid = idx < count
+        slot = (first + idx).to(tl.int64)
+        pm = tl.load(PM_ptr + slot * stride_pm + m, mask=valid, other=float("-inf"))
+        pl = tl.load(PL_ptr + slot * stride_pm + m, mask=valid, other=0.0)
+        pa = tl.load(
+            PACC_ptr + slot[:, None] * stride_pacc_s + m * stride_pacc_m + offs_d[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        m_new = tl.maximum(m_run, tl.max(pm, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         a = tl.exp2(m_run - m_safe)
         w = tl.exp2(pm - m_safe)
-        l_run = l_run * a + w * pl
-        acc = acc * a + w * pa
+        l_run = l_run * a + tl.sum(w * pl, axis=0)
+        acc = acc * a + tl.sum(w[:, None] * pa, axis=0)
         m_run = m_new
     l_safe = tl.where(l_run > 0.0, l_run, 1.0)
     out = tl.where(l_run > 0.0, acc / l_safe, 0.0)
@@ -294,10 +298,12 @@ def default_config(
     head dim / dtype (sm_80 and sm_86 included): 16-bit caches use 3 pipeline stages,
     fp32 ones 2 and half the ``block_n`` at ``head_dim >= 128``.
     """
-    row_bytes = head_dim * (4 if dtype == torch.float32 else 2)
-    block_m_cap = 64 if row_bytes <= 256 else (32 if row_bytes <= 512 else 16)
-    block_m = min(max(16, _next_pow2(m_total)), block_m_cap)
     wide = dtype == torch.float32
+    if wide:  # fp32 dots run on FMA units: small tiles, or registers spill
+        block_m_cap = 32 if head_dim <= 64 else 16
+    else:
+        block_m_cap = 64 if head_dim <= 128 else 32
+    block_m = min(max(16, _next_pow2(m_total)), block_m_cap)
     if wide:
         block_n = 64 if head_dim < 128 else 32
         num_stages = 2
@@ -313,7 +319,7 @@ def default_config(
         "block_m": block_m,
         "block_n": block_n,
         "split_size": split,
-        "num_warps": 4,
+        "num_warps": 8 if wide else 4,  # fp32 runs on FMA units: 4 warps spill
         "num_stages": num_stages,
     }
 
@@ -426,7 +432,9 @@ def ragged_attention_triton(
             pacc.stride(1),
             HEAD_DIM=D,
             R_PAD=r_pad,
-            num_warps=1 if D <= 64 else 2,
+            BLOCK_S=32 if D <= 128 else 16,
+            num_warps=4,
+            num_stages=2,
         )
     else:
         out.zero_()
@@ -474,6 +482,7 @@ def compact_triton(
         BLOCK_L=block_l,
         BLOCK_D=block_d,
         num_warps=4,
+        num_stages=1,
     )
 
 

@@ -1,0 +1,97 @@
+"""Compile the Triton kernels for a GPU target on a machine without a GPU.
+
+The interpreter (``TRITON_INTERPRET=1``) checks the kernels' arithmetic but not their real
+code generation; this module runs Triton's full pipeline (TTIR -> PTX -> cubin with the
+bundled ptxas) for ``sm_90`` with the launch configs of :func:`default_config`, so
+codegen errors, shared-memory overruns and unpipelined loads show up in CPU-only CI.
+
+    python -m kvpress_ada.kernels.aot_check --dtype bf16 --head-dim 128 --m 4
+
+Must run *without* ``TRITON_INTERPRET`` (prints JSON, one line per kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+
+def _compile(kernel, types, consts, num_warps, num_stages, arch):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in names}
+    # the runtime specialises 16-aligned pointers / multiple-of-16 ints the same way
+    div = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(names)
+        if n not in consts and (n.endswith("_ptr") or n.startswith("stride"))
+    }
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=div)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx = k.asm["ptx"]
+    return {"shared": k.metadata.shared, "cp_async": ptx.count("cp.async"), "ptx_lines": ptx.count("\n")}
+
+
+def check(dtype: str, head_dim: int, m_total: int, arch: int = 90) -> dict:
+    """Compile the split, reduce and compact kernels for one (dtype, head_dim, G*Q)."""
+    import torch
+
+    from . import triton_kernels as tk
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("aot_check must run without TRITON_INTERPRET")
+    tdt = getattr(torch, _DTYPES[dtype])
+    cfg = tk.default_config(head_dim, m_total, 1 << 20, tdt, torch.device("cpu"))
+    f32 = {"PM_ptr": "*fp32", "PL_ptr": "*fp32", "PACC_ptr": "*fp32", "LEN_ptr": "*i32"}
+    t = "*" + dtype
+    out = {"dtype": dtype, "head_dim": head_dim, "m_total": m_total, "config": cfg}
+    out["split"] = _compile(
+        tk._ragged_attn_split_kernel,
+        {"Q_ptr": t, "K_ptr": t, "V_ptr": t, "OFF_ptr": "*i32", "qk_scale": "fp32", **f32},
+        dict(HEAD_DIM=head_dim, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], R_PAD=16, IEEE=dtype == "fp32"),
+        cfg["num_warps"],
+        cfg["num_stages"],
+        arch,
+    )
+    out["reduce"] = _compile(
+        tk._ragged_attn_reduce_kernel,
+        {"O_ptr": t, **f32},
+        dict(HEAD_DIM=head_dim, R_PAD=16, BLOCK_S=32 if head_dim <= 128 else 16),
+        4,
+        2,
+        arch,
+    )
+    out["compact"] = _compile(
+        tk._compact_kernel,
+        {"K_ptr": t, "V_ptr": t, "KF_ptr": t, "VF_ptr": t, "KEEP_ptr": "*u8", "CSUM_ptr": "*i32", "OFF_ptr": "*i32"},
+        dict(BLOCK_L=64, BLOCK_D=max(16, head_dim)),
+        4,
+        1,
+        arch,
+    )
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", choices=sorted(_DTYPES), nargs="+", default=["bf16"])
+    p.add_argument("--head-dim", type=int, nargs="+", default=[128])
+    p.add_argument("--m", type=int, nargs="+", default=[4], help="G * Q query rows per kv row")
+    p.add_argument("--arch", type=int, default=90)
+    a = p.parse_args(argv)
+    for dt in a.dtype:
+        for d in a.head_dim:
+            for m in a.m:
+                print(json.dumps(check(dt, d, m, a.arch)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""KV-cache bytes and process peak memory: full cache vs SnapKV vs Ada-SnapKV (ragged cache).
+
+For every (context length, config) a fresh subprocess loads the model, warms up on a short
+prompt, resets the kernel's RSS high-water mark (``/proc/self/clear_refs``), then runs
+
+  prefill + layer-by-layer compression (``with press(model)``, logits for the last position only)
+  -> ``--decode-steps`` greedy decode steps (each appends one token to the cache)
+
+and reports:
+
+* KV bytes held (``RaggedCache.nbytes()``; the dense ``DynamicCache`` tensors for the full cache)
+  right after compression and after decoding, absolute and as a fraction of the full cache;
+* the documented bound right after compression:
+  ``nbytes <= ((1 - r) + 0.03) * full + n_layers * B * H_kv * decode_reserve * head_dim * 2 * itemsize``
+  (``decode_reserve`` is read from the library's ``RaggedLayer``);
+* peak RSS (``VmHWM``) of the prefill+compression phase and of the decode phase, absolute and as a
+  delta over the RSS after model load and warm-up.
+
+Why RSS: on CPU, torch has no caching allocator with statistics (``torch.cuda.max_memory_allocated``
+has no CPU counterpart) and ``tracemalloc`` does not see tensor storage (allocated by c10, not by
+Python's allocator). The RSS high-water of a dedicated process is what the operating system really had
+to provide; a subprocess per config keeps peaks from mixing. KV bytes are exact (tensor sizes); the
+RSS peaks also include activations, the model's weights (in the absolute numbers) and allocator slack.
+
+    python benchmarks/memory.py                 # 2k and 4k, full/snapkv/ada_snapkv x r in {0.5, 0.75, 0.9}
+    python benchmarks/memory.py --quick         # smoke run on a tiny random model (< 1 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+BOUND_SLACK = 0.03
+
+
+# ----------------------------------------------------------------------------- worker (one config)
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak() -> bool:
+    """Reset the RSS high-water mark (Linux >= 4.0); False where unsupported."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mib() -> float:
+    hwm = _status_kib("VmHWM")
+    if hwm is None:  # not Linux: the lifetime maximum, in KiB on Linux and bytes on macOS
+        r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return r / 2**20 if sys.platform == "darwin" else r / 1024
+    return hwm / 1024
+
+
+def rss_mib() -> float:
+    rss = _status_kib("VmRSS")
+    return rss / 1024 if rss is not None else float("nan")
+
+
+def _prefill(model, ids, press):
+    """Prefill (and compress, under a press) keeping logits for the last position only."""
+    import torch
+
+    key = common.cache_kwarg(model)
+    with torch.inference_mode(), common.press_context(press, model):
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{key: None})
+    return common.output_cache(out), out.logits[:, -1].argmax(-1, keepdim=True)
+
+
+def worker(cfg: dict) -> dict:
+    import torch
+
+    from kvpress_ada import preset
+
+    threads = common.set_threads(cfg["threads"])
+    model, tok = common.load_model(cfg["model"])
+    geom = common.kv_geometry(model)
+    L, steps = cfg["context"], cfg["decode_steps"]
+    ids = common.context_ids(tok, L, model.config.vocab_size)
+    press = None if cfg["method"] == "full" else preset(cfg["method"], compression_ratio=cfg["ratio"])
+
+    # warm-up on a short prompt: one-time allocations (op registration, lazily built buffers) do not count
+    warm_len = min(L, 256)
+    cache, nxt = _prefill(model, ids[:, :warm_len], press)
+    common.decode(model, cache, nxt, 2, press)
+    del cache, nxt
+    gc.collect()
+
+    supported = reset_peak()
+    base = rss_mib()
+    t0 = time.perf_counter()
+    cache, nxt = _prefill(model, ids, press)
+    t_prefill = time.perf_counter() - t0
+    peak_prefill = peak_rss_mib()
+    kv_compressed = common.cache_nbytes(cache)
+    kept = common.kept_tokens(cache)
+    lengths = None
+    if hasattr(cache, "head_lengths"):
+        per_head = torch.stack([cache.head_lengths(i).flatten() for i in range(len(cache.layers))])
+        lengths = {"min": int(per_head.min()), "mean": float(per_head.float().mean()), "max": int(per_head.max())}
+    reserve_slots = getattr(cache.layers[0], "decode_reserve", 0) if press is not None else 0
+
+    reset_peak()
+    t0 = time.perf_counter()
+    tokens = common.decode(model, cache, nxt, steps, press)
+    t_decode = time.perf_counter() - t0
+    peak_decode = peak_rss_mib()
+    kv_decoded = common.cache_nbytes(cache)
+
+    full = common.full_kv_bytes(geom, ids.shape[0], L)
+    reserve = geom["n_layers"] * ids.shape[0] * geom["n_kv_heads"] * reserve_slots * geom["head_dim"] * 2 * geom[
+        "itemsize"]
+    result = dict(cfg)
+    result.update({
+        "threads_used": threads,
+        "geometry": geom,
+        "full_kv_bytes": full,
+        "kv_bytes_compressed": kv_compressed,
+        "kv_fraction_compressed": kv_compressed / full,
+        "kv_bytes_after_decode": kv_decoded,
+        "kv_fraction_after_decode": kv_decoded / full,
+        "kept_tokens": kept,
+        "kept_fraction": kept / (geom["n_layers"] * ids.shape[0] * geom["n_kv_heads"] * L),
+        "head_lengths": lengths,
+        "decode_reserve": reserve_slots,
+        "peak_reset_supported": supported,
+        "rss_base_mib": base,
+        "peak_rss_prefill_mib": peak_prefill,
+        "peak_rss_decode_mib": peak_decode,
+        "peak_rss_mib": max(peak_prefill, peak_decode),
+        "peak_delta_prefill_mib": peak_prefill - base,
+        "peak_delta_decode_mib": peak_decode - base,
+        "rss_end_mib": rss_mib(),
+        "prefill_s": t_prefill,
+        "decode_s": t_decode,
+        "decoded_tokens": tokens,
+    })
+    if press is not None:
+        bound = ((1 - cfg["ratio"]) + BOUND_SLACK) * full + reserve
+        result.update({"bound_bytes": bound, "reserve_bytes": reserve, "bound_ok": kv_compressed <= bound,
+                       "bound_margin": kv_compressed / bound})
+    return result
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def configs(args) -> list[dict]:
+    out = []
+    for L in args.contexts:
+        out.append(dict(model=args.model, context=L, method="full", ratio=0.0, decode_steps=args.decode_steps,
+                        threads=args.threads))
+        for method in args.methods:
+            for r in args.ratios:
+                out.append(dict(model=args.model, context=L, method=method, ratio=r, decode_steps=args.decode_steps,
+                                threads=args.threads))
+    return out
+
+
+def run_one(cfg: dict, timeout: float) -> dict:
+    cmd = [common.python(), str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=common.ROOT,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"worker failed for {cfg} (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def table(results: list[dict]) -> str:
+    headers = ["ctx", "method", "r", "KV MiB (compr.)", "frac", "bound MiB", "ok", f"KV MiB (+decode)",
+               "peak dRSS prefill MiB", "peak dRSS decode MiB", "peak RSS MiB", "kept/head min-mean-max"]
+    rows = []
+    for x in results:
+        hl = x["head_lengths"]
+        rows.append([
+            x["context"], x["method"], f"{x['ratio']:.2f}" if x["method"] != "full" else "-",
+            f"{x['kv_bytes_compressed'] / 2**20:.1f}", f"{x['kv_fraction_compressed']:.3f}",
+            f"{x['bound_bytes'] / 2**20:.1f}" if "bound_bytes" in x else "-",
+            ("PASS" if x["bound_ok"] else "FAIL") if "bound_ok" in x else "-",
+            f"{x['kv_bytes_after_decode'] / 2**20:.1f}",
+            f"{x['peak_delta_prefill_mib']:.0f}", f"{x['peak_delta_decode_mib']:.0f}", f"{x['peak_rss_mib']:.0f}",
+            f"{hl['min']}-{hl['mean']:.0f}-{hl['max']}" if hl else "-",
+        ])
+    return common.fmt_table(headers, rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] + " Each config runs in its own subprocess; see the module "
+        "docstring (and benchmarks/README.md) for what is measured and how.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", choices=common.MODEL_CHOICES, default=None,
+                        help="'default' = embedded SmolLM2-135M-Instruct (fp32), 'tiny' = small random Llama "
+                             "(default: 'default', or 'tiny' with --quick)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=None, help="context lengths in tokens "
+                        "(default: 2048 4096; 256 with --quick)")
+    parser.add_argument("--methods", nargs="+", default=["snapkv", "ada_snapkv"], help="presets to compare")
+    parser.add_argument("--ratios", type=float, nargs="+", default=None,
+                        help="compression ratios (default: 0.5 0.75 0.9; 0.75 with --quick)")
+    parser.add_argument("--decode-steps", type=int, default=None, help="decode steps after compression "
+                        "(default: 32; 4 with --quick)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads per worker (memory does not depend on it; 1 keeps runs "
+                             "robust on a shared machine)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per worker")
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run (< 1 min)")
+    parser.add_argument("--out", default=None, help="JSON output path (default: benchmarks/results/memory.json; "
+                        "with --quick a temporary folder, so smoke runs never overwrite results)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker is not None:
+        print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
+        return 0
+
+    q = args.quick
+    args.model = args.model or ("tiny" if q else "default")
+    args.contexts = args.contexts or ([256] if q else [2048, 4096])
+    args.ratios = args.ratios or ([0.75] if q else [0.5, 0.75, 0.9])
+    args.decode_steps = args.decode_steps if args.decode_steps is not None else (4 if q else 32)
+    out = Path(args.out) if args.out else (common.QUICK_DIR if q else common.RESULTS) / "memory.json"
+
+    from tqdm import tqdm
+
+    info = common.machine_info()
+    started = time.perf_counter()
+    results = []
+    for cfg in tqdm(configs(args), desc="memory configs", unit="cfg"):
+        results.append(run_one(cfg, args.timeout))
+    elapsed = time.perf_counter() - started
+
+    print(f"\nKV cache and peak memory ({args.model} model, {args.decode_steps} decode steps, "
+          f"{info['cpu_count']} CPUs, torch {info['torch']})")
+    print(table(results))
+    bound_results = [x for x in results if "bound_ok" in x]
+    verdict = all(x["bound_ok"] for x in bound_results)
+    print(f"\nbound nbytes <= ((1-r)+{BOUND_SLACK})*full + reserve right after compression: "
+          f"{'PASS' if verdict else 'FAIL'} ({sum(x['bound_ok'] for x in bound_results)}/{len(bound_results)})")
+    print(f"total {elapsed:.0f} s")
+    payload = {
+        "benchmark": "memory",
+        "created": common.now_iso(),
+        "machine": info,
+        "settings": {k: v for k, v in vars(args).items() if k != "worker"},
+        "method": "one subprocess per config; RSS high-water (VmHWM) reset after model load + warm-up via "
+                  "/proc/self/clear_refs; KV bytes from tensor sizes",
+        "bound_all_ok": verdict,
+        "elapsed_s": elapsed,
+        "results": results,
+    }
+    common.write_json(out, payload)
+    print(f"wrote {out}")
+    return 0 if verdict else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -117,3 +117,13 @@ def test_different_prompt_lengths_batch_decode(llama):
         alone_b = llama.generate(b, max_new_tokens=5, do_sample=False)
     assert torch.equal(both[0, -5:], alone_a[0, -5:])
     assert torch.equal(both[1, -5:], alone_b[0, -5:])
+
+
+def test_unsupported_uses_fail_clearly(llama):
+    ids = torch.randint(5, 100, (1, 80))
+    press = preset("ada_snapkv", compression_ratio=0.5)
+    with press(llama):
+        with pytest.raises(NotImplementedError, match="beam search"):
+            llama.generate(ids, max_new_tokens=3, num_beams=2, do_sample=False)
+        with pytest.raises(ValueError, match="use_cache=False"):
+            llama(ids, use_cache=False)

@@ -121,7 +121,8 @@ def _make_pre_hook(press, model):
 
     def pre_hook(module, args, kwargs):
         if kwargs.get("use_cache") is False:
-            return args, kwargs
+            raise ValueError("a press compresses the KV cache, but this forward runs with use_cache=False; "
+                             "call the model with use_cache=True (the default of generate) or outside the press")
         given_key = "past_key_values" if "past_key_values" in kwargs else cache_key
         cache = kwargs.get(given_key)
         fresh = cache is None or (type(cache) is DynamicCache and cache.get_seq_length() == 0)

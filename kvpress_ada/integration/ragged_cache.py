@@ -143,6 +143,19 @@ class RaggedLayer(CacheLayerMixin):
         self.k_flat[dst] = old_k[src]
         self.v_flat[dst] = old_v[src]
 
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("beam search is not supported with RaggedCache (rows are ragged per head); "
+                                  "use num_beams=1, or the Mask evictor for a dense cache")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            raise NotImplementedError("expanding a filled RaggedCache along the batch is not supported; "
+                                      "expand the inputs before prefill instead")
+
+    def batch_select_indices(self, indices) -> None:
+        if self.is_initialized:
+            raise NotImplementedError("selecting batch rows of a filled RaggedCache is not supported")
+
     # ------------------------------------------------------------ inspection
     def nbytes(self) -> int:
         tensors = (self.k_flat, self.v_flat) if self.compressed else (self.keys, self.values)

@@ -483,3 +483,27 @@ def test_triton_kernels_compile_for_hopper():
     for row in rows:
         assert row["split"]["shared"] <= 99 * 1024, row  # fits sm_86 and up
         assert row["split"]["cp_async"] > 0, row  # K/V loads are software-pipelined
+
+
+# ----------------------------------------------------------------------------- op registration
+
+
+def test_raw_ops_eager_and_opcheck():
+    """The registered ops (what torch.compile sees) agree with the eager wrappers, and
+    ``torch.library.opcheck`` accepts their schemas, fake kernels and mutation claims."""
+    k, v, offs, lens = make_cache([5, 0, 3, 9], 16, torch.float32, gaps=[2, 2, 2, 2])
+    q = torch.randn(2, 4, 2, 16, device=DEV)
+    out = torch.ops.kvpress_ada.ragged_attention(q, k, v, offs, lens, 0.5)
+    assert_close(out, dense_attention(q, k, v, offs, lens, 0.5), torch.float32)
+    torch.library.opcheck(torch.ops.kvpress_ada.ragged_attention, (q, k, v, offs, lens, 0.5))
+
+    k_new = torch.randn(2, 2, 1, 16, device=DEV)
+    k2, v2, lens2 = k.clone(), v.clone(), lens.clone()
+    torch.ops.kvpress_ada.append(k_new, k_new, k2, v2, offs, lens2)
+    assert lens2.tolist() == [6, 1, 4, 10]
+    torch.library.opcheck(torch.ops.kvpress_ada.append, (k_new, k_new, k.clone(), v.clone(), offs, lens.clone()))
+
+    keys = torch.randn(2, 2, 6, 16, device=DEV)
+    keep = torch.rand(2, 2, 6, device=DEV) < 0.5
+    kf = torch.zeros(40, 16, device=DEV)
+    torch.library.opcheck(torch.ops.kvpress_ada.compact, (keys, keys, keep, offs, kf, kf.clone()))

@@ -259,6 +259,10 @@ def _ragged_attention_op(
     split_size: int = 0,
 ) -> Tensor:
     """Raw op behind :func:`ragged_attention` (no validation): backend dispatch."""
+    return _ragged_attention_impl(q, k_flat, v_flat, row_offsets, row_lengths, scale, split_size)
+
+
+def _ragged_attention_impl(q, k_flat, v_flat, row_offsets, row_lengths, scale, split_size):
     if q.numel() == 0:
         return torch.zeros_like(q)
     if resolve_backend(q.device, q.shape[-1]) == "triton":
@@ -284,6 +288,10 @@ def _compact_op(
     v_flat: Tensor,
 ) -> None:
     """Raw op behind :func:`compact` (no validation): backend dispatch."""
+    _compact_impl(keys, values, keep, row_offsets, k_flat, v_flat)
+
+
+def _compact_impl(keys, values, keep, row_offsets, k_flat, v_flat):
     if keys.numel() == 0:
         return
     if resolve_backend(keys.device) == "triton":
@@ -320,7 +328,14 @@ def _(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths):
 # ----------------------------------------------------------------------------- public API
 # Thin wrappers: validate (cheap shape/dtype/device checks; traced away under
 # torch.compile) with clear errors, then call the op. ``torch.ops.kvpress_ada.*`` are the
-# raw ops: their fake kernels validate too, their eager kernels do not.
+# raw ops: their fake kernels validate too, their eager kernels do not. In plain eager mode
+# on plain tensors the wrappers call the implementation directly, skipping the ~20 us of
+# custom-op dispatch (per layer and step); under torch.compile / export (or with tensor
+# subclasses such as FakeTensor) they go through the op.
+
+
+def _direct(*tensors: Tensor) -> bool:
+    return not torch.compiler.is_compiling() and all(type(t) is Tensor for t in tensors)
 
 
 def ragged_attention(
@@ -342,6 +357,8 @@ def ragged_attention(
     Triton path: FlashDecoding split-K with ``split_size`` tokens per program (0 = auto).
     """
     _validate_attention(q, k_flat, v_flat, row_offsets, row_lengths, scale)
+    if _direct(q, k_flat, v_flat, row_offsets, row_lengths):
+        return _ragged_attention_impl(q, k_flat, v_flat, row_offsets, row_lengths, float(scale), int(split_size))
     return _ragged_attention_op(q, k_flat, v_flat, row_offsets, row_lengths, float(scale), int(split_size))
 
 
@@ -354,6 +371,8 @@ def compact(keys: Tensor, values: Tensor, keep: Tensor, row_offsets: Tensor, k_f
     guarantees the capacity and sets ``row_lengths`` to the counts.
     """
     _validate_compact(keys, values, keep, row_offsets, k_flat, v_flat)
+    if _direct(keys, values, keep, row_offsets, k_flat, v_flat):
+        return _compact_impl(keys, values, keep, row_offsets, k_flat, v_flat)
     _compact_op(keys, values, keep, row_offsets, k_flat, v_flat)
 
 
@@ -364,4 +383,8 @@ def append(
     ``k_flat[row_offsets[r] + row_lengths[r] + i]``, then ``row_lengths += Q``.
     Device-side index ops on every backend (no host sync). Caller guarantees capacity."""
     _validate_append(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths)
+    if _direct(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths):
+        if k_new.numel():
+            reference.append_ref(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths)
+        return
     _append_op(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths)

@@ -361,3 +361,18 @@ def test_load_ruler_hub_rows(monkeypatch):
     (s,) = load_ruler("someone/ruler", config="4096", split="test")
     assert (s.context, s.question, s.answers, s.task) == ("ctx with 42", "What number?", ["42"],
                                                            "ruler/niah_single_1")
+
+
+def test_hub_failure_says_what_to_do(monkeypatch):
+    import types
+
+    def unreachable(name, config, split):
+        raise ConnectionError("hub unreachable")
+
+    fake = types.ModuleType("datasets")
+    fake.load_dataset = unreachable
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    with pytest.raises(RuntimeError, match=r"hub unreachable.*data/hotpotqa\.jsonl"):
+        load_longbench("hotpotqa")
+    with pytest.raises(RuntimeError, match="pass the path"):
+        load_ruler("someone/ruler")

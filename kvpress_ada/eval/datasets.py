@@ -74,7 +74,8 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
             yield row
 
 
-def _load_hub(name: str, config: str | None, split: str) -> Iterable[Mapping[str, Any]]:
+def _load_hub(name: str, config: str | None, split: str,
+              hint: str = "") -> Iterable[Mapping[str, Any]]:
     try:
         import datasets
     except ImportError:
@@ -88,7 +89,7 @@ def _load_hub(name: str, config: str | None, split: str) -> Iterable[Mapping[str
         raise RuntimeError(
             f"Could not load {name!r} (config {config!r}, split {split!r}) from the hub "
             f"({type(exc).__name__}: {exc}). Download the data as jsonl and pass the path "
-            "of the file instead.") from exc
+            f"of the file instead.{hint}") from exc
 
 
 def _require(row: Mapping[str, Any], fields: Iterable[str], where: str) -> None:
@@ -201,7 +202,11 @@ def load_longbench(source: str | os.PathLike, *, split: str = "test", limit: int
         raise ValueError(f"unknown LongBench subset {name!r}; known subsets: "
                          f"{', '.join(LONGBENCH_SUBSETS)} (and their '_e' versions), or "
                          "pass the path of a jsonl file")
-    rows = _load_hub(hub_id, name, split)
+    rows = _load_hub(hub_id, name, split, hint=(
+        " THUDM/LongBench is published as data.zip with a loading script that recent "
+        "`datasets` releases no longer run: fetch data.zip (e.g. huggingface_hub."
+        "hf_hub_download('THUDM/LongBench', 'data.zip', repo_type='dataset')), unzip it "
+        f"and pass data/{name}.jsonl."))
     return [_longbench_sample(row, f"{hub_id}/{name}:row {i}", name)
             for i, row in enumerate(_take(rows, limit))]
 

@@ -507,3 +507,23 @@ def test_raw_ops_eager_and_opcheck():
     keep = torch.rand(2, 2, 6, device=DEV) < 0.5
     kf = torch.zeros(40, 16, device=DEV)
     torch.library.opcheck(torch.ops.kvpress_ada.compact, (keys, keys, keep, offs, kf, kf.clone()))
+
+
+# ----------------------------------------------------------------------------- GPU benchmark script
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu", "bench_kernels.py")
+
+
+def test_bench_script_help_and_cpu_smoke(capsys):
+    res = subprocess.run([sys.executable, BENCH, "--help"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "--peak-bw" in res.stdout and "--cpu-smoke" in res.stdout
+    if not (os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("in-process smoke needs the Triton interpreter")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_kernels", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--cpu-smoke", "--contexts", "64", "--iters", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and "check compact" in out and "triton" in out

@@ -226,7 +226,8 @@ def measure(args, kernels, tk, context, B, dtype, device, gen, cuda, flash_varle
     caches = [make_ragged(B, H_kv, G, D, 1, lens, dtype, device, gen) for _ in range(n_rep)]
     scale = D**-0.5
     row = dict(context=context, B=B, rows=R, kept_tokens=kept, min_len=min(lens), max_len=max(lens),
-               mean_len=kept / R, bytes_kv=bytes_kv, replicas=n_rep)
+               mean_len=kept / R, bytes_kv=bytes_kv, replicas=n_rep,
+               default_config=tk.default_config(D, G, caches[0][1].shape[0], dtype, device))
 
     def report(name, sec):
         bw = bytes_kv / sec
@@ -286,7 +287,7 @@ def measure_copy_bw(device) -> float:
 
 SWEEP = [
     dict(split_size=s, block_n=bn, num_warps=w, num_stages=st)
-    for s in (256, 512, 1024, 2048)
+    for s in (256, 512, 1024, 2048, 4096)
     for (bn, w, st) in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 3), (64, 2, 3))
 ]
 

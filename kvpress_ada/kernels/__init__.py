@@ -18,6 +18,7 @@ triton is imported lazily and is optional.
 from .ops import (
     BACKENDS,
     ENV_VAR,
+    SUPPORTED_HEAD_DIMS,
     append,
     compact,
     get_backend,
@@ -27,9 +28,6 @@ from .ops import (
     use_backend,
 )
 from .reference import append_ref, compact_ref, ragged_attention_ref
-
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
-"""Head dims the Triton ragged attention kernel supports (the torch path takes any)."""
 
 __all__ = [
     "ragged_attention",

@@ -35,6 +35,7 @@ __all__ = [
     "triton_available",
     "BACKENDS",
     "ENV_VAR",
+    "SUPPORTED_HEAD_DIMS",
 ]
 
 BACKENDS = ("auto", "triton", "torch")
@@ -105,7 +106,8 @@ def _triton() -> ModuleType:
     return _triton_mod[0]
 
 
-_SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)  # keep in sync with triton_kernels
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+"""Head dims the Triton ragged attention kernel supports (the torch path takes any)."""
 _warned: set[int] = set()
 
 
@@ -119,12 +121,12 @@ def resolve_backend(device: torch.device, head_dim: int | None = None) -> str:
     if name == "auto":
         if device.type != "cuda" or not triton_available():
             return "torch"
-        if head_dim is not None and head_dim not in _SUPPORTED_HEAD_DIMS:
+        if head_dim is not None and head_dim not in SUPPORTED_HEAD_DIMS:
             if head_dim not in _warned:
                 _warned.add(head_dim)
                 warnings.warn(
                     f"head_dim={head_dim} is not supported by the Triton ragged attention "
-                    f"kernel (supported: {_SUPPORTED_HEAD_DIMS}); using the slower torch "
+                    f"kernel (supported: {SUPPORTED_HEAD_DIMS}); using the slower torch "
                     "reference on CUDA",
                     stacklevel=2,
                 )

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+from .ops import SUPPORTED_HEAD_DIMS
 
 __all__ = [
     "SUPPORTED_HEAD_DIMS",
@@ -293,8 +293,8 @@ def default_config(
     """Launch parameters chosen from host-known shapes only (no sync).
 
     ``block_m`` packs the GQA group x queries (>= 16 for ``tl.dot``), ``block_n`` keys per
-    inner step, ``split_size`` tokens per program (aiming at ~4 programs per SM over the
-    layer's capacity ``n_cap``). Shared memory stays under ~85 KB for every supported
+    inner step, ``split_size`` tokens per program (aiming at ~2 programs per SM over the
+    layer's capacity ``n_cap``; untuned guess, see ``benchmarks/gpu/bench_kernels.py --sweep``). Shared memory stays under ~85 KB for every supported
     head dim / dtype (sm_80 and sm_86 included): 16-bit caches use 3 pipeline stages,
     fp32 ones 2 and half the ``block_n`` at ``head_dim >= 128``.
     """
@@ -312,7 +312,9 @@ def default_config(
         num_stages = 3
     if block_m >= 64:  # big query tiles (chunked prefill): keep registers in check
         block_n = min(block_n, 32)
-    target = 4 * _num_sms(device)
+    # ~2 programs per SM: with <= 3 resident per SM (smem), all splits run in one wave and
+    # each still keeps >= 2 K/V tiles in flight; longer splits amortise per-program setup.
+    target = 2 * _num_sms(device)
     avg = max(1, n_cap // max(1, target))
     split = min(max(_next_pow2(avg), 4 * block_n), 4096)
     return {
@@ -355,6 +357,8 @@ def ragged_attention_triton(
     """
     B, H_q, Q, D = q.shape
     check_head_dim(D)
+    if q.stride(-1) != 1:  # the kernel assumes a unit stride on the head dim
+        q = q.contiguous()
     R = row_offsets.shape[0]
     H_kv = R // B
     G = H_q // H_kv

@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
 from .allocators import ALLOCATORS, LAYER_SCHEDULES, HeadAllocator, LayerSchedule, UniformHead, UniformLayer
 from .evictors import EVICTORS, Evictor, TopK
 from .observation import Observation
 from .presses import SCORERS, Scorer
+
+_REGISTRIES = {"scorer": SCORERS, "allocator": ALLOCATORS, "layers": LAYER_SCHEDULES, "evictor": EVICTORS}
 
 
 class Pipeline(BaseModel):
@@ -30,25 +32,11 @@ class Pipeline(BaseModel):
     compression_ratio: float | None = Field(None, ge=0.0, lt=1.0)
     budget: int | None = Field(None, ge=1)
 
-    @field_validator("scorer", mode="before")
+    @field_validator("scorer", "allocator", "layers", "evictor", mode="before")
     @classmethod
-    def _build_scorer(cls, value: Any) -> Scorer:
-        return SCORERS.build(value)
-
-    @field_validator("allocator", mode="before")
-    @classmethod
-    def _build_allocator(cls, value: Any) -> HeadAllocator:
-        return ALLOCATORS.build(value)
-
-    @field_validator("layers", mode="before")
-    @classmethod
-    def _build_layers(cls, value: Any) -> LayerSchedule:
-        return LAYER_SCHEDULES.build(value)
-
-    @field_validator("evictor", mode="before")
-    @classmethod
-    def _build_evictor(cls, value: Any) -> Evictor:
-        return EVICTORS.build(value)
+    def _build_component(cls, value: Any, info: ValidationInfo) -> Any:
+        """Accept instances, registered names or dicts with a ``name`` (JSON/YAML configs)."""
+        return _REGISTRIES[info.field_name].build(value)
 
     @model_validator(mode="after")
     def _exactly_one_budget(self) -> "Pipeline":

@@ -20,13 +20,13 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..models import SUPPORTED_MODEL_TYPES
 from ..observation import Observation
 from .masked_cache import MaskedCache
 from .ragged_cache import RaggedCache
 
 ATTENTION_NAME = "kvpress_ada"
 RUN_KWARG = "kvpress_ada_run"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass

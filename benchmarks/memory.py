@@ -79,6 +79,18 @@ def rss_mib() -> float:
     return rss / 1024 if rss is not None else float("nan")
 
 
+def release_free_memory() -> None:
+    """Collect garbage and hand free heap pages back to the OS (glibc ``malloc_trim``), so that the RSS
+    that follows is live memory rather than what the allocator kept from earlier phases."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _prefill(model, ids, press):
     """Prefill (and compress, under a press) keeping logits for the last position only."""
     import torch
@@ -106,7 +118,7 @@ def worker(cfg: dict) -> dict:
     cache, nxt = _prefill(model, ids[:, :warm_len], press)
     common.decode(model, cache, nxt, 2, press)
     del cache, nxt
-    gc.collect()
+    release_free_memory()
 
     supported = reset_peak()
     base = rss_mib()
@@ -122,7 +134,9 @@ def worker(cfg: dict) -> dict:
         lengths = {"min": int(per_head.min()), "mean": float(per_head.float().mean()), "max": int(per_head.max())}
     reserve_slots = getattr(cache.layers[0], "decode_reserve", 0) if press is not None else 0
 
+    release_free_memory()
     reset_peak()
+    base_decode = rss_mib()
     t0 = time.perf_counter()
     tokens = common.decode(model, cache, nxt, steps, press)
     t_decode = time.perf_counter() - t0
@@ -152,6 +166,8 @@ def worker(cfg: dict) -> dict:
         "peak_rss_mib": max(peak_prefill, peak_decode),
         "peak_delta_prefill_mib": peak_prefill - base,
         "peak_delta_decode_mib": peak_decode - base,
+        "rss_decode_start_mib": base_decode,
+        "peak_delta_decode_vs_start_mib": peak_decode - base_decode,
         "rss_end_mib": rss_mib(),
         "prefill_s": t_prefill,
         "decode_s": t_decode,
@@ -171,18 +187,27 @@ def configs(args) -> list[dict]:
     out = []
     for L in args.contexts:
         out.append(dict(model=args.model, context=L, method="full", ratio=0.0, decode_steps=args.decode_steps,
-                        threads=args.threads))
+                        threads=args.threads, allocator=args.allocator))
         for method in args.methods:
             for r in args.ratios:
                 out.append(dict(model=args.model, context=L, method=method, ratio=r, decode_steps=args.decode_steps,
-                                threads=args.threads))
+                                threads=args.threads, allocator=args.allocator))
     return out
+
+
+def worker_env(allocator: str) -> dict:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    if allocator == "strict":
+        # a fixed mmap threshold: every allocation of 64 KiB or more (all tensors that matter) is its own
+        # mapping, returned to the OS on free, so the RSS high-water tracks the peak of live tensor bytes
+        env.update({"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072"})
+    return env
 
 
 def run_one(cfg: dict, timeout: float) -> dict:
     cmd = [common.python(), str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=common.ROOT,
-                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                          env=worker_env(cfg["allocator"]))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"worker failed for {cfg} (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -225,6 +250,10 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads per worker (memory does not depend on it; 1 keeps runs "
                              "robust on a shared machine)")
+    parser.add_argument("--allocator", choices=["strict", "default"], default="strict",
+                        help="'strict': workers run with a fixed glibc mmap threshold (64 KiB) so freed tensors go "
+                             "back to the OS and peak RSS tracks live tensor bytes; 'default': the stock glibc "
+                             "policy (what an ordinary process sees, including allocator retention)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per worker")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (< 1 min)")
     parser.add_argument("--out", default=None, help="JSON output path (default: benchmarks/results/memory.json; "

@@ -175,6 +175,8 @@ def cmd_eval(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpress-ada", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    threads_help = ("CPU threads for torch (default: torch's choice); 1 is much faster on a busy machine, "
+                    "where spinning OpenMP threads slow small decode matmuls down 10x")
 
     demo = sub.add_parser("demo", help="find a hidden fact in a long document with a compressed KV cache")
     demo.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M) or a path / hub id")
@@ -184,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--question-aware", action="store_true", help="compress context and question together")
     demo.add_argument("--max-new-tokens", type=int, default=16)
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--threads", type=int, help=threads_help)
     demo.set_defaults(func=cmd_demo)
 
     ev = sub.add_parser("eval", help="accuracy / fidelity / eviction loss / KV bytes for presets x ratios")
@@ -199,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--out", default="kvpress_ada_eval", help="output directory for results.json and the plot")
     ev.add_argument("--no-progress", action="store_true")
+    ev.add_argument("--threads", type=int, help=threads_help)
     ev.set_defaults(func=cmd_eval)
     return parser
 
@@ -206,6 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"kvpress-ada {args.command}: error: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+            return 2
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         if args.command == "demo" and not 0.0 <= args.ratio < 1.0:
             raise UsageError(f"--ratio must be in [0, 1) (fraction of KV entries evicted), got {args.ratio}")

@@ -77,3 +77,8 @@ def test_demo_runs_on_a_local_model(tiny_model_dir, capsys):
     assert main(["demo", "--model", tiny_model_dir, "--context", "300", "--max-new-tokens", "3"]) == 0
     out = capsys.readouterr().out
     assert "full cache" in out and "ada_snapkv @ 75%" in out and "KV bytes" in out
+
+
+def test_bad_threads(capsys):
+    assert main(["eval", "--threads", "0"]) == 2
+    assert "--threads must be >= 1" in capsys.readouterr().err

@@ -1,0 +1,749 @@
+"""Side-by-side comparison of kvpress_ada with NVIDIA's kvpress 0.5.5 on the same model and samples.
+
+What it does
+    1. Creates (or reuses) a separate virtualenv with ``torch==2.13.0 kvpress==0.5.5`` (kvpress pins
+       ``transformers<5.3``; torch is pinned so pip takes the CPU build). kvpress never enters the
+       kvpress_ada environment.
+    2. Generates the samples once with kvpress_ada's synthetic tasks, renders the chat prompt with
+       ``split_prompt`` and hands the *token ids* (context part, question part) to both libraries.
+    3. kvpress side (``benchmarks/kvpress_worker.py``, a subprocess in the kvpress venv): one prefill per
+       press per sample under ``with press(model)``, then the question and a greedy answer on the
+       compressed cache (question-agnostic), as ``KVPressTextGenerationPipeline`` does.
+    4. kvpress_ada side: the fan-out evaluator (one prefill per sample) on the same presets.
+    5. Decode speed: one long synthetic sample, one cache per (library, press, ratio), greedy decode
+       steps timed in interleaved rounds (kvpress, ours, kvpress, ...), medians.
+    6. Agreement analysis: per-(layer, head) kept sets of both libraries (Jaccard), paired accuracy
+       differences, and diagnostic kvpress_ada pipelines that re-implement kvpress's exact rules
+       (``*~kvpress``) or change one factor at a time, to attribute every disagreement.
+
+Run from the repository root: ``python benchmarks/kvpress_compare.py --quick`` (smoke test, a few
+minutes), ``python benchmarks/kvpress_compare.py`` (default run; about an hour on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import ClassVar, Literal
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DEFAULT_OUT = HERE / "results" / "kvpress_compare.json"
+DEFAULT_VENV = Path(os.environ.get("KVPRESS_ADA_CACHE") or Path.home() / ".cache" / "kvpress_ada") / "kvpress-venv"
+KVPRESS_REQUIREMENTS = ("torch==2.13.0", "kvpress==0.5.5")
+METHODS = ("snapkv", "ada_snapkv", "pyramidkv", "expected_attention", "ada_expected_attention")
+KVPRESS_NAMES = {
+    "full": "no press",
+    "snapkv": "SnapKVPress",
+    "ada_snapkv": "AdaKVPress(SnapKVPress)",
+    "pyramidkv": "PyramidKVPress",
+    "expected_attention": "ExpectedAttentionPress",
+    "ada_expected_attention": "AdaKVPress(ExpectedAttentionPress)",
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="Compare kvpress_ada with NVIDIA kvpress 0.5.5 (accuracy, KV bytes held, decode speed) "
+                    "on the same model and the same token ids.",
+        epilog="Writes a JSON report (default benchmarks/results/kvpress_compare.json; --quick writes to the "
+               "temp dir unless --out is given) and prints a table.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a local model dir")
+    p.add_argument("--tasks", default="passkey,multikey", help="comma-separated kvpress_ada.eval tasks")
+    p.add_argument("--n", type=int, default=16, help="samples per task")
+    p.add_argument("--context", type=int, default=1000, help="context tokens per sample (before the chat template)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ratios", default="0.5,0.75", help="comma-separated compression ratios (fraction evicted)")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    p.add_argument("--max-new-tokens", type=int, default=24,
+                   help="answer tokens (multikey answers need ~20: digits are single tokens)")
+    p.add_argument("--decode-context", type=int, default=4000, help="context tokens of the decode-speed sample")
+    p.add_argument("--decode-steps", type=int, default=32, help="greedy steps timed per measurement")
+    p.add_argument("--decode-repeats", type=int, default=3, help="timed rounds (after one warm-up round)")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode-speed part")
+    p.add_argument("--no-diagnostics", action="store_true",
+                   help="skip the diagnostic kvpress_ada pipelines (kvpress-rule replicas, one-factor changes)")
+    p.add_argument("--replica-accuracy", action="store_true",
+                   help="also answer with the '~kvpress' replica pipelines (by default they are only compared "
+                        "kept set by kept set, which is cheap)")
+    p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="kvpress virtualenv (created if missing)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads in both processes; on a busy 2-core machine 1 thread measured 3x faster "
+                        "prefill and 10x faster decode than 2 (0 = torch's default)")
+    p.add_argument("--workdir", type=Path, default=None, help="where the samples/masks exchange files go")
+    p.add_argument("--out", type=Path, default=None, help="JSON report path")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: 2 samples (1 per task), first ratio only, decode context 600, 8 steps, 1 repeat")
+    args = p.parse_args(argv)
+    args.tasks = [t for t in args.tasks.split(",") if t]
+    args.ratios = [float(r) for r in args.ratios.split(",") if r]
+    args.methods = [m for m in args.methods.split(",") if m]
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown:
+        p.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+    if args.quick:
+        args.n = max(1, 2 // max(len(args.tasks), 1))
+        args.ratios = args.ratios[:1]
+        args.decode_context = min(args.decode_context, 600)
+        args.decode_steps = min(args.decode_steps, 8)
+        args.decode_repeats = 1
+    if args.out is None:
+        args.out = Path(tempfile.gettempdir()) / "kvpress_compare_quick.json" if args.quick else DEFAULT_OUT
+    return args
+
+
+# --------------------------------------------------------------------------- kvpress venv
+
+
+def ensure_kvpress_venv(venv: Path) -> Path:
+    """Python of a virtualenv holding exactly the pinned kvpress and torch (created on first use)."""
+    python = venv / "bin" / "python"
+    check = ("import json, importlib.metadata as m; "
+             "print(json.dumps({d: m.version(d) for d in ('kvpress', 'torch', 'transformers')}))")
+    if python.exists():
+        res = subprocess.run([str(python), "-c", check], capture_output=True, text=True)
+        if res.returncode == 0:
+            versions = json.loads(res.stdout)
+            if versions["kvpress"] == "0.5.5" and versions["torch"].split("+")[0] == "2.13.0":
+                return python
+        print(f"[kvpress venv] {venv} is incomplete; (re)installing {' '.join(KVPRESS_REQUIREMENTS)}", file=sys.stderr)
+    else:
+        print(f"[kvpress venv] creating {venv} (pip install {' '.join(KVPRESS_REQUIREMENTS)}, ~2 min)",
+              file=sys.stderr)
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", *KVPRESS_REQUIREMENTS], check=True)
+    res = subprocess.run([str(python), "-c", check], capture_output=True, text=True, check=True)
+    print(f"[kvpress venv] installed {res.stdout.strip()}", file=sys.stderr)
+    return python
+
+
+class WorkerProcess:
+    """``kvpress_worker.py`` in the kvpress venv, spoken to with one JSON object per line."""
+
+    def __init__(self, python: Path, model_dir: str, threads: int | None):
+        cmd = [str(python), str(HERE / "kvpress_worker.py"), "--model", model_dir]
+        if threads:
+            cmd += ["--threads", str(threads)]
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, text=True,
+                                     env=env, cwd=tempfile.gettempdir())
+        self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"kvpress worker exited (code {self.proc.wait()}); see its stderr above")
+        return json.loads(line)
+
+    def call(self, cmd: str, **kwargs) -> dict:
+        self.proc.stdin.write(json.dumps({"cmd": cmd, **kwargs}) + "\n")
+        self.proc.stdin.flush()
+        out = self._read()
+        if not out.get("ok"):
+            raise RuntimeError(f"kvpress worker failed on {cmd!r}: {out.get('error')}")
+        return out
+
+    def close(self):
+        try:
+            self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            self.proc.kill()
+
+
+# --------------------------------------------------------------------------- diagnostic components
+# kvpress_ada components that re-implement kvpress 0.5.5's rules exactly, registered by name (public
+# registry API). Used only to attribute differences; none of this is part of the library.
+
+def _register_diagnostics():
+    import torch
+    import torch.nn.functional as F
+
+    from kvpress_ada import (ExpectedAttention, HeadAllocator, LayerSchedule, Observation, Scorer,
+                             register_allocator, register_scorer)
+    from kvpress_ada.allocators.heads import flat_topk_counts
+    from kvpress_ada.allocators.layers import register_layer_schedule
+    from kvpress_ada.presses.attention import window_attention
+
+    @register_scorer("snapkv_kvpress")
+    class SnapKVKvpress(Scorer):
+        """kvpress's SnapKVPress.score: window columns dropped *before* 1-D pooling, zero padding
+        counted in the average (``avg_pool1d`` default), window re-added as the maximum."""
+
+        name: Literal["snapkv_kvpress"] = "snapkv_kvpress"
+        window: int = 64
+        kernel: int = 5
+
+        def query_window(self) -> int:
+            return self.window
+
+        def min_context(self) -> int:
+            return self.window + 1
+
+        def score(self, obs: Observation) -> torch.Tensor:
+            attn = window_attention(obs, self.window).mean(dim=3)[..., : -self.window]  # [B, Hkv, G, L - w]
+            B, H, G, n = attn.shape
+            pooled = F.avg_pool1d(attn.reshape(-1, 1, n), self.kernel, stride=1, padding=self.kernel // 2)
+            scores = pooled.reshape(B, H, G, n).mean(dim=2)
+            return F.pad(scores, (0, self.window), value=float("inf"))
+
+    @register_scorer("expected_attention_kvpress")
+    class ExpectedAttentionKvpress(Scorer):
+        """kvpress's ExpectedAttentionPress.score: query statistics over *all* prefill queries but the
+        first ``n_sink`` (mean, covariance / N) of the pre-RoPE queries, rotated by the RoPE matrix
+        averaged over the next ``n_future`` positions; softmax over non-sink keys; x ||v||. Scores are
+        compared raw across heads (kvpress's AdaKVPress does)."""
+
+        name: Literal["expected_attention_kvpress"] = "expected_attention_kvpress"
+        n_future: int = 512
+        n_sink: int = 4
+        needs_rope: ClassVar[bool] = True
+        comparable_across_heads: ClassVar[bool] = True
+
+        def query_window(self):
+            return None
+
+        def min_context(self) -> int:
+            return self.n_sink + 2
+
+        def score(self, obs: Observation) -> torch.Tensor:
+            q = obs.queries.float()  # post-RoPE, positions 0 .. L-1
+            B, Hq, L, D = q.shape
+            Hkv, G = obs.n_kv_heads, obs.group_size
+            inv = obs.rope_inv_freq.float().to(q.device)
+            pos = torch.arange(L, device=q.device, dtype=torch.float32)
+            q = _rope(q, -pos[:, None] * inv[None, :])  # back to pre-RoPE
+            future = torch.arange(L, L + self.n_future, device=q.device, dtype=torch.float32)
+            ang = future[:, None] * inv[None, :]
+            cos = torch.cat([ang.cos().mean(0)] * 2)  # the averaged rotation R = mean_p R(p)
+            sin = torch.cat([ang.sin().mean(0)] * 2)
+            q = q[:, :, self.n_sink:]
+            q = q * cos + _rotate_half(q) * sin
+            mu = q.mean(dim=2)  # [B, Hq, D]
+            c = q - mu[:, :, None]
+            cov = torch.einsum("bhsi,bhsj->bhij", c, c) / q.shape[2]
+            keys = obs.keys.float()[:, :, self.n_sink:].repeat_interleave(G, dim=1)
+            logits = torch.einsum("bhd,bhnd->bhn", mu, keys) * obs.scaling
+            logits = logits + 0.5 * obs.scaling ** 2 * torch.einsum("bhnd,bhde,bhne->bhn", keys, cov, keys)
+            scores = torch.softmax(logits, dim=-1).view(B, Hkv, G, -1).mean(dim=2)
+            scores = scores * obs.values.float()[:, :, self.n_sink:].norm(dim=-1)
+            return F.pad(scores, (self.n_sink, 0), value=float("inf"))
+
+    @register_scorer("expected_attention_rawscale")
+    class ExpectedAttentionRawScale(ExpectedAttention):
+        """kvpress_ada's ExpectedAttention, but Ada compares its raw scores across heads (as kvpress)."""
+
+        name: Literal["expected_attention_rawscale"] = "expected_attention_rawscale"
+        comparable_across_heads: ClassVar[bool] = True
+
+    @register_allocator("ada_kvpress")
+    class AdaKvpressSafeguard(HeadAllocator):
+        """kvpress's AdaKVPress rule: every head first keeps its top ``int(alpha * b)`` tokens, the
+        remaining ``H * (b - int(alpha * b))`` slots go to the layer-wide top-k of the rest."""
+
+        name: Literal["ada_kvpress"] = "ada_kvpress"
+        alpha: float = 0.2
+
+        def allocate(self, scores, budget, comparable=True):
+            B, H, L = scores.shape
+            budget = budget.long()
+            n_safe = (budget.double() * self.alpha).floor().long()
+            if self.alpha > 0:
+                n_safe = torch.where(budget > 0, n_safe.clamp(min=1), n_safe)
+            rank = scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+            forced = rank < n_safe[:, None, None]
+            return flat_topk_counts(torch.where(forced, float("inf"), scores), H * budget)
+
+    @register_layer_schedule("kvpress_budget")
+    class KvpressBudget(LayerSchedule):
+        """kvpress's per-layer kept count: ``max(1, int(L * (1 - r)))`` (ScorerPress), or PyramidKVPress's
+        ``get_layer_budget`` (pyramid only when ``L >= max >= min >= window``, else SnapKV's count with
+        ``round``)."""
+
+        name: Literal["kvpress_budget"] = "kvpress_budget"
+        ratio: float
+        pyramid: bool = False
+        window: int = 64
+        beta: int = 20
+
+        def budgets(self, avg, n_layers, lengths):
+            rows = []
+            for L in lengths.tolist():
+                rows.append([self._one(L, i, n_layers) for i in range(n_layers)])
+            return torch.tensor(rows, dtype=torch.long, device=lengths.device)
+
+        def _one(self, L: int, layer: int, n_layers: int) -> int:
+            if not self.pyramid:
+                return max(1, int(L * (1 - self.ratio)))
+            cap = self.window + L * (1 - self.ratio)
+            lo = (cap - self.window) / self.beta
+            hi = (cap - self.window) * 2 - lo
+            if hi >= L - self.window:
+                hi = L - self.window
+                lo = (cap - self.window) * 2 - hi
+            if not (L >= hi >= lo >= self.window):
+                return max(1, round(L * (1 - self.ratio)))
+            steps = (hi - lo) / (n_layers - 1) if n_layers > 1 else 0.0
+            return round(hi - layer * steps)
+
+    def _rotate_half(x):
+        h = x.shape[-1] // 2
+        return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+    def _rope(x, angles):
+        cos = torch.cat([angles.cos()] * 2, dim=-1)
+        sin = torch.cat([angles.sin()] * 2, dim=-1)
+        return x * cos + _rotate_half(x) * sin
+
+    return SnapKVKvpress, ExpectedAttentionKvpress, ExpectedAttentionRawScale, AdaKvpressSafeguard, KvpressBudget
+
+
+DIAGNOSTICS = {
+    # label: (kvpress counterpart, what it changes w.r.t. our preset / reproduces of kvpress)
+    "snapkv~kvpress": ("snapkv", "kvpress's SnapKV scores (pool after dropping the window, zero-padded) "
+                                 "and kept count int(L(1-r))"),
+    "ada_snapkv~kvpress": ("ada_snapkv", "kvpress's SnapKV scores + kvpress's safeguard rule + count"),
+    "ada_snapkv~kvpress_rule": ("ada_snapkv", "our SnapKV scores, kvpress's safeguard rule (one factor)"),
+    "pyramidkv~kvpress": ("pyramidkv", "kvpress's SnapKV scores + PyramidKVPress.get_layer_budget"),
+    "expected_attention~kvpress": ("expected_attention", "kvpress's ExpectedAttention statistics "
+                                                         "(all queries, pre-RoPE, sinks out of the softmax)"),
+    "ada_expected_attention~kvpress": ("ada_expected_attention", "kvpress's EA scores + kvpress's safeguard, "
+                                                                 "raw scores across heads"),
+    "ada_expected_attention~rawscale": ("ada_expected_attention", "our EA scores and Ada rule, but raw scores "
+                                                                  "across heads (no per-head shares; one factor)"),
+}
+
+
+def diagnostic_entries(ratios, methods):
+    from kvpress_ada import AdaHead, ExpectedAttention, Pipeline, SnapKV, UniformHead
+    from kvpress_ada.eval.runner import Entry
+    from kvpress_ada.presets import ADA_ALPHA
+
+    SnapKVKvpress, EAKvpress, EARaw, AdaKvpress, KvpressBudget = _register_diagnostics()
+    entries = []
+    for label, (counterpart, _) in DIAGNOSTICS.items():
+        if counterpart not in methods:
+            continue
+        for r in ratios:
+            budget = KvpressBudget(ratio=r, pyramid=label.startswith("pyramidkv"))
+            parts = {
+                "snapkv~kvpress": dict(scorer=SnapKVKvpress(), allocator=UniformHead(), layers=budget),
+                "ada_snapkv~kvpress": dict(scorer=SnapKVKvpress(), allocator=AdaKvpress(alpha=ADA_ALPHA),
+                                           layers=budget),
+                "ada_snapkv~kvpress_rule": dict(scorer=SnapKV(), allocator=AdaKvpress(alpha=ADA_ALPHA)),
+                "pyramidkv~kvpress": dict(scorer=SnapKVKvpress(), allocator=UniformHead(), layers=budget),
+                "expected_attention~kvpress": dict(scorer=EAKvpress(), allocator=UniformHead(), layers=budget),
+                "ada_expected_attention~kvpress": dict(scorer=EAKvpress(), allocator=AdaKvpress(alpha=ADA_ALPHA),
+                                                       layers=budget),
+                "ada_expected_attention~rawscale": dict(scorer=EARaw(), allocator=AdaHead(alpha=ADA_ALPHA)),
+            }[label]
+            entries.append(Entry(label, r, Pipeline(**parts, compression_ratio=r)))
+    assert ExpectedAttention  # imported for the subclass above
+    return entries
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def mean_ci(values):
+    n = len(values)
+    if n == 0:
+        return None, None
+    mean = sum(values) / n
+    if n < 2:
+        return mean, None
+    sd = statistics.stdev(values)
+    return mean, 1.96 * sd / math.sqrt(n)
+
+
+def mcnemar_p(b: int, c: int) -> float:
+    """Exact two-sided McNemar test on the discordant pair counts."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    k = min(b, c)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    python = ensure_kvpress_venv(args.venv)
+
+    import numpy as np
+    import torch
+    import transformers
+    from tqdm.auto import tqdm
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the worker before torch loads
+
+    import kvpress_ada
+    from kvpress_ada.eval.runner import evaluate, grid
+    from kvpress_ada.eval.scoring import score_sample
+    from kvpress_ada.eval.tasks import make_samples
+    from kvpress_ada.integration.fanout import capture_prefill
+    from kvpress_ada.integration.generation import encode, greedy_decode, split_prompt
+    from kvpress_ada.integration.press_context import _cache_key
+    from kvpress_ada.models import ensure_default_model, load
+    from kvpress_ada.presets import preset
+
+    model_dir = str(ensure_default_model()) if args.model == "default" else args.model
+    model, tok = load(args.model)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvpress_compare_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    # ---- samples, rendered once; both libraries get these token ids
+    samples, payload = [], []
+    for task in args.tasks:
+        samples += make_samples(task, tok, args.n, args.context, seed=args.seed)
+    for i, s in enumerate(samples):
+        head, tail = split_prompt(tok, s.context, s.question)
+        payload.append({"index": i, "task": s.task, "context": s.context, "question": s.question,
+                        "answers": s.answers, "head_ids": encode(tok, head, "cpu")[0].tolist(),
+                        "tail_ids": encode(tok, tail, "cpu")[0].tolist()})
+    samples_file = workdir / "samples.json"
+    samples_file.write_text(json.dumps({"samples": payload}))
+    masks_file = workdir / "kvpress_masks.npz"
+    print(f"[samples] {len(samples)} samples ({', '.join(args.tasks)}) x {args.context} tokens; "
+          f"prompt lengths {min(len(p['head_ids']) for p in payload)}-{max(len(p['head_ids']) for p in payload)} "
+          f"context ids + {min(len(p['tail_ids']) for p in payload)}-{max(len(p['tail_ids']) for p in payload)} "
+          f"question ids; exchange files in {workdir}", file=sys.stderr)
+
+    worker = WorkerProcess(python, model_dir, args.threads)
+    try:
+        kv_versions = worker.call("hello")
+        prompt_check = worker.call("prompt_check", samples_file=str(samples_file))
+        print(f"[kvpress] {kv_versions}; prompt check {prompt_check}", file=sys.stderr)
+
+        # ---- accuracy: kvpress (one prefill per press), then ours (fan-out)
+        kv = worker.call("accuracy", samples_file=str(samples_file), masks_file=str(masks_file),
+                         methods=args.methods, ratios=args.ratios, max_new_tokens=args.max_new_tokens)
+        entries = grid(args.methods, args.ratios)
+        diag_entries = [] if args.no_diagnostics else diagnostic_entries(args.ratios, args.methods)
+        answered = entries + [e for e in diag_entries if args.replica_accuracy or not e.label.endswith("~kvpress")]
+        t0 = time.perf_counter()
+        ours = evaluate(model, tok, samples, answered, question_aware=False, max_new_tokens=args.max_new_tokens)
+        ours_seconds = time.perf_counter() - t0
+        overlap = kept_set_agreement(model, tok, samples, payload, entries + diag_entries, masks_file, capture_prefill,
+                                     np, torch, tqdm)
+
+        # ---- decode speed at a long context
+        decode = None if args.no_decode else decode_benchmark(
+            args, worker, model, tok, make_samples, split_prompt, encode, capture_prefill, greedy_decode, _cache_key,
+            preset, torch, tqdm)
+    finally:
+        worker.close()
+
+    # ---- score kvpress answers with our tokenizer and scorer
+    kv_records = []
+    for rec in kv["records"]:
+        text = tok.decode(rec["tokens"], skip_special_tokens=True).strip()
+        s = samples[rec["sample"]]
+        kv_records.append({**{k: v for k, v in rec.items() if k not in ("tokens",)}, "answer": text,
+                           "score": score_sample(s, text)})
+    our_records = [{"sample": r.sample, "task": r.task, "label": r.label, "ratio": r.ratio, "answer": r.answer,
+                    "score": r.score, "kv_bytes": r.kv_bytes, "full_kv_bytes": r.full_kv_bytes, "kl": r.kl,
+                    "top1": r.top1} for r in ours.records]
+
+    report = build_report(args, samples, payload, kv_records, our_records, overlap, decode)
+    report["meta"] = {
+        "machine": machine_info(torch, transformers),
+        "kvpress_env": {**kv_versions, "venv": str(args.venv), "requirements": list(KVPRESS_REQUIREMENTS)},
+        "kvpress_ada_version": kvpress_ada.__version__, "git": git_state(),
+        "model_dir": model_dir, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "prompt_check": prompt_check, "kvpress_presses": kv["presses"],
+        "kvpress_question_token_by_token": kv.get("question_token_by_token"),
+        "seconds": {"total": time.perf_counter() - t_start, "kvpress_accuracy": kv["seconds"],
+                    "kvpress_ada_accuracy": ours_seconds,
+                    "decode": decode["seconds"] if decode else None},
+        "diagnostics": {k: v[1] for k, v in DIAGNOSTICS.items()},
+        "notes": NOTES,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(render_markdown(report))
+    print(f"\nwrote {args.out} (total {report['meta']['seconds']['total'] / 60:.1f} min)", file=sys.stderr)
+    return report
+
+
+NOTES = [
+    "Same token ids in both libraries: kvpress_ada's split_prompt renders the chat template (context + '\\n\\n' + "
+    "question in one user turn); kvpress's own pipeline.preprocess yields the same ids when given context + '\\n\\n' "
+    "(checked per sample in meta.prompt_check).",
+    "kvpress side mirrors KVPressTextGenerationPipeline: prefill model.model(context_ids) under `with press(model)`, "
+    "then question + greedy answer with explicit true RoPE positions; kvpress_ada side: fan-out evaluate(..., "
+    "question_aware=False).",
+    "KV bytes: kvpress = key/value tensors held by its DynamicCache after compression (AdaKVPress keeps the full "
+    "cache and masks evicted keys with fake keys at every attention call); kvpress_ada = RaggedCache.nbytes() "
+    "(allocated capacity, including the reserve for appended tokens).",
+    "Decode tok/s: greedy single-token steps after the question on one long synthetic passkey sample; rounds "
+    "interleave libraries and configs; medians over rounds; 'x full' is the median of per-round ratios to the same "
+    "library's full-cache run.",
+]
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def kept_set_agreement(model, tok, samples, payload, entries, masks_file, capture_prefill, np, torch, tqdm):
+    """Per (label, ratio): Jaccard of the kept sets of kvpress and kvpress_ada per (layer, head), averaged,
+    the fraction of (layer, head) rows selected identically, and the mean |kept-count difference| per head."""
+    kv_masks = np.load(masks_file)
+    acc: dict[tuple[str, float], dict[str, list]] = {}
+    counts: dict[tuple[str, float], list] = {}
+    bar = tqdm(total=len(samples), desc="kept-set comparison (one prefill per sample)", unit="sample")
+    for i, p in enumerate(payload):
+        prefill = capture_prefill(model, torch.tensor([p["head_ids"]]))
+        for e in entries:
+            counterpart = DIAGNOSTICS.get(e.label, (e.label,))[0]
+            key = f"{counterpart}|{e.ratio}|{i}"
+            if key not in kv_masks:
+                continue
+            shape = tuple(kv_masks[key + "|shape"])
+            theirs = torch.from_numpy(np.unpackbits(kv_masks[key])[: int(np.prod(shape))].reshape(shape).astype(bool))
+            ours = torch.stack([m[0] for m in prefill.keep_masks(e.press)]).cpu()  # [layers, H, L]
+            inter = (ours & theirs).sum(-1).double()
+            union = (ours | theirs).sum(-1).double().clamp(min=1)
+            d = acc.setdefault((e.label, e.ratio), {"jaccard": [], "identical": [], "count_diff": []})
+            d["jaccard"].append(float((inter / union).mean()))
+            d["identical"].append(float((ours == theirs).all(-1).double().mean()))
+            d["count_diff"].append(float((ours.sum(-1) - theirs.sum(-1)).abs().double().mean()))
+            if e.label in ("ada_snapkv", "ada_expected_attention", "ada_snapkv~kvpress_rule"):
+                counts.setdefault((e.label, e.ratio), []).append(
+                    {"ours_min_share": float((ours.sum(-1).double() / ours.sum(-1).double().mean(-1, keepdim=True))
+                                             .min()),
+                     "kvpress_min_share": float((theirs.sum(-1).double()
+                                                 / theirs.sum(-1).double().mean(-1, keepdim=True)).min()),
+                     "ours_cv": float((ours.sum(-1).double().std(-1) / ours.sum(-1).double().mean(-1)).mean()),
+                     "kvpress_cv": float((theirs.sum(-1).double().std(-1) / theirs.sum(-1).double().mean(-1))
+                                         .mean())})
+        del prefill
+        bar.update(1)
+    bar.close()
+    rows = []
+    for (label, ratio), d in acc.items():
+        row = {"label": label, "ratio": ratio, "kvpress_counterpart": DIAGNOSTICS.get(label, (label,))[0],
+               "jaccard": sum(d["jaccard"]) / len(d["jaccard"]),
+               "identical_rows": sum(d["identical"]) / len(d["identical"]),
+               "mean_abs_count_diff": sum(d["count_diff"]) / len(d["count_diff"])}
+        if (label, ratio) in counts:
+            c = counts[(label, ratio)]
+            row["head_allocation"] = {k: sum(x[k] for x in c) / len(c) for k in c[0]}
+        rows.append(row)
+    return rows
+
+
+def decode_benchmark(args, worker, model, tok, make_samples, split_prompt, encode, capture_prefill, greedy_decode,
+                     cache_key, preset, torch, tqdm):
+    """Decode tokens/s for full + every (method, ratio) in both libraries, interleaved rounds."""
+    start = time.perf_counter()
+    s = make_samples("passkey", tok, 1, args.decode_context, seed=args.seed)[0]
+    head, tail = split_prompt(tok, s.context, s.question)
+    head_ids, tail_ids = encode(tok, head, "cpu"), encode(tok, tail, "cpu")
+    length = head_ids.shape[1]
+    configs = [("full", 0.0)] + [(m, r) for m in args.methods for r in args.ratios]
+
+    kv_setup = worker.call("decode_setup", head_ids=head_ids[0].tolist(), tail_ids=tail_ids[0].tolist(),
+                           methods=args.methods, ratios=args.ratios)["configs"]
+    t0 = time.perf_counter()
+    prefill = capture_prefill(model, head_ids)
+    ours_prefill_s = time.perf_counter() - t0
+    caches = {}
+    for method, ratio in configs:
+        press = None if method == "full" else preset(method, compression_ratio=ratio)
+        t0 = time.perf_counter()
+        cache = prefill.compressed_cache(press)
+        nbytes = cache.nbytes() if hasattr(cache, "nbytes") else \
+            sum(t.numel() * t.element_size() for c in prefill.layers for t in (c.keys, c.values))
+        caches[f"{method}|{ratio}"] = {"press": press, "cache": cache, "kv_bytes": nbytes,
+                                       "compress_s": time.perf_counter() - t0}
+    del prefill
+
+    def crop(cache):
+        extra = cache.get_seq_length() - length
+        if extra > 0:  # crop(0) would empty a DynamicCache
+            cache.crop(-extra)
+
+    @torch.inference_mode()
+    def ours_decode(key, steps):
+        c = caches[key]
+        cache, press = c["cache"], c["press"]
+        with press(model) if press is not None else nullcontext():
+            crop(cache)
+            out = model(input_ids=tail_ids, use_cache=True, **{cache_key(model): cache})
+            t0 = time.perf_counter()
+            _, cache = greedy_decode(model, out.logits[:, -1], cache, steps + 1, set())  # `steps` forwards
+            seconds = time.perf_counter() - t0
+            crop(cache)
+        return seconds
+
+    times = {"kvpress": {}, "kvpress_ada": {}}
+    rounds = args.decode_repeats + 1  # round 0 warms up (short)
+    bar = tqdm(total=rounds * len(configs) * 2, desc=f"decode timing at {length} tokens", unit="run")
+    for rnd in range(rounds):
+        order = configs if rnd % 2 == 0 else configs[::-1]
+        for method, ratio in order:
+            key = f"{method}|{ratio}"
+            libs = ("kvpress", "kvpress_ada") if rnd % 2 == 0 else ("kvpress_ada", "kvpress")
+            for lib in libs:
+                steps = 2 if rnd == 0 else args.decode_steps
+                sec = worker.call("decode", config=key, steps=steps)["seconds"] if lib == "kvpress" \
+                    else ours_decode(key, steps)
+                if rnd > 0:
+                    times[lib].setdefault(key, []).append(steps / sec)
+                bar.update(1)
+    bar.close()
+
+    result = {"context_tokens": length, "steps": args.decode_steps, "rounds": args.decode_repeats,
+              "ours_prefill_s": ours_prefill_s, "configs": {}}
+    for lib in times:
+        full = times[lib]["full|0.0"]
+        for key, tps in times[lib].items():
+            method, ratio = key.split("|")
+            kv_bytes = kv_setup[key]["kv_bytes"] if lib == "kvpress" else caches[key]["kv_bytes"]
+            full_bytes = kv_setup["full|0.0"]["kv_bytes"] if lib == "kvpress" else caches["full|0.0"]["kv_bytes"]
+            result["configs"][f"{lib}|{key}"] = {
+                "library": lib, "label": method, "ratio": float(ratio), "tok_s": tps, "tok_s_median": median(tps),
+                "x_full_median": median([a / b for a, b in zip(tps, full)]),
+                "kv_bytes": kv_bytes, "kv_fraction": kv_bytes / full_bytes,
+                "setup_s": kv_setup[key]["prefill_s"] if lib == "kvpress" else caches[key]["compress_s"]}
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def build_report(args, samples, payload, kv_records, our_records, overlap, decode):
+    def cells(records):
+        out = {}
+        for r in records:
+            out.setdefault((r["label"], r["ratio"]), []).append(r)
+        return out
+
+    kv_cells, our_cells = cells(kv_records), cells(our_records)
+    by_sample = lambda recs: {r["sample"]: r for r in recs}  # noqa: E731
+    table = []
+    for lib, lib_cells in (("kvpress", kv_cells), ("kvpress_ada", our_cells)):
+        full_bytes = {r["sample"]: r["kv_bytes"] for r in lib_cells[("full", 0.0)]}
+        for (label, ratio), recs in lib_cells.items():
+            if "~" in label:
+                continue
+            acc, ci = mean_ci([r["score"] for r in recs])
+            row = {"library": lib, "method": label, "ratio": ratio, "n": len(recs), "accuracy": acc, "ci95": ci,
+                   "per_task": {t: mean_ci([r["score"] for r in recs if r["task"] == t])[0] for t in args.tasks},
+                   "kv_bytes": sum(r["kv_bytes"] for r in recs) / len(recs),
+                   "kv_fraction": sum(r["kv_bytes"] / full_bytes[r["sample"]] for r in recs) / len(recs)}
+            if decode:
+                d = decode["configs"].get(f"{lib}|{label}|{ratio}")
+                if d:
+                    row.update(decode_tok_s=d["tok_s_median"], decode_x_full=d["x_full_median"],
+                               decode_kv_fraction=d["kv_fraction"])
+            table.append(row)
+
+    # paired agreement of ours (presets and diagnostics) with kvpress, sample by sample
+    agreement = []
+    keys = list(our_cells) + [(o["label"], o["ratio"]) for o in overlap if (o["label"], o["ratio"]) not in our_cells]
+    for label, ratio in keys:
+        counterpart = "full" if label == "full" else DIAGNOSTICS.get(label, (label,))[0]
+        theirs = by_sample(kv_cells.get((counterpart, ratio), []))
+        if not theirs:
+            continue
+        row = {"label": label, "ratio": ratio, "kvpress_counterpart": counterpart}
+        mine = by_sample(our_cells.get((label, ratio), []))
+        common = sorted(set(mine) & set(theirs))
+        if common:
+            diffs = [mine[i]["score"] - theirs[i]["score"] for i in common]
+            b = sum(1 for i in common if mine[i]["score"] >= 0.5 > theirs[i]["score"])
+            c = sum(1 for i in common if theirs[i]["score"] >= 0.5 > mine[i]["score"])
+            d_mean, d_ci = mean_ci(diffs)
+            row.update({"n": len(common), "accuracy": mean_ci([mine[i]["score"] for i in common])[0],
+                        "kvpress_accuracy": mean_ci([theirs[i]["score"] for i in common])[0],
+                        "diff": d_mean, "diff_ci95": d_ci, "ours_only": b, "kvpress_only": c,
+                        "mcnemar_p": mcnemar_p(b, c),
+                        "same_answer": sum(mine[i]["answer"] == theirs[i]["answer"] for i in common) / len(common)})
+        ov = next((o for o in overlap if o["label"] == label and o["ratio"] == ratio), None)
+        if ov:
+            row.update({k: v for k, v in ov.items() if k not in ("label", "ratio", "kvpress_counterpart")})
+        agreement.append(row)
+
+    return {"table": table, "agreement": agreement, "decode": decode,
+            "samples": [{"index": p["index"], "task": p["task"], "answers": p["answers"],
+                         "context_ids": len(p["head_ids"]), "question_ids": len(p["tail_ids"])} for p in payload],
+            "records": {"kvpress": kv_records, "kvpress_ada": our_records}}
+
+
+def render_markdown(report) -> str:
+    def f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    lines = ["| library | method | ratio | n | accuracy (95% CI) | KV held (of full) | decode tok/s | x full |",
+             "|---|---|---:|---:|---|---:|---:|---:|"]
+    order = {m: i for i, m in enumerate(("full",) + METHODS)}
+    for r in sorted(report["table"], key=lambda r: (order.get(r["method"], 99), r["ratio"], r["library"])):
+        name = KVPRESS_NAMES.get(r["method"], r["method"]) if r["library"] == "kvpress" else r["method"]
+        lines.append(f"| {r['library']} | {name} | {r['ratio']:g} | {r['n']} | {r['accuracy']:.2f} "
+                     f"(±{f(r['ci95'], '.2f')}) | {r['kv_fraction']:.3f} | {f(r.get('decode_tok_s'), '.2f')} | "
+                     f"{f(r.get('decode_x_full'), '.2f')} |")
+    lines += ["", "Agreement with kvpress (paired per sample; Jaccard of kept sets per layer x kv head):", "",
+              "| kvpress_ada pipeline | ratio | acc ours | acc kvpress | diff (95% CI) | ours-only / kvpress-only "
+              "| McNemar p | same answer | kept-set Jaccard | identical rows |",
+              "|---|---:|---:|---:|---|---|---:|---:|---:|---:|"]
+    for a in report["agreement"]:
+        if "n" in a:
+            acc = (f"{a['accuracy']:.2f} | {a['kvpress_accuracy']:.2f} | {a['diff']:+.2f} (±{f(a['diff_ci95'], '.2f')}) "
+                   f"| {a['ours_only']} / {a['kvpress_only']} | {a['mcnemar_p']:.2f} | {a['same_answer']:.2f}")
+        else:
+            acc = "- | - | - | - | - | -"
+        lines.append(f"| {a['label']} | {a['ratio']:g} | {acc} | {f(a.get('jaccard'), '.3f')} | "
+                     f"{f(a.get('identical_rows'), '.2f')} |")
+    return "\n".join(lines)
+
+
+def machine_info(torch, transformers) -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(), "gpu": None,
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+
+
+def git_state() -> dict:
+    def run(*a):
+        try:
+            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    return {"commit": run("rev-parse", "HEAD"),
+            "library_dirty": bool(run("status", "--porcelain", "--untracked-files=no", "--", "kvpress_ada"))}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,321 @@
+"""The NVIDIA-kvpress half of ``benchmarks/kvpress_compare.py``; runs inside the kvpress virtualenv.
+
+Never import ``kvpress_ada`` here: this process runs kvpress 0.5.5 on the transformers release it
+pins (< 5.3). It is driven over stdin/stdout with one JSON object per line (requests in, replies
+out); everything else (warnings, progress bars) goes to stderr. Commands:
+
+``hello``         versions, threads, attention implementation.
+``prompt_check``  tokenise every sample with kvpress's own ``KVPressTextGenerationPipeline.preprocess``
+                  and compare with the token ids computed by kvpress_ada (the ids actually used).
+``accuracy``      for every sample: one prefill per (press, ratio) plus a full-cache run, each with
+                  kvpress's hooks (``with press(model): model.model(context_ids, cache)``), then the
+                  question and a greedy answer on the compressed cache with explicit RoPE positions,
+                  exactly as ``KVPressTextGenerationPipeline.generate_answer`` does. Writes answers
+                  (token ids), KV bytes held, per-(layer, head) kept masks (packed bits, .npz).
+``decode_setup``  prefill one long context once per configuration and keep every cache.
+``decode``        time ``steps`` greedy single-token steps on one kept cache (after the question).
+``quit``
+
+Usage (by the driver): ``<kvpress-venv>/bin/python benchmarks/kvpress_worker.py --model DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+PROTO = sys.stdout
+sys.stdout = sys.stderr  # library prints must never corrupt the protocol
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+transformers.utils.logging.disable_progress_bar()
+transformers.utils.logging.set_verbosity_error()
+warnings.filterwarnings("ignore")
+
+import kvpress  # noqa: E402
+from kvpress import (AdaKVPress, ExpectedAttentionPress, KVPressTextGenerationPipeline, PyramidKVPress,  # noqa: E402
+                     SnapKVPress)
+from kvpress.utils import compute_n_kept  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
+
+ADA_ALPHA = 0.2  # kvpress's default alpha_safeguard (and the paper's)
+
+
+def build_press(method: str, ratio: float):
+    """The kvpress press matching one of kvpress_ada's preset names (kvpress defaults otherwise)."""
+    if method == "full":
+        return None
+    if method == "snapkv":
+        return SnapKVPress(compression_ratio=ratio)
+    if method == "ada_snapkv":
+        return AdaKVPress(SnapKVPress(compression_ratio=ratio), alpha_safeguard=ADA_ALPHA)
+    if method == "pyramidkv":
+        return PyramidKVPress(compression_ratio=ratio)
+    if method == "expected_attention":
+        return ExpectedAttentionPress(compression_ratio=ratio)
+    if method == "ada_expected_attention":
+        return AdaKVPress(ExpectedAttentionPress(compression_ratio=ratio), alpha_safeguard=ADA_ALPHA)
+    raise ValueError(f"unknown method {method!r}")
+
+
+class Worker:
+    def __init__(self, model_dir: str, threads: int | None):
+        if threads:
+            torch.set_num_threads(threads)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        eos = self.model.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
+        if self.tokenizer.eos_token_id is not None:
+            self.eos.add(self.tokenizer.eos_token_id)
+        self.decode_states: dict[str, dict] = {}
+        self.question_token_by_token = 0  # forwards that needed the per-token workaround (see _question)
+
+    @property
+    def attn_modules(self):
+        return [layer.self_attn for layer in self.model.model.layers]
+
+    # ------------------------------------------------------------------ commands
+    def hello(self, req):
+        return {"kvpress": getattr(kvpress, "__version__", None) or _dist_version("kvpress"),
+                "transformers": transformers.__version__, "torch": torch.__version__,
+                "threads": torch.get_num_threads(), "attn_implementation": self.model.config._attn_implementation,
+                "python": sys.version.split()[0]}
+
+    def prompt_check(self, req):
+        data = _read_json(req["samples_file"])
+        dummy = SimpleNamespace(tokenizer=self.tokenizer)
+        same, same_raw, first_diff = 0, 0, None
+        for s in data["samples"]:
+            ours = s["head_ids"], s["tail_ids"]
+            # kvpress's own formatting, given the context exactly as kvpress_ada puts it in the user turn
+            out = KVPressTextGenerationPipeline.preprocess(dummy, s["context"] + "\n\n", [s["question"]], "", 10**9)
+            theirs = out["context_ids"][0].tolist(), out["questions_ids"][0][0].tolist()
+            if theirs == ours:
+                same += 1
+            elif first_diff is None:
+                first_diff = {"index": s["index"], "task": s["task"], "head_len": [len(ours[0]), len(theirs[0])],
+                              "tail": [ours[1], theirs[1]]}
+            # kvpress's formatting of the raw context: no separator between context and question
+            raw = KVPressTextGenerationPipeline.preprocess(dummy, s["context"], [s["question"]], "", 10**9)
+            if (raw["context_ids"][0].tolist(), raw["questions_ids"][0][0].tolist()) == ours:
+                same_raw += 1
+        return {"n": len(data["samples"]), "identical_with_separator": same, "identical_raw_context": same_raw,
+                "first_difference": first_diff}
+
+    def accuracy(self, req):
+        data = _read_json(req["samples_file"])
+        methods, ratios, max_new = req["methods"], req["ratios"], req["max_new_tokens"]
+        configs = [("full", 0.0)] + [(m, r) for m in methods for r in ratios]
+        records, masks, presses = [], {}, {}
+        start = time.perf_counter()
+        bar = tqdm(total=len(data["samples"]) * len(configs), desc="kvpress (one prefill per press)", unit="run",
+                   file=sys.stderr, dynamic_ncols=True)
+        for s in data["samples"]:
+            head = torch.tensor([s["head_ids"]])
+            tail = torch.tensor([s["tail_ids"]])
+            for method, ratio in configs:
+                press = build_press(method, ratio)
+                presses[method if method == "full" else f"{method}@{ratio}"] = repr(press)
+                t0 = time.perf_counter()
+                cache, keep = self._prefill(press, head)
+                prefill_s = time.perf_counter() - t0
+                kv_bytes = _cache_bytes(cache)
+                t0 = time.perf_counter()
+                tokens = self._answer(cache, head.shape[1], tail, max_new)
+                answer_s = time.perf_counter() - t0
+                rec = {"sample": s["index"], "task": s["task"], "label": method, "ratio": ratio, "tokens": tokens,
+                       "kv_bytes": kv_bytes, "prefill_s": prefill_s, "answer_s": answer_s,
+                       "context_len": int(head.shape[1])}
+                if keep is not None:
+                    rec["kept_per_head"] = keep.sum(-1).tolist()  # [layers][heads]
+                    masks[f"{method}|{ratio}|{s['index']}"] = np.packbits(keep.numpy().reshape(-1))
+                    masks[f"{method}|{ratio}|{s['index']}|shape"] = np.array(keep.shape)
+                records.append(rec)
+                del cache
+                bar.update(1)
+        bar.close()
+        np.savez_compressed(req["masks_file"], **masks)
+        return {"records": records, "presses": presses, "seconds": time.perf_counter() - start,
+                "question_token_by_token": self.question_token_by_token}
+
+    def decode_setup(self, req):
+        head = torch.tensor([req["head_ids"]])
+        self.decode_tail = torch.tensor([req["tail_ids"]])
+        configs = [("full", 0.0)] + [(m, r) for m in req["methods"] for r in req["ratios"]]
+        out = {}
+        self.decode_states.clear()
+        for method, ratio in tqdm(configs, desc=f"kvpress prefill at {head.shape[1]} tokens", file=sys.stderr,
+                                  dynamic_ncols=True):
+            press = build_press(method, ratio)
+            t0 = time.perf_counter()
+            cache, _ = self._prefill(press, head, record=False)
+            prefill_s = time.perf_counter() - t0
+            key = f"{method}|{ratio}"
+            self.decode_states[key] = {
+                "cache": cache, "length": int(head.shape[1]),
+                "lengths": [layer.keys.shape[2] for layer in cache.layers],
+                "masked": [getattr(m, "masked_key_indices", None) for m in self.attn_modules],
+            }
+            out[key] = {"kv_bytes": _cache_bytes(cache), "prefill_s": prefill_s}
+        return {"configs": out}
+
+    @torch.inference_mode()
+    def decode(self, req):
+        st = self.decode_states[req["config"]]
+        cache, length, steps = st["cache"], st["length"], req["steps"]
+        for m, masked in zip(self.attn_modules, st["masked"]):
+            m.masked_key_indices = masked  # AdaKV's per-module state belongs to the cache being decoded
+        _truncate(cache, st["lengths"])
+        tail = self.decode_tail
+        out = self._question(cache, length, tail)
+        next_id = out.logits[:, -1].argmax(-1, keepdim=True)
+        p = length + tail.shape[1]
+        t0 = time.perf_counter()
+        for i in range(steps):
+            out = self.model(input_ids=next_id, past_key_values=cache, position_ids=torch.tensor([[p + i]]))
+            next_id = out.logits[:, -1].argmax(-1, keepdim=True)
+        seconds = time.perf_counter() - t0
+        _truncate(cache, st["lengths"])
+        return {"seconds": seconds, "steps": steps}
+
+    # ------------------------------------------------------------------ helpers
+    @torch.inference_mode()
+    def _prefill(self, press, head: torch.Tensor, record: bool = True):
+        """kvpress's prefill (``KVPressTextGenerationPipeline._forward``): hooks on, model without LM head."""
+        cache = DynamicCache()
+        scores: dict[int, torch.Tensor] = {}
+        inner = press.press if isinstance(press, AdaKVPress) else press
+        if record and inner is not None:
+            original = inner.score
+
+            def score(module, *args, **kwargs):
+                s = original(module, *args, **kwargs)
+                scores[module.layer_idx] = s.detach().clone()  # AdaKVPress scatters into s afterwards
+                return s
+
+            inner.score = score
+        with press(self.model) if press is not None else nullcontext():
+            self.model.model(input_ids=head, past_key_values=cache)
+        if not record or press is None:
+            return cache, None
+        return cache, self._kept(press, scores, cache, head.shape[1])
+
+    def _kept(self, press, scores, cache, length: int) -> torch.Tensor:
+        """Bool ``[layers, kv_heads, L]``: the tokens each (layer, head) still attends to."""
+        keeps = []
+        for i, module in enumerate(self.attn_modules):
+            s = scores[i][0]  # [H, L]
+            keep = torch.zeros_like(s, dtype=torch.bool)
+            if isinstance(press, AdaKVPress):
+                keep.fill_(True)
+                _, heads, pos = module.masked_key_indices
+                keep[heads, pos] = False
+                assert cache.layers[i].keys.shape[2] == length
+            else:
+                # the same topk call on the same scores the press made (ScorerPress / PyramidKVPress.compress)
+                n_kept = press.get_layer_budget(module, length) if isinstance(press, PyramidKVPress) \
+                    else compute_n_kept(length, press.compression_ratio)
+                keep.scatter_(-1, s.topk(n_kept, dim=-1).indices, True)
+                assert cache.layers[i].keys.shape[2] == n_kept, (cache.layers[i].keys.shape, n_kept)
+            keeps.append(keep)
+        return torch.stack(keeps)
+
+    @torch.inference_mode()
+    def _question(self, cache, length: int, tail: torch.Tensor):
+        """The question forward of ``generate_answer`` (true RoPE positions after the context).
+
+        Workaround: when layers hold different numbers of tokens (PyramidKVPress), transformers builds
+        one causal mask sized from layer 0 and a multi-token forward fails in every other layer
+        ("The size of tensor a ... must match the size of tensor b ..."), in kvpress's own pipeline
+        too. Then the question goes in one token at a time, which is the same computation (causal),
+        and needs no mask (SDPA skips it for a single query).
+        """
+        lengths = {layer.keys.shape[2] for layer in cache.layers}
+        if len(lengths) == 1:
+            pos = torch.arange(length, length + tail.shape[1])[None]
+            return self.model(input_ids=tail, past_key_values=cache, position_ids=pos, logits_to_keep=1)
+        self.question_token_by_token += 1
+        for j in range(tail.shape[1]):
+            out = self.model(input_ids=tail[:, j:j + 1], past_key_values=cache,
+                             position_ids=torch.tensor([[length + j]]), logits_to_keep=1)
+        return out
+
+    @torch.inference_mode()
+    def _answer(self, cache, length: int, tail: torch.Tensor, max_new: int) -> list[int]:
+        """``KVPressTextGenerationPipeline.generate_answer``: true RoPE positions, greedy, stop at EOS."""
+        out = self._question(cache, length, tail)
+        next_id = out.logits[:, -1].argmax(-1, keepdim=True)
+        p = length + tail.shape[1]
+        tokens = []
+        for step in range(max_new):
+            token = int(next_id[0, 0])
+            if token in self.eos:
+                break
+            tokens.append(token)
+            if step + 1 == max_new:
+                break
+            out = self.model(input_ids=next_id, past_key_values=cache, position_ids=torch.tensor([[p + step]]))
+            next_id = out.logits[:, -1].argmax(-1, keepdim=True)
+        return tokens
+
+
+def _cache_bytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+def _truncate(cache, lengths):
+    """kvpress's ``_remove_answer_from_cache``: drop what decoding appended."""
+    for layer, n in zip(cache.layers, lengths):
+        layer.keys = layer.keys[:, :, :n]
+        layer.values = layer.values[:, :, :n]
+
+
+def _read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _dist_version(name):
+    from importlib.metadata import version
+    return version(name)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="converted model directory")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    worker = Worker(args.model, args.threads)
+    reply({"ready": True})
+    for line in sys.stdin:
+        req = json.loads(line)
+        cmd = req.get("cmd")
+        if cmd == "quit":
+            reply({"bye": True})
+            return
+        try:
+            reply({"ok": True, **getattr(worker, cmd)(req)})
+        except Exception as exc:  # report to the driver, which raises
+            import traceback
+            traceback.print_exc()
+            reply({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def reply(obj):
+    PROTO.write(json.dumps(obj) + "\n")
+    PROTO.flush()
+
+
+if __name__ == "__main__":
+    main()

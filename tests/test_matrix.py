@@ -76,3 +76,17 @@ def test_generate_restores_compressed_cache_between_questions(llama, tokenizer):
     together = generate(llama, tokenizer, CONTEXT, QUESTIONS, press=press, max_new_tokens=4)
     alone = [generate(llama, tokenizer, CONTEXT, [q], press=press, max_new_tokens=4)[0] for q in QUESTIONS]
     assert together == alone
+
+
+@pytest.mark.parametrize("name", [None, "ada_snapkv", "mask"])
+@pytest.mark.parametrize("question_aware", [False, True])
+def test_generate_batch_of_contexts_equals_one_by_one(llama, tokenizer, name, question_aware):
+    """A left-padded batch of documents of different lengths answers like each document alone."""
+    press = None if name is None else preset("ada_snapkv", compression_ratio=0.5,
+                                             **({"evictor": Mask()} if name == "mask" else {}))
+    contexts = [CONTEXT, "A short note: the gate code is 77. " * 3]
+    batch = generate(llama, tokenizer, contexts, QUESTIONS, press=press, max_new_tokens=4,
+                     question_aware=question_aware)
+    alone = [generate(llama, tokenizer, c, QUESTIONS, press=press, max_new_tokens=4, question_aware=question_aware)
+             for c in contexts]
+    assert batch == alone

@@ -65,40 +65,104 @@ def output_cache(out):
     return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
+def _left_pad(rows: list[torch.Tensor], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack 1-D id tensors with left padding: ``(ids [B, L], attention mask [B, L])``."""
+    length = max(r.numel() for r in rows)
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros(len(rows), length, dtype=torch.long, device=device)
+    for b, row in enumerate(rows):
+        ids[b, length - row.numel():] = row
+        mask[b, length - row.numel():] = 1
+    return ids, mask
+
+
 @torch.inference_mode()
-def generate(model, tokenizer, context: str, questions: list[str] | str, press=None, max_new_tokens: int = 16,
-             question_aware: bool = False) -> list[str]:
+def batched_answer(model, ids: torch.Tensor, mask: torch.Tensor, cache, max_new_tokens: int, eos: set[int]):
+    """Feed ``ids [B, T]`` (``mask [B, past + T]`` covers cache and ids), then decode greedily per row.
+
+    Positions follow the mask (``cumsum - 1``), so left-padded rows keep their true RoPE
+    positions. Returns ``(token lists per row, cache)``; a row stops at its first eos id.
+    """
+    key = _cache_key(model)
+    B = ids.shape[0]
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
+    step_ids = ids
+    for step in range(max_new_tokens):
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+        out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                    **{key: cache})
+        cache = output_cache(out)
+        next_id = out.logits[:, -1].argmax(-1)
+        for b, token in enumerate(next_id.tolist()):
+            if not done[b]:
+                if token in eos:
+                    done[b] = True
+                else:
+                    tokens[b].append(token)
+        if all(done) or step + 1 == max_new_tokens:
+            break
+        step_ids = next_id[:, None]
+        mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+    return tokens, cache
+
+
+@torch.inference_mode()
+def generate(model, tokenizer, context: str | list[str], questions: list[str] | str, press=None,
+             max_new_tokens: int = 16, question_aware: bool = False) -> list[str] | list[list[str]]:
     """Answer every question about ``context`` with greedy decoding.
 
     ``question_aware=False``: the context alone is prefilled and compressed (the question is
     unknown when the cache is built); every question is then answered from that same compressed
     cache, which is cropped back to its compressed state after each answer. ``question_aware=True``:
     context and question form one prompt that is compressed as a whole. ``press=None``: full cache.
+    ``context`` may be a list of documents of different lengths: they run as one left-padded batch
+    and the result is one list of answers per document.
     """
+    single = isinstance(context, str)
+    contexts = [context] if single else list(context)
     if isinstance(questions, str):
         questions = [questions]
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not contexts:
+        raise ValueError("generate needs at least one context")
     device = next(model.parameters()).device
     eos = eos_ids(model, tokenizer)
-    pressing = press(model) if press is not None else nullcontext()
-    answers = []
-    with pressing:
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    answers: list[list[str]] = [[] for _ in contexts]
+
+    def decode_rows(token_rows):
+        for b, row in enumerate(token_rows):
+            answers[b].append(tokenizer.decode(row, skip_special_tokens=True).strip())
+
+    def parts(question):
+        return [split_prompt(tokenizer, c, question) for c in contexts]
+
+    with press(model) if press is not None else nullcontext():
         if question_aware:
             for question in questions:
-                head, tail = split_prompt(tokenizer, context, question)
-                ids = torch.cat([encode(tokenizer, head, device), encode(tokenizer, tail, device)], dim=1)
-                tokens, _ = greedy_continue(model, ids, None, max_new_tokens, eos)
-                answers.append(tokenizer.decode(tokens, skip_special_tokens=True).strip())
-            return answers
-        head, _ = split_prompt(tokenizer, context, questions[0] if questions else "")
-        key = _cache_key(model)
-        out = model(input_ids=encode(tokenizer, head, device), use_cache=True, **{key: None})
-        cache = output_cache(out)
-        context_length = cache.get_seq_length()
-        for question in questions:
-            _, tail = split_prompt(tokenizer, context, question)
-            tokens, cache = greedy_continue(model, encode(tokenizer, tail, device), cache, max_new_tokens, eos)
-            answers.append(tokenizer.decode(tokens, skip_special_tokens=True).strip())
-            cache.crop(context_length - cache.get_seq_length())
-    return answers
+                rows = [torch.cat([encode(tokenizer, h, device), encode(tokenizer, t, device)], 1)[0]
+                        for h, t in parts(question)]
+                ids, mask = _left_pad(rows, pad_id, device)
+                token_rows, _ = batched_answer(model, ids, mask, None, max_new_tokens, eos)
+                decode_rows(token_rows)
+        elif questions:
+            heads = [encode(tokenizer, h, device)[0] for h, _ in parts(questions[0])]
+            ids, context_mask = _left_pad(heads, pad_id, device)
+            positions = (context_mask.cumsum(-1) - 1).clamp(min=0)
+            out = model(input_ids=ids, attention_mask=context_mask, position_ids=positions, use_cache=True,
+                        **{_cache_key(model): None})
+            cache = output_cache(out)
+            context_length = cache.get_seq_length()
+            for question in questions:
+                tails = [encode(tokenizer, t, device)[0] for _, t in parts(question)]
+                if any(not torch.equal(t, tails[0]) for t in tails):
+                    raise ValueError("the question part of the prompt tokenizes differently across contexts; "
+                                     "answer them one context at a time")
+                tail = torch.stack(tails)
+                mask = torch.cat([context_mask, context_mask.new_ones(tail.shape)], dim=1)
+                token_rows, cache = batched_answer(model, tail, mask, cache, max_new_tokens, eos)
+                decode_rows(token_rows)
+                cache.crop(context_length - cache.get_seq_length())
+    return answers[0] if single else answers

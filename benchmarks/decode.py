@@ -187,15 +187,15 @@ def plot(ctx_results: dict, threads_list: list[int], path: Path, model_name: str
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + " See the module docstring and "
-                                     "benchmarks/README.md for the method.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__ + "\nSee benchmarks/README.md for the results "
+                                     "and their analysis.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=common.MODEL_CHOICES, default=None,
                         help="'default' = embedded SmolLM2-135M-Instruct (fp32), 'tiny' = small random Llama "
                              "(default: 'default', or 'tiny' with --quick)")
     parser.add_argument("--contexts", type=int, nargs="+", default=None,
                         help="context lengths in tokens (default: 2048 4096; 512 with --quick)")
-    parser.add_argument("--methods", nargs="+", default=["snapkv", "ada_snapkv"], help="presets to compare")
+    parser.add_argument("--methods", nargs="+", default=["snapkv", "ada_snapkv"], help="presets to compare (default: snapkv ada_snapkv)")
     parser.add_argument("--ratios", type=float, nargs="+", default=None,
                         help="compression ratios (default: 0.5 0.75 0.9; 0.75 with --quick)")
     parser.add_argument("--steps", type=int, default=None, help="decode steps per timed run (default: 32; 4 with "

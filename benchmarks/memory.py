@@ -19,8 +19,13 @@ and reports:
 Why RSS: on CPU, torch has no caching allocator with statistics (``torch.cuda.max_memory_allocated``
 has no CPU counterpart) and ``tracemalloc`` does not see tensor storage (allocated by c10, not by
 Python's allocator). The RSS high-water of a dedicated process is what the operating system really had
-to provide; a subprocess per config keeps peaks from mixing. KV bytes are exact (tensor sizes); the
-RSS peaks also include activations, the model's weights (in the absolute numbers) and allocator slack.
+to provide; a subprocess per config keeps peaks from mixing. With glibc's default policy, freed
+tensor memory often stays in the process (the dynamic mmap threshold moves up after the first frees),
+which added up to ~100 MiB of config-dependent noise to the peaks in a first run; so by default
+(``--allocator strict``) workers run with a fixed 64 KiB mmap threshold and call ``malloc_trim``
+before each phase, and the RSS high-water then tracks the peak of live tensor bytes. KV bytes are
+exact (tensor sizes); the RSS peak deltas also include activations (and, in the absolute numbers,
+the model's weights and the Python runtime).
 
     python benchmarks/memory.py                 # 2k and 4k, full/snapkv/ada_snapkv x r in {0.5, 0.75, 0.9}
     python benchmarks/memory.py --quick         # smoke run on a tiny random model (< 1 min)
@@ -232,32 +237,79 @@ def table(results: list[dict]) -> str:
     return common.fmt_table(headers, rows)
 
 
+def plot(results: list[dict], path: Path, model_name: str) -> None:
+    """Per context: KV bytes after compression and peak RSS deltas (prefill, decode) per config."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = sorted({x["context"] for x in results})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6.5 * len(contexts), 4.2), squeeze=False)
+    for ax, L in zip(axes[0], contexts):
+        rows = [x for x in results if x["context"] == L]
+        labels = [x["method"] if x["method"] == "full" else f"{x['method']}\n@{x['ratio']:g}" for x in rows]
+        xs = range(len(rows))
+        w = 0.27
+        ax.bar([i - w for i in xs], [x["kv_bytes_compressed"] / 2**20 for x in rows], w, label="KV bytes (compressed)")
+        ax.bar(list(xs), [x["peak_delta_prefill_mib"] for x in rows], w, label="peak RSS delta, prefill+compress")
+        ax.bar([i + w for i in xs], [x["peak_delta_decode_mib"] for x in rows], w, label="peak RSS delta, decode")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_ylabel("MiB")
+        ax.set_title(f"context {L}")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"KV cache and peak memory over the loaded model, {model_name} model (CPU)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(payload: dict, out: Path) -> bool:
+    """Print the table and verdict, write the PNG next to the JSON; returns whether the bound held."""
+    results, info, settings = payload["results"], payload["machine"], payload["settings"]
+    print(f"\nKV cache and peak memory ({settings['model']} model, {settings['decode_steps']} decode steps, "
+          f"{info['cpu_count']} CPUs, torch {info['torch']})")
+    print(table(results))
+    bound_results = [x for x in results if "bound_ok" in x]
+    print(f"\nbound nbytes <= ((1-r)+{BOUND_SLACK})*full + reserve right after compression: "
+          f"{'PASS' if payload['bound_all_ok'] else 'FAIL'} ({sum(x['bound_ok'] for x in bound_results)}/"
+          f"{len(bound_results)})")
+    png = out.with_suffix(".png")
+    plot(results, png, settings["model"])
+    print(f"plot: {png}")
+    return payload["bound_all_ok"]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0] + " Each config runs in its own subprocess; see the module "
-        "docstring (and benchmarks/README.md) for what is measured and how.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description=__doc__ + "\nSee benchmarks/README.md for the results and their analysis.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=common.MODEL_CHOICES, default=None,
                         help="'default' = embedded SmolLM2-135M-Instruct (fp32), 'tiny' = small random Llama "
                              "(default: 'default', or 'tiny' with --quick)")
     parser.add_argument("--contexts", type=int, nargs="+", default=None, help="context lengths in tokens "
                         "(default: 2048 4096; 256 with --quick)")
-    parser.add_argument("--methods", nargs="+", default=["snapkv", "ada_snapkv"], help="presets to compare")
+    parser.add_argument("--methods", nargs="+", default=["snapkv", "ada_snapkv"], help="presets to compare (default: snapkv ada_snapkv)")
     parser.add_argument("--ratios", type=float, nargs="+", default=None,
                         help="compression ratios (default: 0.5 0.75 0.9; 0.75 with --quick)")
     parser.add_argument("--decode-steps", type=int, default=None, help="decode steps after compression "
                         "(default: 32; 4 with --quick)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads per worker (memory does not depend on it; 1 keeps runs "
-                             "robust on a shared machine)")
+                             "robust on a shared machine; default: 1)")
     parser.add_argument("--allocator", choices=["strict", "default"], default="strict",
                         help="'strict': workers run with a fixed glibc mmap threshold (64 KiB) so freed tensors go "
                              "back to the OS and peak RSS tracks live tensor bytes; 'default': the stock glibc "
-                             "policy (what an ordinary process sees, including allocator retention)")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per worker")
+                             "policy (what an ordinary process sees, including allocator retention). Default: strict")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per worker (default: 900)")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (< 1 min)")
     parser.add_argument("--out", default=None, help="JSON output path (default: benchmarks/results/memory.json; "
                         "with --quick a temporary folder, so smoke runs never overwrite results)")
+    parser.add_argument("--replot", action="store_true", help="only print the table and redraw the PNG from the "
+                        "existing --out JSON (no measurement)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -272,6 +324,9 @@ def main(argv=None) -> int:
     args.decode_steps = args.decode_steps if args.decode_steps is not None else (4 if q else 32)
     out = Path(args.out) if args.out else (common.QUICK_DIR if q else common.RESULTS) / "memory.json"
 
+    if args.replot:
+        return 0 if report(json.loads(out.read_text()), out) else 1
+
     from tqdm import tqdm
 
     info = common.machine_info()
@@ -280,27 +335,20 @@ def main(argv=None) -> int:
     for cfg in tqdm(configs(args), desc="memory configs", unit="cfg"):
         results.append(run_one(cfg, args.timeout))
     elapsed = time.perf_counter() - started
-
-    print(f"\nKV cache and peak memory ({args.model} model, {args.decode_steps} decode steps, "
-          f"{info['cpu_count']} CPUs, torch {info['torch']})")
-    print(table(results))
-    bound_results = [x for x in results if "bound_ok" in x]
-    verdict = all(x["bound_ok"] for x in bound_results)
-    print(f"\nbound nbytes <= ((1-r)+{BOUND_SLACK})*full + reserve right after compression: "
-          f"{'PASS' if verdict else 'FAIL'} ({sum(x['bound_ok'] for x in bound_results)}/{len(bound_results)})")
-    print(f"total {elapsed:.0f} s")
     payload = {
         "benchmark": "memory",
         "created": common.now_iso(),
         "machine": info,
-        "settings": {k: v for k, v in vars(args).items() if k != "worker"},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "replot")},
         "method": "one subprocess per config; RSS high-water (VmHWM) reset after model load + warm-up via "
                   "/proc/self/clear_refs; KV bytes from tensor sizes",
-        "bound_all_ok": verdict,
+        "bound_all_ok": all(x["bound_ok"] for x in results if "bound_ok" in x),
         "elapsed_s": elapsed,
         "results": results,
     }
     common.write_json(out, payload)
+    verdict = report(payload, out)
+    print(f"total {elapsed:.0f} s")
     print(f"wrote {out}")
     return 0 if verdict else 1
 

@@ -64,10 +64,16 @@ def parse_args(argv=None):
     p.add_argument("--n", type=int, default=16, help="samples per task")
     p.add_argument("--context", type=int, default=1000, help="context tokens per sample (before the chat template)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ratios", default="0.5,0.75", help="comma-separated compression ratios (fraction evicted)")
+    p.add_argument("--ratios", default="0.25,0.5",
+                   help="compression ratios (fraction evicted) for accuracy; at 0.75 every method of both libraries "
+                        "is at the floor on this model (<= 0.1), so the default stops at 0.5")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    p.add_argument("--settings", default="agnostic,aware",
+                   help="agnostic: compress the context, then ask (the question is unknown when compressing); "
+                        "aware: compress context + question together")
     p.add_argument("--max-new-tokens", type=int, default=24,
                    help="answer tokens (multikey answers need ~20: digits are single tokens)")
+    p.add_argument("--decode-ratios", default="0.5,0.75", help="compression ratios timed in the decode part")
     p.add_argument("--decode-context", type=int, default=4000, help="context tokens of the decode-speed sample")
     p.add_argument("--decode-steps", type=int, default=32, help="greedy steps timed per measurement")
     p.add_argument("--decode-repeats", type=int, default=3, help="timed rounds (after one warm-up round)")
@@ -84,17 +90,22 @@ def parse_args(argv=None):
     p.add_argument("--workdir", type=Path, default=None, help="where the samples/masks exchange files go")
     p.add_argument("--out", type=Path, default=None, help="JSON report path")
     p.add_argument("--quick", action="store_true",
-                   help="smoke test: 2 samples (1 per task), first ratio only, decode context 600, 8 steps, 1 repeat")
+                   help="smoke test: 2 samples (1 per task), last accuracy ratio, first decode ratio, decode context 600, 8 steps, 1 round")
     args = p.parse_args(argv)
     args.tasks = [t for t in args.tasks.split(",") if t]
     args.ratios = [float(r) for r in args.ratios.split(",") if r]
+    args.decode_ratios = [float(r) for r in args.decode_ratios.split(",") if r]
     args.methods = [m for m in args.methods.split(",") if m]
+    args.settings = [x for x in args.settings.split(",") if x]
+    if not args.settings or set(args.settings) - {"agnostic", "aware"}:
+        p.error("--settings takes agnostic, aware or both (comma-separated)")
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
     if args.quick:
         args.n = max(1, 2 // max(len(args.tasks), 1))
-        args.ratios = args.ratios[:1]
+        args.ratios = args.ratios[-1:]
+        args.decode_ratios = args.decode_ratios[:1]
         args.decode_context = min(args.decode_context, 600)
         args.decode_steps = min(args.decode_steps, 8)
         args.decode_repeats = 1
@@ -428,7 +439,6 @@ def main(argv=None):
                         "tail_ids": encode(tok, tail, "cpu")[0].tolist()})
     samples_file = workdir / "samples.json"
     samples_file.write_text(json.dumps({"samples": payload}))
-    masks_file = workdir / "kvpress_masks.npz"
     print(f"[samples] {len(samples)} samples ({', '.join(args.tasks)}) x {args.context} tokens; "
           f"prompt lengths {min(len(p['head_ids']) for p in payload)}-{max(len(p['head_ids']) for p in payload)} "
           f"context ids + {min(len(p['tail_ids']) for p in payload)}-{max(len(p['tail_ids']) for p in payload)} "
@@ -440,17 +450,23 @@ def main(argv=None):
         prompt_check = worker.call("prompt_check", samples_file=str(samples_file))
         print(f"[kvpress] {kv_versions}; prompt check {prompt_check}", file=sys.stderr)
 
-        # ---- accuracy: kvpress (one prefill per press), then ours (fan-out)
-        kv = worker.call("accuracy", samples_file=str(samples_file), masks_file=str(masks_file),
-                         methods=args.methods, ratios=args.ratios, max_new_tokens=args.max_new_tokens)
+        # ---- accuracy, per setting: kvpress (one prefill per press), then ours (fan-out), then kept sets
         entries = grid(args.methods, args.ratios)
         diag_entries = [] if args.no_diagnostics else diagnostic_entries(args.ratios, args.methods)
         answered = entries + [e for e in diag_entries if args.replica_accuracy or not e.label.endswith("~kvpress")]
-        t0 = time.perf_counter()
-        ours = evaluate(model, tok, samples, answered, question_aware=False, max_new_tokens=args.max_new_tokens)
-        ours_seconds = time.perf_counter() - t0
-        overlap = kept_set_agreement(model, tok, samples, payload, entries + diag_entries, masks_file, capture_prefill,
-                                     np, torch, tqdm)
+        runs = {}
+        for setting in args.settings:
+            aware = setting == "aware"
+            masks_file = workdir / f"kvpress_masks_{setting}.npz"
+            kv = worker.call("accuracy", samples_file=str(samples_file), masks_file=str(masks_file),
+                             methods=args.methods, ratios=args.ratios, max_new_tokens=args.max_new_tokens,
+                             question_aware=aware)
+            t0 = time.perf_counter()
+            ours = evaluate(model, tok, samples, answered, question_aware=aware, max_new_tokens=args.max_new_tokens)
+            ours_seconds = time.perf_counter() - t0
+            overlap = kept_set_agreement(model, payload, entries + diag_entries, masks_file, aware, capture_prefill,
+                                         np, torch, tqdm)
+            runs[setting] = {"kv": kv, "ours": ours, "ours_seconds": ours_seconds, "overlap": overlap}
 
         # ---- decode speed at a long context
         decode = None if args.no_decode else decode_benchmark(
@@ -460,26 +476,29 @@ def main(argv=None):
         worker.close()
 
     # ---- score kvpress answers with our tokenizer and scorer
-    kv_records = []
-    for rec in kv["records"]:
-        text = tok.decode(rec["tokens"], skip_special_tokens=True).strip()
-        s = samples[rec["sample"]]
-        kv_records.append({**{k: v for k, v in rec.items() if k not in ("tokens",)}, "answer": text,
-                           "score": score_sample(s, text)})
-    our_records = [{"sample": r.sample, "task": r.task, "label": r.label, "ratio": r.ratio, "answer": r.answer,
-                    "score": r.score, "kv_bytes": r.kv_bytes, "full_kv_bytes": r.full_kv_bytes, "kl": r.kl,
-                    "top1": r.top1} for r in ours.records]
+    kv_records, our_records, overlap = [], [], []
+    for setting, run in runs.items():
+        for rec in run["kv"]["records"]:
+            text = tok.decode(rec["tokens"], skip_special_tokens=True).strip()
+            kv_records.append({"setting": setting, **{k: v for k, v in rec.items() if k != "tokens"}, "answer": text,
+                               "score": score_sample(samples[rec["sample"]], text)})
+        our_records += [{"setting": setting, "sample": r.sample, "task": r.task, "label": r.label, "ratio": r.ratio,
+                         "answer": r.answer, "score": r.score, "kv_bytes": r.kv_bytes,
+                         "full_kv_bytes": r.full_kv_bytes, "kl": r.kl, "top1": r.top1} for r in run["ours"].records]
+        overlap += [{"setting": setting, **o} for o in run["overlap"]]
 
-    report = build_report(args, samples, payload, kv_records, our_records, overlap, decode)
+    report = build_report(args, payload, kv_records, our_records, overlap, decode)
+    any_kv = next(iter(runs.values()))["kv"]
     report["meta"] = {
         "machine": machine_info(torch, transformers),
         "kvpress_env": {**kv_versions, "venv": str(args.venv), "requirements": list(KVPRESS_REQUIREMENTS)},
         "kvpress_ada_version": kvpress_ada.__version__, "git": git_state(),
         "model_dir": model_dir, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "prompt_check": prompt_check, "kvpress_presses": kv["presses"],
-        "kvpress_question_token_by_token": kv.get("question_token_by_token"),
-        "seconds": {"total": time.perf_counter() - t_start, "kvpress_accuracy": kv["seconds"],
-                    "kvpress_ada_accuracy": ours_seconds,
+        "prompt_check": prompt_check, "kvpress_presses": any_kv["presses"],
+        "kvpress_question_token_by_token": {k: r["kv"].get("question_token_by_token") for k, r in runs.items()},
+        "seconds": {"total": time.perf_counter() - t_start,
+                    "kvpress_accuracy": {k: r["kv"]["seconds"] for k, r in runs.items()},
+                    "kvpress_ada_accuracy": {k: r["ours_seconds"] for k, r in runs.items()},
                     "decode": decode["seconds"] if decode else None},
         "diagnostics": {k: v[1] for k, v in DIAGNOSTICS.items()},
         "notes": NOTES,
@@ -510,15 +529,15 @@ NOTES = [
 # --------------------------------------------------------------------------- pieces
 
 
-def kept_set_agreement(model, tok, samples, payload, entries, masks_file, capture_prefill, np, torch, tqdm):
+def kept_set_agreement(model, payload, entries, masks_file, aware, capture_prefill, np, torch, tqdm):
     """Per (label, ratio): Jaccard of the kept sets of kvpress and kvpress_ada per (layer, head), averaged,
     the fraction of (layer, head) rows selected identically, and the mean |kept-count difference| per head."""
     kv_masks = np.load(masks_file)
     acc: dict[tuple[str, float], dict[str, list]] = {}
     counts: dict[tuple[str, float], list] = {}
-    bar = tqdm(total=len(samples), desc="kept-set comparison (one prefill per sample)", unit="sample")
+    bar = tqdm(total=len(payload), desc="kept-set comparison (one prefill per sample)", unit="sample")
     for i, p in enumerate(payload):
-        prefill = capture_prefill(model, torch.tensor([p["head_ids"]]))
+        prefill = capture_prefill(model, torch.tensor([p["head_ids"] + (p["tail_ids"] if aware else [])]))
         for e in entries:
             counterpart = DIAGNOSTICS.get(e.label, (e.label,))[0]
             key = f"{counterpart}|{e.ratio}|{i}"
@@ -566,10 +585,10 @@ def decode_benchmark(args, worker, model, tok, make_samples, split_prompt, encod
     head, tail = split_prompt(tok, s.context, s.question)
     head_ids, tail_ids = encode(tok, head, "cpu"), encode(tok, tail, "cpu")
     length = head_ids.shape[1]
-    configs = [("full", 0.0)] + [(m, r) for m in args.methods for r in args.ratios]
+    configs = [("full", 0.0)] + [(m, r) for m in args.methods for r in args.decode_ratios]
 
     kv_setup = worker.call("decode_setup", head_ids=head_ids[0].tolist(), tail_ids=tail_ids[0].tolist(),
-                           methods=args.methods, ratios=args.ratios)["configs"]
+                           methods=args.methods, ratios=args.decode_ratios)["configs"]
     t0 = time.perf_counter()
     prefill = capture_prefill(model, head_ids)
     ours_prefill_s = time.perf_counter() - t0
@@ -636,43 +655,52 @@ def decode_benchmark(args, worker, model, tok, make_samples, split_prompt, encod
     return result
 
 
-def build_report(args, samples, payload, kv_records, our_records, overlap, decode):
+def build_report(args, payload, kv_records, our_records, overlap, decode):
     def cells(records):
         out = {}
         for r in records:
-            out.setdefault((r["label"], r["ratio"]), []).append(r)
+            out.setdefault((r["setting"], r["label"], r["ratio"]), []).append(r)
         return out
 
     kv_cells, our_cells = cells(kv_records), cells(our_records)
     by_sample = lambda recs: {r["sample"]: r for r in recs}  # noqa: E731
-    table = []
+    rows: dict[tuple, dict] = {}
+
+    def row_for(lib, label, ratio):
+        return rows.setdefault((lib, label, ratio), {
+            "library": lib, "method": label, "ratio": ratio,
+            "name": KVPRESS_NAMES.get(label, label) if lib == "kvpress" else label, "accuracy": {}})
+
     for lib, lib_cells in (("kvpress", kv_cells), ("kvpress_ada", our_cells)):
-        full_bytes = {r["sample"]: r["kv_bytes"] for r in lib_cells[("full", 0.0)]}
-        for (label, ratio), recs in lib_cells.items():
+        for (setting, label, ratio), recs in lib_cells.items():
             if "~" in label:
                 continue
+            full_bytes = {r["sample"]: r["kv_bytes"] for r in lib_cells[(setting, "full", 0.0)]}
             acc, ci = mean_ci([r["score"] for r in recs])
-            row = {"library": lib, "method": label, "ratio": ratio, "n": len(recs), "accuracy": acc, "ci95": ci,
-                   "per_task": {t: mean_ci([r["score"] for r in recs if r["task"] == t])[0] for t in args.tasks},
-                   "kv_bytes": sum(r["kv_bytes"] for r in recs) / len(recs),
-                   "kv_fraction": sum(r["kv_bytes"] / full_bytes[r["sample"]] for r in recs) / len(recs)}
-            if decode:
-                d = decode["configs"].get(f"{lib}|{label}|{ratio}")
-                if d:
-                    row.update(decode_tok_s=d["tok_s_median"], decode_x_full=d["x_full_median"],
-                               decode_kv_fraction=d["kv_fraction"])
-            table.append(row)
+            row = row_for(lib, label, ratio)
+            row["accuracy"][setting] = {
+                "mean": acc, "ci95": ci, "n": len(recs),
+                "per_task": {t: mean_ci([r["score"] for r in recs if r["task"] == t])[0] for t in args.tasks},
+                "kv_bytes": sum(r["kv_bytes"] for r in recs) / len(recs),
+                "kv_fraction": sum(r["kv_bytes"] / full_bytes[r["sample"]] for r in recs) / len(recs)}
+    for d in (decode or {}).get("configs", {}).values():
+        row_for(d["library"], d["label"], d["ratio"])["decode"] = {
+            "tok_s": d["tok_s_median"], "x_full": d["x_full_median"], "kv_bytes": d["kv_bytes"],
+            "kv_fraction": d["kv_fraction"]}
+    order = {m: i for i, m in enumerate(("full",) + METHODS)}
+    table = sorted(rows.values(), key=lambda r: (order.get(r["method"], 99), r["ratio"], r["library"]))
 
     # paired agreement of ours (presets and diagnostics) with kvpress, sample by sample
     agreement = []
-    keys = list(our_cells) + [(o["label"], o["ratio"]) for o in overlap if (o["label"], o["ratio"]) not in our_cells]
-    for label, ratio in keys:
+    keys = list(our_cells) + [(o["setting"], o["label"], o["ratio"]) for o in overlap
+                              if (o["setting"], o["label"], o["ratio"]) not in our_cells]
+    for setting, label, ratio in keys:
         counterpart = "full" if label == "full" else DIAGNOSTICS.get(label, (label,))[0]
-        theirs = by_sample(kv_cells.get((counterpart, ratio), []))
+        theirs = by_sample(kv_cells.get((setting, counterpart, ratio), []))
         if not theirs:
             continue
-        row = {"label": label, "ratio": ratio, "kvpress_counterpart": counterpart}
-        mine = by_sample(our_cells.get((label, ratio), []))
+        row = {"setting": setting, "label": label, "ratio": ratio, "kvpress_counterpart": counterpart}
+        mine = by_sample(our_cells.get((setting, label, ratio), []))
         common = sorted(set(mine) & set(theirs))
         if common:
             diffs = [mine[i]["score"] - theirs[i]["score"] for i in common]
@@ -684,11 +712,14 @@ def build_report(args, samples, payload, kv_records, our_records, overlap, decod
                         "diff": d_mean, "diff_ci95": d_ci, "ours_only": b, "kvpress_only": c,
                         "mcnemar_p": mcnemar_p(b, c),
                         "same_answer": sum(mine[i]["answer"] == theirs[i]["answer"] for i in common) / len(common)})
-        ov = next((o for o in overlap if o["label"] == label and o["ratio"] == ratio), None)
+        ov = next((o for o in overlap if (o["setting"], o["label"], o["ratio"]) == (setting, label, ratio)), None)
         if ov:
-            row.update({k: v for k, v in ov.items() if k not in ("label", "ratio", "kvpress_counterpart")})
+            row.update({k: v for k, v in ov.items() if k not in ("setting", "label", "ratio", "kvpress_counterpart")})
         agreement.append(row)
 
+    base = {m: i for i, m in enumerate(("full",) + METHODS)}
+    agreement.sort(key=lambda a: (args.settings.index(a["setting"]), base.get(a["kvpress_counterpart"], 99),
+                                  a["label"] != a["kvpress_counterpart"], a["label"], a["ratio"]))
     return {"table": table, "agreement": agreement, "decode": decode,
             "samples": [{"index": p["index"], "task": p["task"], "answers": p["answers"],
                          "context_ids": len(p["head_ids"]), "question_ids": len(p["tail_ids"])} for p in payload],
@@ -699,26 +730,48 @@ def render_markdown(report) -> str:
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
 
-    lines = ["| library | method | ratio | n | accuracy (95% CI) | KV held (of full) | decode tok/s | x full |",
-             "|---|---|---:|---:|---|---:|---:|---:|"]
-    order = {m: i for i, m in enumerate(("full",) + METHODS)}
-    for r in sorted(report["table"], key=lambda r: (order.get(r["method"], 99), r["ratio"], r["library"])):
-        name = KVPRESS_NAMES.get(r["method"], r["method"]) if r["library"] == "kvpress" else r["method"]
-        lines.append(f"| {r['library']} | {name} | {r['ratio']:g} | {r['n']} | {r['accuracy']:.2f} "
-                     f"(±{f(r['ci95'], '.2f')}) | {r['kv_fraction']:.3f} | {f(r.get('decode_tok_s'), '.2f')} | "
-                     f"{f(r.get('decode_x_full'), '.2f')} |")
-    lines += ["", "Agreement with kvpress (paired per sample; Jaccard of kept sets per layer x kv head):", "",
-              "| kvpress_ada pipeline | ratio | acc ours | acc kvpress | diff (95% CI) | ours-only / kvpress-only "
-              "| McNemar p | same answer | kept-set Jaccard | identical rows |",
-              "|---|---:|---:|---:|---|---|---:|---:|---:|---:|"]
+    settings = list(dict.fromkeys(s for r in report["table"] for s in r["accuracy"]))
+    d = report.get("decode") or {}
+    ctx = report["samples"][0]["context_ids"] if report.get("samples") else "?"
+    lines = ["| library | method | ratio | " + " | ".join(f"accuracy, {s} (95% CI)" for s in settings)
+             + f" | KV held @{ctx} | KV held @{d.get('context_tokens', '-')} | decode tok/s @{d.get('context_tokens', '-')}"
+             " | x full |",
+             "|---|---|---:|" + "---|" * len(settings) + "---:|---:|---:|---:|"]
+    for r in report["table"]:
+        accs = " | ".join(f"{r['accuracy'][s]['mean']:.2f} (±{f(r['accuracy'][s]['ci95'], '.2f')})"
+                          if s in r["accuracy"] else "-" for s in settings)
+        kv1k = next((a["kv_fraction"] for a in r["accuracy"].values()), None)
+        dec = r.get("decode", {})
+        lines.append(f"| {r['library']} | {r['name']} | {r['ratio']:g} | {accs} | {f(kv1k, '.3f')} | "
+                     f"{f(dec.get('kv_fraction'), '.3f')} | {f(dec.get('tok_s'), '.2f')} | {f(dec.get('x_full'), '.2f')} |")
+    n = sorted({a["n"] for r in report["table"] for a in r["accuracy"].values()})
+    lines.append(f"\nn per accuracy cell: {', '.join(map(str, n))}")
+    lines += ["", "Agreement with kvpress (paired per sample; kept-set Jaccard per layer x kv head, averaged):", "",
+              "| setting | kvpress_ada pipeline | ratio | acc ours | acc kvpress | diff (95% CI) | ours-only / "
+              "kvpress-only | McNemar p | same answer | kept-set Jaccard | identical rows |",
+              "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|"]
     for a in report["agreement"]:
         if "n" in a:
             acc = (f"{a['accuracy']:.2f} | {a['kvpress_accuracy']:.2f} | {a['diff']:+.2f} (±{f(a['diff_ci95'], '.2f')}) "
                    f"| {a['ours_only']} / {a['kvpress_only']} | {a['mcnemar_p']:.2f} | {a['same_answer']:.2f}")
         else:
             acc = "- | - | - | - | - | -"
-        lines.append(f"| {a['label']} | {a['ratio']:g} | {acc} | {f(a.get('jaccard'), '.3f')} | "
+        lines.append(f"| {a['setting']} | {a['label']} | {a['ratio']:g} | {acc} | {f(a.get('jaccard'), '.3f')} | "
                      f"{f(a.get('identical_rows'), '.2f')} |")
+    alloc = [a for a in report["agreement"] if a.get("head_allocation")]
+    if alloc:
+        lines += ["", "Ada head allocation (kept count per kv head / layer mean; min over heads and layers, and mean "
+                      "coefficient of variation across heads):", "",
+                  "| setting | pipeline | ratio | min share ours | min share kvpress | CV ours | CV kvpress |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        for a in alloc:
+            h = a["head_allocation"]
+            lines.append(f"| {a['setting']} | {a['label']} | {a['ratio']:g} | {h['ours_min_share']:.3f} | "
+                         f"{h['kvpress_min_share']:.3f} | {h['ours_cv']:.3f} | {h['kvpress_cv']:.3f} |")
+    if d:
+        lines += ["", f"Decode: {d['steps']} greedy steps after the question at {d['context_tokens']} context tokens, "
+                      f"median of {d['rounds']} interleaved rounds; x full = median per-round ratio to the same "
+                      "library's full cache."]
     return "\n".join(lines)
 
 

@@ -10,7 +10,9 @@ out); everything else (warnings, progress bars) goes to stderr. Commands:
 ``accuracy``      for every sample: one prefill per (press, ratio) plus a full-cache run, each with
                   kvpress's hooks (``with press(model): model.model(context_ids, cache)``), then the
                   question and a greedy answer on the compressed cache with explicit RoPE positions,
-                  exactly as ``KVPressTextGenerationPipeline.generate_answer`` does. Writes answers
+                  exactly as ``KVPressTextGenerationPipeline.generate_answer`` does (question-agnostic);
+                  or, with ``question_aware``, the whole prompt (context + question) is prefilled and
+                  compressed and the answer starts from the prefill's last logits. Writes answers
                   (token ids), KV bytes held, per-(layer, head) kept masks (packed bits, .npz).
 ``decode_setup``  prefill one long context once per configuration and keep every cache.
 ``decode``        time ``steps`` greedy single-token steps on one kept cache (after the question).
@@ -116,27 +118,33 @@ class Worker:
     def accuracy(self, req):
         data = _read_json(req["samples_file"])
         methods, ratios, max_new = req["methods"], req["ratios"], req["max_new_tokens"]
+        aware = bool(req.get("question_aware"))
         configs = [("full", 0.0)] + [(m, r) for m in methods for r in ratios]
         records, masks, presses = [], {}, {}
         start = time.perf_counter()
-        bar = tqdm(total=len(data["samples"]) * len(configs), desc="kvpress (one prefill per press)", unit="run",
-                   file=sys.stderr, dynamic_ncols=True)
+        setting = "question-aware" if aware else "question-agnostic"
+        bar = tqdm(total=len(data["samples"]) * len(configs), desc=f"kvpress {setting} (one prefill per press)",
+                   unit="run", file=sys.stderr, dynamic_ncols=True)
         for s in data["samples"]:
             head = torch.tensor([s["head_ids"]])
             tail = torch.tensor([s["tail_ids"]])
             for method, ratio in configs:
                 press = build_press(method, ratio)
                 presses[method if method == "full" else f"{method}@{ratio}"] = repr(press)
+                prompt = torch.cat([head, tail], dim=1) if aware else head
                 t0 = time.perf_counter()
-                cache, keep = self._prefill(press, head)
+                cache, keep, logits = self._prefill(press, prompt, lm_head=aware)
                 prefill_s = time.perf_counter() - t0
                 kv_bytes = _cache_bytes(cache)
                 t0 = time.perf_counter()
-                tokens = self._answer(cache, head.shape[1], tail, max_new)
+                if aware:  # the whole prompt was compressed; answer from the prefill's last logits
+                    tokens = self._greedy(cache, logits, prompt.shape[1], max_new)
+                else:
+                    tokens = self._answer(cache, head.shape[1], tail, max_new)
                 answer_s = time.perf_counter() - t0
                 rec = {"sample": s["index"], "task": s["task"], "label": method, "ratio": ratio, "tokens": tokens,
                        "kv_bytes": kv_bytes, "prefill_s": prefill_s, "answer_s": answer_s,
-                       "context_len": int(head.shape[1])}
+                       "context_len": int(prompt.shape[1])}
                 if keep is not None:
                     rec["kept_per_head"] = keep.sum(-1).tolist()  # [layers][heads]
                     masks[f"{method}|{ratio}|{s['index']}"] = np.packbits(keep.numpy().reshape(-1))
@@ -159,7 +167,7 @@ class Worker:
                                   dynamic_ncols=True):
             press = build_press(method, ratio)
             t0 = time.perf_counter()
-            cache, _ = self._prefill(press, head, record=False)
+            cache, _, _ = self._prefill(press, head, record=False)
             prefill_s = time.perf_counter() - t0
             key = f"{method}|{ratio}"
             self.decode_states[key] = {
@@ -191,8 +199,9 @@ class Worker:
 
     # ------------------------------------------------------------------ helpers
     @torch.inference_mode()
-    def _prefill(self, press, head: torch.Tensor, record: bool = True):
-        """kvpress's prefill (``KVPressTextGenerationPipeline._forward``): hooks on, model without LM head."""
+    def _prefill(self, press, head: torch.Tensor, record: bool = True, lm_head: bool = False):
+        """kvpress's prefill (``KVPressTextGenerationPipeline._forward``): hooks on, model without LM head
+        (with it, last position only, when the answer starts right after the prefill)."""
         cache = DynamicCache()
         scores: dict[int, torch.Tensor] = {}
         inner = press.press if isinstance(press, AdaKVPress) else press
@@ -205,11 +214,15 @@ class Worker:
                 return s
 
             inner.score = score
+        logits = None
         with press(self.model) if press is not None else nullcontext():
-            self.model.model(input_ids=head, past_key_values=cache)
+            if lm_head:
+                logits = self.model(input_ids=head, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+            else:
+                self.model.model(input_ids=head, past_key_values=cache)
         if not record or press is None:
-            return cache, None
-        return cache, self._kept(press, scores, cache, head.shape[1])
+            return cache, None, logits
+        return cache, self._kept(press, scores, cache, head.shape[1]), logits
 
     def _kept(self, press, scores, cache, length: int) -> torch.Tensor:
         """Bool ``[layers, kv_heads, L]``: the tokens each (layer, head) still attends to."""
@@ -255,8 +268,12 @@ class Worker:
     def _answer(self, cache, length: int, tail: torch.Tensor, max_new: int) -> list[int]:
         """``KVPressTextGenerationPipeline.generate_answer``: true RoPE positions, greedy, stop at EOS."""
         out = self._question(cache, length, tail)
-        next_id = out.logits[:, -1].argmax(-1, keepdim=True)
-        p = length + tail.shape[1]
+        return self._greedy(cache, out.logits[:, -1], length + tail.shape[1], max_new)
+
+    @torch.inference_mode()
+    def _greedy(self, cache, logits: torch.Tensor, p: int, max_new: int) -> list[int]:
+        """Greedy answer from next-token ``logits`` whose first token sits at RoPE position ``p``."""
+        next_id = logits.argmax(-1, keepdim=True)
         tokens = []
         for step in range(max_new):
             token = int(next_id[0, 0])

@@ -32,8 +32,10 @@ def ada_vs_uniform(summary: list[dict], ratios=(0.5, 0.75)) -> list[dict]:
     for uniform, ada in PAIRS:
         deltas = [acc[(ada, r)] - acc[(uniform, r)] for r in ratios if (ada, r) in acc and (uniform, r) in acc]
         if deltas:
-            rows.append({"uniform": uniform, "ada": ada, "ratios": list(ratios), "delta": sum(deltas) / len(deltas),
-                         "target_met": sum(deltas) / len(deltas) >= 0})
+            delta = sum(deltas) / len(deltas)
+            silent = all(acc[(name, r)] == 0 for name in (ada, uniform) for r in ratios if (name, r) in acc)
+            verdict = "no signal (both at 0)" if silent else ("PASS" if delta >= 0 else "MISS")
+            rows.append({"uniform": uniform, "ada": ada, "ratios": list(ratios), "delta": delta, "verdict": verdict})
     return rows
 
 
@@ -75,8 +77,7 @@ def main(argv=None) -> int:
         comparison = ada_vs_uniform(summary)
         print(f"\n== {setting} ==\n{format_table(summary)}")
         for row in comparison:
-            print(f"{row['ada']} - {row['uniform']} at r in {row['ratios']}: {row['delta']:+.3f} "
-                  f"({'PASS' if row['target_met'] else 'MISS'})")
+            print(f"{row['ada']} - {row['uniform']} at r in {row['ratios']}: {row['delta']:+.3f} ({row['verdict']})")
         payload = {"machine": common.machine_info(), "date": common.now_iso(), "model": model_name,
                    "tasks": tasks, "n_per_task": n, "context": context, "setting": setting,
                    "wall_seconds": time.perf_counter() - start, "ada_vs_uniform": comparison,

@@ -1,0 +1,64 @@
+"""Compression overhead at prefill: wall time of a prefill with a press (dense attention +
+scoring + allocation + compaction, layer by layer) vs the same prefill without one.
+
+    python benchmarks/overhead.py                 # 4k context, snapkv and ada_snapkv at r=0.75
+    python benchmarks/overhead.py --quick         # 512-token smoke run
+
+Runs are interleaved (none, snapkv, ada_snapkv, none, ...) and the median of ``--reps`` is kept;
+the target is an overhead <= 5% of prefill at 4k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--presets", default="snapkv,ada_snapkv")
+    parser.add_argument("--ratio", type=float, default=0.75)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="512-token smoke run, 1 repetition")
+    parser.add_argument("--out", default=str(common.RESULTS / "overhead.json"))
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from kvpress_ada import preset
+
+    common.set_threads(args.threads)
+    model, tok = common.load_model("default")
+    context = 512 if args.quick else args.context
+    reps = 1 if args.quick else args.reps
+    ids = common.context_ids(tok, context)
+    configs = {"none": None, **{name: preset(name, compression_ratio=args.ratio) for name in args.presets.split(",")}}
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(reps):
+        for name, press in configs.items():
+            with torch.inference_mode(), (press(model) if press is not None else common.nullcontext()):
+                start = time.perf_counter()
+                model(input_ids=ids, use_cache=True)
+                times[name].append(time.perf_counter() - start)
+    base = statistics.median(times["none"])
+    rows = {name: {"seconds": ts, "median_s": statistics.median(ts),
+                   "overhead": statistics.median(ts) / base - 1.0} for name, ts in times.items()}
+    for name, row in rows.items():
+        verdict = "" if name == "none" else ("PASS" if row["overhead"] <= 0.05 else "MISS")
+        print(f"{name:<12} prefill {row['median_s']:.2f}s  overhead {row['overhead']:+.1%} {verdict}")
+    common.write_json(args.out if not args.quick else common.QUICK_DIR / "overhead.json",
+                      {"machine": common.machine_info(), "date": common.now_iso(), "context": context,
+                       "ratio": args.ratio, "threads": args.threads, "reps": reps, "results": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

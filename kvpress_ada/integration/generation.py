@@ -44,20 +44,37 @@ def greedy_continue(model, input_ids: torch.Tensor, cache, max_new_tokens: int, 
 @torch.inference_mode()
 def greedy_decode(model, logits: torch.Tensor, cache, max_new_tokens: int, eos: set[int]):
     """Greedy decoding (batch 1) from next-token ``logits [1, V]``; stops at an ``eos`` id (not returned)."""
+    rows, cache = _decode_rows(model, logits, cache, max_new_tokens, eos)
+    return rows[0], cache
+
+
+def _decode_rows(model, logits: torch.Tensor, cache, max_new_tokens: int, eos: set[int], mask=None):
+    """Greedy decoding of every batch row from ``logits [B, V]``; each row stops at its first eos.
+
+    With ``mask [B, past]`` (left-padded batches) the mask grows by one per step and positions
+    follow it, so padded rows keep their true RoPE positions.
+    """
     key = _cache_key(model)
-    tokens = []
-    next_id = logits.argmax(-1, keepdim=True)
+    B = logits.shape[0]
+    rows: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
+    next_id = logits.argmax(-1)
     for step in range(max_new_tokens):
-        token = int(next_id[0, 0])
-        if token in eos:
+        for b, token in enumerate(next_id.tolist()):
+            if not done[b]:
+                done[b] = token in eos
+                if not done[b]:
+                    rows[b].append(token)
+        if all(done) or step + 1 == max_new_tokens:
             break
-        tokens.append(token)
-        if step + 1 == max_new_tokens:
-            break
-        out = model(input_ids=next_id, use_cache=True, **{key: cache})
+        extra = {}
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+            extra = {"attention_mask": mask, "position_ids": mask.long().sum(-1, keepdim=True) - 1}
+        out = model(input_ids=next_id[:, None], use_cache=True, **{key: cache}, **extra)
         cache = output_cache(out)
-        next_id = out.logits[:, -1].argmax(-1, keepdim=True)
-    return tokens, cache
+        next_id = out.logits[:, -1].argmax(-1)
+    return rows, cache
 
 
 def output_cache(out):
@@ -83,28 +100,10 @@ def batched_answer(model, ids: torch.Tensor, mask: torch.Tensor, cache, max_new_
     Positions follow the mask (``cumsum - 1``), so left-padded rows keep their true RoPE
     positions. Returns ``(token lists per row, cache)``; a row stops at its first eos id.
     """
-    key = _cache_key(model)
-    B = ids.shape[0]
-    tokens: list[list[int]] = [[] for _ in range(B)]
-    done = [False] * B
-    step_ids = ids
-    for step in range(max_new_tokens):
-        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
-        out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                    **{key: cache})
-        cache = output_cache(out)
-        next_id = out.logits[:, -1].argmax(-1)
-        for b, token in enumerate(next_id.tolist()):
-            if not done[b]:
-                if token in eos:
-                    done[b] = True
-                else:
-                    tokens[b].append(token)
-        if all(done) or step + 1 == max_new_tokens:
-            break
-        step_ids = next_id[:, None]
-        mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
-    return tokens, cache
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                **{_cache_key(model): cache})
+    return _decode_rows(model, out.logits[:, -1], output_cache(out), max_new_tokens, eos, mask=mask)
 
 
 @torch.inference_mode()

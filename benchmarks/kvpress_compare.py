@@ -61,7 +61,7 @@ def parse_args(argv=None):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a local model dir")
     p.add_argument("--tasks", default="passkey,multikey", help="comma-separated kvpress_ada.eval tasks")
-    p.add_argument("--n", type=int, default=16, help="samples per task")
+    p.add_argument("--n", type=int, default=12, help="samples per task (cell n = n x tasks)")
     p.add_argument("--context", type=int, default=1000, help="context tokens per sample (before the chat template)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ratios", default="0.25,0.5",

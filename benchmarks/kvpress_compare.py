@@ -83,6 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--replica-accuracy", action="store_true",
                    help="also answer with the '~kvpress' replica pipelines (by default they are only compared "
                         "kept set by kept set, which is cheap)")
+    p.add_argument("--ea-ablation", action="store_true",
+                   help="add one-factor ExpectedAttention variants between ours and kvpress's (answered)")
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="kvpress virtualenv (created if missing)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads in both processes; on a busy 2-core machine 1 thread measured 3x faster "
@@ -253,6 +255,14 @@ def _register_diagnostics():
             scores = scores * obs.values.float()[:, :, self.n_sink:].norm(dim=-1)
             return F.pad(scores, (self.n_sink, 0), value=float("inf"))
 
+    @register_scorer("expected_attention_kvpress_shares")
+    class ExpectedAttentionKvpressShares(ExpectedAttentionKvpress):
+        """kvpress's ExpectedAttention scores, declared not comparable across heads, so kvpress_ada's Ada
+        compares each head's scores as shares of its own mass."""
+
+        name: Literal["expected_attention_kvpress_shares"] = "expected_attention_kvpress_shares"
+        comparable_across_heads: ClassVar[bool] = False
+
     @register_scorer("expected_attention_rawscale")
     class ExpectedAttentionRawScale(ExpectedAttention):
         """kvpress_ada's ExpectedAttention, but Ada compares its raw scores across heads (as kvpress)."""
@@ -319,7 +329,8 @@ def _register_diagnostics():
         sin = torch.cat([angles.sin()] * 2, dim=-1)
         return x * cos + _rotate_half(x) * sin
 
-    return SnapKVKvpress, ExpectedAttentionKvpress, ExpectedAttentionRawScale, AdaKvpressSafeguard, KvpressBudget
+    return (SnapKVKvpress, ExpectedAttentionKvpress, ExpectedAttentionKvpressShares, ExpectedAttentionRawScale,
+            AdaKvpressSafeguard, KvpressBudget)
 
 
 DIAGNOSTICS = {
@@ -336,17 +347,29 @@ DIAGNOSTICS = {
     "ada_expected_attention~rawscale": ("ada_expected_attention", "our EA scores and Ada rule, but raw scores "
                                                                   "across heads (no per-head shares; one factor)"),
 }
+# --ea-ablation: one factor at a time between our ExpectedAttention (+ Ada) and kvpress's
+EA_ABLATION = {
+    "expected_attention~allqueries": ("expected_attention", "our EA with statistics over all prefill queries "
+                                                            "instead of the last 128"),
+    "ada_expected_attention~kvpress_scores": ("ada_expected_attention", "kvpress's EA scores, our Ada rule, raw "
+                                                                        "scores across heads"),
+    "ada_expected_attention~kvpress_scores_shares": ("ada_expected_attention", "kvpress's EA scores, our Ada rule "
+                                                                               "on per-head shares"),
+    "ada_expected_attention~kvpress_rule": ("ada_expected_attention", "our EA scores, kvpress's safeguard rule "
+                                                                      "(raw scores)"),
+}
+DIAGNOSTICS.update(EA_ABLATION)
 
 
-def diagnostic_entries(ratios, methods):
+def diagnostic_entries(ratios, methods, ea_ablation=False):
     from kvpress_ada import AdaHead, ExpectedAttention, Pipeline, SnapKV, UniformHead
     from kvpress_ada.eval.runner import Entry
     from kvpress_ada.presets import ADA_ALPHA
 
-    SnapKVKvpress, EAKvpress, EARaw, AdaKvpress, KvpressBudget = _register_diagnostics()
+    SnapKVKvpress, EAKvpress, EAKvpressShares, EARaw, AdaKvpress, KvpressBudget = _register_diagnostics()
     entries = []
     for label, (counterpart, _) in DIAGNOSTICS.items():
-        if counterpart not in methods:
+        if counterpart not in methods or (label in EA_ABLATION and not ea_ablation):
             continue
         for r in ratios:
             budget = KvpressBudget(ratio=r, pyramid=label.startswith("pyramidkv"))
@@ -360,9 +383,14 @@ def diagnostic_entries(ratios, methods):
                 "ada_expected_attention~kvpress": dict(scorer=EAKvpress(), allocator=AdaKvpress(alpha=ADA_ALPHA),
                                                        layers=budget),
                 "ada_expected_attention~rawscale": dict(scorer=EARaw(), allocator=AdaHead(alpha=ADA_ALPHA)),
+                "expected_attention~allqueries": dict(scorer=ExpectedAttention(window=1 << 30)),
+                "ada_expected_attention~kvpress_scores": dict(scorer=EAKvpress(), allocator=AdaHead(alpha=ADA_ALPHA)),
+                "ada_expected_attention~kvpress_scores_shares": dict(scorer=EAKvpressShares(),
+                                                                     allocator=AdaHead(alpha=ADA_ALPHA)),
+                "ada_expected_attention~kvpress_rule": dict(scorer=ExpectedAttention(),
+                                                            allocator=AdaKvpress(alpha=ADA_ALPHA)),
             }[label]
             entries.append(Entry(label, r, Pipeline(**parts, compression_ratio=r)))
-    assert ExpectedAttention  # imported for the subclass above
     return entries
 
 
@@ -452,7 +480,7 @@ def main(argv=None):
 
         # ---- accuracy, per setting: kvpress (one prefill per press), then ours (fan-out), then kept sets
         entries = grid(args.methods, args.ratios)
-        diag_entries = [] if args.no_diagnostics else diagnostic_entries(args.ratios, args.methods)
+        diag_entries = [] if args.no_diagnostics else diagnostic_entries(args.ratios, args.methods, args.ea_ablation)
         answered = entries + [e for e in diag_entries if args.replica_accuracy or not e.label.endswith("~kvpress")]
         runs = {}
         for setting in args.settings:

@@ -39,6 +39,36 @@ def ada_vs_uniform(summary: list[dict], ratios=(0.5, 0.75)) -> list[dict]:
     return rows
 
 
+def _write(path: Path, config: dict, setting: str, records: list, seconds: float, complete: bool) -> list[dict]:
+    """Write the setting's JSON (a checkpoint while ``complete`` is false) and return its summary."""
+    from dataclasses import asdict
+
+    from kvpress_ada.eval.runner import EvalResult
+
+    summary = EvalResult(records, seconds, setting == "aware").summary()
+    payload = {"machine": common.machine_info(), "date": common.now_iso(), **config, "setting": setting,
+               "complete": complete, "samples_done": len({r.sample for r in records}),
+               "wall_seconds": seconds, "ada_vs_uniform": ada_vs_uniform(summary),
+               "summary": summary, "records": [asdict(r) for r in records]}
+    common.write_json(path, payload)
+    return summary
+
+
+def _resume(path: Path, config: dict, record_type) -> tuple[list, float]:
+    """Records and seconds of an earlier run of the same configuration, or nothing."""
+    import json
+
+    if not path.exists():
+        return [], 0.0
+    old = json.loads(path.read_text())
+    if any(old.get(key) != value for key, value in config.items()):
+        print(f"[resume] {path} has another configuration; starting over", file=sys.stderr)
+        return [], 0.0
+    records = [record_type(**r) for r in old["records"]]
+    print(f"[resume] {old['samples_done']} samples from {path}", file=sys.stderr)
+    return records, float(old["wall_seconds"])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default=PRESETS)
@@ -51,11 +81,16 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy 2-core box)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 presets, 2 ratios, 2 short samples")
     parser.add_argument("--out", default=str(common.RESULTS))
+    parser.add_argument("--checkpoint-every", type=int, default=4,
+                        help="rewrite the JSON (marked complete: false) after this many samples")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the samples already in an incomplete JSON of the same configuration")
     args = parser.parse_args(argv)
 
     from kvpress_ada.eval.report import format_table, plot_accuracy
-    from kvpress_ada.eval.runner import evaluate, grid
+    from kvpress_ada.eval.runner import EvalResult, Record, evaluate_sample, grid
     from kvpress_ada.eval.tasks import make_samples
+    from tqdm.auto import tqdm
 
     common.set_threads(args.threads)
     model_name = "default"
@@ -67,24 +102,37 @@ def main(argv=None) -> int:
     context = 300 if args.quick else args.context
     out = Path(common.QUICK_DIR if args.quick else args.out)
     out.mkdir(parents=True, exist_ok=True)
-    samples = [s for t in tasks for s in make_samples(t, tok, n, context, seed=0)]
+    # Round-robin over tasks, so a run stopped early still covers every task equally.
+    per_task = [make_samples(t, tok, n, context, seed=0) for t in tasks]
+    samples = [s for group in zip(*per_task) for s in group]
     entries = grid(presets.split(","), ratios)
+    config = {"model": model_name, "tasks": tasks, "n_per_task": n, "context": context,
+              "presets": presets.split(","), "ratios": ratios, "max_new_tokens": args.max_new_tokens}
     for setting in args.settings.split(","):
-        start = time.perf_counter()
-        result = evaluate(model, tok, samples, entries, question_aware=setting == "aware",
-                          max_new_tokens=args.max_new_tokens)
-        summary = result.summary()
-        comparison = ada_vs_uniform(summary)
+        path = out / f"quality_{setting}.json"
+        records, seconds = _resume(path, config, Record) if args.resume else ([], 0.0)
+        done = {r.sample for r in records}
+        bar = tqdm(total=len(samples) * (len(entries) + 1), initial=len(done) * (len(entries) + 1),
+                   desc=f"quality {setting}", unit="run")
+        for i, sample in enumerate(samples):
+            if i in done:
+                continue
+            start = time.perf_counter()
+            records += evaluate_sample(model, tok, sample, entries, i, question_aware=setting == "aware",
+                                       max_new_tokens=args.max_new_tokens, on_entry=bar.update)
+            bar.update(1)
+            seconds += time.perf_counter() - start
+            done.add(i)
+            if len(done) % args.checkpoint_every == 0 or len(done) == len(samples):
+                _write(path, config, setting, records, seconds, complete=len(done) == len(samples))
+        bar.close()
+        summary = _write(path, config, setting, records, seconds, complete=len(done) == len(samples))
         print(f"\n== {setting} ==\n{format_table(summary)}")
-        for row in comparison:
+        for row in ada_vs_uniform(summary):
             print(f"{row['ada']} - {row['uniform']} at r in {row['ratios']}: {row['delta']:+.3f} ({row['verdict']})")
-        payload = {"machine": common.machine_info(), "date": common.now_iso(), "model": model_name,
-                   "tasks": tasks, "n_per_task": n, "context": context, "setting": setting,
-                   "wall_seconds": time.perf_counter() - start, "ada_vs_uniform": comparison,
-                   "summary": summary, "records": result.to_dict()["records"]}
-        common.write_json(out / f"quality_{setting}.json", payload)
         plot_accuracy(summary, out / f"quality_{setting}.png",
-                      title=f"{model_name}, {','.join(tasks)}, {context} tokens, question-{setting}, n={len(samples)}")
+                      title=f"{model_name}, {','.join(tasks)}, {context} tokens, question-{setting}, "
+                            f"n={len(done)} per cell")
     return 0
 
 

@@ -193,7 +193,8 @@ def decode(model, cache, first_id: torch.Tensor, steps: int, press=None, positio
         for step in range(steps):
             kwargs = {key: cache}
             if position_start is not None:
-                kwargs["position_ids"] = torch.full((first_id.shape[0], 1), position_start + step, dtype=torch.long)
+                kwargs["position_ids"] = torch.full((first_id.shape[0], 1), position_start + step, dtype=torch.long,
+                                                    device=first_id.device)
             t0 = time.perf_counter()
             out = model(input_ids=nxt, use_cache=True, **kwargs)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)

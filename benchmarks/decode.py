@@ -28,6 +28,7 @@ import argparse
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -52,13 +53,36 @@ class Config:
     position_start: int | None = None
     kv_bytes: int = 0
     setup_s: float = 0.0
+    warmup_s: float = 0.0
     tps: dict = field(default_factory=dict)  # threads -> [tokens/s per repeat]
     step_ms: dict = field(default_factory=dict)  # threads -> [median step ms per repeat]
     tokens: list | None = None
+    forward: Callable | None = None  # a torch.compile'd model.forward, or None for eager
 
     @property
     def label(self) -> str:
-        return self.name if self.name == "full" else f"{self.name}@{self.ratio:g}"
+        return self.name if self.name.startswith("full") else f"{self.name}@{self.ratio:g}"
+
+
+@contextmanager
+def forward_of(model, forward):
+    """Run ``model`` with ``forward`` (a compiled ``model.forward``) in place of its own, if given."""
+    if forward is None:
+        yield
+        return
+    model.forward = forward
+    try:
+        yield
+    finally:
+        del model.forward  # back to the class's forward
+
+
+def compiled_variants(model, configs: list[Config]) -> list[Config]:
+    """The same configs decoded through ``torch.compile(model.forward, dynamic=True)`` (one compiled function,
+    shared: the ragged ops are custom ops with fake kernels, so the graph holds them without breaks)."""
+    forward = torch.compile(model.forward, dynamic=True)
+    return [Config(f"{c.name}+compile", c.ratio, c.make_cache, c.press, c.position_start, setup_s=c.setup_s,
+                   forward=forward) for c in configs]
 
 
 def dense_from_keep(prefill, masks: list[torch.Tensor]):
@@ -98,7 +122,8 @@ def time_config(model, cfg: Config, first_id, steps: int) -> tuple[float, float,
     cache = cfg.make_cache()
     cfg.kv_bytes = common.cache_nbytes(cache)
     times: list[float] = []
-    tokens = common.decode(model, cache, first_id, steps, cfg.press, cfg.position_start, times)
+    with forward_of(model, cfg.forward):
+        tokens = common.decode(model, cache, first_id, steps, cfg.press, cfg.position_start, times)
     return steps / sum(times), 1000 * statistics.median(times), tokens
 
 
@@ -133,19 +158,22 @@ def verdicts(ctx_results: dict, threads_list: list[int]) -> list[dict]:
     out = []
     L = max(ctx_results)
     by = {c["label"]: c for c in ctx_results[L]["configs"]}
-    ada, full, snap = by.get(f"ada_snapkv@{TARGET_RATIO:g}"), by.get("full"), by.get(f"snapkv@{TARGET_RATIO:g}")
-    for t in threads_list:
-        key = str(t)
-        if ada and full:
-            s = ratio_stats(ada["tokens_per_s"][key], full["tokens_per_s"][key])
-            out.append({"target": f"ada_snapkv@{TARGET_RATIO} >= {TARGET_VS_FULL}x full", "context": L, "threads": t,
-                        "ratio": s["median_of_per_repeat"], "threshold": TARGET_VS_FULL,
-                        "pass": s["median_of_per_repeat"] >= TARGET_VS_FULL, **s})
-        if ada and snap:
-            s = ratio_stats(ada["tokens_per_s"][key], snap["tokens_per_s"][key])
-            out.append({"target": f"ada_snapkv@{TARGET_RATIO} >= {TARGET_VS_SNAPKV}x snapkv", "context": L,
-                        "threads": t, "ratio": s["median_of_per_repeat"], "threshold": TARGET_VS_SNAPKV,
-                        "pass": s["median_of_per_repeat"] >= TARGET_VS_SNAPKV, **s})
+    for mode in ("", "+compile"):
+        ada, full = by.get(f"ada_snapkv{mode}@{TARGET_RATIO:g}"), by.get(f"full{mode}")
+        snap = by.get(f"snapkv{mode}@{TARGET_RATIO:g}")
+        for t in threads_list:
+            key = str(t)
+            if ada and full:
+                s = ratio_stats(ada["tokens_per_s"][key], full["tokens_per_s"][key])
+                out.append({"target": f"ada_snapkv{mode}@{TARGET_RATIO} >= {TARGET_VS_FULL}x full{mode}",
+                            "context": L, "threads": t, "ratio": s["median_of_per_repeat"],
+                            "threshold": TARGET_VS_FULL, "pass": s["median_of_per_repeat"] >= TARGET_VS_FULL, **s})
+            if ada and snap:
+                s = ratio_stats(ada["tokens_per_s"][key], snap["tokens_per_s"][key])
+                out.append({"target": f"ada_snapkv{mode}@{TARGET_RATIO} >= {TARGET_VS_SNAPKV}x snapkv{mode}",
+                            "context": L, "threads": t, "ratio": s["median_of_per_repeat"],
+                            "threshold": TARGET_VS_SNAPKV, "pass": s["median_of_per_repeat"] >= TARGET_VS_SNAPKV,
+                            **s})
     return out
 
 
@@ -158,15 +186,17 @@ def plot(ctx_results: dict, threads_list: list[int], path: Path, model_name: str
     contexts = sorted(ctx_results)
     fig, axes = plt.subplots(len(threads_list), len(contexts), figsize=(5.2 * len(contexts), 3.8 * len(threads_list)),
                              squeeze=False)
-    styles = {"snapkv": ("tab:blue", "o"), "ada_snapkv": ("tab:red", "s"), "dense_snapkv": ("tab:green", "^")}
+    styles = {"snapkv": ("tab:blue", "o"), "ada_snapkv": ("tab:red", "s"), "dense_snapkv": ("tab:green", "^"),
+              "snapkv+compile": ("tab:cyan", "o"), "ada_snapkv+compile": ("tab:orange", "s"),
+              "dense_snapkv+compile": ("tab:olive", "^")}
     for i, t in enumerate(threads_list):
         for j, L in enumerate(contexts):
             ax = axes[i][j]
             groups: dict[str, list] = {}
             for c in ctx_results[L]["configs"]:
                 med = statistics.median(c["tokens_per_s"][str(t)])
-                if c["name"] == "full":
-                    ax.axhline(med, color="black", ls="--", label=f"full ({med:.1f})")
+                if c["name"].startswith("full"):
+                    ax.axhline(med, color="black", ls=":" if c["compiled"] else "--", label=f"{c['name']} ({med:.1f})")
                 else:
                     groups.setdefault(c["name"], []).append((c["ratio"], med))
             for name, pts in groups.items():
@@ -207,6 +237,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-profile", action="store_true",
                         help="skip the torch.profiler breakdown (full, snapkv, ada_snapkv, dense_snapkv at r=0.75, "
                              "longest context, first thread setting)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time every config through torch.compile(model.forward, dynamic=True)")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (< 1 min)")
     parser.add_argument("--out", default=None, help="JSON output path (default: benchmarks/results/decode.json, "
                         "PNG next to it; with --quick a temporary folder)")
@@ -238,8 +270,13 @@ def main(argv=None) -> int:
         prefill_s = time.perf_counter() - t0
         first = prefill.logits.argmax(-1, keepdim=True)
         configs = build_configs(prefill, args.methods, args.ratios, not args.no_dense)
-        for cfg in configs:  # warm-up: first-call costs do not land in a timed run
-            common.decode(model, cfg.make_cache(), first, 2, cfg.press, cfg.position_start)
+        if args.compile:
+            configs += compiled_variants(model, configs)
+        for cfg in configs:  # warm-up: first-call costs (and compilation) do not land in a timed run
+            t0 = time.perf_counter()
+            with forward_of(model, cfg.forward):
+                common.decode(model, cfg.make_cache(), first, 3, cfg.press, cfg.position_start)
+            cfg.warmup_s = time.perf_counter() - t0
         jobs = [(rep, t) for rep in range(args.reps) for t in args.threads]
         bar = tqdm(total=len(jobs) * len(configs), desc=f"decode ctx={L}", unit="run")
         for k, (rep, t) in enumerate(jobs):
@@ -256,11 +293,12 @@ def main(argv=None) -> int:
         if not args.no_profile and L == max(args.contexts):
             common.set_threads(args.threads[0])
             for cfg in configs:
-                if cfg.name == "full" or cfg.ratio == TARGET_RATIO:
+                if cfg.forward is None and (cfg.name == "full" or cfg.ratio == TARGET_RATIO):
                     profiles[cfg.label] = profile_config(model, cfg, first, min(PROFILE_STEPS, args.steps), 12)
         full_tokens = configs[0].tokens
         ctx_results[L] = {"prefill_s": prefill_s, "configs": [{
-            "name": c.name, "label": c.label, "ratio": c.ratio, "kv_bytes": c.kv_bytes,
+            "name": c.name, "label": c.label, "ratio": c.ratio, "kv_bytes": c.kv_bytes, "warmup_s": c.warmup_s,
+            "compiled": c.forward is not None,
             "kv_fraction": c.kv_bytes / configs[0].kv_bytes, "select_s": c.setup_s,
             "tokens_per_s": c.tps, "median_step_ms": c.step_ms,
             "tokens": c.tokens, "token_agreement_with_full": sum(a == b for a, b in zip(c.tokens, full_tokens)) / len(
@@ -281,12 +319,13 @@ def main(argv=None) -> int:
 
     print(f"\nDecode tokens/s, median of {args.reps} ({args.model} model, {args.steps} steps, {info['cpu_count']} CPUs, "
           f"torch {info['torch']}, load avg at start {info['loadavg_at_start']})")
-    headers = ["ctx", "config", "KV frac"] + [f"tok/s {t}T" for t in args.threads] + [f"x full {t}T" for t in
+    headers = ["ctx", "config", "KV frac"] + [f"tok/s {t}T" for t in args.threads] + [f"x full (same mode) {t}T" for t in
                                                                                       args.threads]
     rows = []
     for L, res in ctx_results.items():
-        full = res["configs"][0]
+        fulls = {c["compiled"]: c for c in res["configs"] if c["name"].startswith("full")}
         for c in res["configs"]:
+            full = fulls[c["compiled"]]  # ratios within a mode: eager vs eager full, compiled vs compiled full
             rows.append([L, c["label"], f"{c['kv_fraction']:.3f}"]
                         + [f"{statistics.median(c['tokens_per_s'][str(t)]):.2f}" for t in args.threads]
                         + [f"{ratio_stats(c['tokens_per_s'][str(t)], full['tokens_per_s'][str(t)])['median_of_per_repeat']:.2f}"

@@ -527,3 +527,26 @@ def test_bench_script_help_and_cpu_smoke(capsys):
     assert mod.main(["--cpu-smoke", "--contexts", "64", "--iters", "1"]) == 0
     out = capsys.readouterr().out
     assert "FAIL" not in out and "check compact" in out and "triton" in out
+
+
+E2E = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu", "bench_e2e.py")
+
+
+def test_e2e_bench_cpu_smoke(tmp_path):
+    """The GPU end-to-end script's code paths run on CPU; its ragged-vs-masked check agrees exactly."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_e2e", E2E)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "e2e.json"
+    assert mod.main(["--cpu-smoke", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert not result["errors"]
+    labels = {(r["batch"], r["config"]) for r in result["results"]}
+    assert {(1, "full"), (2, "ada_snapkv@0.75"), (2, "snapkv@0.75")} <= labels
+    for row in result["results"]:
+        if row["config"] != "full":
+            assert row["kv_fraction"] < 0.5  # r = 0.75 plus the 32-slot reserve on a 256-token context
+    assert result["check"] and all(c["token_agreement"] == 1.0 for c in result["check"])

@@ -131,7 +131,7 @@ def main(argv=None) -> int:
         for row in ada_vs_uniform(summary):
             print(f"{row['ada']} - {row['uniform']} at r in {row['ratios']}: {row['delta']:+.3f} ({row['verdict']})")
         plot_accuracy(summary, out / f"quality_{setting}.png",
-                      title=f"{model_name}, {','.join(tasks)}, {context} tokens, question-{setting}, "
+                      title=f"{model_name} model, {len(tasks)} tasks, {context} tokens, question-{setting}, "
                             f"n={len(done)} per cell")
     return 0
 

@@ -15,12 +15,14 @@ from .base import Scorer, protect_first_valid, register_scorer
 
 @register_scorer("expected_attention")
 class ExpectedAttention(Scorer):
-    """Gaussian query model from the last ``window`` queries, rotated to the next ``n_future``
-    positions: ``logit = mu.k * s + 0.5 * s^2 * k^T Sigma k``, softmax over the context, times
-    ``||v||``. The first ``sinks`` tokens are protected."""
+    """Gaussian query model from the last ``window`` queries (``None``: every prefill query),
+    rotated to the next ``n_future`` positions: ``logit = mu.k * s + 0.5 * s^2 * k^T Sigma k``,
+    softmax over the context, times ``||v||``. The first ``sinks`` tokens are protected.
+    Padding positions are left out of the query statistics."""
 
     name: Literal["expected_attention"] = "expected_attention"
-    window: int = Field(128, ge=2, description="trailing queries used to estimate the query statistics")
+    window: int | None = Field(128, ge=2, description="trailing queries used to estimate the query statistics "
+                                                      "(None: all of them)")
     n_future: int = Field(512, ge=1, description="future positions the expectation averages over")
     sinks: int = Field(4, ge=0, description="initial tokens always kept")
     use_covariance: bool = True
@@ -28,7 +30,7 @@ class ExpectedAttention(Scorer):
     comparable_across_heads: ClassVar[bool] = False
     needs_rope: ClassVar[bool] = True
 
-    def query_window(self) -> int:
+    def query_window(self) -> int | None:
         return self.window
 
     def min_context(self) -> int:
@@ -42,12 +44,14 @@ class ExpectedAttention(Scorer):
         Hkv, G = obs.n_kv_heads, obs.group_size
         q = _rotate_to_future(q, obs.rope_inv_freq.float().to(q.device), self.n_future)
         q = q.view(B, Hkv, G, w, D)
-        mean = q.mean(dim=3)  # [B, Hkv, G, D]
+        weight = obs.key_mask[:, -w:].to(q.dtype)[:, None, None, :, None]  # queries sit where the keys do
+        count = weight.sum(dim=3).clamp(min=1.0)  # [B, 1, 1, 1]
+        mean = (q * weight).sum(dim=3) / count  # [B, Hkv, G, D]
         keys = obs.keys.float()
         logits = torch.einsum("bhgd,bhld->bhgl", mean, keys) * obs.scaling
         if self.use_covariance:
-            centred = q - mean.unsqueeze(3)
-            cov = torch.einsum("bhgwd,bhgwe->bhgde", centred, centred) / max(w - 1, 1)
+            centred = (q - mean.unsqueeze(3)) * weight
+            cov = torch.einsum("bhgwd,bhgwe->bhgde", centred, centred) / (count - 1).clamp(min=1.0)[..., None]
             quad = torch.einsum("bhld,bhgde,bhle->bhgl", keys, cov, keys)
             logits = logits + 0.5 * obs.scaling**2 * quad
         logits = logits.masked_fill(~obs.key_mask[:, None, None, :], float("-inf"))
@@ -57,17 +61,19 @@ class ExpectedAttention(Scorer):
         return protect_first_valid(scores, obs.key_mask, self.sinks)
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE rotation (half-split layout) of ``x`` by angles given as ``cos``/``sin`` over the last dim."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
 def _rotate_to_future(q: torch.Tensor, inv_freq: torch.Tensor, n_future: int) -> torch.Tensor:
     """Average rotation taking each post-RoPE query from its position to the next ``n_future``
-    positions after the context: RoPE is a rotation group, so ``R(p + d) = R(d) R(p)``."""
+    positions after the context. Query ``j`` of ``w`` sits ``w - j`` positions before the first
+    future one, and RoPE is a rotation group, so ``mean_k R(w - j + k) q = M R(w - j) q`` with
+    ``M = mean_k R(k)``: ``O((w + n_future) D)`` work, relative positions only (padding-safe)."""
     w = q.shape[2]
-    # query j sits at L - w + j; future positions are L .. L + n_future - 1, so shifts are
-    # (w - j) .. (w - j + n_future - 1)
-    base = torch.arange(w, 0, -1, device=q.device, dtype=torch.float32)  # w - j
-    shifts = base[:, None] + torch.arange(n_future, device=q.device, dtype=torch.float32)[None, :]
-    angles = shifts[..., None] * inv_freq[None, None, :]  # [w, n_future, D/2]
-    cos = torch.cat([angles.cos().mean(1)] * 2, dim=-1)  # [w, D]
-    sin = torch.cat([angles.sin().mean(1)] * 2, dim=-1)
-    half = q.shape[-1] // 2
-    rotated_half = torch.cat([-q[..., half:], q[..., :half]], dim=-1)
-    return q * cos + rotated_half * sin
+    shift = torch.arange(w, 0, -1, device=q.device, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [w, D/2]
+    q = _rotate(q, torch.cat([shift.cos()] * 2, dim=-1), torch.cat([shift.sin()] * 2, dim=-1))
+    ahead = torch.arange(n_future, device=q.device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return _rotate(q, torch.cat([ahead.cos().mean(0)] * 2), torch.cat([ahead.sin().mean(0)] * 2))

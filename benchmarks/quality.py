@@ -39,14 +39,15 @@ def ada_vs_uniform(summary: list[dict], ratios=(0.5, 0.75)) -> list[dict]:
     return rows
 
 
-def _write(path: Path, config: dict, setting: str, records: list, seconds: float, complete: bool) -> list[dict]:
+def _write(path: Path, machine: dict, config: dict, setting: str, records: list, seconds: float,
+           complete: bool) -> list[dict]:
     """Write the setting's JSON (a checkpoint while ``complete`` is false) and return its summary."""
     from dataclasses import asdict
 
     from kvpress_ada.eval.runner import EvalResult
 
     summary = EvalResult(records, seconds, setting == "aware").summary()
-    payload = {"machine": common.machine_info(), "date": common.now_iso(), **config, "setting": setting,
+    payload = {"machine": machine, "date": common.now_iso(), **config, "setting": setting,
                "complete": complete, "samples_done": len({r.sample for r in records}),
                "wall_seconds": seconds, "ada_vs_uniform": ada_vs_uniform(summary),
                "summary": summary, "records": [asdict(r) for r in records]}
@@ -88,9 +89,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from kvpress_ada.eval.report import format_table, plot_accuracy
-    from kvpress_ada.eval.runner import EvalResult, Record, evaluate_sample, grid
+    from kvpress_ada.eval.runner import Record, evaluate, grid
     from kvpress_ada.eval.tasks import make_samples
-    from tqdm.auto import tqdm
 
     common.set_threads(args.threads)
     model_name = "default"
@@ -108,25 +108,23 @@ def main(argv=None) -> int:
     entries = grid(presets.split(","), ratios)
     config = {"model": model_name, "tasks": tasks, "n_per_task": n, "context": context,
               "presets": presets.split(","), "ratios": ratios, "max_new_tokens": args.max_new_tokens}
+    machine = common.machine_info()
     for setting in args.settings.split(","):
         path = out / f"quality_{setting}.json"
         records, seconds = _resume(path, config, Record) if args.resume else ([], 0.0)
         done = {r.sample for r in records}
-        bar = tqdm(total=len(samples) * (len(entries) + 1), initial=len(done) * (len(entries) + 1),
-                   desc=f"quality {setting}", unit="run")
-        for i, sample in enumerate(samples):
-            if i in done:
-                continue
-            start = time.perf_counter()
-            records += evaluate_sample(model, tok, sample, entries, i, question_aware=setting == "aware",
-                                       max_new_tokens=args.max_new_tokens, on_entry=bar.update)
-            bar.update(1)
-            seconds += time.perf_counter() - start
+        start = time.perf_counter()
+
+        def checkpoint(i, new):
+            records.extend(new)
             done.add(i)
-            if len(done) % args.checkpoint_every == 0 or len(done) == len(samples):
-                _write(path, config, setting, records, seconds, complete=len(done) == len(samples))
-        bar.close()
-        summary = _write(path, config, setting, records, seconds, complete=len(done) == len(samples))
+            if len(done) % args.checkpoint_every == 0 and len(done) < len(samples):
+                _write(path, machine, config, setting, records, seconds + time.perf_counter() - start, complete=False)
+
+        evaluate(model, tok, samples, entries, question_aware=setting == "aware", max_new_tokens=args.max_new_tokens,
+                 skip=frozenset(done), on_sample=checkpoint)
+        seconds += time.perf_counter() - start
+        summary = _write(path, machine, config, setting, records, seconds, complete=len(done) == len(samples))
         print(f"\n== {setting} ==\n{format_table(summary)}")
         for row in ada_vs_uniform(summary):
             print(f"{row['ada']} - {row['uniform']} at r in {row['ratios']}: {row['delta']:+.3f} ({row['verdict']})")

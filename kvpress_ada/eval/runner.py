@@ -132,15 +132,24 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
 
 
 def evaluate(model, tokenizer, samples, entries: list[Entry], question_aware: bool = False, max_new_tokens: int = 16,
-             progress: bool = True) -> "EvalResult":
-    """Fan-out evaluation of ``entries`` on ``samples`` (one prefill per sample)."""
+             progress: bool = True, skip=frozenset(), on_sample=None) -> "EvalResult":
+    """Fan-out evaluation of ``entries`` on ``samples`` (one prefill per sample).
+
+    ``skip``: indices of samples not to run (done by an earlier, resumed run); ``on_sample(i, records)``
+    is called after each sample with its records (for checkpoints)."""
     start = time.perf_counter()
     records = []
-    bar = tqdm(total=len(samples) * (len(entries) + 1), disable=not progress, desc="evaluating", unit="run")
-    for i, sample in enumerate(samples):
-        records += evaluate_sample(model, tokenizer, sample, entries, i, question_aware, max_new_tokens,
-                                   on_entry=bar.update)
+    todo = [i for i in range(len(samples)) if i not in skip]
+    per_sample = len(entries) + 1
+    bar = tqdm(total=len(samples) * per_sample, initial=(len(samples) - len(todo)) * per_sample,
+               disable=not progress, desc="evaluating", unit="run")
+    for i in todo:
+        new = evaluate_sample(model, tokenizer, samples[i], entries, i, question_aware, max_new_tokens,
+                              on_entry=bar.update)
+        records += new
         bar.update(1)
+        if on_sample is not None:
+            on_sample(i, new)
     bar.close()
     return EvalResult(records, time.perf_counter() - start, question_aware)
 

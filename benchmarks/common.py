@@ -178,6 +178,15 @@ def press_context(press, model):
     return nullcontext() if press is None else press(model)
 
 
+def prefill(model, ids: torch.Tensor, press=None):
+    """Prefill (and compress, under a press) keeping logits for the last position only.
+    Returns ``(cache, next token ids [B, 1])``."""
+    key = cache_kwarg(model)
+    with torch.inference_mode(), press_context(press, model):
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{key: None})
+    return output_cache(out), out.logits[:, -1].argmax(-1, keepdim=True)
+
+
 @torch.inference_mode()
 def decode(model, cache, first_id: torch.Tensor, steps: int, press=None, position_start: int | None = None,
            step_times: list | None = None) -> list[int]:

@@ -96,16 +96,6 @@ def release_free_memory() -> None:
         pass
 
 
-def _prefill(model, ids, press):
-    """Prefill (and compress, under a press) keeping logits for the last position only."""
-    import torch
-
-    key = common.cache_kwarg(model)
-    with torch.inference_mode(), common.press_context(press, model):
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{key: None})
-    return common.output_cache(out), out.logits[:, -1].argmax(-1, keepdim=True)
-
-
 def worker(cfg: dict) -> dict:
     import torch
 
@@ -120,7 +110,7 @@ def worker(cfg: dict) -> dict:
 
     # warm-up on a short prompt: one-time allocations (op registration, lazily built buffers) do not count
     warm_len = min(L, 256)
-    cache, nxt = _prefill(model, ids[:, :warm_len], press)
+    cache, nxt = common.prefill(model, ids[:, :warm_len], press)
     common.decode(model, cache, nxt, 2, press)
     del cache, nxt
     release_free_memory()
@@ -128,7 +118,7 @@ def worker(cfg: dict) -> dict:
     supported = reset_peak()
     base = rss_mib()
     t0 = time.perf_counter()
-    cache, nxt = _prefill(model, ids, press)
+    cache, nxt = common.prefill(model, ids, press)
     t_prefill = time.perf_counter() - t0
     peak_prefill = peak_rss_mib()
     kv_compressed = common.cache_nbytes(cache)

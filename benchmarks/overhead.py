@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     times: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(reps):
         for name, press in configs.items():
-            with torch.inference_mode(), (press(model) if press is not None else common.nullcontext()):
+            with torch.inference_mode(), common.press_context(press, model):
                 start = time.perf_counter()
                 model(input_ids=ids, use_cache=True)
                 times[name].append(time.perf_counter() - start)

@@ -110,7 +110,7 @@ def run_config(model, ids, press, steps: int, clock: Clock) -> dict:
 
     base = clock.reset_peak()
     t0 = clock.now()
-    cache, nxt = prefill(model, ids, press)
+    cache, nxt = common.prefill(model, ids, press)
     prefill_s = clock.now() - t0
     peak_prefill = clock.peak() - base
     kv_bytes = common.cache_nbytes(cache)
@@ -124,17 +124,6 @@ def run_config(model, ids, press, steps: int, clock: Clock) -> dict:
            "tokens_per_s": steps * ids.shape[0] / decode_s, "steps_per_s": steps / decode_s, "tokens": tokens}
     del cache
     return row
-
-
-def prefill(model, ids, press):
-    import torch
-
-    import common
-
-    key = common.cache_kwarg(model)
-    with torch.inference_mode(), common.press_context(press, model):
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{key: None})
-    return common.output_cache(out), out.logits[:, -1].argmax(-1, keepdim=True)
 
 
 def check_ragged_vs_masked(args, device: str, clock: Clock) -> list[dict]:
@@ -156,7 +145,7 @@ def check_ragged_vs_masked(args, device: str, clock: Clock) -> list[dict]:
             for evictor in ("topk", "mask"):
                 press = preset(method, compression_ratio=ratio) if evictor == "topk" else \
                     preset(method, compression_ratio=ratio, evictor=Mask())
-                cache, nxt = prefill(model, ids, press)
+                cache, nxt = common.prefill(model, ids, press)
                 with torch.inference_mode(), press(model):
                     logits = []
                     tokens = []

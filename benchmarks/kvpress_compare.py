@@ -190,6 +190,7 @@ def _register_diagnostics():
     from kvpress_ada.allocators.heads import flat_topk_counts
     from kvpress_ada.allocators.layers import register_layer_schedule
     from kvpress_ada.presses.attention import window_attention
+    from kvpress_ada.presses.expected_attention import _rotate
 
     @register_scorer("snapkv_kvpress")
     class SnapKVKvpress(Scorer):
@@ -238,13 +239,14 @@ def _register_diagnostics():
             Hkv, G = obs.n_kv_heads, obs.group_size
             inv = obs.rope_inv_freq.float().to(q.device)
             pos = torch.arange(L, device=q.device, dtype=torch.float32)
-            q = _rope(q, -pos[:, None] * inv[None, :])  # back to pre-RoPE
+            back = -pos[:, None] * inv[None, :]
+            q = _rotate(q, torch.cat([back.cos()] * 2, -1), torch.cat([back.sin()] * 2, -1))  # back to pre-RoPE
             future = torch.arange(L, L + self.n_future, device=q.device, dtype=torch.float32)
             ang = future[:, None] * inv[None, :]
             cos = torch.cat([ang.cos().mean(0)] * 2)  # the averaged rotation R = mean_p R(p)
             sin = torch.cat([ang.sin().mean(0)] * 2)
             q = q[:, :, self.n_sink:]
-            q = q * cos + _rotate_half(q) * sin
+            q = _rotate(q, cos, sin)
             mu = q.mean(dim=2)  # [B, Hq, D]
             c = q - mu[:, :, None]
             cov = torch.einsum("bhsi,bhsj->bhij", c, c) / q.shape[2]
@@ -319,15 +321,6 @@ def _register_diagnostics():
                 return max(1, round(L * (1 - self.ratio)))
             steps = (hi - lo) / (n_layers - 1) if n_layers > 1 else 0.0
             return round(hi - layer * steps)
-
-    def _rotate_half(x):
-        h = x.shape[-1] // 2
-        return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
-
-    def _rope(x, angles):
-        cos = torch.cat([angles.cos()] * 2, dim=-1)
-        sin = torch.cat([angles.sin()] * 2, dim=-1)
-        return x * cos + _rotate_half(x) * sin
 
     return (SnapKVKvpress, ExpectedAttentionKvpress, ExpectedAttentionKvpressShares, ExpectedAttentionRawScale,
             AdaKvpressSafeguard, KvpressBudget)

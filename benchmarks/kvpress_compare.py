@@ -185,8 +185,15 @@ def _register_diagnostics():
     import torch
     import torch.nn.functional as F
 
-    from kvpress_ada import (ExpectedAttention, HeadAllocator, LayerSchedule, Observation, Scorer,
-                             register_allocator, register_scorer)
+    from kvpress_ada import (
+        ExpectedAttention,
+        HeadAllocator,
+        LayerSchedule,
+        Observation,
+        Scorer,
+        register_allocator,
+        register_scorer,
+    )
     from kvpress_ada.allocators.heads import flat_topk_counts
     from kvpress_ada.allocators.layers import register_layer_schedule
     from kvpress_ada.presses.attention import window_attention

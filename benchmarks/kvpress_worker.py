@@ -44,8 +44,7 @@ transformers.utils.logging.set_verbosity_error()
 warnings.filterwarnings("ignore")
 
 import kvpress  # noqa: E402
-from kvpress import (AdaKVPress, ExpectedAttentionPress, KVPressTextGenerationPipeline, PyramidKVPress,  # noqa: E402
-                     SnapKVPress)
+from kvpress import AdaKVPress, ExpectedAttentionPress, KVPressTextGenerationPipeline, PyramidKVPress, SnapKVPress  # noqa: E402
 from kvpress.utils import compute_n_kept  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 

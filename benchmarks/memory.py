@@ -210,7 +210,7 @@ def run_one(cfg: dict, timeout: float) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    headers = ["ctx", "method", "r", "KV MiB (compr.)", "frac", "bound MiB", "ok", f"KV MiB (+decode)",
+    headers = ["ctx", "method", "r", "KV MiB (compr.)", "frac", "bound MiB", "ok", "KV MiB (+decode)",
                "peak dRSS prefill MiB", "peak dRSS decode MiB", "peak RSS MiB", "kept/head min-mean-max"]
     rows = []
     for x in results:

@@ -1,15 +1,33 @@
 """kvpress_ada: composable KV-cache compression with Ada-KV head-wise budgets and a ragged cache
 that really frees memory."""
 
-from .allocators import AdaHead, HeadAllocator, LayerSchedule, PyramidLayer, UniformHead, UniformLayer, register_allocator
+from .allocators import (
+                      AdaHead,
+                      HeadAllocator,
+                      LayerSchedule,
+                      PyramidLayer,
+                      UniformHead,
+                      UniformLayer,
+                      register_allocator,
+)
 from .evictors import Evictor, Mask, TopK, register_evictor
 from .integration import SUPPORTED_MODEL_TYPES, MaskedCache, RaggedCache
 from .integration.generation import generate
 from .observation import Observation
 from .pipeline import Pipeline
 from .presets import preset, preset_names, register_preset
-from .presses import (TOVA, CriticalKV, ExpectedAttention, KNorm, ObservedAttention, RandomScorer, Scorer, SnapKV,
-                      StreamingLLM, register_scorer)
+from .presses import (
+                      TOVA,
+                      CriticalKV,
+                      ExpectedAttention,
+                      KNorm,
+                      ObservedAttention,
+                      RandomScorer,
+                      Scorer,
+                      SnapKV,
+                      StreamingLLM,
+                      register_scorer,
+)
 
 __version__ = "0.1.0"
 

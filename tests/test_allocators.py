@@ -3,7 +3,7 @@
 import math
 
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpress_ada import AdaHead, PyramidLayer, UniformHead, UniformLayer

@@ -3,8 +3,8 @@
 import json
 
 import pytest
-
 from conftest import build_model, build_tokenizer
+
 from kvpress_ada.cli import main
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import build_model
+
 from kvpress_ada import AdaHead, Pipeline, SnapKV
 from kvpress_ada.eval import Sample
 from kvpress_ada.eval.runner import evaluate, evaluate_separately, grid

@@ -26,7 +26,8 @@ def cache(tmp_path, monkeypatch):
 
 
 def _tiny_tokenizer():
-    from tokenizers import Tokenizer, models as tmodels, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tmodels
     from transformers import PreTrainedTokenizerFast
 
     words = ["<unk>", "<s>", "</s>", "the", "pass", "key", "is", "what", "?", "."]

@@ -5,14 +5,33 @@ from typing import Literal
 import pytest
 import torch
 import yaml
+from conftest import build_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from conftest import build_model, build_tokenizer
-from kvpress_ada import (TOVA, AdaHead, CriticalKV, ExpectedAttention, KNorm, Mask, ObservedAttention, Pipeline,
-                         PyramidLayer, RandomScorer, Scorer, SnapKV, StreamingLLM, TopK, UniformHead, UniformLayer,
-                         generate, preset, preset_names, register_scorer)
+from kvpress_ada import (
+    TOVA,
+    AdaHead,
+    CriticalKV,
+    ExpectedAttention,
+    KNorm,
+    Mask,
+    ObservedAttention,
+    Pipeline,
+    PyramidLayer,
+    RandomScorer,
+    Scorer,
+    SnapKV,
+    StreamingLLM,
+    TopK,
+    UniformHead,
+    UniformLayer,
+    generate,
+    preset,
+    preset_names,
+    register_scorer,
+)
 
 scorers = st.one_of(
     st.builds(SnapKV, window=st.integers(1, 128), kernel=st.integers(1, 9)),

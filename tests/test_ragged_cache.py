@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from conftest import build_model
 from kvpress_ada import Pipeline, RaggedCache, SnapKV, generate, preset
 from kvpress_ada.integration import RaggedLayer
 

@@ -15,9 +15,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpress_ada.eval import (TASKS, Sample, load_longbench, load_ruler, make_samples, score,
-                              score_sample, scoring, split_ruler_input, string_match_all,
-                              string_match_part)
+from kvpress_ada.eval import (
+    TASKS,
+    Sample,
+    load_longbench,
+    load_ruler,
+    make_samples,
+    score,
+    score_sample,
+    scoring,
+    split_ruler_input,
+    string_match_all,
+    string_match_part,
+)
 from kvpress_ada.eval.tasks import count_tokens, haystack_sentences
 
 FIXTURES = Path(__file__).parent / "fixtures"

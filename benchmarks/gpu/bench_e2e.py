@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 import traceback
@@ -128,9 +127,9 @@ def run_config(model, ids, press, steps: int, clock: Clock) -> dict:
 
 def check_ragged_vs_masked(args, device: str, clock: Clock) -> list[dict]:
     """TopK (ragged, Triton on CUDA) vs Mask (masked SDPA) on the same press: same greedy tokens in fp32."""
+    import common
     import torch
 
-    import common
     from kvpress_ada import preset
     from kvpress_ada.evictors import Mask
 
@@ -170,9 +169,9 @@ def check_ragged_vs_masked(args, device: str, clock: Clock) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    import common
     import torch
 
-    import common
     from kvpress_ada import preset
 
     if not torch.cuda.is_available() and not args.cpu_smoke:

@@ -7,8 +7,7 @@ published RULER and LongBench datasets, and their scoring rules.
 """
 
 from .datasets import load_longbench, load_ruler, split_ruler_input
-from .scoring import (LONGBENCH_METRICS, METRICS, score, score_sample, string_match_all,
-                      string_match_part)
+from .scoring import LONGBENCH_METRICS, METRICS, score, score_sample, string_match_all, string_match_part
 from .tasks import TASKS, Sample, TaskSpec, make_samples
 
 __all__ = [

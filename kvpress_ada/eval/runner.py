@@ -16,7 +16,15 @@ import torch
 from tqdm.auto import tqdm
 
 from ..integration.fanout import capture_prefill
-from ..integration.generation import encode, eos_ids, generate, greedy_continue, greedy_decode, output_cache, split_prompt
+from ..integration.generation import (
+    encode,
+    eos_ids,
+    generate,
+    greedy_continue,
+    greedy_decode,
+    output_cache,
+    split_prompt,
+)
 from ..integration.press_context import _cache_key
 from ..pipeline import Pipeline
 from ..presets import preset

@@ -13,8 +13,15 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from .press_context import (RUN_KWARG, _cache_key, _prefill_key_mask, attention_routed, check_supported, new_cache,
-                            observation_for)
+from .press_context import (
+    RUN_KWARG,
+    _cache_key,
+    _prefill_key_mask,
+    attention_routed,
+    check_supported,
+    new_cache,
+    observation_for,
+)
 
 
 @dataclass

@@ -163,14 +163,16 @@ def kept_tokens(cache) -> int:
 
 def cache_kwarg(model) -> str:
     """The name under which this transformers version takes the cache (``cache`` or ``past_key_values``)."""
-    from kvpress_ada.integration.press_context import _cache_key
+    from kvpress_ada.integration.hf import cache_kwarg
 
-    return _cache_key(model)
+    return cache_kwarg(model)
 
 
 def output_cache(out):
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else getattr(out, "past_key_values", None)
+    """The cache a forward returned (``cache`` or ``past_key_values``)."""
+    from kvpress_ada.integration.hf import output_cache
+
+    return output_cache(out)
 
 
 def press_context(press, model):
@@ -237,7 +239,10 @@ def fmt_table(headers: list[str], rows: list[list]) -> str:
     """A plain-text (and Markdown-compatible) table."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    line = lambda r: "| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |"
+
+    def line(r):
+        return "| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |"
+
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
 

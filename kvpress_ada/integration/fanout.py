@@ -13,15 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from .press_context import (
-    RUN_KWARG,
-    _cache_key,
-    _prefill_key_mask,
-    attention_routed,
-    check_supported,
-    new_cache,
-    observation_for,
-)
+from .hf import cache_kwarg, check_supported, prefill_key_mask
+from .press_context import RUN_KWARG, attention_routed, new_cache, observation_for
 
 
 @dataclass
@@ -94,11 +87,11 @@ def capture_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     check_supported(model)
     cache = DynamicCache(config=model.config)
     run = CaptureRun(cache=cache)
-    kwargs = {"input_ids": input_ids, "use_cache": True, _cache_key(model): cache, RUN_KWARG: run}
+    kwargs = {"input_ids": input_ids, "use_cache": True, cache_kwarg(model): cache, RUN_KWARG: run}
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
     with attention_routed(model):
         out = model(**kwargs)
     layers = [run.layers[i] for i in range(len(run.layers))]
-    key_mask = _prefill_key_mask((), {"input_ids": input_ids, "attention_mask": attention_mask})
+    key_mask = prefill_key_mask((), {"input_ids": input_ids, "attention_mask": attention_mask})
     return Prefill(model=model, layers=layers, key_mask=key_mask, full_cache=cache, logits=out.logits[:, -1])

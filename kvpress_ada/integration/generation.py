@@ -6,7 +6,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .press_context import _cache_key
+from .hf import cache_kwarg, output_cache
 
 _PLACEHOLDER = "<<<kvpress_ada_question>>>"
 
@@ -37,7 +37,7 @@ def eos_ids(model, tokenizer) -> set[int]:
 @torch.inference_mode()
 def greedy_continue(model, input_ids: torch.Tensor, cache, max_new_tokens: int, eos: set[int]):
     """Feed ``input_ids`` through ``model`` with ``cache``, then decode greedily; returns (token ids, cache)."""
-    out = model(input_ids=input_ids, use_cache=True, **{_cache_key(model): cache})
+    out = model(input_ids=input_ids, use_cache=True, **{cache_kwarg(model): cache})
     return greedy_decode(model, out.logits[:, -1], output_cache(out), max_new_tokens, eos)
 
 
@@ -54,7 +54,7 @@ def _decode_rows(model, logits: torch.Tensor, cache, max_new_tokens: int, eos: s
     With ``mask [B, past]`` (left-padded batches) the mask grows by one per step and positions
     follow it, so padded rows keep their true RoPE positions.
     """
-    key = _cache_key(model)
+    key = cache_kwarg(model)
     B = logits.shape[0]
     rows: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
@@ -77,10 +77,6 @@ def _decode_rows(model, logits: torch.Tensor, cache, max_new_tokens: int, eos: s
     return rows, cache
 
 
-def output_cache(out):
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else getattr(out, "past_key_values", None)
-
 
 def _left_pad(rows: list[torch.Tensor], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack 1-D id tensors with left padding: ``(ids [B, L], attention mask [B, L])``."""
@@ -102,7 +98,7 @@ def batched_answer(model, ids: torch.Tensor, mask: torch.Tensor, cache, max_new_
     """
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                **{_cache_key(model): cache})
+                **{cache_kwarg(model): cache})
     return _decode_rows(model, out.logits[:, -1], output_cache(out), max_new_tokens, eos, mask=mask)
 
 
@@ -151,7 +147,7 @@ def generate(model, tokenizer, context: str | list[str], questions: list[str] | 
             ids, context_mask = _left_pad(heads, pad_id, device)
             positions = (context_mask.cumsum(-1) - 1).clamp(min=0)
             out = model(input_ids=ids, attention_mask=context_mask, position_ids=positions, use_cache=True,
-                        **{_cache_key(model): None})
+                        **{cache_kwarg(model): None})
             cache = output_cache(out)
             context_length = cache.get_seq_length()
             for question in questions:

@@ -10,7 +10,6 @@ prefill of each layer, then scores, allocates and compacts that layer before the
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,8 +19,8 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..models import SUPPORTED_MODEL_TYPES
 from ..observation import Observation
+from .hf import cache_kwarg, check_supported, prefill_key_mask
 from .masked_cache import MaskedCache
 from .ragged_cache import RaggedCache
 
@@ -82,10 +81,6 @@ AttentionInterface.register(ATTENTION_NAME, press_attention)
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
-def check_supported(model) -> None:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported model type {model_type!r}: kvpress_ada supports {', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
 def new_cache(press, model):
@@ -95,9 +90,6 @@ def new_cache(press, model):
     return MaskedCache(config=model.config)
 
 
-def _cache_key(model) -> str:
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def _rope_inv_freq(model) -> torch.Tensor:
@@ -117,7 +109,7 @@ def _check_sliding_window(model, length: int) -> None:
 
 
 def _make_pre_hook(press, model):
-    cache_key = _cache_key(model)
+    cache_key = cache_kwarg(model)
 
     def pre_hook(module, args, kwargs):
         if kwargs.get("use_cache") is False:
@@ -135,7 +127,7 @@ def _make_pre_hook(press, model):
         prefill = cache.get_seq_length() == 0
         key_mask = None
         if prefill:
-            key_mask = _prefill_key_mask(args, kwargs)
+            key_mask = prefill_key_mask(args, kwargs)
             length = key_mask.shape[-1]
             min_valid = int(key_mask.sum(-1).min())
             press.check_context(min_valid)
@@ -148,15 +140,6 @@ def _make_pre_hook(press, model):
     return pre_hook
 
 
-def _prefill_key_mask(args, kwargs) -> torch.Tensor:
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    embeds = kwargs.get("inputs_embeds")
-    shape = ids.shape if ids is not None else embeds.shape[:2]
-    device = ids.device if ids is not None else embeds.device
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape == shape:
-        return mask.to(device=device, dtype=torch.bool)
-    return torch.ones(shape, dtype=torch.bool, device=device)
 
 
 @contextmanager

@@ -11,7 +11,7 @@ from .allocators import (
                       register_allocator,
 )
 from .evictors import Evictor, Mask, TopK, register_evictor
-from .integration import SUPPORTED_MODEL_TYPES, MaskedCache, RaggedCache
+from .integration import SUPPORTED_MODEL_TYPES, MaskedCache, PressCache, RaggedCache, attach, detach
 from .integration.generation import generate
 from .observation import Observation
 from .pipeline import Pipeline
@@ -38,4 +38,5 @@ __all__ = [
     "Scorer", "HeadAllocator", "LayerSchedule", "Evictor", "Observation",
     "register_scorer", "register_allocator", "register_evictor",
     "RaggedCache", "MaskedCache", "SUPPORTED_MODEL_TYPES",
+    "PressCache", "attach", "detach",
 ]

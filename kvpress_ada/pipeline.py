@@ -36,7 +36,7 @@ class Pipeline(BaseModel):
     @classmethod
     def _build_component(cls, value: Any, info: ValidationInfo) -> Any:
         """Accept instances, registered names or dicts with a ``name`` (JSON/YAML configs)."""
-        return _REGISTRIES[info.field_name].build(value)
+        return _REGISTRIES[str(info.field_name)].build(value)
 
     @model_validator(mode="after")
     def _exactly_one_budget(self) -> "Pipeline":
@@ -57,6 +57,7 @@ class Pipeline(BaseModel):
         """Average tokens kept per kv head for rows with ``lengths`` valid tokens, ``[B]`` long."""
         if self.budget is not None:
             return torch.clamp(torch.full_like(lengths, self.budget), max=lengths).clamp(min=1)
+        assert self.compression_ratio is not None  # exactly one is set (validated)
         kept = torch.round((1.0 - self.compression_ratio) * lengths.double()).long()
         return torch.minimum(kept.clamp(min=1), lengths)
 
@@ -71,12 +72,26 @@ class Pipeline(BaseModel):
 
     def counts(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores (padding at ``-inf``) and the kept count per (batch, kv head) for one layer."""
-        scores = self.scorer.score(obs).float()
-        scores = scores.masked_fill(~obs.key_mask[:, None, :], float("-inf"))
+        scores = self.scorer.score(obs)
+        self._check_scores(scores, obs)
+        scores = scores.float().masked_fill(~obs.key_mask[:, None, :], float("-inf"))
         lengths = obs.valid_lengths()
         budget = self.layers.layer_budget(self.average_budget(lengths), obs.layer_idx, obs.n_layers, lengths)
         counts = self.allocator.allocate(scores, budget, comparable=type(self.scorer).comparable_across_heads)
         return scores, counts
+
+    def _check_scores(self, scores: torch.Tensor, obs: Observation) -> None:
+        """The scorer's output contract: a ``[B, H_kv, L]`` tensor without NaN (checked eagerly;
+        the NaN check is a host sync per layer at prefill, skipped while torch.compile traces)."""
+        name = type(self.scorer).__name__
+        expected = tuple(obs.keys.shape[:3])
+        if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != expected:
+            got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+            raise ValueError(f"scorer {name} returned scores of shape {got} in layer {obs.layer_idx}; "
+                             f"expected [B, H_kv, L] = {expected}")
+        if not torch.compiler.is_compiling() and bool(torch.isnan(scores).any()):
+            raise ValueError(f"scorer {name} returned NaN scores in layer {obs.layer_idx}; "
+                             "scores must be numbers (+inf protects a token, -inf drops it)")
 
     def select(self, obs: Observation) -> torch.Tensor:
         """Score -> allocate -> select for one layer: the bool keep mask ``[B, H_kv, L]``."""

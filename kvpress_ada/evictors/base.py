@@ -1,23 +1,29 @@
-"""Evictors: turn per-head counts into kept tokens and decide how the cache drops the rest."""
+"""Evictors: turn per-head counts into kept tokens, and own the cache kind that drops the rest."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from ..components import Component, Registry
 
+if TYPE_CHECKING:
+    from ..integration.press_cache import PressCache
+
 
 class Evictor(Component):
-    """``select(scores, counts) -> keep [B, H, L]`` bool; ``cache_kind`` names the cache that holds
-    the result (``"ragged"``: evicted entries leave memory; ``"masked"``: shapes kept, entries hidden)."""
+    """``select(scores, counts) -> keep [B, H, L]`` bool, and ``new_cache(config)``: the cache that
+    holds the result. A new cache kind (quantized, paged, offloaded) is one registered evictor."""
 
     kind: ClassVar[str] = "evictor"
-    cache_kind: ClassVar[Literal["ragged", "masked"]] = "ragged"
 
     def select(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return topk_mask(scores, counts)
+
+    def new_cache(self, config: Any) -> PressCache:  # pragma: no cover - abstract
+        """An empty cache for a model with this ``config`` that this evictor compresses into."""
+        raise NotImplementedError(f"{type(self).__name__} must implement new_cache(config)")
 
 
 EVICTORS = Registry("evictor", Evictor)
@@ -32,7 +38,6 @@ def topk_mask(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 
     Returns a bool mask ``[B, H, L]``; in position order it is the sorted, unique kept index set.
     """
-    L = scores.shape[-1]
     reversed_scores = scores.flip(-1)
     order = reversed_scores.argsort(dim=-1, descending=True, stable=True)
     rank = order.argsort(dim=-1).flip(-1)  # rank of each original position

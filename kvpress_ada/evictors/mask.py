@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, Literal
 
+from ..integration.masked_cache import MaskedCache
 from .base import Evictor, register_evictor
 
 
@@ -13,4 +14,6 @@ class Mask(Evictor):
     :class:`TopK` selects; useful as a reference and where a dense cache is required."""
 
     name: Literal["mask"] = "mask"
-    cache_kind: ClassVar[Literal["ragged", "masked"]] = "masked"
+
+    def new_cache(self, config: Any) -> MaskedCache:
+        return MaskedCache(config=config)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, Literal
 
+from ..integration.ragged_cache import RaggedCache
 from .base import Evictor, register_evictor
 
 
@@ -13,4 +14,6 @@ class TopK(Evictor):
     :class:`~kvpress_ada.RaggedCache` (rows of different lengths, no padding)."""
 
     name: Literal["topk"] = "topk"
-    cache_kind: ClassVar[Literal["ragged", "masked"]] = "ragged"
+
+    def new_cache(self, config: Any) -> RaggedCache:
+        return RaggedCache(config=config)

@@ -9,12 +9,13 @@ that running the press on its own would have built, without another prefill.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DynamicCache
 
-from .hf import cache_kwarg, check_supported, prefill_key_mask
-from .press_context import RUN_KWARG, attention_routed, new_cache, observation_for
+from .hf import cache_kwarg, check_left_padded, check_supported, prefill_key_mask
+from .press_context import RUN_KWARG, _output_weight, attention_routed, observation_for
 
 
 @dataclass
@@ -28,23 +29,29 @@ class LayerCapture:
 
 @dataclass
 class CaptureRun:
-    """A run that records each layer's prefill instead of compressing it."""
+    """A :class:`~kvpress_ada.integration.press_context.PrefillHandler` that records each layer's
+    prefill instead of compressing it (every layer's forward is its prefill)."""
 
-    cache: DynamicCache
-    layers: dict = field(default_factory=dict)
+    layers: dict[int, LayerCapture] = field(default_factory=dict)
 
     def handles_prefill(self, layer_idx: int) -> bool:
         return True
 
-    def after_prefill(self, module, query, key, value, scaling) -> None:
-        self.layers[module.layer_idx] = LayerCapture(key, value, query, scaling, module.o_proj.weight)
+    def after_prefill(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scaling: float) -> None:
+        self.layers[int(module.layer_idx)] = LayerCapture(key, value, query, scaling,  # type: ignore[arg-type]
+                                                          _output_weight(module))
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        raise RuntimeError("CaptureRun handles the prefill of every layer")  # pragma: no cover
 
 
 @dataclass
 class Prefill:
     """One prefill's observations, its dense cache and its last-position logits."""
 
-    model: torch.nn.Module
+    model: Any  # a transformers PreTrainedModel
     layers: list[LayerCapture]
     key_mask: torch.Tensor
     full_cache: DynamicCache
@@ -74,7 +81,7 @@ class Prefill:
                 cache.update(c.keys.clone(), c.values.clone(), i)
             return cache
         keep_masks = self.keep_masks(press) if keep_masks is None else keep_masks
-        cache = new_cache(press, self.model)
+        cache = press.evictor.new_cache(self.model.config)
         for i, (c, keep) in enumerate(zip(self.layers, keep_masks)):
             cache.update(c.keys, c.values, i)
             cache.compress_layer(i, keep)
@@ -85,13 +92,14 @@ class Prefill:
 def capture_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Prefill:
     """Prefill ``input_ids`` once with dense attention and record what every press needs."""
     check_supported(model)
+    key_mask = prefill_key_mask((), {"input_ids": input_ids, "attention_mask": attention_mask})
+    check_left_padded(key_mask)
     cache = DynamicCache(config=model.config)
-    run = CaptureRun(cache=cache)
+    run = CaptureRun()
     kwargs = {"input_ids": input_ids, "use_cache": True, cache_kwarg(model): cache, RUN_KWARG: run}
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
     with attention_routed(model):
         out = model(**kwargs)
     layers = [run.layers[i] for i in range(len(run.layers))]
-    key_mask = prefill_key_mask((), {"input_ids": input_ids, "attention_mask": attention_mask})
     return Prefill(model=model, layers=layers, key_mask=key_mask, full_cache=cache, logits=out.logits[:, -1])

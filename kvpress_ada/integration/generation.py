@@ -115,7 +115,7 @@ def generate(model, tokenizer, context: str | list[str], questions: list[str] | 
     and the result is one list of answers per document.
     """
     single = isinstance(context, str)
-    contexts = [context] if single else list(context)
+    contexts: list[str] = [context] if isinstance(context, str) else list(context)
     if isinstance(questions, str):
         questions = [questions]
     if max_new_tokens < 1:

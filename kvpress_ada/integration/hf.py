@@ -36,18 +36,37 @@ def output_cache(out: Any) -> Any:
     return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
+def input_shape(args: tuple, kwargs: dict) -> tuple[torch.Size, torch.device]:
+    """``([B, T], device)`` of a forward's ``input_ids`` or ``inputs_embeds``."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is not None:
+        return ids.shape, ids.device
+    embeds = kwargs.get("inputs_embeds")
+    if embeds is None:
+        raise ValueError("the forward call has neither input_ids nor inputs_embeds")
+    return embeds.shape[:2], embeds.device
+
+
 def prefill_key_mask(args: tuple, kwargs: dict) -> torch.Tensor:
     """``[B, L]`` bool mask of the real (non-padding) tokens of a forward's inputs.
 
     Uses a 2-D ``attention_mask`` of the inputs' shape when given; all True otherwise.
     """
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    embeds = kwargs.get("inputs_embeds")
-    if ids is None and embeds is None:
-        raise ValueError("the forward call has neither input_ids nor inputs_embeds")
-    shape = ids.shape if ids is not None else embeds.shape[:2]
-    device = ids.device if ids is not None else embeds.device
+    shape, device = input_shape(args, kwargs)
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape == shape:
         return mask.to(device=device, dtype=torch.bool)
     return torch.ones(shape, dtype=torch.bool, device=device)
+
+
+def check_left_padded(key_mask: torch.Tensor) -> None:
+    """Refuse padding anywhere but on the left: a press would protect pad tokens and score
+    with pad queries. One host sync, at prefill only."""
+    inner = key_mask[:, :-1] & ~key_mask[:, 1:]  # a real token followed by a pad token
+    if bool(inner.any()):
+        row = int(inner.any(-1).nonzero()[0, 0])
+        raise ValueError(f"row {row} of the attention_mask has padding after real tokens; kvpress_ada presses need "
+                         "left padding (tokenizer.padding_side = 'left')")
+    empty = ~key_mask.any(-1)
+    if bool(empty.any()):
+        raise ValueError(f"row {int(empty.nonzero()[0, 0])} of the attention_mask has no real token")

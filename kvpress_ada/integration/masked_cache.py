@@ -2,60 +2,88 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from .press_cache import DenseAttention, PressCache
 
 
-class MaskedCache(DynamicCache):
-    """A ``DynamicCache`` that remembers, per layer, which prefix entries each kv head keeps.
+class MaskedLayer(DynamicLayer):
+    """A ``DynamicLayer`` that remembers which prefix entries each kv head keeps.
 
-    Nothing is freed (like NVIDIA kvpress); use it as the reference that the ragged cache must
-    match, or where a dense cache is required. Tokens appended after compression are visible.
+    Nothing is freed (like NVIDIA kvpress); tokens appended after compression are visible.
     """
 
-    def __init__(self, config=None, **kwargs):
-        super().__init__(config=config, **kwargs)
-        self.keep: dict[int, torch.Tensor] = {}
+    def __init__(self) -> None:
+        super().__init__()
+        self.keep: torch.Tensor | None = None
 
-    def is_compressed(self, layer_idx: int) -> bool:
-        return layer_idx in self.keep
+    @property
+    def compressed(self) -> bool:
+        return self.keep is not None
 
-    def compress_layer(self, layer_idx: int, keep: torch.Tensor) -> None:
-        keys = self.layers[layer_idx].keys
+    def _dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None or self.values is None or self.keys.numel() == 0:
+            raise ValueError("this layer holds no tokens yet")
+        return self.keys, self.values
+
+    def compress(self, keep: torch.Tensor) -> None:
+        keys, _ = self._dense()
         if keep.shape != keys.shape[:3]:
-            raise ValueError(f"keep mask of shape {tuple(keep.shape)} does not match layer {layer_idx}'s cache {tuple(keys.shape[:3])}")
-        self.keep[layer_idx] = keep
+            raise ValueError(f"keep mask of shape {tuple(keep.shape)} does not match the layer's cache "
+                             f"{tuple(keys.shape[:3])}")
+        self.keep = keep
 
-    def head_lengths(self, layer_idx: int) -> torch.Tensor:
+    def reset(self) -> None:
+        super().reset()
+        self.keep = None
+
+    def head_lengths(self) -> torch.Tensor:
         """Visible entries per (batch, kv head), ``[B, H_kv]``."""
-        _check_layer(layer_idx, len(self.layers))
-        keys = self.layers[layer_idx].keys
-        keep = self.keep.get(layer_idx)
-        if keep is None:
+        keys, _ = self._dense()
+        if self.keep is None:
             return torch.full(keys.shape[:2], keys.shape[2], dtype=torch.long, device=keys.device)
-        return keep.sum(-1) + (keys.shape[2] - keep.shape[2])
+        return self.keep.sum(-1) + (keys.shape[2] - self.keep.shape[2])
 
     def nbytes(self) -> int:
         """Bytes held for keys and values: the full dense cache (masking frees nothing)."""
-        return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized
-                   for t in (layer.keys, layer.values))
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
 
-    def attend(self, layer_idx, query, key, value, attention_mask, scaling, dense_fn, module, **kwargs):
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+               scaling: float, dense_fn: DenseAttention, module: torch.nn.Module,
+               **kwargs: Any) -> tuple[torch.Tensor, Any]:
         """Dense SDPA with the layer's keep mask (GQA via ``enable_gqa``, no ``repeat_kv``)."""
-        keep = self.keep.get(layer_idx)
-        if keep is None:
+        if self.keep is None:
             return dense_fn(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         B, Hq, Q, _ = query.shape
         Hkv, kv_len = key.shape[1], key.shape[2]
-        full = F.pad(keep, (0, kv_len - keep.shape[-1]), value=True)
+        full = F.pad(self.keep, (0, kv_len - self.keep.shape[-1]), value=True)
         allowed = _allowed(attention_mask, B, Q, kv_len, query.device)
         mask = allowed & full.repeat_interleave(Hq // Hkv, dim=1)[:, :, None, :]
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=Hq != Hkv)
         return out.transpose(1, 2).contiguous(), None
 
 
-def _allowed(attention_mask, batch: int, q_len: int, kv_len: int, device) -> torch.Tensor:
+class MaskedCache(PressCache):
+    """A dense cache of :class:`MaskedLayer` objects: the reference the ragged cache must match,
+    or where a dense cache is required. ``head_lengths``/``nbytes`` as for the ragged cache."""
+
+    def __init__(self, config: Any = None, num_layers: int | None = None):
+        super().__init__(layers=[MaskedLayer() for _ in range(_num_layers(config, num_layers))])
+
+
+def _num_layers(config: Any, num_layers: int | None) -> int:
+    if num_layers is not None:
+        return num_layers
+    if config is None:
+        raise ValueError("a press cache needs a model config or num_layers")
+    return int(config.get_text_config(decoder=True).num_hidden_layers)
+
+
+def _allowed(attention_mask: Any, batch: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     """The model's own mask as bool ``[B, 1, Q, KV]`` (bottom-right causal when it is ``None``)."""
     if attention_mask is None:
         q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
@@ -65,8 +93,3 @@ def _allowed(attention_mask, batch: int, q_len: int, kv_len: int, device) -> tor
     if mask.dtype != torch.bool:
         mask = mask == 0
     return mask
-
-
-def _check_layer(layer_idx: int, n_layers: int) -> None:
-    if not 0 <= layer_idx < n_layers:
-        raise ValueError(f"layer_idx {layer_idx} out of range: this cache has layers 0..{n_layers - 1}")

@@ -1,11 +1,16 @@
-"""The one place that touches transformers: attention registration, the prefill hook, caches.
+"""The one place that routes a transformers model through kvpress_ada: attention, prefill hook.
 
-``with press(model):`` registers a forward pre-hook on the model and switches it to the
+``with press(model):`` installs a forward pre-hook on the model and switches it to the
 ``"kvpress_ada"`` attention implementation (registered through transformers' public
-``AttentionInterface``). At prefill the hook swaps in a fresh :class:`RaggedCache` (``TopK``)
-or :class:`MaskedCache` (``Mask``) and passes a :class:`PressRun` down to the attention
-function through the model's ``**kwargs``. The attention function runs dense attention for the
-prefill of each layer, then scores, allocates and compacts that layer before the next one runs.
+``AttentionInterface``). At prefill the hook swaps in a fresh cache built by the press's evictor
+(:class:`RaggedCache` for ``TopK``, :class:`MaskedCache` for ``Mask``) and passes a
+:class:`PressRun` down to the attention function through the model's ``**kwargs``. The attention
+function runs dense attention for the prefill of each layer, then scores, allocates and
+compacts that layer before the next one runs.
+
+A compressed cache outlives the block: :func:`attach` keeps the routing installed (without a
+press) so ``model(..., past_key_values=cache)`` and ``model.generate(past_key_values=cache)``
+keep working on it; :func:`detach` removes it. Presses do not nest on one model.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from weakref import WeakKeyDictionary
 
 import torch
 from transformers import AttentionInterface, DynamicCache
@@ -20,20 +27,42 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..observation import Observation
-from .hf import cache_kwarg, check_supported, prefill_key_mask
-from .masked_cache import MaskedCache
-from .ragged_cache import RaggedCache
+from .hf import cache_kwarg, check_left_padded, check_supported, input_shape, prefill_key_mask
+from .press_cache import PressCache
+
+if TYPE_CHECKING:
+    from ..pipeline import Pipeline
 
 ATTENTION_NAME = "kvpress_ada"
 RUN_KWARG = "kvpress_ada_run"
 
 
+class PrefillHandler(Protocol):
+    """What the ``"kvpress_ada"`` attention function needs for one forward pass.
+
+    It is handed through the model's ``**kwargs`` under :data:`RUN_KWARG`; the attention function
+    depends on this protocol alone (implemented by :class:`PressRun` and fan-out's ``CaptureRun``).
+    """
+
+    def handles_prefill(self, layer_idx: int) -> bool:
+        """Whether this forward is the prefill of ``layer_idx`` that :meth:`after_prefill` handles."""
+
+    def after_prefill(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scaling: float) -> None:
+        """Called right after the layer's dense prefill attention with its post-RoPE tensors."""
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        """Attention for every other call (decode steps, layers already compressed)."""
+
+
 @dataclass
 class PressRun:
-    """What the attention function needs for one forward pass."""
+    """One forward with a press cache: compress each layer after its prefill (``compress``) and
+    attend through the cache otherwise. ``press`` is ``None`` for decode-only routing."""
 
-    press: "object"
-    cache: RaggedCache | MaskedCache
+    press: Pipeline | None
+    cache: PressCache
     model: torch.nn.Module
     compress: bool
     key_mask: torch.Tensor | None
@@ -41,17 +70,38 @@ class PressRun:
     def handles_prefill(self, layer_idx: int) -> bool:
         return self.compress and not self.cache.is_compressed(layer_idx)
 
-    def after_prefill(self, module, query, key, value, scaling) -> None:
+    def after_prefill(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scaling: float) -> None:
         """Score, allocate and compact this layer right after its dense prefill attention."""
-        obs = observation_for(self.press.scorer, self.model, module.layer_idx, len(self.cache.layers), query, key,
-                              value, self.key_mask, scaling, module.o_proj.weight)
-        self.cache.compress_layer(module.layer_idx, self.press.select(obs))
+        if self.press is None:  # pragma: no cover - handles_prefill is False without a press
+            return
+        layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
+        obs = observation_for(self.press.scorer, self.model, layer_idx, len(self.cache.layers), query, key,
+                              value, self.key_mask, scaling, _output_weight(module))
+        self.cache.compress_layer(layer_idx, self.press.select(obs))
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        return self.cache.attend(int(module.layer_idx), query, key, value, attention_mask, scaling,  # type: ignore[arg-type]
+                                 sdpa_attention_forward, module, **kwargs)
 
 
-def observation_for(scorer, model, layer_idx, n_layers, query, key, value, key_mask, scaling, output_weight):
-    """The :class:`Observation` of one layer, holding only what ``scorer`` declares it reads."""
+def _output_weight(module: torch.nn.Module) -> torch.Tensor:
+    weight = getattr(module, "o_proj").weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
+
+
+def observation_for(scorer: Any, model: Any, layer_idx: int, n_layers: int, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, key_mask: torch.Tensor | None, scaling: float,
+                    output_weight: torch.Tensor) -> Observation:
+    """The :class:`Observation` of one layer, holding only what ``scorer`` declares it reads.
+
+    A scorer asking for a window of ``w`` trailing queries gets ``min(w, L)`` of them.
+    """
     window = scorer.query_window()
-    queries = query if window is None else query[:, :, query.shape[2] - window:]
+    length = query.shape[2]
+    queries = query if window is None else query[:, :, length - min(window, length):]
     if key_mask is None or key_mask.shape[-1] != key.shape[2]:
         key_mask = torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device)
     return Observation(
@@ -62,88 +112,139 @@ def observation_for(scorer, model, layer_idx, n_layers, query, key, value, key_m
     )
 
 
-def press_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention function registered as ``"kvpress_ada"``; dense SDPA when no press is running."""
-    run: PressRun | None = kwargs.pop(RUN_KWARG, None)
-    scaling = module.scaling if scaling is None else scaling
-    if run is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    layer_idx = module.layer_idx
-    if run.handles_prefill(layer_idx):
-        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        run.after_prefill(module, query, key, value, scaling)
+def press_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
+                    **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """Attention function registered as ``"kvpress_ada"``; dense SDPA when no handler is passed."""
+    run: PrefillHandler | None = kwargs.pop(RUN_KWARG, None)
+    scaling = float(module.scaling) if scaling is None else scaling  # type: ignore[arg-type]
+    if run is None or run.handles_prefill(int(module.layer_idx)):  # type: ignore[arg-type]
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                     **kwargs)
+        if run is not None:
+            run.after_prefill(module, query, key, value, scaling)
         return out
-    return run.cache.attend(layer_idx, query, key, value, attention_mask, scaling, sdpa_attention_forward, module,
-                        dropout=dropout, **kwargs)
+    return run.attend(module, query, key, value, attention_mask, scaling, dropout=dropout, **kwargs)
 
 
 AttentionInterface.register(ATTENTION_NAME, press_attention)
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
-
-
-def new_cache(press, model):
-    """The cache a press compresses into: ragged for ``TopK``, masked for ``Mask``."""
-    if press.evictor.cache_kind == "ragged":
-        return RaggedCache(config=model.config)
-    return MaskedCache(config=model.config)
-
-
-
-
-def _rope_inv_freq(model) -> torch.Tensor:
+def _rope_inv_freq(model: Any) -> torch.Tensor:
     rotary = getattr(model.get_decoder(), "rotary_emb", None)
     if rotary is None or not hasattr(rotary, "inv_freq"):
         raise ValueError(f"{type(model).__name__} exposes no rotary_emb.inv_freq, which this scorer needs")
     return rotary.inv_freq
 
 
-def _check_sliding_window(model, length: int) -> None:
+def _check_sliding_window(model: Any, length: int) -> None:
+    """Refuse a forward that would bring a press cache past the model's sliding window."""
     config = model.config
     window = getattr(config, "sliding_window", None)
     uses = config.model_type == "mistral" or getattr(config, "use_sliding_window", False)
     if window is not None and uses and length > window:
-        raise ValueError(f"context of {length} tokens exceeds the model's sliding window ({window}): "
-                         "sliding-window attention layers are not supported by kvpress_ada presses")
+        raise ValueError(f"this forward brings the compressed cache to {length} tokens, past the model's sliding "
+                         f"window ({window}); kvpress_ada presses do not support sliding-window attention: keep "
+                         f"context + generated tokens <= {window}")
 
 
-def _make_pre_hook(press, model):
-    cache_key = cache_kwarg(model)
+# ---------------------------------------------------------------------------------- routing
+class _Route:
+    """The hooks and attention implementation that route one model through kvpress_ada."""
 
-    def pre_hook(module, args, kwargs):
-        if kwargs.get("use_cache") is False:
+    def __init__(self, model: Any):
+        self.model = model
+        self.press: Pipeline | None = None
+        self.attached = False
+        self.cache_key = cache_kwarg(model)
+        self.previous = model.config._attn_implementation
+        self.handles = [model.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
+                        model.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)]
+        model.set_attn_implementation(ATTENTION_NAME)
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.model.set_attn_implementation(self.previous)
+
+    def _pre_hook(self, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if RUN_KWARG in kwargs:  # another handler (fan-out capture) owns this forward
+            return args, kwargs
+        press = self.press
+        if press is not None and kwargs.get("use_cache") is False:
             raise ValueError("a press compresses the KV cache, but this forward runs with use_cache=False; "
                              "call the model with use_cache=True (the default of generate) or outside the press")
-        given_key = "past_key_values" if "past_key_values" in kwargs else cache_key
+        given_key = "past_key_values" if "past_key_values" in kwargs else self.cache_key
         cache = kwargs.get(given_key)
-        fresh = cache is None or (type(cache) is DynamicCache and cache.get_seq_length() == 0)
-        if fresh:
-            cache = new_cache(press, model)
-        elif not isinstance(cache, (RaggedCache, MaskedCache)):
-            warnings.warn(f"{type(cache).__name__} already holds {cache.get_seq_length()} tokens that were not "
-                          "compressed by this press; the forward runs uncompressed", stacklevel=2)
-            return args, kwargs
-        prefill = cache.get_seq_length() == 0
+        if not isinstance(cache, PressCache):
+            fresh = cache is None or (type(cache) is DynamicCache and cache.get_seq_length() == 0)
+            if press is None:
+                return args, kwargs
+            if not fresh:
+                assert cache is not None
+                warnings.warn(f"{type(cache).__name__} already holds {cache.get_seq_length()} tokens that were "
+                              "not compressed by this press; the forward runs uncompressed", stacklevel=3)
+                return args, kwargs
+            cache = press.evictor.new_cache(self.model.config)
+        shape, _ = input_shape(args, kwargs)
+        _check_sliding_window(self.model, cache.get_seq_length() + shape[1])
+        prefill = press is not None and cache.get_seq_length() == 0
         key_mask = None
         if prefill:
+            assert press is not None
             key_mask = prefill_key_mask(args, kwargs)
-            length = key_mask.shape[-1]
-            min_valid = int(key_mask.sum(-1).min())
-            press.check_context(min_valid)
-            _check_sliding_window(model, length)
+            check_left_padded(key_mask)
+            press.check_context(int(key_mask.sum(-1).min()))
         kwargs.pop("past_key_values", None)
-        kwargs[cache_key] = cache
-        kwargs[RUN_KWARG] = PressRun(press=press, cache=cache, model=model, compress=prefill, key_mask=key_mask)
+        kwargs[self.cache_key] = cache
+        kwargs[RUN_KWARG] = PressRun(press=press, cache=cache, model=self.model, compress=prefill, key_mask=key_mask)
+        cache.routed = True
         return args, kwargs
 
-    return pre_hook
+    def _post_hook(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        run = kwargs.get(RUN_KWARG)
+        if isinstance(run, PressRun):
+            run.cache.routed = False
 
 
+_ROUTES: WeakKeyDictionary[torch.nn.Module, _Route] = WeakKeyDictionary()
+
+
+def _route(model: Any) -> _Route:
+    route = _ROUTES.get(model)
+    if route is None:
+        route = _ROUTES[model] = _Route(model)
+    return route
+
+
+def _release(model: Any) -> None:
+    route = _ROUTES.get(model)
+    if route is not None and route.press is None and not route.attached:
+        route.close()
+        del _ROUTES[model]
+
+
+def attach(model: Any) -> Any:
+    """Keep ``model`` routed through kvpress_ada outside any ``with press(model)`` block, so a cache a
+    press compressed can be used with ``model(...)`` and ``model.generate(past_key_values=cache)``.
+    Forwards with any other cache run exactly as before. Idempotent; undo with :func:`detach`."""
+    check_supported(model)
+    _route(model).attached = True
+    return model
+
+
+def detach(model: Any) -> Any:
+    """Undo :func:`attach` (a running ``with press(model)`` block keeps its routing until it ends)."""
+    route = _ROUTES.get(model)
+    if route is not None:
+        route.attached = False
+        _release(model)
+    return model
 
 
 @contextmanager
-def attention_routed(model):
+def attention_routed(model: Any) -> Iterator[Any]:
     """Switch ``model`` to the ``"kvpress_ada"`` attention implementation inside the block."""
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
@@ -154,15 +255,20 @@ def attention_routed(model):
 
 
 @contextmanager
-def apply_press(press, model):
+def apply_press(press: Pipeline, model: Any) -> Iterator[Any]:
     """Apply ``press`` to ``model`` inside the ``with`` block (see the module docstring)."""
     check_supported(model)
+    active = _ROUTES.get(model)
+    if active is not None and active.press is not None:
+        raise RuntimeError(f"a press ({type(active.press.scorer).__name__}) is already applied to this model; `with press(model)` "
+                           "blocks do not nest: exit the outer block first")
     if press.is_noop:
         yield model
         return
-    handle = model.register_forward_pre_hook(_make_pre_hook(press, model), with_kwargs=True)
+    route = _route(model)
+    route.press = press
     try:
-        with attention_routed(model):
-            yield model
+        yield model
     finally:
-        handle.remove()
+        route.press = None
+        _release(model)

@@ -15,12 +15,14 @@ compression, ``nbytes() == kept bytes + n_layers * B * H_kv * decode_reserve * D
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin
 
 from .. import kernels
-from .masked_cache import _check_layer
+from .masked_cache import _num_layers
+from .press_cache import DenseAttention, PressCache
 
 
 class RaggedLayer(CacheLayerMixin):
@@ -36,21 +38,28 @@ class RaggedLayer(CacheLayerMixin):
             raise ValueError(f"decode_reserve must be >= 1 token per row, got {decode_reserve}")
         self.decode_reserve = decode_reserve
         self.growth = growth
+        self._clear()
+
+    def _clear(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.is_initialized = False
         self.compressed = False
         self.seen = 0  # logical tokens seen (context + appended): RoPE positions continue from it
-        self.k_flat = self.v_flat = None
-        self.row_offsets = self.row_lengths = None
-        self._base = []  # host copy of each row's length right after compression
+        self.k_flat = self.v_flat = torch.empty(0)
+        self.row_offsets = self.row_lengths = torch.empty(0, dtype=torch.int32)
+        self._base: list[int] = []  # host copy of each row's length right after compression
         self._appended = 0  # tokens appended to every row since compression
         self._spare = 0  # free slots left in every row
-        self.shape = None  # (B, H_kv, D)
+        self.shape = (0, 0, 0)  # (B, H_kv, D)
 
     # ------------------------------------------------------------------ HF API
-    def lazy_initialization(self, key_states, value_states) -> None:
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
 
-    def update(self, key_states, value_states, *args, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.seen += key_states.shape[-2]
@@ -71,7 +80,7 @@ class RaggedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.__init__(self.decode_reserve, self.growth)
+        self._clear()
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens (negative count, as in transformers 5)."""
@@ -81,7 +90,8 @@ class RaggedLayer(CacheLayerMixin):
         if n == 0 or not self.is_initialized:
             return
         if not self.compressed:
-            self.keys, self.values = self.keys[..., :-n, :], self.values[..., :-n, :]
+            keys, values = self._dense()
+            self.keys, self.values = keys[..., :-n, :], values[..., :-n, :]
         else:
             if n > self._appended:
                 raise ValueError(f"cannot crop {n} tokens: only {self._appended} were appended after compression "
@@ -92,11 +102,15 @@ class RaggedLayer(CacheLayerMixin):
         self.seen -= n
 
     # --------------------------------------------------------------- ragged API
+    def _dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None or self.values is None:
+            raise ValueError("cannot compress a layer that holds no tokens")
+        return self.keys, self.values
+
     def compress(self, keep: torch.Tensor) -> None:
         """Compact the dense prefill cache to the entries where ``keep [B, H_kv, L]`` is True."""
-        if self.keys is None:
-            raise ValueError("cannot compress a layer that holds no tokens")
-        B, H, L, D = self.keys.shape
+        keys, values = self._dense()
+        B, H, L, D = keys.shape
         if keep.shape != (B, H, L):
             raise ValueError(f"keep mask of shape {tuple(keep.shape)} does not match the layer's cache {(B, H, L)}")
         counts = keep.sum(-1).reshape(-1).to(torch.int32)
@@ -104,7 +118,7 @@ class RaggedLayer(CacheLayerMixin):
         self.shape = (B, H, D)
         self._appended = 0
         self._layout(self.decode_reserve, counts)
-        kernels.compact(self.keys, self.values, keep, self.row_offsets, self.k_flat, self.v_flat)
+        kernels.compact(keys, values, keep, self.row_offsets, self.k_flat, self.v_flat)
         self.keys = self.values = None
         self.compressed = True
 
@@ -123,7 +137,7 @@ class RaggedLayer(CacheLayerMixin):
         self.row_lengths = lengths.to(device=self.device, dtype=torch.int32).clone()
         self._spare = spare
 
-    def _append(self, key_states, value_states) -> None:
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         q = key_states.shape[-2]
         if q > self._spare:
             self._grow(q)
@@ -143,7 +157,16 @@ class RaggedLayer(CacheLayerMixin):
         self.k_flat[dst] = old_k[src]
         self.v_flat[dst] = old_v[src]
 
-    def reorder_cache(self, beam_idx) -> None:
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+               scaling: float, dense_fn: DenseAttention, module: torch.nn.Module,
+               **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        """Ragged attention over the kept rows (dense attention before compression)."""
+        if not self.compressed:
+            return dense_fn(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        out = kernels.ragged_attention(query, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths, scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("beam search is not supported with RaggedCache (rows are ragged per head); "
                                   "use num_beams=1, or the Mask evictor for a dense cache")
 
@@ -152,7 +175,7 @@ class RaggedLayer(CacheLayerMixin):
             raise NotImplementedError("expanding a filled RaggedCache along the batch is not supported; "
                                       "expand the inputs before prefill instead")
 
-    def batch_select_indices(self, indices) -> None:
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
             raise NotImplementedError("selecting batch rows of a filled RaggedCache is not supported")
 
@@ -180,7 +203,7 @@ def _row_token_index(offsets: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     return starts + within
 
 
-class RaggedCache(Cache):
+class RaggedCache(PressCache):
     """Per-(batch, kv head) ragged KV cache; see the module docstring for the reserve policy.
 
     ``nbytes()`` reports bytes held for keys and values of all layers; ``head_lengths(layer)``
@@ -188,31 +211,5 @@ class RaggedCache(Cache):
     let ``with press(model)`` create it).
     """
 
-    def __init__(self, config=None, num_layers: int | None = None, decode_reserve: int = 32):
-        if num_layers is None:
-            if config is None:
-                raise ValueError("RaggedCache needs a model config or num_layers")
-            num_layers = config.get_text_config(decoder=True).num_hidden_layers
-        super().__init__(layers=[RaggedLayer(decode_reserve) for _ in range(num_layers)])
-
-    def is_compressed(self, layer_idx: int) -> bool:
-        return self.layers[layer_idx].compressed
-
-    def compress_layer(self, layer_idx: int, keep: torch.Tensor) -> None:
-        _check_layer(layer_idx, len(self.layers))
-        self.layers[layer_idx].compress(keep)
-
-    def head_lengths(self, layer_idx: int) -> torch.Tensor:
-        _check_layer(layer_idx, len(self.layers))
-        return self.layers[layer_idx].head_lengths()
-
-    def nbytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.layers)
-
-    def attend(self, layer_idx, query, key, value, attention_mask, scaling, dense_fn, module, **kwargs):
-        """Ragged attention over the layer's kept rows (dense attention before compression)."""
-        layer = self.layers[layer_idx]
-        if not layer.compressed:
-            return dense_fn(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        out = kernels.ragged_attention(query, layer.k_flat, layer.v_flat, layer.row_offsets, layer.row_lengths, scaling)
-        return out.transpose(1, 2).contiguous(), None
+    def __init__(self, config: Any = None, num_layers: int | None = None, decode_reserve: int = 32):
+        super().__init__(layers=[RaggedLayer(decode_reserve) for _ in range(_num_layers(config, num_layers))])

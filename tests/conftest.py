@@ -44,7 +44,7 @@ def build_model(arch: str, seed: int = 0, **overrides):
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**kwargs))
     elif arch == "mistral":
-        model = MistralForCausalLM(MistralConfig(sliding_window=None, **kwargs))
+        model = MistralForCausalLM(MistralConfig(**{"sliding_window": None, **kwargs}))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**kwargs))
     elif arch == "qwen3":

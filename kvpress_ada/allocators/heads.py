@@ -45,7 +45,8 @@ class AdaHead(HeadAllocator):
     layer gives head ``i`` its adaptive share ``n_i``; the safeguard mixes it with the uniform share,
     ``alpha * b + (1 - alpha) * n_i``, rounded (largest remainder) so the layer total is exact.
     ``alpha=1`` is ``UniformHead``. When scores are not comparable across heads, each head's
-    scores are first turned into shares of its own mass, which makes the comparison scale-free."""
+    scores are first turned into shares of its own mass, which makes the comparison scale-free;
+    a head whose scores are all equal carries no preference and keeps its uniform share."""
 
     name: Literal["ada"] = "ada"
     alpha: float = Field(0.2, ge=0.0, le=1.0, description="safeguard: fraction of the uniform share every head keeps")
@@ -53,9 +54,13 @@ class AdaHead(HeadAllocator):
     def allocate(self, scores: torch.Tensor, budget: torch.Tensor, comparable: bool = True) -> torch.Tensor:
         B, H, L = scores.shape
         budget = budget.long()
-        if not comparable:
-            scores = head_shares(scores)
-        adaptive = flat_topk_counts(scores, H * budget)
+        if comparable:
+            adaptive = flat_topk_counts(scores, H * budget)
+        else:
+            flat = constant_heads(scores)  # [B, H]: uniform share, the rest compete on their shares
+            shares = head_shares(scores).masked_fill(flat[..., None], float("-inf"))
+            n_flat = flat.long().sum(-1)
+            adaptive = flat_topk_counts(shares, (H - n_flat) * budget) + flat.long() * budget[:, None]
         mixed = self.alpha * budget.double()[:, None] + (1.0 - self.alpha) * adaptive.double()
         return round_preserving_sum(mixed, total=H * budget, upper=torch.full_like(budget, L), tie_break=adaptive)
 
@@ -69,6 +74,14 @@ def flat_topk_counts(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     head_of = torch.div(order, L, rounding_mode="floor")
     counts = torch.zeros(B, H, device=scores.device, dtype=torch.long)
     return counts.scatter_add_(1, head_of, selected.long())
+
+
+def constant_heads(scores: torch.Tensor) -> torch.Tensor:
+    """``[B, H]`` bool: heads whose finite scores are all equal (``+inf``/``-inf`` entries aside)."""
+    finite = torch.isfinite(scores)
+    high = torch.where(finite, scores, torch.full_like(scores, float("-inf"))).amax(-1)
+    low = torch.where(finite, scores, torch.full_like(scores, float("inf"))).amin(-1)
+    return ~(high > low)
 
 
 def head_shares(scores: torch.Tensor) -> torch.Tensor:

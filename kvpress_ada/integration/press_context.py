@@ -260,8 +260,8 @@ def apply_press(press: Pipeline, model: Any) -> Iterator[Any]:
     check_supported(model)
     active = _ROUTES.get(model)
     if active is not None and active.press is not None:
-        raise RuntimeError(f"a press ({type(active.press.scorer).__name__}) is already applied to this model; `with press(model)` "
-                           "blocks do not nest: exit the outer block first")
+        raise RuntimeError(f"a press ({type(active.press.scorer).__name__}) is already applied to this model; "
+                           "`with press(model)` blocks do not nest: exit the outer block first")
     if press.is_noop:
         yield model
         return

@@ -160,10 +160,15 @@ class RaggedLayer(CacheLayerMixin):
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                scaling: float, dense_fn: DenseAttention, module: torch.nn.Module,
                **kwargs: Any) -> tuple[torch.Tensor, Any]:
-        """Ragged attention over the kept rows (dense attention before compression)."""
+        """Ragged attention over the kept rows (dense attention before compression).
+
+        Inference only: the ragged kernels have no autograd, so the output carries no gradient
+        (a forward outside ``torch.no_grad()`` still works)."""
         if not self.compressed:
             return dense_fn(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        out = kernels.ragged_attention(query, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths, scaling)
+        with torch.no_grad():
+            out = kernels.ragged_attention(query, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths,
+                                           scaling)
         return out.transpose(1, 2).contiguous(), None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

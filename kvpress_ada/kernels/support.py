@@ -74,8 +74,9 @@ def parse_triton_interpret(value: str | None) -> bool:
 def triton_interpret() -> bool:
     """Whether ``$TRITON_INTERPRET`` is on now (Triton then runs kernels on CPU tensors).
 
-    Triton reads the variable when a kernel module is imported and launched: set it before
-    importing ``kvpress_ada.kernels.triton_kernels``."""
+    Triton decides when ``@triton.jit`` decorates a kernel (``InterpretedFunction`` or a
+    compiled ``JITFunction``), i.e. when ``kvpress_ada.kernels.triton_kernels`` is imported:
+    set the variable before that import; this function reads it as it is now."""
     return parse_triton_interpret(os.environ.get(INTERPRET_ENV_VAR))
 
 

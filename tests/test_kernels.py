@@ -27,7 +27,7 @@ triton = pytest.importorskip("triton")
 from kvpress_ada.kernels import triton_kernels as tk  # noqa: E402
 
 needs_interpreter = pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    not torch.cuda.is_available() and not kernels.triton_interpret(),
     reason="Triton on CPU needs TRITON_INTERPRET=1",
 )
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -278,7 +278,7 @@ def test_compact_matches_oracle(case):
     N = sum(caps) + 1
     k_exp = compact_oracle(keys, keep, offs, torch.zeros(N, D, dtype=dtype, device=DEV))
     v_exp = compact_oracle(values, keep, offs, torch.zeros(N, D, dtype=dtype, device=DEV))
-    backends = ["torch", "triton"] if os.environ.get("TRITON_INTERPRET") == "1" or DEV == "cuda" else ["torch"]
+    backends = ["torch", "triton"] if kernels.triton_interpret() or DEV == "cuda" else ["torch"]
     for backend in backends:
         k_flat = torch.zeros(N, D, dtype=dtype, device=DEV)
         v_flat = torch.zeros(N, D, dtype=dtype, device=DEV)
@@ -342,7 +342,8 @@ def test_append_ref_in_place():
 def test_compact_ref_empty_keep_is_noop():
     keys = torch.randn(1, 2, 4, 16)
     k_flat = torch.zeros(3, 16)
-    compact_ref(keys, keys, torch.zeros(1, 2, 4, dtype=torch.bool), torch.tensor([0, 1], dtype=torch.int32), k_flat, k_flat)
+    offs = torch.tensor([0, 1], dtype=torch.int32)
+    compact_ref(keys, keys, torch.zeros(1, 2, 4, dtype=torch.bool), offs, k_flat, k_flat)
     assert (k_flat == 0).all()
 
 
@@ -406,7 +407,8 @@ def test_works_without_triton():
 
 def _good():
     k, v, offs, lens = make_cache([3, 4, 0, 2], 16, torch.float32)
-    return dict(q=torch.randn(2, 4, 1, 16, device=DEV), k_flat=k, v_flat=v, row_offsets=offs, row_lengths=lens, scale=1.0)
+    q = torch.randn(2, 4, 1, 16, device=DEV)
+    return dict(q=q, k_flat=k, v_flat=v, row_offsets=offs, row_lengths=lens, scale=1.0)
 
 
 @pytest.mark.parametrize(
@@ -418,9 +420,11 @@ def _good():
         (lambda a: a.update(q=torch.randn(4, 1, 16)), ValueError, r"q must have 4 dims, got shape \(4, 1, 16\)"),
         (lambda a: a.update(q=torch.randn(3, 4, 1, 16)), ValueError, r"R=4 .* batch size B=3"),
         (lambda a: a.update(k_flat=a["k_flat"][None]), ValueError, r"k_flat must have 2 dims"),
-        (lambda a: a.update(v_flat=a["v_flat"].half()), ValueError, r"k_flat is torch.float32 but v_flat is torch.float16"),
+        (lambda a: a.update(v_flat=a["v_flat"].half()), ValueError,
+         r"k_flat is torch.float32 but v_flat is torch.float16"),
         (lambda a: a.update(row_offsets=a["row_offsets"].float()), TypeError, r"row_offsets must be int32.*float32"),
-        (lambda a: a.update(row_lengths=a["row_lengths"][:3]), ValueError, r"row_lengths \(3,\) and row_offsets \(4,\)"),
+        (lambda a: a.update(row_lengths=a["row_lengths"][:3]), ValueError,
+         r"row_lengths \(3,\) and row_offsets \(4,\)"),
         (lambda a: a.update(q=a["q"].to(torch.float64), k_flat=a["k_flat"].double(), v_flat=a["v_flat"].double()),
          TypeError, r"torch.float64 is not supported"),
         (lambda a: a.update(q=[1, 2]), TypeError, r"q must be a torch.Tensor, got list"),
@@ -517,7 +521,7 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu", "benc
 def test_bench_script_help_and_cpu_smoke(capsys):
     res = subprocess.run([sys.executable, BENCH, "--help"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "--peak-bw" in res.stdout and "--cpu-smoke" in res.stdout
-    if not (os.environ.get("TRITON_INTERPRET") == "1"):
+    if not kernels.triton_interpret():
         pytest.skip("in-process smoke needs the Triton interpreter")
     import importlib.util
 

@@ -4,30 +4,37 @@ Layout of one layer: ``k_flat, v_flat [N_cap, D]`` (contiguous), row ``r = b * H
 occupies ``k_flat[row_offsets[r] : row_offsets[r] + row_lengths[r]]`` (``row_offsets``,
 ``row_lengths``: int32 ``[B * H_kv]`` on the cache's device; rows must not overlap).
 
-Ops (``torch.library`` custom ops, compile with ``fullgraph=True``):
+Ops (``torch.library`` custom ops in ``kernels.ops``, compile with ``fullgraph=True``):
 
 * :func:`ragged_attention` - FlashDecoding-style split-K attention over variable-length rows;
 * :func:`compact` - gather each row's kept tokens into the ragged layout;
 * :func:`append` - in-place append of new tokens, ``row_lengths += Q``.
 
+Modules: ``support`` (what the kernels support and which backend runs them: supported head
+dims, ``$TRITON_INTERPRET`` read as Triton reads it, triton availability, backend choice),
+``ops`` (validation and dispatch), ``reference`` (torch implementations), ``triton_kernels``
+(the Triton kernels; imports triton) and ``aot_check`` (GPU codegen check without a GPU).
+``ops`` and ``triton_kernels`` both depend on ``support``; only ``ops`` imports
+``triton_kernels``, lazily, when a Triton op runs, so triton stays optional.
+
 Backend: Triton on CUDA, torch reference (``kernels.reference``) on CPU; override with
-:func:`use_backend` (``"triton" | "torch" | "auto"``) or ``$KVPRESS_ADA_KERNELS``.
-triton is imported lazily and is optional.
+:func:`use_backend` (``"triton" | "torch" | "auto"``) or ``$KVPRESS_ADA_KERNELS``. Triton on
+CPU tensors needs ``TRITON_INTERPRET=1`` set before ``triton_kernels`` is imported.
 """
 
-from .ops import (
+from .ops import append, compact, ragged_attention
+from .reference import append_ref, compact_ref, ragged_attention_ref
+from .support import (
     BACKENDS,
     ENV_VAR,
     SUPPORTED_HEAD_DIMS,
-    append,
-    compact,
+    check_head_dim,
     get_backend,
-    ragged_attention,
     resolve_backend,
     triton_available,
+    triton_interpret,
     use_backend,
 )
-from .reference import append_ref, compact_ref, ragged_attention_ref
 
 __all__ = [
     "ragged_attention",
@@ -37,6 +44,8 @@ __all__ = [
     "get_backend",
     "resolve_backend",
     "triton_available",
+    "triton_interpret",
+    "check_head_dim",
     "ragged_attention_ref",
     "compact_ref",
     "append_ref",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 _DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
@@ -34,7 +33,8 @@ def _compile(kernel, types, consts, num_warps, num_stages, arch):
         if n not in consts and (n.endswith("_ptr") or n.startswith("stride"))
     }
     src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=div)
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     ptx = k.asm["ptx"]
     return {"shared": k.metadata.shared, "cp_async": ptx.count("cp.async"), "ptx_lines": ptx.count("\n")}
 
@@ -44,8 +44,9 @@ def check(dtype: str, head_dim: int, m_total: int, arch: int = 90) -> dict:
     import torch
 
     from . import triton_kernels as tk
+    from .support import triton_interpret
 
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if triton_interpret():
         raise RuntimeError("aot_check must run without TRITON_INTERPRET")
     tdt = getattr(torch, _DTYPES[dtype])
     cfg = tk.default_config(head_dim, m_total, 1 << 20, tdt, torch.device("cpu"))

@@ -11,19 +11,28 @@ is opaque to the compiler and picks the implementation at run time:
 
 Choose with :func:`use_backend` (a setter that also works as a context manager) or the
 ``KVPRESS_ADA_KERNELS`` environment variable; ``use_backend`` wins over the variable.
+The choice, the supported head dims and the ``TRITON_INTERPRET`` rule live in
+:mod:`.support` (re-exported here); ``triton_kernels`` is imported only when a Triton op
+runs.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import warnings
 from types import ModuleType
 
 import torch
 from torch import Tensor
 
 from . import reference
+from .support import (
+    BACKENDS,
+    ENV_VAR,
+    SUPPORTED_HEAD_DIMS,
+    get_backend,
+    resolve_backend,
+    triton_available,
+    use_backend,
+)
 
 __all__ = [
     "ragged_attention",
@@ -38,63 +47,15 @@ __all__ = [
     "SUPPORTED_HEAD_DIMS",
 ]
 
-BACKENDS = ("auto", "triton", "torch")
-ENV_VAR = "KVPRESS_ADA_KERNELS"
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
-_global_backend: list[str | None] = [None]
-
-
-def _check_backend(name: str) -> str:
-    if not isinstance(name, str) or name.lower() not in BACKENDS:
-        raise ValueError(f"unknown kernel backend {name!r}; expected one of {BACKENDS}")
-    return name.lower()
-
-
-class use_backend:
-    """Select the kernel backend: ``"triton"``, ``"torch"`` or ``"auto"``.
-
-    ``use_backend("torch")`` sets it for the process; ``with use_backend("torch"): ...``
-    sets it for the block and restores the previous choice afterwards. ``None`` clears
-    the choice (falls back to ``$KVPRESS_ADA_KERNELS``, then ``"auto"``).
-    """
-
-    def __init__(self, name: str | None):
-        self._prev = _global_backend[0]
-        _global_backend[0] = None if name is None else _check_backend(name)
-
-    def __enter__(self) -> "use_backend":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _global_backend[0] = self._prev
-
-
-def get_backend() -> str:
-    """The configured backend name (``use_backend`` > ``$KVPRESS_ADA_KERNELS`` > auto)."""
-    if _global_backend[0] is not None:
-        return _global_backend[0]
-    env = os.environ.get(ENV_VAR, "").strip()
-    if env:
-        return _check_backend(env)
-    return "auto"
-
-
-_triton_mod: list[ModuleType | None] = [None]
-
-
-def triton_available() -> bool:
-    """Whether triton is installed (does not import it)."""
-    try:
-        return importlib.util.find_spec("triton") is not None
-    except (ImportError, ValueError):
-        return False
+_triton_mod: list[ModuleType] = []
 
 
 def _triton() -> ModuleType:
     """Import ``triton_kernels`` lazily (triton is an optional dependency)."""
-    if _triton_mod[0] is None:
+    if not _triton_mod:
         if not triton_available():
             raise RuntimeError(
                 "the 'triton' kernel backend was requested but triton is not installed "
@@ -102,44 +63,8 @@ def _triton() -> ModuleType:
             )
         from . import triton_kernels
 
-        _triton_mod[0] = triton_kernels
+        _triton_mod.append(triton_kernels)
     return _triton_mod[0]
-
-
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
-"""Head dims the Triton ragged attention kernel supports (the torch path takes any)."""
-_warned: set[int] = set()
-
-
-def resolve_backend(device: torch.device, head_dim: int | None = None) -> str:
-    """``"triton"`` or ``"torch"``: what an op on tensors of ``device`` will run.
-
-    In ``"auto"`` mode an attention ``head_dim`` the Triton kernel does not support falls
-    back to the torch reference (with a one-time warning); an explicit ``"triton"`` raises.
-    """
-    name = get_backend()
-    if name == "auto":
-        if device.type != "cuda" or not triton_available():
-            return "torch"
-        if head_dim is not None and head_dim not in SUPPORTED_HEAD_DIMS:
-            if head_dim not in _warned:
-                _warned.add(head_dim)
-                warnings.warn(
-                    f"head_dim={head_dim} is not supported by the Triton ragged attention "
-                    f"kernel (supported: {SUPPORTED_HEAD_DIMS}); using the slower torch "
-                    "reference on CUDA",
-                    stacklevel=2,
-                )
-            return "torch"
-        return "triton"
-    if name == "triton" and device.type != "cuda":
-        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-            raise RuntimeError(
-                f"the 'triton' kernel backend got tensors on {device}; Triton runs CPU "
-                "tensors only in interpreter mode (set TRITON_INTERPRET=1 before importing "
-                "kvpress_ada) or use_backend('torch')"
-            )
-    return name
 
 
 # ----------------------------------------------------------------------------- validation

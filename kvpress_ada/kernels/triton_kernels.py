@@ -24,16 +24,17 @@ Ragged attention (FlashDecoding, Dao et al. 2023, adapted to variable-length row
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .ops import SUPPORTED_HEAD_DIMS
+from .support import SUPPORTED_HEAD_DIMS, check_head_dim, triton_interpret
 
 __all__ = [
     "SUPPORTED_HEAD_DIMS",
+    "check_head_dim",
+    "interpreted",
     "ragged_attention_triton",
     "compact_triton",
     "default_config",
@@ -294,9 +295,10 @@ def default_config(
 
     ``block_m`` packs the GQA group x queries (>= 16 for ``tl.dot``), ``block_n`` keys per
     inner step, ``split_size`` tokens per program (aiming at ~2 programs per SM over the
-    layer's capacity ``n_cap``; untuned guess, see ``benchmarks/gpu/bench_kernels.py --sweep``). Shared memory stays under ~85 KB for every supported
-    head dim / dtype (sm_80 and sm_86 included): 16-bit caches use 3 pipeline stages,
-    fp32 ones 2 and half the ``block_n`` at ``head_dim >= 128``.
+    layer's capacity ``n_cap``; untuned guess, see ``benchmarks/gpu/bench_kernels.py
+    --sweep``). Shared memory stays under ~85 KB for every supported head dim / dtype
+    (sm_80 and sm_86 included): 16-bit caches use 3 pipeline stages, fp32 ones 2 and half
+    the ``block_n`` at ``head_dim >= 128``.
     """
     wide = dtype == torch.float32
     if wide:  # fp32 dots run on FMA units: small tiles, or registers spill
@@ -324,14 +326,6 @@ def default_config(
         "num_warps": 8 if wide else 4,  # fp32 runs on FMA units: 4 warps spill
         "num_stages": num_stages,
     }
-
-
-def check_head_dim(head_dim: int) -> None:
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(
-            f"head_dim={head_dim} is not supported by the Triton ragged attention kernel; "
-            f"supported head dims: {SUPPORTED_HEAD_DIMS} (use the torch backend otherwise)"
-        )
 
 
 def ragged_attention_triton(
@@ -492,4 +486,4 @@ def compact_triton(
 
 def interpreted() -> bool:
     """True when Triton runs in interpreter mode (kernels accept CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return triton_interpret()

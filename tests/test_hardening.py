@@ -80,7 +80,8 @@ def test_right_padding_is_refused(llama, evictor):
     ids = _ids(80, batch=2)
     mask = torch.ones(2, 80, dtype=torch.long)
     mask[1, -10:] = 0
-    with preset("snapkv", compression_ratio=0.5, evictor=evictor)(llama), pytest.raises(ValueError, match="left padding"):
+    press = preset("snapkv", compression_ratio=0.5, evictor=evictor)
+    with press(llama), pytest.raises(ValueError, match="left padding"):
         llama(input_ids=ids, attention_mask=mask)
     with pytest.raises(ValueError, match="left padding"):
         capture_prefill(llama, ids, mask)

@@ -17,8 +17,9 @@ class HeadAllocator(Component):
 
     kind: ClassVar[str] = "allocator"
 
-    def allocate(self, scores: torch.Tensor, budget: torch.Tensor, comparable: bool = True) -> torch.Tensor:  # pragma: no cover
-        raise NotImplementedError
+    def allocate(self, scores: torch.Tensor, budget: torch.Tensor,
+                 comparable: bool = True) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__} must implement allocate(scores, budget, comparable)")
 
 
 ALLOCATORS = Registry("allocator", HeadAllocator)

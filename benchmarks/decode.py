@@ -142,7 +142,8 @@ def profile_config(model, cfg: Config, first_id, steps: int, top: int) -> list[d
     total = sum(e.self_cpu_time_total for e in rows) or 1.0
     out = [{"op": "<wall per step under profiler, ms>", "self_ms_per_step": 1000 * wall / steps}]
     for e in rows[:top]:
-        out.append({"op": e.key, "calls_per_step": e.count / steps, "self_ms_per_step": e.self_cpu_time_total / 1000 / steps,
+        out.append({"op": e.key, "calls_per_step": e.count / steps,
+                    "self_ms_per_step": e.self_cpu_time_total / 1000 / steps,
                     "self_pct": 100 * e.self_cpu_time_total / total,
                     "total_ms_per_step": e.cpu_time_total / 1000 / steps})
     return out
@@ -216,6 +217,12 @@ def plot(ctx_results: dict, threads_list: list[int], path: Path, model_name: str
     plt.close(fig)
 
 
+def _ratio(config: dict, full: dict, threads: int) -> float:
+    """Median over repeats of the within-repeat tokens/s ratio of ``config`` to ``full``."""
+    key = str(threads)
+    return ratio_stats(config["tokens_per_s"][key], full["tokens_per_s"][key])["median_of_per_repeat"]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__ + "\nSee benchmarks/README.md for the results "
                                      "and their analysis.",
@@ -225,7 +232,8 @@ def main(argv=None) -> int:
                              "(default: 'default', or 'tiny' with --quick)")
     parser.add_argument("--contexts", type=int, nargs="+", default=None,
                         help="context lengths in tokens (default: 2048 4096; 512 with --quick)")
-    parser.add_argument("--methods", nargs="+", default=["snapkv", "ada_snapkv"], help="presets to compare (default: snapkv ada_snapkv)")
+    parser.add_argument("--methods", nargs="+", default=["snapkv", "ada_snapkv"],
+                        help="presets to compare (default: snapkv ada_snapkv)")
     parser.add_argument("--ratios", type=float, nargs="+", default=None,
                         help="compression ratios (default: 0.5 0.75 0.9; 0.75 with --quick)")
     parser.add_argument("--steps", type=int, default=None, help="decode steps per timed run (default: 32; 4 with "
@@ -317,10 +325,10 @@ def main(argv=None) -> int:
             if a and b:
                 agreement[f"{L}@{r:g}"] = sum(x == y for x, y in zip(a["tokens"], b["tokens"])) / len(a["tokens"])
 
-    print(f"\nDecode tokens/s, median of {args.reps} ({args.model} model, {args.steps} steps, {info['cpu_count']} CPUs, "
-          f"torch {info['torch']}, load avg at start {info['loadavg_at_start']})")
-    headers = ["ctx", "config", "KV frac"] + [f"tok/s {t}T" for t in args.threads] + [f"x full (same mode) {t}T" for t in
-                                                                                      args.threads]
+    print(f"\nDecode tokens/s, median of {args.reps} ({args.model} model, {args.steps} steps, "
+          f"{info['cpu_count']} CPUs, torch {info['torch']}, load avg at start {info['loadavg_at_start']})")
+    headers = (["ctx", "config", "KV frac"] + [f"tok/s {t}T" for t in args.threads]
+               + [f"x full (same mode) {t}T" for t in args.threads])
     rows = []
     for L, res in ctx_results.items():
         fulls = {c["compiled"]: c for c in res["configs"] if c["name"].startswith("full")}
@@ -328,8 +336,7 @@ def main(argv=None) -> int:
             full = fulls[c["compiled"]]  # ratios within a mode: eager vs eager full, compiled vs compiled full
             rows.append([L, c["label"], f"{c['kv_fraction']:.3f}"]
                         + [f"{statistics.median(c['tokens_per_s'][str(t)]):.2f}" for t in args.threads]
-                        + [f"{ratio_stats(c['tokens_per_s'][str(t)], full['tokens_per_s'][str(t)])['median_of_per_repeat']:.2f}"
-                           for t in args.threads])
+                        + [f"{_ratio(c, full, t):.2f}" for t in args.threads])
     print(common.fmt_table(headers, rows))
     print("\nTargets (ratio = median over repeats of the within-repeat ratio):")
     for v in checks:
@@ -338,7 +345,8 @@ def main(argv=None) -> int:
     if agreement:
         print(f"snapkv (ragged) vs dense_snapkv token agreement: {agreement}")
     for label, rows_ in profiles.items():
-        print(f"\nprofile {label} (threads={args.threads[0]}, {rows_[0]['self_ms_per_step']:.1f} ms/step under profiler)")
+        print(f"\nprofile {label} (threads={args.threads[0]}, "
+              f"{rows_[0]['self_ms_per_step']:.1f} ms/step under profiler)")
         print(common.fmt_table(["op", "calls/step", "self ms/step", "self %"],
                                [[r["op"][:50], f"{r['calls_per_step']:.0f}", f"{r['self_ms_per_step']:.2f}",
                                  f"{r['self_pct']:.1f}"] for r in rows_[1:]]))

@@ -92,7 +92,8 @@ def parse_args(argv=None):
     p.add_argument("--workdir", type=Path, default=None, help="where the samples/masks exchange files go")
     p.add_argument("--out", type=Path, default=None, help="JSON report path")
     p.add_argument("--quick", action="store_true",
-                   help="smoke test: 2 samples (1 per task), last accuracy ratio, first decode ratio, decode context 600, 8 steps, 1 round")
+                   help="smoke test: 2 samples (1 per task), last accuracy ratio, first decode ratio, "
+                        "decode context 600, 8 steps, 1 round")
     args = p.parse_args(argv)
     args.tasks = [t for t in args.tasks.split(",") if t]
     args.ratios = [float(r) for r in args.ratios.split(",") if r]
@@ -762,7 +763,8 @@ def render_markdown(report) -> str:
     d = report.get("decode") or {}
     ctx = report["samples"][0]["context_ids"] if report.get("samples") else "?"
     lines = ["| library | method | ratio | " + " | ".join(f"accuracy, {s} (95% CI)" for s in settings)
-             + f" | KV held @{ctx} | KV held @{d.get('context_tokens', '-')} | decode tok/s @{d.get('context_tokens', '-')}"
+             + f" | KV held @{ctx} | KV held @{d.get('context_tokens', '-')}"
+             + f" | decode tok/s @{d.get('context_tokens', '-')}"
              " | x full |",
              "|---|---|---:|" + "---|" * len(settings) + "---:|---:|---:|---:|"]
     for r in report["table"]:
@@ -771,7 +773,8 @@ def render_markdown(report) -> str:
         kv1k = next((a["kv_fraction"] for a in r["accuracy"].values()), None)
         dec = r.get("decode", {})
         lines.append(f"| {r['library']} | {r['name']} | {r['ratio']:g} | {accs} | {f(kv1k, '.3f')} | "
-                     f"{f(dec.get('kv_fraction'), '.3f')} | {f(dec.get('tok_s'), '.2f')} | {f(dec.get('x_full'), '.2f')} |")
+                     f"{f(dec.get('kv_fraction'), '.3f')} | {f(dec.get('tok_s'), '.2f')} | "
+                     f"{f(dec.get('x_full'), '.2f')} |")
     n = sorted({a["n"] for r in report["table"] for a in r["accuracy"].values()})
     lines.append(f"\nn per accuracy cell: {', '.join(map(str, n))}")
     lines += ["", "Agreement with kvpress (paired per sample; kept-set Jaccard per layer x kv head, averaged):", "",
@@ -780,7 +783,8 @@ def render_markdown(report) -> str:
               "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|"]
     for a in report["agreement"]:
         if "n" in a:
-            acc = (f"{a['accuracy']:.2f} | {a['kvpress_accuracy']:.2f} | {a['diff']:+.2f} (±{f(a['diff_ci95'], '.2f')}) "
+            acc = (f"{a['accuracy']:.2f} | {a['kvpress_accuracy']:.2f} | "
+                   f"{a['diff']:+.2f} (±{f(a['diff_ci95'], '.2f')}) "
                    f"| {a['ours_only']} / {a['kvpress_only']} | {a['mcnemar_p']:.2f} | {a['same_answer']:.2f}")
         else:
             acc = "- | - | - | - | - | -"

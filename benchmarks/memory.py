@@ -282,7 +282,8 @@ def main(argv=None) -> int:
                              "(default: 'default', or 'tiny' with --quick)")
     parser.add_argument("--contexts", type=int, nargs="+", default=None, help="context lengths in tokens "
                         "(default: 2048 4096; 256 with --quick)")
-    parser.add_argument("--methods", nargs="+", default=["snapkv", "ada_snapkv"], help="presets to compare (default: snapkv ada_snapkv)")
+    parser.add_argument("--methods", nargs="+", default=["snapkv", "ada_snapkv"],
+                        help="presets to compare (default: snapkv ada_snapkv)")
     parser.add_argument("--ratios", type=float, nargs="+", default=None,
                         help="compression ratios (default: 0.5 0.75 0.9; 0.75 with --quick)")
     parser.add_argument("--decode-steps", type=int, default=None, help="decode steps after compression "

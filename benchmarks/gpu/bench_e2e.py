@@ -245,7 +245,8 @@ def main(argv=None) -> int:
         try:
             payload["check"] = check_ragged_vs_masked(args, device, clock)
         except Exception as exc:
-            payload["errors"].append({"config": "check", "error": repr(exc), "traceback": traceback.format_exc()[-3000:]})
+            payload["errors"].append({"config": "check", "error": repr(exc),
+                                      "traceback": traceback.format_exc()[-3000:]})
             print(f"[error] check: {exc!r}", flush=True)
     save()
     print(f"wrote {out_path}")

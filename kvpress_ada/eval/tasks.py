@@ -146,7 +146,7 @@ def _in_corpus(s: str) -> bool:
 @functools.lru_cache(maxsize=1)
 def _manual_words() -> tuple[str, ...]:
     """Distinct lowercase words (4-10 letters) of the manual's prose, sorted."""
-    words = set()
+    words: set[str] = set()
     for sent in haystack_sentences():
         words.update(w for w in re.findall(r"[A-Za-z]+", sent) if w.islower())
     return tuple(sorted(w for w in words if 4 <= len(w) <= 10))

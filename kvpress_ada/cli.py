@@ -1,15 +1,29 @@
-"""``kvpress-ada``: the demo and the quality-vs-compression evaluation on the default model."""
+"""``kvpress-ada``: the demo and the quality-vs-compression evaluation on the default model.
+
+Exit codes: 0 done; 2 bad input (an argument, a ``--config`` file, an ``--out`` directory that
+cannot be written, a ``--context`` too short for a task, a ``--resume`` that does not match): one
+line on stderr, checked before any evaluation starts; 1 a runtime failure that no argument caused
+(the model cannot be downloaded, loaded or is unsupported; a library error): one line on stderr;
+130 interrupted (Ctrl-C): ``eval`` keeps the samples done so far in ``OUT/partial.json`` and
+``--resume`` continues from them.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import sys
+import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 DEFAULT_PRESETS = "snapkv,ada_snapkv"
 DEFAULT_RATIOS = "0.25,0.5,0.75"
+PARTIAL = "partial.json"
 
 
 class UsageError(Exception):
@@ -20,6 +34,16 @@ def _split(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+def _unique(option: str, values: list[Any]) -> list[Any]:
+    """``values`` unchanged; a value given twice would be evaluated (and counted) twice: refused."""
+    seen: list[Any] = []
+    for value in values:
+        if value in seen:
+            raise UsageError(f"{option} lists {value!r} twice; give each value once")
+        seen.append(value)
+    return values
+
+
 def _ratios(value: str) -> list[float]:
     try:
         ratios = [float(v) for v in _split(value)]
@@ -28,27 +52,66 @@ def _ratios(value: str) -> list[float]:
     bad = [r for r in ratios if not 0.0 <= r < 1.0]
     if bad or not ratios:
         raise UsageError(f"--ratios must be in [0, 1) (fraction of KV entries evicted), got {bad or value!r}")
-    return ratios
+    return _unique("--ratios", ratios)
+
+
+def _config_error(err: Exception) -> str:
+    """One line for a YAML, JSON or pipeline error: what is wrong and where."""
+    from pydantic import ValidationError
+
+    if isinstance(err, ValidationError):
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "top level"
+        more = f" (and {err.error_count() - 1} more errors)" if err.error_count() > 1 else ""
+        if first["type"] == "json_invalid":
+            return f"not valid JSON: {first['ctx'].get('error', first['msg'])}"
+        return f"invalid pipeline: {where}: {first['msg']}{more}"
+    mark = getattr(err, "problem_mark", None)  # yaml.MarkedYAMLError
+    if mark is not None:
+        problem = getattr(err, "problem", None) or err
+        return f"not valid YAML: {problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return f"invalid pipeline: {' '.join(str(err).split())}"
 
 
 def _load_config(path: str):
-    from pydantic import ValidationError
+    import yaml
 
     from .pipeline import Pipeline
 
     file = Path(path)
     if not file.is_file():
         raise UsageError(f"--config {path}: no such file")
-    text = file.read_text()
     try:
+        text = file.read_text()
         if file.suffix in (".yaml", ".yml"):
-            import yaml
-
             return Pipeline.model_validate(yaml.safe_load(text))
         return Pipeline.model_validate_json(text)
-    except (ValidationError, ValueError) as err:
-        first = str(err).strip().splitlines()
-        raise UsageError(f"--config {path}: invalid pipeline: {' '.join(first[:3])}") from None
+    except OSError as err:
+        raise UsageError(f"--config {path}: cannot read it: {err.strerror or err}") from None
+    except (yaml.YAMLError, ValueError, TypeError) as err:  # pydantic's ValidationError is a ValueError
+        raise UsageError(f"--config {path}: {_config_error(err)}") from None
+
+
+def _config_label(path: str, presets: list[str]) -> str:
+    """The config's row label (its file name); it must differ from every other row's label."""
+    label = Path(path).stem
+    if label == "full" or label in presets:
+        taken = "the full-cache row" if label == "full" else "a preset in --presets"
+        raise UsageError(f"--config {path}: its label {label!r} (the file name) is also {taken}; "
+                         "rename the file so every row has its own label")
+    return label
+
+
+def _prepare_out(path: str) -> Path:
+    """Create ``--out`` and check that files can be written there, before any work starts."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-probe-"):
+            pass
+    except OSError as err:
+        raise UsageError(f"--out {path}: cannot write results there: {err.strerror or err}") from None
+    return out
 
 
 def _check_context(model, context: int) -> None:
@@ -56,6 +119,23 @@ def _check_context(model, context: int) -> None:
     if limit is not None and context + 64 > limit:
         raise UsageError(f"--context {context} is longer than the model supports ({limit} positions, "
                          "minus room for the question and answer)")
+
+
+def _samples(task: str, tok, n: int, context: int, seed: int) -> list:
+    from .eval.tasks import ContextTooSmall, make_samples
+
+    try:
+        return make_samples(task, tok, n, context, seed=seed)
+    except ContextTooSmall as err:
+        raise UsageError(f"--context {context} is too small for task {task!r} with this tokenizer; "
+                         f"use --context >= {err.minimum}") from None
+
+
+def _check_common(args) -> None:
+    if args.context < 64:
+        raise UsageError(f"--context must be >= 64 tokens, got {args.context}")
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
 
 
 def _load_model(name: str):
@@ -69,15 +149,19 @@ def _load_model(name: str):
 def cmd_demo(args) -> int:
     import torch
 
-    from .eval.tasks import make_samples
     from .integration.fanout import capture_prefill
     from .integration.generation import encode, eos_ids, greedy_continue, greedy_decode, split_prompt
-    from .presets import preset
+    from .presets import preset, preset_names
 
+    if args.preset not in preset_names():
+        raise UsageError(f"unknown preset {args.preset!r}; valid presets: {', '.join(preset_names())}")
+    if not 0.0 <= args.ratio < 1.0:
+        raise UsageError(f"--ratio must be in [0, 1) (fraction of KV entries evicted), got {args.ratio}")
+    _check_common(args)
     press = preset(args.preset, compression_ratio=args.ratio)
     model, tok = _load_model(args.model)
     _check_context(model, args.context)
-    sample = make_samples("passkey", tok, 1, args.context, seed=args.seed)[0]
+    sample = _samples("passkey", tok, 1, args.context, args.seed)[0]
     head, tail = split_prompt(tok, sample.context, sample.question)
     head_ids, tail_ids = encode(tok, head, "cpu"), encode(tok, tail, "cpu")
     prompt = torch.cat([head_ids, tail_ids], 1) if args.question_aware else head_ids
@@ -118,62 +202,149 @@ def cmd_demo(args) -> int:
           f"{t_pressed:>9.2f}s")
     print(f"\nKV bytes: {full_bytes:,} -> {kept_bytes:,} ({kept_bytes / full_bytes:.1%} of full, really freed: "
           f"ragged per-head cache)")
-    print(f"tokens kept per kv head in layer {model.config.num_hidden_layers // 2}: {lengths} (Ada-KV budgets differ per head)")
+    print(f"tokens kept per kv head in layer {model.config.num_hidden_layers // 2}: {lengths} "
+          "(Ada-KV budgets differ per head)")
     print(f"prefill {t_prefill:.2f}s, scoring + allocation + compaction {t_compress:.2f}s (all layers)")
     return 0
 
 
 # --------------------------------------------------------------------------- eval
-def cmd_eval(args) -> int:
-    from .eval.report import format_table, plot_accuracy
-    from .eval.runner import evaluate, grid
-    from .eval.tasks import TASKS, make_samples
+def _eval_inputs(args) -> tuple[list[str], list[str], list[float], dict]:
+    """Presets, tasks, ratios and ``{label: Pipeline}`` configs, all checked; nothing loaded yet."""
+    from .eval.tasks import TASKS
     from .presets import preset_names
 
-    presets = _split(args.presets) if args.presets else []
+    presets = _unique("--presets", _split(args.presets) if args.presets else [])
     unknown = [p for p in presets if p not in preset_names()]
     if unknown:
         raise UsageError(f"unknown preset {unknown[0]!r}; valid presets: {', '.join(preset_names())}")
-    tasks = _split(args.tasks)
+    tasks = _unique("--tasks", _split(args.tasks))
     unknown = [t for t in tasks if t not in TASKS]
     if unknown or not tasks:
         raise UsageError(f"unknown task {(unknown or [args.tasks])[0]!r}; valid tasks: {', '.join(TASKS)}")
     ratios = _ratios(args.ratios)
     if args.n < 1:
         raise UsageError(f"--n must be >= 1 samples per task, got {args.n}")
-    if args.context < 64:
-        raise UsageError(f"--context must be >= 64 tokens, got {args.context}")
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    _check_common(args)
     configs = {}
     if args.config:
-        configs[Path(args.config).stem] = _load_config(args.config)
+        configs[_config_label(args.config, presets)] = _load_config(args.config)
     if not presets and not configs:
         raise UsageError("give --presets and/or --config")
+    return presets, tasks, ratios, configs
+
+
+def _settings(args, tasks: list[str], entries: list) -> dict:
+    """Everything that decides the records: a resumed run must have the same."""
+    rows = [{"label": e.label, "ratio": e.ratio, "press": e.press.model_dump(mode="json")} for e in entries]
+    settings = {"model": args.model, "tasks": tasks, "n": args.n, "context": args.context, "seed": args.seed,
+                "question_aware": args.question_aware, "max_new_tokens": args.max_new_tokens, "entries": rows}
+    return json.loads(json.dumps(settings))  # as it reads back from the file
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    """Write through a temporary file: an interrupt never leaves half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1))
+    os.replace(tmp, path)
+
+
+def _resumed(partial: Path, settings: dict) -> tuple[list, float]:
+    """Records and seconds of the interrupted run in ``partial``; its settings must equal ``settings``."""
+    from .eval.runner import Record
+
+    if not partial.is_file():
+        print(f"kvpress-ada eval: note: nothing to resume ({partial} does not exist); starting from the first "
+              "sample", file=sys.stderr)
+        return [], 0.0
+    try:
+        old = json.loads(partial.read_text())
+        records = [Record(**r) for r in old["records"]]
+        seconds = float(old["seconds"])
+        written_with = old["settings"]
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise UsageError(f"--resume: {partial} is not a partial-results file of kvpress-ada eval ({err!r})") from None
+    differ = [key for key in settings if written_with.get(key) != settings[key]]
+    if differ:
+        raise UsageError(f"--resume: {partial} was written with another {', '.join(differ)}; "
+                         "rerun with the same arguments, or without --resume to start over")
+    return records, seconds
+
+
+def _resume_hint(args) -> str:
+    argv = list(args.argv)
+    return "kvpress-ada " + shlex.join(argv if "--resume" in argv else [*argv, "--resume"])
+
+
+def cmd_eval(args) -> int:
+    from .eval.report import format_table, plot_accuracy
+    from .eval.runner import EvalResult, evaluate, grid
+
+    presets, tasks, ratios, configs = _eval_inputs(args)
+    entries = grid(presets, ratios) + grid(configs, ratios)
+    settings = _settings(args, tasks, entries)
+    out = _prepare_out(args.out)
+    partial = out / PARTIAL
+    if args.resume:
+        records, seconds = _resumed(partial, settings)
+    else:
+        records, seconds = [], 0.0
+        if partial.exists():
+            print(f"kvpress-ada eval: note: {partial} (an interrupted run) will be replaced; "
+                  "stop now and pass --resume to continue it instead", file=sys.stderr)
 
     model, tok = _load_model(args.model)
     _check_context(model, args.context)
-    entries = grid(presets, ratios) + grid(configs, ratios)
-    samples = [s for task in tasks for s in make_samples(task, tok, args.n, args.context, seed=args.seed)]
-    result = evaluate(model, tok, samples, entries, question_aware=args.question_aware,
-                      max_new_tokens=args.max_new_tokens, progress=not args.no_progress)
+    samples = [s for task in tasks for s in _samples(task, tok, args.n, args.context, args.seed)]
+    start = time.perf_counter()
+
+    def samples_done() -> int:
+        return len({r.sample for r in records})
+
+    def checkpoint(i: int | None = None, new: list | None = None) -> None:
+        records.extend(new or [])
+        _write_json(partial, {"settings": settings, "samples_done": samples_done(), "samples": len(samples),
+                              "seconds": seconds + time.perf_counter() - start,
+                              "records": [asdict(r) for r in records]})
+
+    try:
+        evaluate(model, tok, samples, entries, question_aware=args.question_aware, max_new_tokens=args.max_new_tokens,
+                 progress=not args.no_progress, skip=frozenset(r.sample for r in records), on_sample=checkpoint)
+    except KeyboardInterrupt:
+        if not records:  # keep any older partial.json rather than replace it with nothing
+            print("kvpress-ada eval: interrupted before the first sample finished; nothing to keep", file=sys.stderr)
+            return 130
+        checkpoint()
+        print(f"kvpress-ada eval: interrupted after {samples_done()} of {len(samples)} samples, kept in {partial}; "
+              f"continue with: {_resume_hint(args)}", file=sys.stderr)
+        return 130
+    records.sort(key=lambda r: r.sample)  # stable: as an uninterrupted run orders them
+    result = EvalResult(records, seconds + time.perf_counter() - start, args.question_aware)
     summary = result.summary()
     print(format_table(summary))
     print(f"\n{len(samples)} samples x {len(entries)} configurations in {result.seconds:.1f}s "
           f"(one prefill per sample, fan-out)")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    payload = {"command": sys.argv, "model": args.model, "tasks": tasks, "context": args.context, "n": args.n,
-               **result.to_dict()}
-    (out / "results.json").write_text(json.dumps(payload, indent=1))
+    payload = {"command": ["kvpress-ada", *args.argv], "model": args.model, "tasks": tasks, "context": args.context,
+               "n": args.n, **result.to_dict()}
+    _write_json(out / "results.json", payload)
+    partial.unlink(missing_ok=True)
     setting = "question-aware" if args.question_aware else "question-agnostic"
-    plot_accuracy(summary, out / "accuracy.png", title=f"{args.model}, {','.join(tasks)}, {args.context} tokens, {setting}")
+    plot_accuracy(summary, out / "accuracy.png",
+                  title=f"{args.model}, {','.join(tasks)}, {args.context} tokens, {setting}")
     print(f"wrote {out / 'results.json'} and {out / 'accuracy.png'}")
     return 0
 
 
+def _tasks_epilog() -> str:
+    from .eval.tasks import TASKS
+
+    width = max(map(len, TASKS))
+    return "tasks (--tasks):\n" + "\n".join(f"  {t.name:<{width}}  {t.description}" for t in TASKS.values())
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpress-ada", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvpress-ada", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     threads_help = ("CPU threads for torch (default: torch's choice); 1 is much faster on a busy machine, "
                     "where spinning OpenMP threads slow small decode matmuls down 10x")
@@ -182,54 +353,66 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M) or a path / hub id")
     demo.add_argument("--preset", default="ada_snapkv")
     demo.add_argument("--ratio", type=float, default=0.75, help="fraction of KV entries evicted, in [0, 1)")
-    demo.add_argument("--context", type=int, default=1000, help="document length in tokens")
+    demo.add_argument("--context", type=int, default=1000, help="document length in tokens (>= 64)")
     demo.add_argument("--question-aware", action="store_true", help="compress context and question together")
-    demo.add_argument("--max-new-tokens", type=int, default=16)
+    demo.add_argument("--max-new-tokens", type=int, default=16, help="answer length limit (>= 1)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--threads", type=int, help=threads_help)
     demo.set_defaults(func=cmd_demo)
 
-    ev = sub.add_parser("eval", help="accuracy / fidelity / eviction loss / KV bytes for presets x ratios")
-    ev.add_argument("--presets", default=DEFAULT_PRESETS, help="comma-separated preset names")
-    ev.add_argument("--ratios", default=DEFAULT_RATIOS, help="comma-separated compression ratios in [0, 1)")
-    ev.add_argument("--tasks", default="passkey,multikey", help="comma-separated synthetic tasks")
+    ev = sub.add_parser("eval", help="accuracy / fidelity / eviction loss / KV bytes for presets x ratios",
+                        epilog=_tasks_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    ev.add_argument("--presets", default=DEFAULT_PRESETS, help="comma-separated preset names, each once")
+    ev.add_argument("--ratios", default=DEFAULT_RATIOS, help="comma-separated compression ratios in [0, 1), each once")
+    ev.add_argument("--tasks", default="passkey,multikey", help="comma-separated synthetic tasks (listed below)")
     ev.add_argument("--n", type=int, default=32, help="samples per task")
-    ev.add_argument("--context", type=int, default=1000, help="context length in tokens")
+    ev.add_argument("--context", type=int, default=1000, help="context length in tokens (>= 64)")
     ev.add_argument("--question-aware", action="store_true", help="compress context and question together")
     ev.add_argument("--model", default="default")
-    ev.add_argument("--config", help="a Pipeline as JSON or YAML (custom compositions, registered scorers)")
-    ev.add_argument("--max-new-tokens", type=int, default=24)
+    ev.add_argument("--config", help="a Pipeline as JSON or YAML (custom compositions, registered scorers); its "
+                                     "rows are labelled with the file name, which must not be a preset in --presets")
+    ev.add_argument("--max-new-tokens", type=int, default=24, help="answer length limit (>= 1)")
     ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--out", default="kvpress_ada_eval", help="output directory for results.json and the plot")
+    ev.add_argument("--out", default="kvpress_ada_eval", help="output directory for results.json and the plot "
+                                                             f"(and {PARTIAL} while running)")
+    ev.add_argument("--resume", action="store_true",
+                    help=f"continue an interrupted run from OUT/{PARTIAL} (same arguments otherwise)")
     ev.add_argument("--no-progress", action="store_true")
     ev.add_argument("--threads", type=int, help=threads_help)
     ev.set_defaults(func=cmd_eval)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _run(args) -> int:
     if args.threads is not None:
         if args.threads < 1:
-            print(f"kvpress-ada {args.command}: error: --threads must be >= 1, got {args.threads}", file=sys.stderr)
-            return 2
+            raise UsageError(f"--threads must be >= 1, got {args.threads}")
         import torch
 
         torch.set_num_threads(args.threads)
+    return args.func(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+
+    def fail(message: object, code: int) -> int:
+        print(f"kvpress-ada {args.command}: {message}", file=sys.stderr)
+        return code
+
     try:
-        if args.command == "demo" and not 0.0 <= args.ratio < 1.0:
-            raise UsageError(f"--ratio must be in [0, 1) (fraction of KV entries evicted), got {args.ratio}")
-        return args.func(args)
+        return _run(args)
     except UsageError as err:
-        print(f"kvpress-ada {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    except Exception as err:  # model loading and other user-facing failures: one paragraph, no traceback
+        return fail(f"error: {err}", 2)
+    except KeyboardInterrupt:
+        return fail("interrupted", 130)
+    except Exception as err:  # model loading and other runtime failures: one line, no traceback
         from .models import ModelLoadError
 
         if isinstance(err, (ModelLoadError, ValueError)):
-            print(f"kvpress-ada {args.command}: error: {err}", file=sys.stderr)
-            return 1
+            return fail(f"error: {' '.join(str(err).split())}", 1)
         raise
 
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from kvpress_ada.eval import (
     TASKS,
+    ContextTooSmall,
     Sample,
     load_longbench,
     load_ruler,
@@ -82,8 +83,10 @@ def test_bad_n(n):
 
 @pytest.mark.parametrize("task", sorted(TASKS))
 def test_context_too_small(task):
-    with pytest.raises(ValueError, match="context_tokens=16"):
+    with pytest.raises(ContextTooSmall, match="context_tokens=16") as ei:
         make_samples(task, TOKENIZER, 1, 16)
+    assert (ei.value.task, ei.value.context_tokens) == (task, 16)
+    assert len(make_samples(task, TOKENIZER, 2, ei.value.minimum)) == 2  # the suggested size fits
     with pytest.raises(ValueError, match="context_tokens=0"):
         make_samples(task, TOKENIZER, 1, 0)
 

@@ -8,10 +8,10 @@ published RULER and LongBench datasets, and their scoring rules.
 
 from .datasets import load_longbench, load_ruler, split_ruler_input
 from .scoring import LONGBENCH_METRICS, METRICS, score, score_sample, string_match_all, string_match_part
-from .tasks import TASKS, Sample, TaskSpec, make_samples
+from .tasks import TASKS, ContextTooSmall, Sample, TaskSpec, make_samples
 
 __all__ = [
-    "Sample", "TaskSpec", "TASKS", "make_samples",
+    "Sample", "TaskSpec", "TASKS", "ContextTooSmall", "make_samples",
     "METRICS", "LONGBENCH_METRICS", "score", "score_sample", "string_match_all",
     "string_match_part",
     "load_longbench", "load_ruler", "split_ruler_input",

@@ -7,7 +7,8 @@ from pathlib import Path
 
 def format_table(summary: list[dict]) -> str:
     """A plain-text table: accuracy (95% CI), KL, top-1, eviction loss, KV bytes per label x ratio."""
-    header = f"{'press':<24}{'ratio':>6}{'n':>5}{'accuracy':>17}{'KL':>9}{'top1':>7}{'evict L1':>10}{'KV MB':>9}{'KV frac':>9}"
+    header = (f"{'press':<24}{'ratio':>6}{'n':>5}{'accuracy':>17}{'KL':>9}{'top1':>7}{'evict L1':>10}{'KV MB':>9}"
+              f"{'KV frac':>9}")
     lines = [header, "-" * len(header)]
     for row in sorted(summary, key=lambda r: (r["label"] != "full", r["label"], r["ratio"])):
         acc = f"{row['accuracy']:.3f} ± {row['ci95']:.3f}" if row["ci95"] == row["ci95"] else f"{row['accuracy']:.3f}"

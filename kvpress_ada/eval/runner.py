@@ -145,19 +145,21 @@ def evaluate(model, tokenizer, samples, entries: list[Entry], question_aware: bo
     ``skip``: indices of samples not to run (done by an earlier, resumed run); ``on_sample(i, records)``
     is called after each sample with its records (for checkpoints)."""
     start = time.perf_counter()
-    records = []
+    records: list[Record] = []
     todo = [i for i in range(len(samples)) if i not in skip]
     per_sample = len(entries) + 1
     bar = tqdm(total=len(samples) * per_sample, initial=(len(samples) - len(todo)) * per_sample,
                disable=not progress, desc="evaluating", unit="run")
-    for i in todo:
-        new = evaluate_sample(model, tokenizer, samples[i], entries, i, question_aware, max_new_tokens,
-                              on_entry=bar.update)
-        records += new
-        bar.update(1)
-        if on_sample is not None:
-            on_sample(i, new)
-    bar.close()
+    try:
+        for i in todo:
+            new = evaluate_sample(model, tokenizer, samples[i], entries, i, question_aware, max_new_tokens,
+                                  on_entry=bar.update)
+            records += new
+            bar.update(1)
+            if on_sample is not None:
+                on_sample(i, new)
+    finally:  # an interrupt (Ctrl-C) must not leave a half-drawn bar over the caller's message
+        bar.close()
     return EvalResult(records, time.perf_counter() - start, question_aware)
 
 
@@ -169,8 +171,10 @@ def evaluate_separately(model, tokenizer, samples, entries: list[Entry], questio
     for sample in samples:
         row = []
         for entry in entries:
-            row.append(generate(model, tokenizer, sample.context, [sample.question], press=entry.press,
-                                max_new_tokens=max_new_tokens, question_aware=question_aware)[0])
+            answer = generate(model, tokenizer, sample.context, [sample.question], press=entry.press,
+                              max_new_tokens=max_new_tokens, question_aware=question_aware)[0]
+            assert isinstance(answer, str)  # one context: one answer per question
+            row.append(answer)
             bar.update(1)
         answers.append(row)
     bar.close()

@@ -34,8 +34,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["Sample", "TaskSpec", "TASKS", "make_samples", "haystack_sentences",
-           "count_tokens"]
+__all__ = ["Sample", "TaskSpec", "TASKS", "ContextTooSmall", "make_samples",
+           "haystack_sentences", "count_tokens"]
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,11 @@ Builder = Callable[[Any, random.Random, int], tuple[str, str, list[str], dict]]
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """A synthetic task: its metric, a one-line description and its builder.
+    """A synthetic task: its metric, a one-line description (listed by ``kvpress-ada eval
+    --help``) and its builder.
 
     ``build(tokenizer, rng, context_tokens)`` returns ``(context, question, answers,
-    meta)``; it raises ``ValueError`` when ``context_tokens`` cannot hold the task.
+    meta)``; it raises :class:`ContextTooSmall` when ``context_tokens`` cannot hold the task.
     """
 
     name: str
@@ -145,19 +146,22 @@ def _in_corpus(s: str) -> bool:
 @functools.lru_cache(maxsize=1)
 def _manual_words() -> tuple[str, ...]:
     """Distinct lowercase words (4-10 letters) of the manual's prose, sorted."""
-    words = set()
+    words: set[str] = set()
     for sent in haystack_sentences():
         words.update(w for w in re.findall(r"[A-Za-z]+", sent) if w.islower())
     return tuple(sorted(w for w in words if 4 <= len(w) <= 10))
 
 
-def _too_small(task: str, context_tokens: int, needed: int) -> ValueError:
-    # needles differ between samples: suggest a size that fits (almost) every seed
-    safe = -(-needed * 5 // 4) + 8
-    return ValueError(
-        f"context_tokens={context_tokens} is too small for task {task!r}: its instruction "
-        f"and needles alone take about {needed} tokens with this tokenizer; use "
-        f"context_tokens >= {safe}")
+class ContextTooSmall(ValueError):
+    """``context_tokens`` cannot hold a task; ``minimum`` is a size that fits (almost) every seed."""
+
+    def __init__(self, task: str, context_tokens: int, needed: int):
+        # needles differ between samples: suggest a size that fits (almost) every seed
+        self.task, self.context_tokens, self.minimum = task, context_tokens, -(-needed * 5 // 4) + 8
+        super().__init__(
+            f"context_tokens={context_tokens} is too small for task {task!r}: its instruction "
+            f"and needles alone take about {needed} tokens with this tokenizer; use "
+            f"context_tokens >= {self.minimum}")
 
 
 _MIN_HAYSTACK_TOKENS = 32
@@ -171,7 +175,7 @@ def _haystack_context(task: str, tokenizer: Any, rng: random.Random, context_tok
     fixed = _count(tokenizer, preface + " ".join(needles))
     needed = fixed + _MIN_HAYSTACK_TOKENS
     if context_tokens < needed:
-        raise _too_small(task, context_tokens, needed)
+        raise ContextTooSmall(task, context_tokens, needed)
     start = rng.randrange(len(sents))
 
     def hay(i: int) -> str:
@@ -375,7 +379,7 @@ def _cwe(tok, rng, n_tokens, num_common: int = 3, freq_uncommon: int = 2):
 
     needed = _count(tok, assemble(num_common))
     if needed > n_tokens:
-        raise _too_small("cwe", n_tokens, needed)
+        raise ContextTooSmall("cwe", n_tokens, needed)
     lo, hi = num_common, min(len(others) - 64, capacity + 1)
     while lo < hi:
         mid = (lo + hi + 1) // 2

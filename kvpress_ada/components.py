@@ -55,7 +55,8 @@ class Registry:
                 raise TypeError(f"{call} expects a subclass of {self.base.__name__}, got {cls!r}")
             if not name or not isinstance(name, str):
                 raise ValueError(f"{self.decorator} needs a non-empty string name, got {name!r}")
-            field = cls.model_fields.get("name")
+            klass: type[Component] = cls
+            field = klass.model_fields.get("name")
             if field is None or field.default != name:
                 raise TypeError(
                     f"{cls.__name__} must declare `name: Literal[{name!r}] = {name!r}` to be registered as {name!r}"

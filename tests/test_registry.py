@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -119,8 +120,6 @@ CANONICAL = {"snapkv", "streamingllm", "h2o", "tova", "knorm", "expected_attenti
 
 
 def test_file_registry_and_preset_names_agree():
-    from pathlib import Path
-
     files = {p.stem for p in Path(kvpress_ada.presses.__file__).parent.glob("*.py")} - {"__init__", "base",
                                                                                          "attention"}
     assert CANONICAL <= set(SCORERS.names())
@@ -160,3 +159,22 @@ def test_registry_names_do_not_list_aliases_and_unknown_lists_canonical():
     with pytest.raises(ValueError):
         Pipeline.model_validate({"scorer": {"name": 5}, "budget": 4})
     assert EVICTORS.get("topk") is TopK
+
+
+def test_readme_register_example_runs():
+    """The README's 'Register your own scorer' block works as written (then is unregistered)."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Register your own scorer"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    namespace: dict = {}
+    try:
+        exec(compile(code, "README.md", "exec", dont_inherit=True), namespace)
+        press = namespace["press"]
+        assert press.scorer.name == "value_norm" and isinstance(press.scorer, SCORERS.get("value_norm"))
+        assert Pipeline.model_validate_json(press.model_dump_json()) == press
+        with pytest.raises(ValueError, match="already registered"):
+            exec(compile(code, "README.md", "exec", dont_inherit=True), {})
+    finally:
+        SCORERS.unregister("value_norm")

@@ -105,3 +105,12 @@ def test_streamingllm_scores_rank_among_valid_tokens():
     scores = StreamingLLM(sinks=1).score(obs)[0, 0, 2:]
     assert scores[0] == float("inf") and scores[1:].tolist() == [1.0, 2.0, 3.0]
     assert SnapKV().min_context() == 64
+
+
+def test_window_attention_reads_only_the_observation():
+    """Dead parameter removed: the window's queries come from ``obs`` alone."""
+    import inspect
+
+    from kvpress_ada.presses.attention import window_attention
+
+    assert list(inspect.signature(window_attention).parameters) == ["obs", "window"]

@@ -8,7 +8,7 @@ import yaml
 from conftest import build_model
 from hypothesis import find, given, settings
 from hypothesis import strategies as st
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 from test_scorer_registry import any_scorer
 
 from kvpress_ada import (
@@ -115,14 +115,14 @@ class LastTokens(Scorer):
     """Test scorer: prefers recent tokens, scaled per head."""
 
     name: Literal["last_tokens_test"] = "last_tokens_test"
-    power: float = 1.0
+    power: float = Field(1.0, ge=0.5, le=4.0)
 
     def query_window(self) -> int:
         return 0
 
     def score(self, obs):
-        L = obs.seq_len
-        return torch.arange(L, dtype=torch.float32).pow(self.power).expand(*obs.keys.shape[:3]).clone()
+        rank = (obs.key_mask.long().cumsum(-1) - 1).clamp(min=0).float()  # position among valid tokens
+        return rank.pow(self.power)[:, None, :].expand(*obs.keys.shape[:3]).clone()
 
 
 def test_registered_scorer_works_end_to_end_by_name(tokenizer):

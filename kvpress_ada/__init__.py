@@ -17,6 +17,7 @@ from .observation import Observation
 from .pipeline import Pipeline
 from .presets import preset, preset_names, register_preset
 from .presses import (
+                      H2O,
                       TOVA,
                       CriticalKV,
                       ExpectedAttention,
@@ -33,7 +34,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Pipeline", "preset", "preset_names", "register_preset", "generate",
-    "SnapKV", "StreamingLLM", "ObservedAttention", "TOVA", "KNorm", "ExpectedAttention", "CriticalKV", "RandomScorer",
+    "SnapKV", "StreamingLLM", "ObservedAttention", "H2O", "TOVA", "KNorm", "ExpectedAttention", "CriticalKV",
+    "RandomScorer",
     "UniformHead", "AdaHead", "UniformLayer", "PyramidLayer", "TopK", "Mask",
     "Scorer", "HeadAllocator", "LayerSchedule", "Evictor", "Observation",
     "register_scorer", "register_allocator", "register_evictor",

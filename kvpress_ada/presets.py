@@ -6,17 +6,18 @@ from typing import Callable
 
 from .allocators import AdaHead, PyramidLayer, UniformHead, UniformLayer
 from .pipeline import Pipeline
-from .presses import TOVA, CriticalKV, ExpectedAttention, KNorm, ObservedAttention, RandomScorer, SnapKV, StreamingLLM
+from .presses import H2O, TOVA, CriticalKV, ExpectedAttention, KNorm, RandomScorer, SnapKV, StreamingLLM
 
 ADA_ALPHA = 0.2  # the paper's safeguard default
 
+# preset name == scorer registry name == file in presses/ for the single-scorer presets
 _PRESETS: dict[str, Callable[[], dict]] = {
     "snapkv": lambda: dict(scorer=SnapKV()),
     "pyramidkv": lambda: dict(scorer=SnapKV(), layers=PyramidLayer()),
     "ada_snapkv": lambda: dict(scorer=SnapKV(), allocator=AdaHead(alpha=ADA_ALPHA)),
     "ada_pyramidkv": lambda: dict(scorer=SnapKV(), allocator=AdaHead(alpha=ADA_ALPHA), layers=PyramidLayer()),
     "streamingllm": lambda: dict(scorer=StreamingLLM()),
-    "h2o": lambda: dict(scorer=ObservedAttention()),
+    "h2o": lambda: dict(scorer=H2O()),
     "tova": lambda: dict(scorer=TOVA()),
     "knorm": lambda: dict(scorer=KNorm()),
     "expected_attention": lambda: dict(scorer=ExpectedAttention()),
@@ -31,11 +32,23 @@ def preset_names() -> list[str]:
     return list(_PRESETS)
 
 
-def register_preset(name: str, factory: Callable[[], dict]) -> None:
-    """Add a preset: ``factory()`` returns Pipeline fields (scorer, allocator, layers, evictor)."""
-    if name in _PRESETS:
-        raise ValueError(f"a preset named {name!r} already exists")
+def register_preset(name: str, factory: Callable[[], dict], override: bool = False) -> None:
+    """Add a preset: ``factory()`` returns Pipeline fields (scorer, allocator, layers, evictor).
+
+    A name that already exists is refused unless ``override=True``."""
+    if not name or not isinstance(name, str):
+        raise ValueError(f"register_preset needs a non-empty string name, got {name!r}")
+    if not callable(factory):
+        raise TypeError(f"register_preset({name!r}) needs a callable returning Pipeline fields, got {factory!r}")
+    if name in _PRESETS and not override:
+        raise ValueError(f"a preset named {name!r} already exists; pass register_preset({name!r}, factory, "
+                         f"override=True) to replace it")
     _PRESETS[name] = factory
+
+
+def unregister_preset(name: str) -> None:
+    """Remove a preset added with :func:`register_preset` (tests and plugins cleaning up)."""
+    _PRESETS.pop(name, None)
 
 
 def preset(name: str, compression_ratio: float | None = None, budget: int | None = None, **overrides) -> Pipeline:

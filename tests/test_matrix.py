@@ -3,8 +3,10 @@
 
 import pytest
 import torch
+from test_scorer_registry import scorer_names
 
-from kvpress_ada import Mask, RaggedCache, generate, preset, preset_names
+from kvpress_ada import Mask, Pipeline, RaggedCache, generate, preset, preset_names
+from kvpress_ada.presses import SCORERS
 
 CONTEXT = "In 1947 the pass key was 4821. The garden had seven doors and a blue gate. " * 2
 QUESTIONS = ["What is the pass key?", "How many doors?"]
@@ -42,6 +44,21 @@ def test_preset_model_generate_ragged_matches_mask(arch_model, name):
             out = arch_model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                                       output_scores=True, return_dict_in_generate=True)
         outs[evictor] = out
+    assert torch.equal(outs["topk"].sequences, outs["mask"].sequences)
+    for a, b in zip(outs["topk"].scores, outs["mask"].scores):
+        assert torch.allclose(a, b, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", scorer_names())
+def test_every_registered_scorer_ragged_matches_mask(llama, name):
+    """Every registered scorer (default fields; presets or not), ragged vs the Mask reference."""
+    ids, mask = _batch(seed=3)
+    outs = {}
+    for evictor in ("topk", "mask"):
+        press = Pipeline(scorer=SCORERS.get(name)(), evictor=evictor, compression_ratio=0.5)
+        with press(llama):
+            outs[evictor] = llama.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                                           output_scores=True, return_dict_in_generate=True)
     assert torch.equal(outs["topk"].sequences, outs["mask"].sequences)
     for a, b in zip(outs["topk"].scores, outs["mask"].scores):
         assert torch.allclose(a, b, atol=1e-4, rtol=0)

@@ -6,24 +6,18 @@ import pytest
 import torch
 import yaml
 from conftest import build_model
-from hypothesis import given, settings
+from hypothesis import find, given, settings
 from hypothesis import strategies as st
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
+from test_scorer_registry import any_scorer
 
 from kvpress_ada import (
-    TOVA,
     AdaHead,
-    CriticalKV,
-    ExpectedAttention,
-    KNorm,
     Mask,
-    ObservedAttention,
     Pipeline,
     PyramidLayer,
-    RandomScorer,
     Scorer,
     SnapKV,
-    StreamingLLM,
     TopK,
     UniformHead,
     UniformLayer,
@@ -33,15 +27,9 @@ from kvpress_ada import (
     register_scorer,
 )
 
-scorers = st.one_of(
-    st.builds(SnapKV, window=st.integers(1, 128), kernel=st.integers(1, 9)),
-    st.builds(StreamingLLM, sinks=st.integers(0, 8)),
-    st.builds(ObservedAttention, recent=st.integers(0, 8)),
-    st.just(TOVA()), st.just(KNorm()),
-    st.builds(ExpectedAttention, n_future=st.integers(1, 1024), use_covariance=st.booleans()),
-    st.builds(CriticalKV, window=st.integers(1, 64)),
-    st.builds(RandomScorer, seed=st.integers(0, 100)),
-)
+# every registered scorer (looked up lazily, so scorers registered by tests or plugins are drawn too),
+# fields drawn inside their pydantic constraints
+scorers = st.deferred(any_scorer)
 allocators = st.one_of(st.just(UniformHead()), st.builds(AdaHead, alpha=st.floats(0, 1)))
 layer_schedules = st.one_of(st.just(UniformLayer()), st.builds(PyramidLayer, beta=st.floats(1.01, 100)))
 evictors = st.sampled_from([TopK(), Mask()])
@@ -127,14 +115,14 @@ class LastTokens(Scorer):
     """Test scorer: prefers recent tokens, scaled per head."""
 
     name: Literal["last_tokens_test"] = "last_tokens_test"
-    power: float = 1.0
+    power: float = Field(1.0, ge=0.5, le=4.0)
 
     def query_window(self) -> int:
         return 0
 
     def score(self, obs):
-        L = obs.seq_len
-        return torch.arange(L, dtype=torch.float32).pow(self.power).expand(*obs.keys.shape[:3]).clone()
+        rank = (obs.key_mask.long().cumsum(-1) - 1).clamp(min=0).float()  # position among valid tokens
+        return rank.pow(self.power)[:, None, :].expand(*obs.keys.shape[:3]).clone()
 
 
 def test_registered_scorer_works_end_to_end_by_name(tokenizer):
@@ -153,6 +141,13 @@ def test_registered_scorer_works_end_to_end_by_name(tokenizer):
     cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
     lengths = cache.head_lengths(0)
     assert int(lengths.sum()) == 20 * lengths.shape[1]
+
+
+def test_strategy_draws_scorers_registered_later():
+    """The round-trip strategy follows the registry: ``last_tokens_test`` (registered above, after the
+    strategy was defined) is drawn, with its field varied."""
+    found = find(scorers, lambda s: isinstance(s, LastTokens) and s.power != 1.0, settings=settings(database=None))
+    assert isinstance(found, LastTokens)
 
 
 def test_register_rejects_mismatched_name():

@@ -25,9 +25,9 @@ class HeadAllocator(Component):
 ALLOCATORS = Registry("allocator", HeadAllocator)
 
 
-def register_allocator(name: str):
+def register_allocator(name: str, override: bool = False):
     """Decorator making a user's ``HeadAllocator`` subclass usable by ``name`` in configs."""
-    return ALLOCATORS.register(name)
+    return ALLOCATORS.register(name, override=override)
 
 
 @register_allocator("uniform")

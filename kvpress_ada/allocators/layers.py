@@ -28,8 +28,8 @@ class LayerSchedule(Component):
 LAYER_SCHEDULES = Registry("layer schedule", LayerSchedule)
 
 
-def register_layer_schedule(name: str):
-    return LAYER_SCHEDULES.register(name)
+def register_layer_schedule(name: str, override: bool = False):
+    return LAYER_SCHEDULES.register(name, override=override)
 
 
 @register_layer_schedule("uniform")

@@ -29,8 +29,8 @@ class Evictor(Component):
 EVICTORS = Registry("evictor", Evictor)
 
 
-def register_evictor(name: str):
-    return EVICTORS.register(name)
+def register_evictor(name: str, override: bool = False):
+    return EVICTORS.register(name, override=override)
 
 
 def topk_mask(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

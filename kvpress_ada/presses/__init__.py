@@ -1,14 +1,17 @@
-"""Scorers, one per file: each returns ``[B, H_kv, L]`` importance (higher = keep)."""
+"""Scorers, one per file: each returns ``[B, H_kv, L]`` importance (higher = keep).
+
+The file, the registry name and the preset name of a scorer are the same word (``snapkv.py`` is
+``snapkv``, ``h2o.py`` is ``h2o``, ...); older registry names load as aliases."""
 
 from .base import SCORERS, Scorer, register_scorer
-from .critical_kv import CriticalKV
+from .criticalkv import CriticalKV
 from .expected_attention import ExpectedAttention
+from .h2o import H2O, ObservedAttention
 from .knorm import KNorm
-from .observed_attention import ObservedAttention
-from .random_scorer import RandomScorer
+from .random import RandomScorer
 from .snapkv import SnapKV
-from .streaming_llm import StreamingLLM
+from .streamingllm import StreamingLLM
 from .tova import TOVA
 
-__all__ = ["SCORERS", "Scorer", "register_scorer", "CriticalKV", "ExpectedAttention", "KNorm",
+__all__ = ["SCORERS", "Scorer", "register_scorer", "CriticalKV", "ExpectedAttention", "H2O", "KNorm",
            "ObservedAttention", "RandomScorer", "SnapKV", "StreamingLLM", "TOVA"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Iterable
 
 import torch
 
@@ -40,9 +40,12 @@ class Scorer(Component):
 SCORERS = Registry("scorer", Scorer)
 
 
-def register_scorer(name: str):
-    """Decorator making a user's ``Scorer`` subclass usable by ``name`` in configs and presets."""
-    return SCORERS.register(name)
+def register_scorer(name: str, aliases: Iterable[str] = (), override: bool = False):
+    """Decorator making a user's ``Scorer`` subclass usable by ``name`` in configs and presets.
+
+    ``aliases``: old names that still load (configs written with them); ``override=True`` replaces
+    a scorer already registered under ``name`` (refused otherwise)."""
+    return SCORERS.register(name, aliases=aliases, override=override)
 
 
 def protect_last(scores: torch.Tensor, n: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 from pydantic import Field
 
 from ..observation import Observation
-from .attention import pool_scores, window_attention
+from .attention import mean_over_queries, pool_scores, window_attention
 from .base import Scorer, protect_last, register_scorer
 
 
@@ -29,5 +29,5 @@ class SnapKV(Scorer):
 
     def score(self, obs: Observation) -> torch.Tensor:
         attn = window_attention(obs, self.window)  # [B, Hkv, G, w, L]
-        scores = pool_scores(attn.mean(dim=3), self.kernel).mean(dim=2)
+        scores = pool_scores(mean_over_queries(attn, obs.key_mask), self.kernel, obs.key_mask).mean(dim=2)
         return protect_last(scores, self.window)

@@ -11,11 +11,13 @@ from ..observation import Observation
 from .base import Scorer, protect_first_valid, register_scorer
 
 
-@register_scorer("streaming_llm")
+@register_scorer("streamingllm", aliases=("streaming_llm",))
 class StreamingLLM(Scorer):
-    """Keeps the first ``sinks`` tokens and then the most recent ones (score = position)."""
+    """Keeps the first ``sinks`` tokens and then the most recent ones (score = position among the
+    valid tokens, so left padding changes nothing). Registered as ``streamingllm`` (the old name
+    ``streaming_llm`` still loads)."""
 
-    name: Literal["streaming_llm"] = "streaming_llm"
+    name: Literal["streamingllm"] = "streamingllm"
     sinks: int = Field(4, ge=0, description="number of initial tokens always kept")
 
     def query_window(self) -> int:
@@ -23,6 +25,6 @@ class StreamingLLM(Scorer):
 
     def score(self, obs: Observation) -> torch.Tensor:
         B, H, L = obs.keys.shape[:3]
-        position = torch.arange(L, device=obs.keys.device, dtype=torch.float32)
-        scores = position.expand(B, H, L).clone()
+        position = obs.key_mask.long().cumsum(-1).sub(1).clamp(min=0).float()  # rank among valid tokens
+        scores = position[:, None, :].expand(B, H, L).clone()
         return protect_first_valid(scores, obs.key_mask, self.sinks)

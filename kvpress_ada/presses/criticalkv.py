@@ -10,7 +10,7 @@ import torch
 from pydantic import Field
 
 from ..observation import Observation
-from .attention import pool_scores, window_attention
+from .attention import mean_over_queries, pool_scores, window_attention
 from .base import Scorer, protect_last, register_scorer
 
 
@@ -33,11 +33,11 @@ class CriticalKV(Scorer):
     def score(self, obs: Observation) -> torch.Tensor:
         if obs.output_weight is None:
             raise ValueError("CriticalKV needs the layer's output projection (obs.output_weight)")
-        attn = window_attention(obs, self.window).mean(dim=3)  # [B, Hkv, G, L]
+        attn = mean_over_queries(window_attention(obs, self.window), obs.key_mask)  # [B, Hkv, G, L]
         B, Hkv, G, L = attn.shape
         D = obs.keys.shape[-1]
         w_o = obs.output_weight.float().view(-1, Hkv, G, D)  # [hidden, Hkv, G, D]
         projected = torch.einsum("bhld,ohgd->bhglo", obs.values.float(), w_o)
         weight = projected.abs().sum(dim=-1)  # [B, Hkv, G, L]
-        scores = pool_scores(attn * weight, self.kernel).mean(dim=2)
+        scores = pool_scores(attn * weight, self.kernel, obs.key_mask).mean(dim=2)
         return protect_last(scores, self.window)

@@ -12,13 +12,14 @@ from .attention import window_attention
 from .base import Scorer, protect_last, register_scorer
 
 
-@register_scorer("observed_attention")
+@register_scorer("h2o", aliases=("observed_attention",))
 class ObservedAttention(Scorer):
     """Accumulated attention each key received from every prefill query (mean over the query
     group); the ``recent`` most recent tokens are protected. Computed in query chunks of
-    ``chunk`` so the full ``L x L`` matrix is never held."""
+    ``chunk`` so the full ``L x L`` matrix is never held. Registered as ``h2o`` (its preset's name;
+    the old name ``observed_attention`` still loads); ``H2O`` is the same class."""
 
-    name: Literal["observed_attention"] = "observed_attention"
+    name: Literal["h2o"] = "h2o"
     recent: int = Field(0, ge=0, description="most recent tokens always kept")
     chunk: int = Field(512, ge=1, description="queries per chunk when accumulating attention")
 
@@ -38,6 +39,9 @@ class ObservedAttention(Scorer):
             attn = _chunk_attention(obs, q, stop)
             total += attn.sum(dim=3).mean(dim=2)
         return protect_last(total, self.recent)
+
+
+H2O = ObservedAttention
 
 
 def _chunk_attention(obs: Observation, q: torch.Tensor, stop: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ from kvpress_ada import (
     SnapKV,
     TopK,
     preset,
+    preset_names,
 )
 from kvpress_ada.integration import PrefillHandler, PressCache, PressRun
 from kvpress_ada.integration.fanout import CaptureRun, capture_prefill
@@ -227,3 +228,26 @@ def test_prefill_handlers_follow_the_protocol():
     assert handler_methods <= set(dir(PrefillHandler))
     for cls in (PressRun, CaptureRun):
         assert handler_methods <= set(dir(cls)), cls
+
+
+# ------------------------------------------------ defect 2: padding never changes a row
+@pytest.mark.parametrize("name", preset_names())
+def test_padded_batch_row_equals_the_row_alone(llama, name):
+    """A row's kept set and logits do not depend on how much left padding the batch gave it."""
+    lengths = (90, 66, 78)
+    L = max(lengths)
+    rows = [_ids(n, seed=10 + i)[0] for i, n in enumerate(lengths)]
+    ids = torch.zeros(len(rows), L, dtype=torch.long)
+    mask = torch.zeros(len(rows), L, dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, L - row.numel():], mask[b, L - row.numel():] = row, 1
+    press = preset(name, compression_ratio=0.5)
+    kwargs = dict(max_new_tokens=3, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    with press(llama):
+        batch = llama.generate(ids, attention_mask=mask, **kwargs)
+    for b, row in enumerate(rows):
+        with press(llama):
+            alone = llama.generate(row[None], **kwargs)
+        assert torch.equal(batch.sequences[b, L:], alone.sequences[0, row.numel():]), (name, b)
+        for step, (x, y) in enumerate(zip(batch.scores, alone.scores)):
+            assert torch.allclose(x[b], y[0], atol=1e-4, rtol=0), (name, b, step, (x[b] - y[0]).abs().max())

@@ -70,15 +70,31 @@ class Pipeline(BaseModel):
                 f"({need} tokens, e.g. its observation window); use a longer context or a smaller window"
             )
 
-    def counts(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scores (padding at ``-inf``) and the kept count per (batch, kv head) for one layer."""
+    @property
+    def evicts_at_end(self) -> bool:
+        """Whether eviction waits for every layer's scores (a model-scope layer schedule): the
+        full cache of all layers is then held until the end of prefill. Otherwise each layer is
+        evicted right after its own prefill attention."""
+        return bool(getattr(type(self.layers), "needs_all_layers", False))
+
+    def scores(self, obs: Observation) -> torch.Tensor:
+        """The scorer's checked ``[B, H_kv, L]`` fp32 scores for one layer, padding at ``-inf``."""
         scores = self.scorer.score(obs)
         self._check_scores(scores, obs)
-        scores = scores.float().masked_fill(~obs.key_mask[:, None, :], float("-inf"))
+        return scores.float().masked_fill(~obs.key_mask[:, None, :], float("-inf"))
+
+    def counts(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores (padding at ``-inf``) and the kept count per (batch, kv head) for one layer."""
+        if self.evicts_at_end:
+            raise ValueError(f"{type(self.layers).__name__} allocates across layers: use select_all() with every "
+                             "layer's observation")
+        scores = self.scores(obs)
         lengths = obs.valid_lengths()
         budget = self.layers.layer_budget(self.average_budget(lengths), obs.layer_idx, obs.n_layers, lengths)
-        counts = self.allocator.allocate(scores, budget, comparable=type(self.scorer).comparable_across_heads)
-        return scores, counts
+        return scores, self._allocate(scores, budget)
+
+    def _allocate(self, scores: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+        return self.allocator.allocate(scores, budget, comparable=type(self.scorer).comparable_across_heads)
 
     def _check_scores(self, scores: torch.Tensor, obs: Observation) -> None:
         """The scorer's output contract: a ``[B, H_kv, L]`` tensor without NaN (checked eagerly;
@@ -98,6 +114,18 @@ class Pipeline(BaseModel):
         with torch.no_grad():
             scores, counts = self.counts(obs)
             return self.evictor.select(scores, counts)
+
+    def select_all(self, observations: list[Observation]) -> list[torch.Tensor]:
+        """Keep masks of every layer from all layers' observations at once (the end-of-prefill path;
+        equal to :meth:`select` layer by layer for layer-local schedules)."""
+        if not self.evicts_at_end:
+            return [self.select(obs) for obs in observations]
+        with torch.no_grad():
+            scores = [self.scores(obs) for obs in observations]
+            lengths = observations[0].valid_lengths()
+            budgets = self.layers.layer_budgets(  # type: ignore[attr-defined]
+                scores, self.average_budget(lengths), lengths, comparable=type(self.scorer).comparable_across_heads)
+            return [self.evictor.select(s, self._allocate(s, budgets[:, i])) for i, s in enumerate(scores)]
 
     # ------------------------------------------------------------ integration
     def __call__(self, model):

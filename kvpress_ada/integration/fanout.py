@@ -71,7 +71,7 @@ class Prefill:
         if press.is_noop:
             return [torch.ones(c.keys.shape[:3], dtype=torch.bool, device=c.keys.device) for c in self.layers]
         press.check_context(int(self.key_mask.sum(-1).min()))
-        return [press.select(self.observation(press.scorer, i)) for i in range(len(self.layers))]
+        return press.select_all([self.observation(press.scorer, i) for i in range(len(self.layers))])
 
     def compressed_cache(self, press, keep_masks: list[torch.Tensor] | None = None):
         """A fresh cache holding what ``press`` keeps (a dense copy for a no-op press)."""

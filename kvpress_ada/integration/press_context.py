@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Protocol
 from weakref import WeakKeyDictionary
 
@@ -66,19 +66,33 @@ class PressRun:
     model: torch.nn.Module
     compress: bool
     key_mask: torch.Tensor | None
+    pending: dict[int, Observation] = field(default_factory=dict)
 
     def handles_prefill(self, layer_idx: int) -> bool:
         return self.compress and not self.cache.is_compressed(layer_idx)
 
     def after_prefill(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       scaling: float) -> None:
-        """Score, allocate and compact this layer right after its dense prefill attention."""
+        """Score, allocate and compact this layer right after its dense prefill attention (or keep
+        its observation for :meth:`finish` when the press evicts at the end of prefill)."""
         if self.press is None:  # pragma: no cover - handles_prefill is False without a press
             return
         layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
         obs = observation_for(self.press.scorer, self.model, layer_idx, len(self.cache.layers), query, key,
                               value, self.key_mask, scaling, _output_weight(module))
-        self.cache.compress_layer(layer_idx, self.press.select(obs))
+        if self.press.evicts_at_end:
+            self.pending[layer_idx] = obs
+        else:
+            self.cache.compress_layer(layer_idx, self.press.select(obs))
+
+    def finish(self) -> None:
+        """End of the forward: evict every layer at once when the press waited for all of them."""
+        pending, self.pending = self.pending, {}
+        if self.press is None or len(pending) != len(self.cache.layers):
+            return  # nothing waited, or the forward failed part-way (the error is already raised)
+        layers = sorted(pending)
+        for layer_idx, keep in zip(layers, self.press.select_all([pending[i] for i in layers])):
+            self.cache.compress_layer(layer_idx, keep)
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:
@@ -206,6 +220,8 @@ class _Route:
         run = kwargs.get(RUN_KWARG)
         if isinstance(run, PressRun):
             run.cache.routed = False
+            if output is not None:  # always_call: also reached when the forward raised
+                run.finish()
 
 
 _ROUTES: WeakKeyDictionary[torch.nn.Module, _Route] = WeakKeyDictionary()

@@ -279,3 +279,18 @@ def test_pipeline_round_trips_through_json():
     with pytest.raises(ValueError):
         AdaLayer(alpha=1.5)
 
+
+
+@pytest.mark.parametrize("comparable", [True, False])
+def test_layer_budgets_compile_without_graph_breaks(comparable):
+    ada = AdaLayer(alpha=0.2)
+
+    def run(stacked, avg, lengths):
+        return ada.layer_budgets(list(stacked.unbind(0)), avg, lengths, comparable=comparable)
+
+    stacked = torch.rand(4, 2, 3, 20, generator=torch.Generator().manual_seed(0))
+    stacked[..., -2:] = INF
+    stacked[:, 1, :, :3] = -INF  # row 1: 3 padding tokens in every layer
+    avg, lengths = torch.tensor([5, 7]), torch.tensor([20, 17])
+    compiled = torch.compile(run, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(stacked, avg, lengths), run(stacked, avg, lengths))

@@ -3,6 +3,7 @@ that really frees memory."""
 
 from .allocators import (
                       AdaHead,
+                      AdaLayer,
                       HeadAllocator,
                       LayerSchedule,
                       PyramidLayer,
@@ -36,7 +37,7 @@ __all__ = [
     "Pipeline", "preset", "preset_names", "register_preset", "generate",
     "SnapKV", "StreamingLLM", "ObservedAttention", "H2O", "TOVA", "KNorm", "ExpectedAttention", "CriticalKV",
     "RandomScorer",
-    "UniformHead", "AdaHead", "UniformLayer", "PyramidLayer", "TopK", "Mask",
+    "UniformHead", "AdaHead", "UniformLayer", "PyramidLayer", "AdaLayer", "TopK", "Mask",
     "Scorer", "HeadAllocator", "LayerSchedule", "Evictor", "Observation",
     "register_scorer", "register_allocator", "register_evictor",
     "RaggedCache", "MaskedCache", "SUPPORTED_MODEL_TYPES",

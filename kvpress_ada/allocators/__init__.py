@@ -2,6 +2,8 @@
 
 from .heads import ALLOCATORS, AdaHead, HeadAllocator, UniformHead, register_allocator
 from .layers import LAYER_SCHEDULES, LayerSchedule, PyramidLayer, UniformLayer, register_layer_schedule
+from .model_scope import AdaLayer, model_topk_counts
 
 __all__ = ["ALLOCATORS", "AdaHead", "HeadAllocator", "UniformHead", "register_allocator",
-           "LAYER_SCHEDULES", "LayerSchedule", "PyramidLayer", "UniformLayer", "register_layer_schedule"]
+           "LAYER_SCHEDULES", "LayerSchedule", "PyramidLayer", "UniformLayer", "register_layer_schedule",
+           "AdaLayer", "model_topk_counts"]

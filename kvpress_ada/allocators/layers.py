@@ -13,9 +13,12 @@ from .rounding import round_preserving_sum
 
 class LayerSchedule(Component):
     """``budgets(avg, n_layers, lengths) -> [B, n_layers]`` integer per-head budgets whose mean
-    over layers equals ``avg`` (as far as clipping to the context length allows)."""
+    over layers equals ``avg`` (as far as clipping to the context length allows).
+    ``needs_all_layers`` is true for schedules that need every layer's scores (``AdaLayer``): they
+    have no ``budgets`` without them, and a pipeline using them evicts once at the end of prefill."""
 
     kind: ClassVar[str] = "layer schedule"
+    needs_all_layers: ClassVar[bool] = False
 
     def budgets(self, avg: torch.Tensor, n_layers: int, lengths: torch.Tensor) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError

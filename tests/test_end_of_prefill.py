@@ -68,3 +68,27 @@ def test_end_of_prefill_ragged_matches_mask_and_fanout(llama, tokenizer):
         assert torch.equal(direct.head_lengths(i), fanned.head_lengths(i))
     answers = generate(llama, tokenizer, "The key is 4821. " * 6, ["What is the key?"], press=press, max_new_tokens=3)
     assert len(answers) == 1
+
+
+def test_ada_layer_spends_the_model_budget_across_layers(llama):
+    """Model-scope Ada through the public API: layer budgets differ, the model total is exact,
+    ragged equals the Mask reference."""
+    from kvpress_ada import AdaLayer
+
+    ids, mask = _batch()
+    press = preset("ada_snapkv", compression_ratio=0.5, layers=AdaLayer(alpha=0.2))
+    assert press.evicts_at_end
+    with press(llama):
+        cache = output_cache(llama(input_ids=ids, attention_mask=mask))
+    per_layer = torch.stack([cache.head_lengths(i).sum(-1) for i in range(3)], 1)  # [B, layers]
+    valid = mask.sum(-1)
+    kept_per_head = torch.round(0.5 * valid.double()).long()
+    H = llama.config.num_key_value_heads
+    assert torch.equal(per_layer.sum(-1), 3 * H * kept_per_head)
+    outs = {}
+    for evictor in ("topk", "mask"):
+        extra = {"evictor": Mask()} if evictor == "mask" else {}
+        p = preset("ada_snapkv", compression_ratio=0.5, layers=AdaLayer(alpha=0.2), **extra)
+        with p(llama):
+            outs[evictor] = llama.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(outs["topk"], outs["mask"])

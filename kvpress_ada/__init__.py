@@ -14,6 +14,7 @@ from .allocators import (
 from .evictors import Evictor, Mask, TopK, register_evictor
 from .integration import SUPPORTED_MODEL_TYPES, MaskedCache, PressCache, RaggedCache, attach, detach
 from .integration.generation import generate
+from .integration.model_pass import use_tokenizer
 from .observation import Observation
 from .pipeline import Pipeline
 from .presets import preset, preset_names, register_preset
@@ -23,6 +24,7 @@ from .presses import (
                       CriticalKV,
                       ExpectedAttention,
                       KNorm,
+                      KVzip,
                       ObservedAttention,
                       RandomScorer,
                       Scorer,
@@ -36,7 +38,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Pipeline", "preset", "preset_names", "register_preset", "generate",
     "SnapKV", "StreamingLLM", "ObservedAttention", "H2O", "TOVA", "KNorm", "ExpectedAttention", "CriticalKV",
-    "RandomScorer",
+    "RandomScorer", "KVzip", "use_tokenizer",
     "UniformHead", "AdaHead", "UniformLayer", "PyramidLayer", "AdaLayer", "TopK", "Mask",
     "Scorer", "HeadAllocator", "LayerSchedule", "Evictor", "Observation",
     "register_scorer", "register_allocator", "register_evictor",

@@ -40,6 +40,7 @@ from .default_model import (
     is_converted,
 )
 from .integration.hf import SUPPORTED_MODEL_TYPES
+from .integration.model_pass import use_tokenizer
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -105,6 +106,7 @@ def load(name: str | os.PathLike = DEFAULT_NAME, dtype: torch.dtype = torch.floa
     model.eval()
 
     tokenizer.padding_side = "left"
+    use_tokenizer(model, tokenizer)  # scorers that prompt the model themselves (KVzip) find it
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos and (tokenizer.model_max_length or 0) > 10 * max_pos:  # "unset" (1e30)
         tokenizer.model_max_length = max_pos

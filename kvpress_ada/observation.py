@@ -16,6 +16,8 @@ class Observation:
     ``key_mask``: ``[B, L]`` bool, False on left padding.
     ``output_weight``: the layer's ``o_proj.weight`` ``[hidden, H_q * D]`` (only for scorers that declare it).
     ``rope_inv_freq``: RoPE inverse frequencies ``[D // 2]`` (only for scorers that declare it).
+    ``pass_scores``: ``[B, H_kv, L]`` what the scorer's own model pass measured for each entry
+    (only for scorers that declare ``needs_model_pass``, e.g. KVzip's context reconstruction).
     """
 
     keys: torch.Tensor
@@ -27,6 +29,7 @@ class Observation:
     scaling: float
     output_weight: torch.Tensor | None = None
     rope_inv_freq: torch.Tensor | None = None
+    pass_scores: torch.Tensor | None = None
 
     @property
     def n_kv_heads(self) -> int:

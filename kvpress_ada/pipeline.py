@@ -72,10 +72,11 @@ class Pipeline(BaseModel):
 
     @property
     def evicts_at_end(self) -> bool:
-        """Whether eviction waits for every layer's scores (a model-scope layer schedule): the
-        full cache of all layers is then held until the end of prefill. Otherwise each layer is
+        """Whether eviction waits for every layer's scores (a model-scope layer schedule, or a
+        scorer with a model pass of its own): the full cache of all layers is then held until the
+        end of prefill. Otherwise each layer is
         evicted right after its own prefill attention."""
-        return bool(getattr(type(self.layers), "needs_all_layers", False))
+        return bool(type(self.layers).needs_all_layers or type(self.scorer).needs_model_pass)
 
     def scores(self, obs: Observation) -> torch.Tensor:
         """The scorer's checked ``[B, H_kv, L]`` fp32 scores for one layer, padding at ``-inf``."""
@@ -120,11 +121,18 @@ class Pipeline(BaseModel):
         equal to :meth:`select` layer by layer for layer-local schedules)."""
         if not self.evicts_at_end:
             return [self.select(obs) for obs in observations]
+        if type(self.scorer).needs_model_pass and any(obs.pass_scores is None for obs in observations):
+            raise ValueError(f"{type(self.scorer).__name__} scores from its own model pass: run it through "
+                             "`with press(model)` or fan-out (capture_prefill), which run that pass")
         with torch.no_grad():
             scores = [self.scores(obs) for obs in observations]
             lengths = observations[0].valid_lengths()
-            budgets = self.layers.layer_budgets(  # type: ignore[attr-defined]
-                scores, self.average_budget(lengths), lengths, comparable=type(self.scorer).comparable_across_heads)
+            avg = self.average_budget(lengths)
+            if type(self.layers).needs_all_layers:
+                budgets = self.layers.layer_budgets(  # type: ignore[attr-defined]
+                    scores, avg, lengths, comparable=type(self.scorer).comparable_across_heads)
+            else:
+                budgets = self.layers.budgets(avg, len(scores), lengths)
             return [self.evictor.select(s, self._allocate(s, budgets[:, i])) for i, s in enumerate(scores)]
 
     # ------------------------------------------------------------ integration

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .allocators import AdaHead, PyramidLayer, UniformHead, UniformLayer
+from .allocators import AdaHead, AdaLayer, PyramidLayer, UniformHead, UniformLayer
 from .pipeline import Pipeline
-from .presses import H2O, TOVA, CriticalKV, ExpectedAttention, KNorm, RandomScorer, SnapKV, StreamingLLM
+from .presses import H2O, TOVA, CriticalKV, ExpectedAttention, KNorm, KVzip, RandomScorer, SnapKV, StreamingLLM
 
 ADA_ALPHA = 0.2  # the paper's safeguard default
 
@@ -25,6 +25,10 @@ _PRESETS: dict[str, Callable[[], dict]] = {
     "criticalkv": lambda: dict(scorer=CriticalKV()),
     "ada_criticalkv": lambda: dict(scorer=CriticalKV(), allocator=AdaHead(alpha=ADA_ALPHA)),
     "random": lambda: dict(scorer=RandomScorer()),
+    # KVzip: one top-k over all layers and heads (alpha 0 at both scopes), per layer, or Ada at model scope
+    "kvzip": lambda: dict(scorer=KVzip(), layers=AdaLayer(alpha=0.0), allocator=AdaHead(alpha=0.0)),
+    "kvzip_layerwise": lambda: dict(scorer=KVzip(), allocator=AdaHead(alpha=0.0)),
+    "ada_kvzip": lambda: dict(scorer=KVzip(), layers=AdaLayer(alpha=ADA_ALPHA), allocator=AdaHead(alpha=ADA_ALPHA)),
 }
 
 

@@ -52,6 +52,9 @@ def build_model(arch: str, seed: int = 0, **overrides):
     else:
         raise ValueError(arch)
     model.generation_config.pad_token_id = 0
+    from kvpress_ada import use_tokenizer
+
+    use_tokenizer(model, build_tokenizer())  # KVzip's reconstruction prompt is text
     return model.eval()
 
 

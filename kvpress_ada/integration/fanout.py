@@ -8,13 +8,14 @@ that running the press on its own would have built, without another prefill.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from .hf import cache_kwarg, check_left_padded, check_supported, prefill_key_mask
+from .model_pass import model_pass_scores
 from .press_context import RUN_KWARG, _output_weight, attention_routed, observation_for
 
 
@@ -56,6 +57,8 @@ class Prefill:
     key_mask: torch.Tensor
     full_cache: DynamicCache
     logits: torch.Tensor
+    input_ids: torch.Tensor | None = None
+    pass_cache: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
     @property
     def seq_len(self) -> int:
@@ -71,7 +74,20 @@ class Prefill:
         if press.is_noop:
             return [torch.ones(c.keys.shape[:3], dtype=torch.bool, device=c.keys.device) for c in self.layers]
         press.check_context(int(self.key_mask.sum(-1).min()))
-        return press.select_all([self.observation(press.scorer, i) for i in range(len(self.layers))])
+        observations = [self.observation(press.scorer, i) for i in range(len(self.layers))]
+        if type(press.scorer).needs_model_pass:
+            maps = self._pass_scores(press.scorer)
+            observations = [replace(obs, pass_scores=m) for obs, m in zip(observations, maps)]
+        return press.select_all(observations)
+
+    def _pass_scores(self, scorer) -> list[torch.Tensor]:
+        """The scorer's model pass over the full cache, once per scorer configuration."""
+        key = scorer.model_dump_json()
+        if key not in self.pass_cache:
+            next_position = torch.full((self.key_mask.shape[0],), self.seq_len, dtype=torch.long)
+            self.pass_cache[key] = model_pass_scores(self.model, scorer, self.full_cache, self.input_ids,
+                                                     self.key_mask, next_position)
+        return self.pass_cache[key]
 
     def compressed_cache(self, press, keep_masks: list[torch.Tensor] | None = None):
         """A fresh cache holding what ``press`` keeps (a dense copy for a no-op press)."""
@@ -102,4 +118,5 @@ def capture_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     with attention_routed(model):
         out = model(**kwargs)
     layers = [run.layers[i] for i in range(len(run.layers))]
-    return Prefill(model=model, layers=layers, key_mask=key_mask, full_cache=cache, logits=out.logits[:, -1])
+    return Prefill(model=model, layers=layers, key_mask=key_mask, full_cache=cache, logits=out.logits[:, -1],
+                   input_ids=input_ids)

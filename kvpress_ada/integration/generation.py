@@ -7,6 +7,7 @@ from contextlib import nullcontext
 import torch
 
 from .hf import cache_kwarg, output_cache
+from .model_pass import use_tokenizer
 
 _PLACEHOLDER = "<<<kvpress_ada_question>>>"
 
@@ -123,6 +124,7 @@ def generate(model, tokenizer, context: str | list[str], questions: list[str] | 
     if not contexts:
         raise ValueError("generate needs at least one context")
     device = next(model.parameters()).device
+    use_tokenizer(model, tokenizer)  # for scorers that prompt the model themselves (KVzip)
     eos = eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     answers: list[list[str]] = [[] for _ in contexts]

@@ -62,6 +62,14 @@ class PressCache(Cache):
     def compress_layer(self, layer_idx: int, keep: torch.Tensor) -> None:
         self._layer(layer_idx).compress(keep)
 
+    def dense(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dense keys and values ``[B, H_kv, L, D]`` of a layer not compressed yet."""
+        layer = self.layers[layer_idx]
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if self.is_compressed(layer_idx) or keys is None or values is None:
+            raise ValueError(f"layer {layer_idx} holds no dense prefill (already compressed or empty)")
+        return keys, values
+
     def head_lengths(self, layer_idx: int) -> torch.Tensor:
         """Entries each (batch, kv head) of layer ``layer_idx`` attends to, ``LongTensor[B, H_kv]``."""
         return self._layer(layer_idx).head_lengths()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Iterator, Protocol
 from weakref import WeakKeyDictionary
 
@@ -28,6 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..observation import Observation
 from .hf import cache_kwarg, check_left_padded, check_supported, input_shape, prefill_key_mask
+from .model_pass import model_pass_scores
 from .press_cache import PressCache
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ class PressRun:
     model: torch.nn.Module
     compress: bool
     key_mask: torch.Tensor | None
+    input_ids: torch.Tensor | None = None
+    next_position: torch.Tensor | None = None  # [B] RoPE position after the prefill (model passes)
     pending: dict[int, Observation] = field(default_factory=dict)
 
     def handles_prefill(self, layer_idx: int) -> bool:
@@ -91,7 +94,17 @@ class PressRun:
         if self.press is None or len(pending) != len(self.cache.layers):
             return  # nothing waited, or the forward failed part-way (the error is already raised)
         layers = sorted(pending)
-        for layer_idx, keep in zip(layers, self.press.select_all([pending[i] for i in layers])):
+        observations = [pending[i] for i in layers]
+        if type(self.press.scorer).needs_model_pass:
+            assert self.key_mask is not None and self.next_position is not None
+            # let go of the prefill tensors while the pass grows the cache: they are re-read after it
+            empty = torch.empty(0)
+            observations = [replace(obs, keys=empty, values=empty) for obs in observations]
+            maps = model_pass_scores(self.model, self.press.scorer, self.cache, self.input_ids, self.key_mask,
+                                     self.next_position)
+            observations = [replace(obs, keys=self.cache.dense(i)[0], values=self.cache.dense(i)[1], pass_scores=m)
+                            for i, obs, m in zip(layers, observations, maps)]
+        for layer_idx, keep in zip(layers, self.press.select_all(observations)):
             self.cache.compress_layer(layer_idx, keep)
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -152,6 +165,13 @@ def _rope_inv_freq(model: Any) -> torch.Tensor:
     return rotary.inv_freq
 
 
+def next_positions(position_ids: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
+    """``[B]`` RoPE position following a prefill of ``shape`` (its ``position_ids`` when given)."""
+    if isinstance(position_ids, torch.Tensor):
+        return position_ids[:, -1].expand(shape[0]) + 1
+    return torch.full((shape[0],), shape[1], dtype=torch.long)
+
+
 def _check_sliding_window(model: Any, length: int) -> None:
     """Refuse a forward that would bring a press cache past the model's sliding window."""
     config = model.config
@@ -204,15 +224,17 @@ class _Route:
         shape, _ = input_shape(args, kwargs)
         _check_sliding_window(self.model, cache.get_seq_length() + shape[1])
         prefill = press is not None and cache.get_seq_length() == 0
-        key_mask = None
+        run = PressRun(press=press, cache=cache, model=self.model, compress=prefill, key_mask=None)
         if prefill:
             assert press is not None
-            key_mask = prefill_key_mask(args, kwargs)
-            check_left_padded(key_mask)
-            press.check_context(int(key_mask.sum(-1).min()))
+            run.key_mask = prefill_key_mask(args, kwargs)
+            check_left_padded(run.key_mask)
+            press.check_context(int(run.key_mask.sum(-1).min()))
+            run.input_ids = kwargs.get("input_ids", args[0] if args else None)
+            run.next_position = next_positions(kwargs.get("position_ids"), shape)
         kwargs.pop("past_key_values", None)
         kwargs[self.cache_key] = cache
-        kwargs[RUN_KWARG] = PressRun(press=press, cache=cache, model=self.model, compress=prefill, key_mask=key_mask)
+        kwargs[RUN_KWARG] = run
         cache.routed = True
         return args, kwargs
 

@@ -8,10 +8,11 @@ from .criticalkv import CriticalKV
 from .expected_attention import ExpectedAttention
 from .h2o import H2O, ObservedAttention
 from .knorm import KNorm
+from .kvzip import KVzip
 from .random import RandomScorer
 from .snapkv import SnapKV
 from .streamingllm import StreamingLLM
 from .tova import TOVA
 
-__all__ = ["SCORERS", "Scorer", "register_scorer", "CriticalKV", "ExpectedAttention", "H2O", "KNorm",
+__all__ = ["SCORERS", "Scorer", "register_scorer", "CriticalKV", "ExpectedAttention", "H2O", "KNorm", "KVzip",
            "ObservedAttention", "RandomScorer", "SnapKV", "StreamingLLM", "TOVA"]

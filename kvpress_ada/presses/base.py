@@ -17,13 +17,17 @@ class Scorer(Component):
     them), ``needs_output_weight`` / ``needs_rope`` for extra model tensors. Protected tokens get
     ``+inf`` and count toward the budget. ``comparable_across_heads`` says whether raw scores of
     different heads share a scale (attention probabilities do); Ada allocation makes the comparison
-    scale-free when they do not.
+    scale-free when they do not. ``needs_model_pass``: the scorer runs inputs of its own through the
+    model after the prefill (:class:`~kvpress_ada.presses.kvzip.KVzip`); the integration runs that
+    pass and hands what it measured back as ``obs.pass_scores``, and eviction waits for the end of
+    prefill.
     """
 
     kind: ClassVar[str] = "scorer"
     comparable_across_heads: ClassVar[bool] = True
     needs_output_weight: ClassVar[bool] = False
     needs_rope: ClassVar[bool] = False
+    needs_model_pass: ClassVar[bool] = False
 
     def query_window(self) -> int | None:
         """How many trailing prefill queries ``score`` reads (``None`` = all)."""

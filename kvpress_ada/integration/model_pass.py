@@ -1,0 +1,98 @@
+"""A scorer's own model pass (KVzip's context reconstruction), run over a dense prefill cache.
+
+After the prefill, every pass the scorer asks for (:meth:`KVzip.pass_chunks`) runs through the
+model with the cache; a :class:`PassRun` hands each layer's post-RoPE queries and keys to the
+scorer's ``pass_scores`` and the pass's own tokens are cropped off the cache again. The result is
+one ``[B, H_kv, L]`` map per layer, handed back to the scorer as ``Observation.pass_scores``.
+
+The pass needs the model's tokenizer (its prompt is text): :func:`use_tokenizer` registers one for
+a model (``kvpress_ada.models.load`` and ``generate`` do it), otherwise it is loaded from the
+model's ``name_or_path`` when that is a local directory or a cached hub id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+from weakref import WeakKeyDictionary
+
+import torch
+
+from .hf import cache_kwarg
+
+_TOKENIZERS: WeakKeyDictionary[torch.nn.Module, Any] = WeakKeyDictionary()
+
+
+def use_tokenizer(model: Any, tokenizer: Any) -> Any:
+    """Tell kvpress_ada which tokenizer goes with ``model`` (for scorers whose model pass is text)."""
+    _TOKENIZERS[model] = tokenizer
+    return model
+
+
+def tokenizer_for(model: Any) -> Any:
+    """The tokenizer registered for ``model``, else the one saved with it (local files only)."""
+    tokenizer = _TOKENIZERS.get(model)
+    if tokenizer is not None:
+        return tokenizer
+    path = getattr(model.config, "name_or_path", "") or ""
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure means the same thing to the user
+        raise ValueError(f"this scorer prompts the model with text and needs its tokenizer, which could not be "
+                         f"loaded from name_or_path={path!r} ({type(exc).__name__}); call "
+                         "kvpress_ada.use_tokenizer(model, tokenizer) once") from None
+    _TOKENIZERS[model] = tokenizer
+    return tokenizer
+
+
+@dataclass
+class PassRun:
+    """The prefill handler of one pass: every layer's forward hands its queries to the scorer."""
+
+    scorer: Any
+    chunk: Any
+    scores: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def handles_prefill(self, layer_idx: int) -> bool:
+        return True
+
+    def after_prefill(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scaling: float) -> None:
+        layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
+        self.scores[layer_idx] = self.scorer.pass_scores(query, key, self.chunk, scaling)
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        raise RuntimeError("PassRun handles every layer's forward")  # pragma: no cover
+
+
+@torch.no_grad()
+def model_pass_scores(model: Any, scorer: Any, cache: Any, context_ids: torch.Tensor | None, key_mask: torch.Tensor,
+                      next_position: torch.Tensor) -> list[torch.Tensor]:
+    """Run ``scorer``'s passes over the dense ``cache`` of ``context_ids`` and return one
+    ``[B, H_kv, L]`` map per layer; the cache is left as it was (the passes are cropped off).
+
+    ``next_position [B]``: the RoPE position of the first token after each row's context.
+    """
+    from .press_context import RUN_KWARG, attention_routed
+
+    if context_ids is None:
+        raise ValueError(f"{type(scorer).__name__} re-reads the context's token ids; call the model with "
+                         "input_ids, not inputs_embeds")
+    tokenizer = tokenizer_for(model)
+    total: list[torch.Tensor] | None = None
+    for chunk in scorer.pass_chunks(context_ids, key_mask, tokenizer):
+        T = chunk.ids.shape[1]
+        positions = next_position[:, None] + (chunk.mask.long().cumsum(-1) - 1).clamp(min=0)
+        mask = torch.cat([key_mask, chunk.mask], dim=1).long()
+        run = PassRun(scorer=scorer, chunk=chunk)
+        with attention_routed(model):
+            model(input_ids=chunk.ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                  logits_to_keep=1, **{cache_kwarg(model): cache, RUN_KWARG: run})
+        cache.crop(-T)
+        layers = [run.scores[i] for i in range(len(run.scores))]
+        total = layers if total is None else [torch.maximum(a, b) for a, b in zip(total, layers)]
+    assert total is not None
+    return total

@@ -1,0 +1,139 @@
+"""KVzip (Kim et al., NeurIPS 2025, "Query-Agnostic KV Cache Compression with Context
+Reconstruction"): after the prefill, the model is asked to repeat its context; a context entry
+matters by the largest attention it receives from the reconstruction's queries.
+
+Facts taken from the paper and its public implementations (the authors' repository and NVIDIA
+kvpress's ``KVzipPress``): the context is reconstructed in chunks of 2,048 tokens, each pass fed
+``"\\n\\nRepeat the previous context exactly."`` (later chunks: ``"...the part of the previous
+context exactly, starting with"`` and the last 8 tokens of the previous chunk), the chat template's
+end-of-user/start-of-assistant text, then the chunk itself. A pass's queries attend (softmax) over
+the first ``sinks`` context tokens (from the second chunk on), the chunk's own context entries and
+the pass's tokens (causal); an entry's score is the maximum of that attention over the pass's
+queries and the query heads of its kv group. The first ``sinks`` tokens are always kept. The
+selection is one top-k over all layers and heads (presets ``kvzip``, ``ada_kvzip``), or per layer
+(``kvzip_layerwise``).
+
+Here the whole prefill is the context that is repeated (the chat prefix included), and rows of a
+left-padded batch are chunked by their own valid tokens, so a row scores exactly as it would alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import Field
+
+from ..observation import Observation
+from .base import Scorer, protect_first_valid, register_scorer
+
+FIRST_PROMPT = "\n\nRepeat the previous context exactly."
+NEXT_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+_SEPARATOR = "\n####kvpress_ada####"
+
+
+@dataclass(frozen=True)
+class PassChunk:
+    """One reconstruction pass over a left-padded batch.
+
+    ``ids``/``mask``: ``[B, T]`` the pass's input (left padding False); ``scored``: ``[B, L]`` the
+    context entries this pass scores; ``visible``: ``[B, L]`` the context entries its scoring
+    softmax spans (``scored`` plus the sinks).
+    """
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    scored: torch.Tensor
+    visible: torch.Tensor
+
+
+@register_scorer("kvzip")
+class KVzip(Scorer):
+    """Max attention received while the model reconstructs the context (see the module docstring)."""
+
+    name: Literal["kvzip"] = "kvzip"
+    chunk: int = Field(2048, ge=1, description="context tokens reconstructed per pass")
+    sinks: int = Field(4, ge=0, description="initial tokens always kept")
+    overlap: int = Field(8, ge=0, description="tokens of the previous chunk quoted in a later pass's prompt")
+    needs_model_pass: ClassVar[bool] = True
+
+    def query_window(self) -> int:
+        return 0
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        if obs.pass_scores is None:
+            raise ValueError("KVzip scores come from its reconstruction pass (obs.pass_scores); run the press "
+                             "through `with press(model)` or fan-out, which run that pass")
+        return protect_first_valid(obs.pass_scores.float(), obs.key_mask, self.sinks)
+
+    # ------------------------------------------------------------ the model pass
+    def pass_chunks(self, context_ids: torch.Tensor, key_mask: torch.Tensor, tokenizer: Any) -> list[PassChunk]:
+        """The reconstruction passes for a left-padded ``context_ids [B, L]``."""
+        first = _encode(tokenizer, FIRST_PROMPT)
+        later = _encode(tokenizer, NEXT_PROMPT)
+        suffix = _encode(tokenizer, _assistant_suffix(tokenizer))
+        B, L = context_ids.shape
+        rank = key_mask.long().cumsum(-1) - 1  # index among valid tokens, [B, L]
+        n_chunks = int((key_mask.sum(-1).max() + self.chunk - 1) // self.chunk)
+        sink = key_mask & (rank < self.sinks)
+        chunks = []
+        for c in range(n_chunks):
+            scored = key_mask & (rank >= c * self.chunk) & (rank < (c + 1) * self.chunk)
+            rows = []
+            for b in range(B):
+                part = context_ids[b][scored[b]]
+                if c == 0:
+                    head = first
+                else:
+                    previous = context_ids[b][key_mask[b] & (rank[b] < c * self.chunk)]
+                    head = torch.cat([later, previous[previous.numel() - min(self.overlap, previous.numel()):]])
+                rows.append(torch.cat([head.to(context_ids.device), suffix.to(context_ids.device), part]))
+            ids, mask = _left_pad(rows)
+            visible = scored | (sink if c > 0 else torch.zeros_like(sink))
+            chunks.append(PassChunk(ids=ids, mask=mask, scored=scored, visible=visible))
+        return chunks
+
+    def pass_scores(self, query: torch.Tensor, key: torch.Tensor, chunk: PassChunk, scaling: float) -> torch.Tensor:
+        """``[B, H_kv, L]``: the largest attention each scored context entry gets from this pass.
+
+        ``query [B, H_q, T, D]`` are the pass's post-RoPE queries; ``key [B, H_kv, L + T, D]`` the
+        layer's keys (context then the pass's own tokens).
+        """
+        B, Hq, T, D = query.shape
+        Hkv, L = key.shape[1], key.shape[2] - T
+        G = Hq // Hkv
+        logits = torch.matmul(query.reshape(B, Hkv, G * T, D).float(), key.float().transpose(-1, -2)) * scaling
+        logits = logits.view(B, Hkv, G, T, L + T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=key.device).tril()
+        own = causal[None] & chunk.mask[:, None, :]  # [B, T, T]
+        visible = torch.cat([chunk.visible[:, None, :].expand(B, T, L), own], dim=-1)  # [B, T, L + T]
+        logits = logits.masked_fill(~visible[:, None, None], float("-inf"))
+        attn = torch.softmax(logits, dim=-1).nan_to_num(0.0)[..., :L]  # [B, Hkv, G, T, L]
+        attn = attn.masked_fill(~chunk.mask[:, None, None, :, None], 0.0)  # padded queries do not vote
+        scores = attn.amax(dim=(2, 3))
+        return scores.masked_fill(~chunk.scored[:, None, :], 0.0)
+
+
+def _encode(tokenizer: Any, text: str) -> torch.Tensor:
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return ids[0].long()
+
+
+def _assistant_suffix(tokenizer: Any) -> str:
+    """The chat template's text between a user message's content and the assistant's reply."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "\n"
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "x" + _SEPARATOR}], tokenize=False,
+                                             add_generation_prompt=True)
+    return str(rendered).split(_SEPARATOR, 1)[1]
+
+
+def _left_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max(r.numel() for r in rows)
+    ids = torch.zeros(len(rows), T, dtype=torch.long, device=rows[0].device)
+    mask = torch.zeros(len(rows), T, dtype=torch.bool, device=rows[0].device)
+    for b, row in enumerate(rows):
+        ids[b, T - row.numel():] = row
+        mask[b, T - row.numel():] = True
+    return ids, mask

@@ -21,7 +21,9 @@ from .presses import (
                       TOVA,
                       CriticalKV,
                       ExpectedAttention,
+                      KeyDiff,
                       KNorm,
+                      LagKV,
                       ObservedAttention,
                       RandomScorer,
                       Scorer,
@@ -35,7 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Pipeline", "preset", "preset_names", "register_preset", "generate",
     "SnapKV", "StreamingLLM", "ObservedAttention", "H2O", "TOVA", "KNorm", "ExpectedAttention", "CriticalKV",
-    "RandomScorer",
+    "RandomScorer", "LagKV", "KeyDiff",
     "UniformHead", "AdaHead", "UniformLayer", "PyramidLayer", "TopK", "Mask",
     "Scorer", "HeadAllocator", "LayerSchedule", "Evictor", "Observation",
     "register_scorer", "register_allocator", "register_evictor",

@@ -6,7 +6,18 @@ from typing import Callable
 
 from .allocators import AdaHead, PyramidLayer, UniformHead, UniformLayer
 from .pipeline import Pipeline
-from .presses import H2O, TOVA, CriticalKV, ExpectedAttention, KNorm, RandomScorer, SnapKV, StreamingLLM
+from .presses import (
+    H2O,
+    TOVA,
+    CriticalKV,
+    ExpectedAttention,
+    KeyDiff,
+    KNorm,
+    LagKV,
+    RandomScorer,
+    SnapKV,
+    StreamingLLM,
+)
 
 ADA_ALPHA = 0.2  # the paper's safeguard default
 
@@ -25,6 +36,10 @@ _PRESETS: dict[str, Callable[[], dict]] = {
     "criticalkv": lambda: dict(scorer=CriticalKV()),
     "ada_criticalkv": lambda: dict(scorer=CriticalKV(), allocator=AdaHead(alpha=ADA_ALPHA)),
     "random": lambda: dict(scorer=RandomScorer()),
+    "lagkv": lambda: dict(scorer=LagKV()),
+    # rank scores are identical across heads (Ada would stay uniform): Ada competes on the softmax shares
+    "ada_lagkv": lambda: dict(scorer=LagKV(cross_scoring=True), allocator=AdaHead(alpha=ADA_ALPHA)),
+    "keydiff": lambda: dict(scorer=KeyDiff()),
 }
 
 

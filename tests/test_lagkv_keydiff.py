@@ -266,3 +266,18 @@ def test_scores_agree_with_kvpress():
     ours = KeyDiff().score(_obs(keys, values, mask))
     theirs = press_mod.KeyDiffPress().score(None, None, keys, values, None, {}).float()
     assert torch.allclose(ours, theirs, rtol=RTOL, atol=ATOL)
+
+
+def test_ada_moves_budget_only_with_cross_scoring():
+    """Rank scores are the same multiset in every head: Ada stays within a partition count of
+    uniform. The softmax shares (``ada_lagkv``) differ per head, so Ada moves budget."""
+    keys, values, mask = _setup(8, B=1, H=4, L=60, pads=(0,))
+    keys = keys * torch.tensor([0.2, 1.0, 3.0, 8.0])[None, :, None, None] ** torch.linspace(0, 2, 60)[:, None]
+    counts = {}
+    for cross in (False, True):
+        pipe = Pipeline(scorer=LagKV(lag=4, sinks=2, cross_scoring=cross), allocator=AdaHead(alpha=0.2),
+                        compression_ratio=0.5)
+        counts[cross] = pipe.counts(_obs(keys, values, mask))[1][0]
+    n_scored_partitions = (60 - 2) // 4 - 1
+    assert (counts[False] - 30).abs().max() <= n_scored_partitions
+    assert counts[True].max() - counts[True].min() > 0

@@ -5,7 +5,10 @@ scoring + allocation + compaction, layer by layer) vs the same prefill without o
     python benchmarks/overhead.py --quick         # 512-token smoke run
 
 Runs are interleaved (none, snapkv, ada_snapkv, none, ...) and the median of ``--reps`` is kept;
-the target is an overhead <= 5% of prefill at 4k.
+the target is an overhead <= 5% of prefill at 4k, and <= 2.2x the plain prefill (+120%) for a
+scorer that runs a model pass of its own (KVzip's reconstruction):
+
+    python benchmarks/overhead.py --presets snapkv,kvzip --out benchmarks/results/overhead_kvzip.json
 """
 
 from __future__ import annotations
@@ -52,8 +55,13 @@ def main(argv=None) -> int:
     rows = {name: {"seconds": ts, "median_s": statistics.median(ts),
                    "overhead": statistics.median(ts) / base - 1.0} for name, ts in times.items()}
     for name, row in rows.items():
-        verdict = "" if name == "none" else ("PASS" if row["overhead"] <= 0.05 else "MISS")
-        print(f"{name:<12} prefill {row['median_s']:.2f}s  overhead {row['overhead']:+.1%} {verdict}")
+        press = configs[name]
+        # one-pass presses: <= 5% of prefill; a scorer with its own model pass (KVzip): <= 2.2x prefill
+        target = 1.2 if press is not None and type(press.scorer).needs_model_pass else 0.05
+        row["target_overhead"] = target
+        verdict = "" if press is None else ("PASS" if row["overhead"] <= target else "MISS")
+        print(f"{name:<16} prefill {row['median_s']:.2f}s  overhead {row['overhead']:+.1%} "
+              f"(target <= {target:+.0%}) {verdict}")
     common.write_json(args.out if not args.quick else common.QUICK_DIR / "overhead.json",
                       {"machine": common.machine_info(), "date": common.now_iso(), "context": context,
                        "ratio": args.ratio, "threads": args.threads, "reps": reps, "results": rows})

@@ -6,7 +6,19 @@ from typing import Callable
 
 from .allocators import AdaHead, AdaLayer, PyramidLayer, UniformHead, UniformLayer
 from .pipeline import Pipeline
-from .presses import H2O, TOVA, CriticalKV, ExpectedAttention, KNorm, KVzip, RandomScorer, SnapKV, StreamingLLM
+from .presses import (
+    H2O,
+    TOVA,
+    CriticalKV,
+    ExpectedAttention,
+    KeyDiff,
+    KNorm,
+    KVzip,
+    LagKV,
+    RandomScorer,
+    SnapKV,
+    StreamingLLM,
+)
 
 ADA_ALPHA = 0.2  # the paper's safeguard default
 
@@ -25,6 +37,10 @@ _PRESETS: dict[str, Callable[[], dict]] = {
     "criticalkv": lambda: dict(scorer=CriticalKV()),
     "ada_criticalkv": lambda: dict(scorer=CriticalKV(), allocator=AdaHead(alpha=ADA_ALPHA)),
     "random": lambda: dict(scorer=RandomScorer()),
+    "lagkv": lambda: dict(scorer=LagKV()),
+    # rank scores are identical across heads (Ada would stay uniform): Ada competes on the softmax shares
+    "ada_lagkv": lambda: dict(scorer=LagKV(cross_scoring=True), allocator=AdaHead(alpha=ADA_ALPHA)),
+    "keydiff": lambda: dict(scorer=KeyDiff()),
     # KVzip: one top-k over all layers and heads (alpha 0 at both scopes), per layer, or Ada at model scope
     "kvzip": lambda: dict(scorer=KVzip(), layers=AdaLayer(alpha=0.0), allocator=AdaHead(alpha=0.0)),
     "kvzip_layerwise": lambda: dict(scorer=KVzip(), allocator=AdaHead(alpha=0.0)),

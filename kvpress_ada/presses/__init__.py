@@ -7,12 +7,14 @@ from .base import SCORERS, Scorer, register_scorer
 from .criticalkv import CriticalKV
 from .expected_attention import ExpectedAttention
 from .h2o import H2O, ObservedAttention
+from .keydiff import KeyDiff
 from .knorm import KNorm
 from .kvzip import KVzip
+from .lagkv import LagKV
 from .random import RandomScorer
 from .snapkv import SnapKV
 from .streamingllm import StreamingLLM
 from .tova import TOVA
 
-__all__ = ["SCORERS", "Scorer", "register_scorer", "CriticalKV", "ExpectedAttention", "H2O", "KNorm", "KVzip",
-           "ObservedAttention", "RandomScorer", "SnapKV", "StreamingLLM", "TOVA"]
+__all__ = ["SCORERS", "Scorer", "register_scorer", "CriticalKV", "ExpectedAttention", "H2O", "KeyDiff", "KNorm",
+           "KVzip", "LagKV", "ObservedAttention", "RandomScorer", "SnapKV", "StreamingLLM", "TOVA"]

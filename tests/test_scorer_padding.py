@@ -31,7 +31,10 @@ def _observation(scorer, keys, values, queries, key_mask, w_o, layer_idx):
     w = _n_queries(scorer, L)
     return Observation(keys=keys, values=values, queries=queries[:, :, L - w:], key_mask=key_mask,
                        layer_idx=layer_idx, n_layers=4, scaling=D**-0.5, output_weight=w_o,
-                       rope_inv_freq=_inv_freq(D))
+                       rope_inv_freq=_inv_freq(D),
+                       # a model pass (KVzip) measures something per entry; its own padding-invariance is
+                       # tested end to end (test_hardening, test_kvzip): here any per-token value will do
+                       pass_scores=values.float().norm(dim=-1) if type(scorer).needs_model_pass else None)
 
 
 def _rows(g, Hkv, G, n):

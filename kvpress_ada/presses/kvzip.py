@@ -57,6 +57,7 @@ class KVzip(Scorer):
     sinks: int = Field(4, ge=0, description="initial tokens always kept")
     overlap: int = Field(8, ge=0, description="tokens of the previous chunk quoted in a later pass's prompt")
     needs_model_pass: ClassVar[bool] = True
+    _QUERY_BLOCK: ClassVar[int] = 256
 
     def query_window(self) -> int:
         return 0
@@ -103,15 +104,24 @@ class KVzip(Scorer):
         B, Hq, T, D = query.shape
         Hkv, L = key.shape[1], key.shape[2] - T
         G = Hq // Hkv
-        logits = torch.matmul(query.reshape(B, Hkv, G * T, D).float(), key.float().transpose(-1, -2)) * scaling
-        logits = logits.view(B, Hkv, G, T, L + T)
-        causal = torch.ones(T, T, dtype=torch.bool, device=key.device).tril()
-        own = causal[None] & chunk.mask[:, None, :]  # [B, T, T]
-        visible = torch.cat([chunk.visible[:, None, :].expand(B, T, L), own], dim=-1)  # [B, T, L + T]
-        logits = logits.masked_fill(~visible[:, None, None], float("-inf"))
-        attn = torch.softmax(logits, dim=-1).nan_to_num(0.0)[..., :L]  # [B, Hkv, G, T, L]
-        attn = attn.masked_fill(~chunk.mask[:, None, None, :, None], 0.0)  # padded queries do not vote
-        scores = attn.amax(dim=(2, 3))
+        keys_t = key.float().transpose(-1, -2)  # [B, Hkv, D, L + T]
+        queries = query.float().view(B, Hkv, G, T, D)
+        ninf = torch.tensor(float("-inf"), device=key.device)
+        context_bias = torch.where(chunk.visible, 0.0, ninf)[:, None, None, None, :]  # [B, 1, 1, 1, L]
+        own = torch.ones(T, T, dtype=torch.bool, device=key.device).tril()[None] & chunk.mask[:, None, :]
+        own_bias = torch.where(own, 0.0, ninf)  # [B, T, T]: causal among the pass's valid tokens
+        scores = torch.zeros(B, Hkv, L, device=key.device)
+        for start in range(0, T, self._QUERY_BLOCK):  # query blocks bound memory to block x (L + T)
+            stop = min(start + self._QUERY_BLOCK, T)
+            logits = torch.matmul(queries[:, :, :, start:stop].reshape(B, Hkv, -1, D), keys_t) * scaling
+            logits = logits.view(B, Hkv, G, stop - start, L + T)
+            logits[..., :L] += context_bias
+            logits[..., L:] += own_bias[:, None, None, start:stop]
+            # softmax over the visible columns; padded queries do not vote
+            norm = torch.logsumexp(logits, dim=-1, keepdim=True)
+            probs = (logits[..., :L] - norm).exp_()
+            probs.masked_fill_(~chunk.mask[:, None, None, start:stop, None], 0.0)
+            scores = torch.maximum(scores, probs.amax(dim=(2, 3)))
         return scores.masked_fill(~chunk.scored[:, None, :], 0.0)
 
 

@@ -74,8 +74,7 @@ class Pipeline(BaseModel):
     def evicts_at_end(self) -> bool:
         """Whether eviction waits for every layer's scores (a model-scope layer schedule, or a
         scorer with a model pass of its own): the full cache of all layers is then held until the
-        end of prefill. Otherwise each layer is
-        evicted right after its own prefill attention."""
+        end of prefill. Otherwise each layer is evicted right after its own prefill attention."""
         return bool(type(self.layers).needs_all_layers or type(self.scorer).needs_model_pass)
 
     def scores(self, obs: Observation) -> torch.Tensor:
@@ -87,8 +86,8 @@ class Pipeline(BaseModel):
     def counts(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores (padding at ``-inf``) and the kept count per (batch, kv head) for one layer."""
         if self.evicts_at_end:
-            raise ValueError(f"{type(self.layers).__name__} allocates across layers: use select_all() with every "
-                             "layer's observation")
+            raise ValueError("this press evicts at the end of prefill (a model-scope layer schedule or a scorer "
+                             "with its own model pass): use select_all() with every layer's observation")
         scores = self.scores(obs)
         lengths = obs.valid_lengths()
         budget = self.layers.layer_budget(self.average_budget(lengths), obs.layer_idx, obs.n_layers, lengths)

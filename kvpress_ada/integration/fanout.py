@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from .hf import cache_kwarg, check_left_padded, check_supported, prefill_key_mask
 from .model_pass import model_pass_scores
-from .press_context import RUN_KWARG, _output_weight, attention_routed, observation_for
+from .press_context import RUN_KWARG, _output_weight, attention_routed, next_positions, observation_for
 
 
 @dataclass
@@ -84,9 +84,8 @@ class Prefill:
         """The scorer's model pass over the full cache, once per scorer configuration."""
         key = scorer.model_dump_json()
         if key not in self.pass_cache:
-            next_position = torch.full((self.key_mask.shape[0],), self.seq_len, dtype=torch.long)
             self.pass_cache[key] = model_pass_scores(self.model, scorer, self.full_cache, self.input_ids,
-                                                     self.key_mask, next_position)
+                                                     self.key_mask, next_positions(None, self.key_mask.shape))
         return self.pass_cache[key]
 
     def compressed_cache(self, press, keep_masks: list[torch.Tensor] | None = None):

@@ -102,8 +102,7 @@ class PressRun:
             observations = [replace(obs, keys=empty, values=empty) for obs in observations]
             maps = model_pass_scores(self.model, self.press.scorer, self.cache, self.input_ids, self.key_mask,
                                      self.next_position)
-            observations = [replace(obs, keys=self.cache.dense(i)[0], values=self.cache.dense(i)[1], pass_scores=m)
-                            for i, obs, m in zip(layers, observations, maps)]
+            observations = [_with_dense(obs, self.cache.dense(i), m) for i, obs, m in zip(layers, observations, maps)]
         for layer_idx, keep in zip(layers, self.press.select_all(observations)):
             self.cache.compress_layer(layer_idx, keep)
 
@@ -111,6 +110,10 @@ class PressRun:
                attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:
         return self.cache.attend(int(module.layer_idx), query, key, value, attention_mask, scaling,  # type: ignore[arg-type]
                                  sdpa_attention_forward, module, **kwargs)
+
+
+def _with_dense(obs: Observation, dense: tuple[torch.Tensor, torch.Tensor], pass_scores: torch.Tensor) -> Observation:
+    return replace(obs, keys=dense[0], values=dense[1], pass_scores=pass_scores)
 
 
 def _output_weight(module: torch.nn.Module) -> torch.Tensor:

@@ -23,6 +23,7 @@ from typing import Any
 
 DEFAULT_PRESETS = "snapkv,ada_snapkv"
 DEFAULT_RATIOS = "0.25,0.5,0.75"
+DEMO_PRESET = "kvzip"  # the best question-agnostic composition of the quality grid (benchmarks/README.md)
 PARTIAL = "partial.json"
 
 
@@ -153,12 +154,16 @@ def cmd_demo(args) -> int:
     from .integration.generation import encode, eos_ids, greedy_continue, greedy_decode, split_prompt
     from .presets import preset, preset_names
 
-    if args.preset not in preset_names():
-        raise UsageError(f"unknown preset {args.preset!r}; valid presets: {', '.join(preset_names())}")
+    names = [args.preset, *_unique("--compare", _split(args.compare or ""))]
+    for name in names:
+        if name not in preset_names():
+            raise UsageError(f"unknown preset {name!r}; valid presets: {', '.join(preset_names())}")
+    if args.preset in names[1:]:
+        raise UsageError(f"--compare lists the main --preset {args.preset!r} again; give each preset once")
     if not 0.0 <= args.ratio < 1.0:
         raise UsageError(f"--ratio must be in [0, 1) (fraction of KV entries evicted), got {args.ratio}")
     _check_common(args)
-    press = preset(args.preset, compression_ratio=args.ratio)
+    presses = {name: preset(name, compression_ratio=args.ratio) for name in names}
     model, tok = _load_model(args.model)
     _check_context(model, args.context)
     sample = _samples("passkey", tok, 1, args.context, args.seed)[0]
@@ -184,27 +189,28 @@ def cmd_demo(args) -> int:
 
     t0 = time.perf_counter()
     full_bytes = sum(t.numel() * t.element_size() for c in prefill.layers for t in (c.keys, c.values))
-    full_answer = answer(prefill.compressed_cache(None), torch.inference_mode())
-    t_full = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        cache = prefill.compressed_cache(press)
-    t_compress = time.perf_counter() - t0
-    kept_bytes = cache.nbytes()
-    t0 = time.perf_counter()
-    pressed_answer = answer(cache, press(model))
-    t_pressed = time.perf_counter() - t0
-    lengths = cache.head_lengths(model.config.num_hidden_layers // 2)[0].tolist()
+    rows = [("full cache", answer(prefill.compressed_cache(None), torch.inference_mode()), full_bytes,
+             time.perf_counter() - t0)]
+    middle = model.config.num_hidden_layers // 2
+    compress_seconds, caches = {}, {}
+    for name, press in presses.items():
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            caches[name] = cache = prefill.compressed_cache(press)
+        compress_seconds[name] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        text = answer(cache, press(model))
+        rows.append((f"{name} @ {args.ratio:.0%}", text, cache.nbytes(), time.perf_counter() - t0))
+    kept_bytes, lengths = caches[args.preset].nbytes(), caches[args.preset].head_lengths(middle)[0].tolist()
 
     print(f"{'':<28}{'answer':<40}{'KV cache':>12}{'time':>10}")
-    print(f"{'full cache':<28}{full_answer[:38]:<40}{full_bytes / 2**20:>9.2f} MB{t_full:>9.2f}s")
-    print(f"{args.preset + f' @ {args.ratio:.0%}':<28}{pressed_answer[:38]:<40}{kept_bytes / 2**20:>9.2f} MB"
-          f"{t_pressed:>9.2f}s")
-    print(f"\nKV bytes: {full_bytes:,} -> {kept_bytes:,} ({kept_bytes / full_bytes:.1%} of full, really freed: "
-          f"ragged per-head cache)")
-    print(f"tokens kept per kv head in layer {model.config.num_hidden_layers // 2}: {lengths} "
-          "(Ada-KV budgets differ per head)")
-    print(f"prefill {t_prefill:.2f}s, scoring + allocation + compaction {t_compress:.2f}s (all layers)")
+    for label, text, nbytes, seconds in rows:
+        print(f"{label:<28}{text[:38]:<40}{nbytes / 2**20:>9.2f} MB{seconds:>9.2f}s")
+    print(f"\n{args.preset}: KV bytes {full_bytes:,} -> {kept_bytes:,} ({kept_bytes / full_bytes:.1%} of full, really "
+          f"freed: ragged per-head cache)")
+    print(f"tokens kept per kv head in layer {middle}: {lengths} (budgets differ per head and per layer)")
+    print(f"prefill {t_prefill:.2f}s, {args.preset} scoring + allocation + compaction "
+          f"{compress_seconds[args.preset]:.2f}s (all layers)")
     return 0
 
 
@@ -351,7 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="find a hidden fact in a long document with a compressed KV cache")
     demo.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M) or a path / hub id")
-    demo.add_argument("--preset", default="ada_snapkv")
+    demo.add_argument("--preset", default=DEMO_PRESET, help=f"the press shown (default {DEMO_PRESET})")
+    demo.add_argument("--compare", default="", help="more presets shown side by side at the same ratio, "
+                      "comma-separated (e.g. ada_snapkv,streamingllm)")
     demo.add_argument("--ratio", type=float, default=0.75, help="fraction of KV entries evicted, in [0, 1)")
     demo.add_argument("--context", type=int, default=1000, help="document length in tokens (>= 64)")
     demo.add_argument("--question-aware", action="store_true", help="compress context and question together")

@@ -76,7 +76,19 @@ def test_bad_config_content(tmp_path, capsys):
 def test_demo_runs_on_a_local_model(tiny_model_dir, capsys):
     assert main(["demo", "--model", tiny_model_dir, "--context", "300", "--max-new-tokens", "3"]) == 0
     out = capsys.readouterr().out
-    assert "full cache" in out and "ada_snapkv @ 75%" in out and "KV bytes" in out
+    assert "full cache" in out and "kvzip @ 75%" in out and "KV bytes" in out
+    assert "ada_snapkv @" not in out  # the weaker presses are a flag away, not shown by default
+
+
+def test_demo_compare_shows_each_preset_once(tiny_model_dir, capsys):
+    args = ["demo", "--model", tiny_model_dir, "--context", "300", "--max-new-tokens", "2", "--ratio", "0.5"]
+    assert main([*args, "--preset", "snapkv", "--compare", "ada_snapkv,streamingllm"]) == 0
+    table = [line.split()[0] for line in capsys.readouterr().out.splitlines() if " @ 50%" in line]
+    assert table == ["snapkv", "ada_snapkv", "streamingllm"]
+    assert main([*args, "--preset", "snapkv", "--compare", "snapkv"]) == 2
+    assert "--compare lists the main --preset 'snapkv' again" in capsys.readouterr().err
+    assert main([*args, "--compare", "nope"]) == 2
+    assert "unknown preset 'nope'" in capsys.readouterr().err
 
 
 def test_bad_threads(capsys):

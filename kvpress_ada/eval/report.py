@@ -46,3 +46,25 @@ def plot_accuracy(summary: list[dict], path: str | Path, title: str = "") -> Pat
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def paired_difference(records: list[dict], a: str, b: str, ratio: float) -> dict | None:
+    """Accuracy of ``a`` minus ``b`` at ``ratio`` on the samples both ran, with a paired 95% CI.
+
+    ``records`` are :class:`~kvpress_ada.eval.runner.Record` dicts; samples pair by (task, sample). The
+    full cache (label ``"full"``) pairs at any ratio. ``None`` when no sample has both."""
+    def cell(label: str) -> dict[tuple[str, int], float]:
+        return {(r["task"], r["sample"]): r["score"] for r in records
+                if r["label"] == label and (label == "full" or abs(r["ratio"] - ratio) < 1e-9)}
+
+    left, right = cell(a), cell(b)
+    keys = sorted(left.keys() & right.keys())
+    if not keys:
+        return None
+    diffs = [left[k] - right[k] for k in keys]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    var = sum((d - mean) ** 2 for d in diffs) / max(n - 1, 1)
+    half = 1.96 * (var / n) ** 0.5 if n > 1 else float("nan")
+    verdict = "a better" if mean - half > 0 else ("b better" if mean + half < 0 else "no significant difference")
+    return {"a": a, "b": b, "ratio": ratio, "n": n, "delta": mean, "ci95": half, "verdict": verdict}

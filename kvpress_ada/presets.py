@@ -43,6 +43,8 @@ _PRESETS: dict[str, Callable[[], dict]] = {
     "keydiff": lambda: dict(scorer=KeyDiff()),
     # KVzip: one top-k over all layers and heads (alpha 0 at both scopes), per layer, or Ada at model scope
     "kvzip": lambda: dict(scorer=KVzip(), layers=AdaLayer(alpha=0.0), allocator=AdaHead(alpha=0.0)),
+    # KVzip+ (KVzap paper's normalisation: attention x ||W_O v|| / ||h||), same global top-k as kvzip
+    "kvzip_plus": lambda: dict(scorer=KVzip(plus=True), layers=AdaLayer(alpha=0.0), allocator=AdaHead(alpha=0.0)),
     "kvzip_layerwise": lambda: dict(scorer=KVzip(), allocator=AdaHead(alpha=0.0)),
     "ada_kvzip": lambda: dict(scorer=KVzip(), layers=AdaLayer(alpha=ADA_ALPHA), allocator=AdaHead(alpha=ADA_ALPHA)),
 }

@@ -2,8 +2,11 @@
 
 After the prefill, every pass the scorer asks for (:meth:`KVzip.pass_chunks`) runs through the
 model with the cache; a :class:`PassRun` hands each layer's post-RoPE queries and keys to the
-scorer's ``pass_scores`` and the pass's own tokens are cropped off the cache again. The result is
-one ``[B, H_kv, L]`` map per layer, handed back to the scorer as ``Observation.pass_scores``.
+scorer's ``pass_scores`` (with the layer's values and ``o_proj`` weight, and, when the scorer's
+``pass_reads_hidden_states()`` says so, the norm of each pass token's hidden state entering the
+attention module, recorded by a forward pre-hook on that module for the pass only) and the pass's own
+tokens are cropped off the cache again. The result is one ``[B, H_kv, L]`` map per layer, handed back
+to the scorer as ``Observation.pass_scores``.
 
 The pass needs the model's tokenizer (its prompt is text): :func:`use_tokenizer` registers one for
 a model (``kvpress_ada.models.load`` and ``generate`` do it), otherwise it is loaded from the
@@ -12,8 +15,9 @@ model's ``name_or_path`` when that is a local directory or a cached hub id.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 from weakref import WeakKeyDictionary
 
 import torch
@@ -54,14 +58,25 @@ class PassRun:
     scorer: Any
     chunk: Any
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
+    hidden_norms: dict[int, torch.Tensor] = field(default_factory=dict)  # [B, T] per layer, when recorded
 
     def handles_prefill(self, layer_idx: int) -> bool:
         return True
 
     def after_prefill(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       scaling: float) -> None:
+        from .press_context import _output_weight
+
         layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
-        self.scores[layer_idx] = self.scorer.pass_scores(query, key, self.chunk, scaling)
+        self.scores[layer_idx] = self.scorer.pass_scores(query, key, self.chunk, scaling, value=value,
+                                                         output_weight=_output_weight(module),
+                                                         hidden_norm=self.hidden_norms.pop(layer_idx, None))
+
+    def record_hidden_norm(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of an attention module: the norm of each token's input hidden state."""
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        assert isinstance(hidden, torch.Tensor)
+        self.hidden_norms[int(module.layer_idx)] = torch.linalg.vector_norm(hidden.float(), dim=-1)  # type: ignore[arg-type]
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:
@@ -88,7 +103,7 @@ def model_pass_scores(model: Any, scorer: Any, cache: Any, context_ids: torch.Te
         positions = next_position[:, None] + (chunk.mask.long().cumsum(-1) - 1).clamp(min=0)
         mask = torch.cat([key_mask, chunk.mask], dim=1).long()
         run = PassRun(scorer=scorer, chunk=chunk)
-        with attention_routed(model):
+        with attention_routed(model), _recording_hidden_norms(model, run, scorer.pass_reads_hidden_states()):
             model(input_ids=chunk.ids, attention_mask=mask, position_ids=positions, use_cache=True,
                   logits_to_keep=1, **{cache_kwarg(model): cache, RUN_KWARG: run})
         cache.crop(-T)
@@ -96,3 +111,15 @@ def model_pass_scores(model: Any, scorer: Any, cache: Any, context_ids: torch.Te
         total = layers if total is None else [torch.maximum(a, b) for a, b in zip(total, layers)]
     assert total is not None
     return total
+
+
+@contextmanager
+def _recording_hidden_norms(model: Any, run: PassRun, enabled: bool) -> Iterator[None]:
+    """While enabled, every attention module's input hidden state norms go to ``run``."""
+    handles = [layer.self_attn.register_forward_pre_hook(run.record_hidden_norm, with_kwargs=True)
+               for layer in model.get_decoder().layers] if enabled else []
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -10,11 +10,29 @@ end-of-user/start-of-assistant text, then the chunk itself. A pass's queries att
 the first ``sinks`` context tokens (from the second chunk on), the chunk's own context entries and
 the pass's tokens (causal); an entry's score is the maximum of that attention over the pass's
 queries and the query heads of its kv group. The first ``sinks`` tokens are always kept. The
-selection is one top-k over all layers and heads (presets ``kvzip``, ``ada_kvzip``), or per layer
+selection is one top-k over all layers and heads (presets ``kvzip``, ``kvzip_plus``, ``ada_kvzip``), or per layer
 (``kvzip_layerwise``).
 
 Here the whole prefill is the context that is repeated (the chat prefix included), and rows of a
 left-padded batch are chunked by their own valid tokens, so a row scores exactly as it would alone.
+
+KVzip+ (``plus=True``, preset ``kvzip_plus``): the normalisation introduced with KVzap (Jégou and
+Jeblick, NVIDIA 2026, "KVzap: Fast, Adaptive, and Faithful KV Cache Pruning", arXiv 2601.07891) on
+top of KVzip's scoring, as NVIDIA kvpress computes it (``KVzipPress(kvzip_plus_normalization=True)``,
+kvpress 0.5.x). Each attention weight is turned into the size of what the entry writes into the
+query token's output, relative to that token's hidden state::
+
+    s_i = max over pass tokens j and query heads g of the kv group of
+          a_g(j, i) * ||W_O^g v_i|| / ||h_j||
+
+``a_g(j, i)``: KVzip's softmax attention of query head ``g`` at pass token ``j`` on entry ``i``;
+``v_i``: the entry's value (the kv head's, shared by the group); ``W_O^g``: the ``head_dim`` columns
+of ``o_proj.weight`` that head ``g`` feeds (``[:, g * D:(g + 1) * D]``, query heads numbered
+``kv_head * group + g``), so each query head of a GQA group weighs the shared value with its own
+slice; ``h_j``: pass token ``j``'s hidden state as the attention module receives it, i.e. after the
+decoder layer's input RMSNorm (kvpress reads the attention module's ``hidden_states`` argument),
+not the raw residual stream. The scores remain one scale for every head and layer (a contribution
+relative to the hidden state it is added to), so the global top-k of the presets stays meaningful.
 """
 
 from __future__ import annotations
@@ -50,12 +68,14 @@ class PassChunk:
 
 @register_scorer("kvzip")
 class KVzip(Scorer):
-    """Max attention received while the model reconstructs the context (see the module docstring)."""
+    """Max attention received while the model reconstructs the context (see the module docstring);
+    ``plus=True`` is KVzip+ (attention times ``||W_O v|| / ||h||``)."""
 
     name: Literal["kvzip"] = "kvzip"
     chunk: int = Field(2048, ge=1, description="context tokens reconstructed per pass")
     sinks: int = Field(4, ge=0, description="initial tokens always kept")
     overlap: int = Field(8, ge=0, description="tokens of the previous chunk quoted in a later pass's prompt")
+    plus: bool = Field(False, description="KVzip+: weigh each attention by ||W_O v|| / ||h|| (module docstring)")
     needs_model_pass: ClassVar[bool] = True
     _QUERY_BLOCK: ClassVar[int] = 256
 
@@ -95,22 +115,36 @@ class KVzip(Scorer):
             chunks.append(PassChunk(ids=ids, mask=mask, scored=scored, visible=visible))
         return chunks
 
-    def pass_scores(self, query: torch.Tensor, key: torch.Tensor, chunk: PassChunk, scaling: float) -> torch.Tensor:
+    def pass_reads_hidden_states(self) -> bool:
+        """Whether :meth:`pass_scores` needs ``hidden_norm`` (KVzip+ does)."""
+        return self.plus
+
+    def pass_scores(self, query: torch.Tensor, key: torch.Tensor, chunk: PassChunk, scaling: float,
+                    value: torch.Tensor | None = None, output_weight: torch.Tensor | None = None,
+                    hidden_norm: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, H_kv, L]``: the largest attention each scored context entry gets from this pass.
 
         ``query [B, H_q, T, D]`` are the pass's post-RoPE queries; ``key [B, H_kv, L + T, D]`` the
-        layer's keys (context then the pass's own tokens).
+        layer's keys (context then the pass's own tokens). KVzip+ also reads ``value`` (same shape
+        as ``key``), the layer's ``output_weight`` (``o_proj.weight``, ``[hidden, H_q * D]``) and
+        ``hidden_norm [B, T]``, the norm of each pass token's hidden state entering the attention.
         """
         B, Hq, T, D = query.shape
         Hkv, L = key.shape[1], key.shape[2] - T
         G = Hq // Hkv
+        inv_norm = None
+        if self.plus:
+            if value is None or output_weight is None or hidden_norm is None:
+                raise ValueError("KVzip+ (plus=True) needs the pass's values, the layer's o_proj weight and the "
+                                 "hidden-state norms of the pass's tokens")
+            inv_norm = hidden_norm.float().reciprocal()[:, None, None, :, None]  # [B, 1, 1, T, 1]
         keys_t = key.float().transpose(-1, -2)  # [B, Hkv, D, L + T]
         queries = query.float().view(B, Hkv, G, T, D)
         ninf = torch.tensor(float("-inf"), device=key.device)
         context_bias = torch.where(chunk.visible, 0.0, ninf)[:, None, None, None, :]  # [B, 1, 1, 1, L]
         own = torch.ones(T, T, dtype=torch.bool, device=key.device).tril()[None] & chunk.mask[:, None, :]
         own_bias = torch.where(own, 0.0, ninf)  # [B, T, T]: causal among the pass's valid tokens
-        scores = torch.zeros(B, Hkv, L, device=key.device)
+        best = torch.zeros(B, Hkv, G, L, device=key.device)  # per query head: max over the pass's queries
         for start in range(0, T, self._QUERY_BLOCK):  # query blocks bound memory to block x (L + T)
             stop = min(start + self._QUERY_BLOCK, T)
             logits = torch.matmul(queries[:, :, :, start:stop].reshape(B, Hkv, -1, D), keys_t) * scaling
@@ -120,10 +154,30 @@ class KVzip(Scorer):
             # softmax over the visible columns; padded queries do not vote
             norm = torch.logsumexp(logits, dim=-1, keepdim=True)
             probs = (logits[..., :L] - norm).exp_()
+            if inv_norm is not None:
+                probs.mul_(inv_norm[:, :, :, start:stop])
             probs.masked_fill_(~chunk.mask[:, None, None, start:stop, None], 0.0)
-            scores = torch.maximum(scores, probs.amax(dim=(2, 3)))
-        return scores.masked_fill(~chunk.scored[:, None, :], 0.0)
+            best = torch.maximum(best, probs.amax(dim=3))
+        if self.plus:
+            assert value is not None and output_weight is not None
+            best = best * output_norms(value[:, :, :L], output_weight)  # ||W_O^g v_i|| does not depend on j
+        return best.amax(dim=2).masked_fill(~chunk.scored[:, None, :], 0.0)
 
+
+def output_norms(values: torch.Tensor, output_weight: torch.Tensor) -> torch.Tensor:
+    """``[B, H_kv, G, L]``: ``||W_O^g v||`` for every value ``[B, H_kv, L, D]`` and every query head
+    ``g`` of its group, ``W_O^g`` being the ``D`` columns of ``output_weight [hidden, H_q * D]`` that
+    head ``kv_head * G + g`` feeds. Computed through each head's ``D x D`` Gram matrix
+    ``W_O^g.T @ W_O^g`` so no ``[.., L, hidden]`` tensor is materialised."""
+    B, Hkv, L, D = values.shape
+    hidden = output_weight.shape[0]
+    G = output_weight.shape[1] // (Hkv * D)
+    w = output_weight.float().view(hidden, Hkv, G, D)
+    gram = torch.einsum("ehgd,ehgf->hgdf", w, w)  # [Hkv, G, D, D]
+    v = values.float()
+    projected = torch.einsum("bhld,hgdf->bhglf", v, gram)  # [B, Hkv, G, L, D]
+    squared = (projected * v[:, :, None]).sum(-1)
+    return squared.clamp_min(0.0).sqrt()
 
 def _encode(tokenizer: Any, text: str) -> torch.Tensor:
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]

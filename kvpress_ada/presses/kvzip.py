@@ -57,6 +57,7 @@ class KVzip(Scorer):
     sinks: int = Field(4, ge=0, description="initial tokens always kept")
     overlap: int = Field(8, ge=0, description="tokens of the previous chunk quoted in a later pass's prompt")
     needs_model_pass: ClassVar[bool] = True
+    supports_chunked_prefill: ClassVar[bool] = False  # the reconstruction repeats the whole context
     _QUERY_BLOCK: ClassVar[int] = 256
 
     def query_window(self) -> int:

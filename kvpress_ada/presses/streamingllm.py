@@ -18,7 +18,7 @@ class StreamingLLM(Scorer):
     ``streaming_llm`` still loads).
 
     Chunked prefill: ranks in the running cache keep the order of positions and the sinks are
-    protected, so the chunked press keeps exactly the one-shot press's sinks and most recent tokens."""
+    protected, so the chunked press keeps the same positions as the one-shot press (sinks and most recent tokens)."""
 
     name: Literal["streamingllm"] = "streamingllm"
     sinks: int = Field(4, ge=0, description="number of initial tokens always kept")

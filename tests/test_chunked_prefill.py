@@ -250,3 +250,11 @@ def test_kvpress_generate_and_fanout_refusal(llama, tokenizer):
     prefill = capture_prefill(llama, _ids(40))
     with pytest.raises(ValueError, match="prefills in chunks of 16 tokens"):
         prefill.keep_masks(press)
+
+
+def test_cli_refuses_unsupported_press(capsys, tmp_path):
+    from kvpress_ada.cli import main
+
+    code = main(["eval", "--presets", "ada_snapkv,kvzip", "--prefill-chunk", "64", "--out", str(tmp_path / "o")])
+    assert code != 0
+    assert "--prefill-chunk with kvzip" in capsys.readouterr().err

@@ -124,15 +124,15 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
     records = [Record(index, sample.task, "full", 0.0, full_text, score_sample(sample, full_text), full_bytes,
                       full_bytes, 0.0, 1.0, [0.0] * len(prefill.layers), [0.0] * len(prefill.layers))]
     for entry in entries:
-        chunked = entry.press is not None and _prefills_in_chunks(entry.press, length)
-        if chunked:  # fan-out cannot derive it from the dense prefill: run the press on the prompt
-            cache, first = _chunked_prefill(model, entry.press, prompt)
-            keep = None
+        keep: list[torch.Tensor] | None = None
+        if entry.press is not None and _prefills_in_chunks(entry.press, length):
+            # fan-out cannot derive it from the dense prefill: run the press on the prompt
+            cache, next_logits = _chunked_prefill(model, entry.press, prompt)
         else:
             keep = prefill.keep_masks(entry.press)
-            cache, first = prefill.compressed_cache(entry.press, keep), None
+            cache, next_logits = prefill.compressed_cache(entry.press, keep), None
         kv_bytes = cache.nbytes() if hasattr(cache, "nbytes") else full_bytes
-        text = tokenizer.decode(answer(entry.press, cache, first), skip_special_tokens=True).strip()
+        text = tokenizer.decode(answer(entry.press, cache, next_logits), skip_special_tokens=True).strip()
         logits, hidden = _teacher_forced(model, entry.press, cache, forced)
         signal = fidelity(full_logits, logits, full_hidden, hidden)
         # eviction loss compares keep masks over the dense prefill: not defined for chunked prefill

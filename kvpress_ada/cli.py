@@ -240,6 +240,26 @@ def _eval_inputs(args) -> tuple[list[str], list[str], list[float], dict]:
     return presets, tasks, ratios, configs
 
 
+def _with_prefill_chunk(entries: list, chunk: int | None) -> list:
+    """Every entry's press with ``prefill_chunk=chunk`` (validated: unsupported presses are refused)."""
+    if chunk is None:
+        return entries
+    if chunk < 1:
+        raise UsageError(f"--prefill-chunk must be >= 1 token, got {chunk}")
+    from dataclasses import replace
+
+    from .pipeline import Pipeline
+
+    out = []
+    for e in entries:
+        try:
+            press = Pipeline.model_validate({**e.press.model_dump(), "prefill_chunk": chunk})
+        except ValueError as err:
+            raise UsageError(f"--prefill-chunk with {e.label}: {_config_error(err)}") from None
+        out.append(replace(e, press=press))
+    return out
+
+
 def _settings(args, tasks: list[str], entries: list) -> dict:
     """Everything that decides the records: a resumed run must have the same."""
     rows = [{"label": e.label, "ratio": e.ratio, "press": e.press.model_dump(mode="json")} for e in entries]
@@ -287,7 +307,7 @@ def cmd_eval(args) -> int:
     from .eval.runner import EvalResult, evaluate, grid
 
     presets, tasks, ratios, configs = _eval_inputs(args)
-    entries = grid(presets, ratios) + grid(configs, ratios)
+    entries = _with_prefill_chunk(grid(presets, ratios) + grid(configs, ratios), args.prefill_chunk)
     settings = _settings(args, tasks, entries)
     out = _prepare_out(args.out)
     partial = out / PARTIAL
@@ -380,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--config", help="a Pipeline as JSON or YAML (custom compositions, registered scorers); its "
                                      "rows are labelled with the file name, which must not be a preset in --presets")
     ev.add_argument("--max-new-tokens", type=int, default=24, help="answer length limit (>= 1)")
+    ev.add_argument("--prefill-chunk", type=int, default=None,
+                    help="prefill the context in chunks of N tokens, compressing after each (Pipeline.prefill_chunk; "
+                         "presses that need the whole context, e.g. kvzip, are refused)")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--out", default="kvpress_ada_eval", help="output directory for results.json and the plot "
                                                              f"(and {PARTIAL} while running)")

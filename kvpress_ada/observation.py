@@ -18,6 +18,8 @@ class Observation:
     ``rope_inv_freq``: RoPE inverse frequencies ``[D // 2]`` (only for scorers that declare it).
     ``pass_scores``: ``[B, H_kv, L]`` what the scorer's own model pass measured for each entry
     (only for scorers that declare ``needs_model_pass``, e.g. KVzip's context reconstruction).
+    ``head_offset``: index in the layer of this observation's first kv head (non-zero when chunked
+    prefill scores the kv heads of a layer one at a time).
     """
 
     keys: torch.Tensor
@@ -30,6 +32,7 @@ class Observation:
     output_weight: torch.Tensor | None = None
     rope_inv_freq: torch.Tensor | None = None
     pass_scores: torch.Tensor | None = None
+    head_offset: int = 0
 
     @property
     def n_kv_heads(self) -> int:

@@ -21,6 +21,27 @@ class Pipeline(BaseModel):
     Exactly one of ``compression_ratio`` (fraction of the context's KV entries evicted, ``0 <= r < 1``)
     or ``budget`` (average tokens kept per kv head) is given. ``with press(model): ...`` compresses
     every layer right after its prefill attention, so the full cache of all layers is never held.
+
+    ``prefill_chunk=N`` (chunked prefill, :mod:`kvpress_ada.integration.chunked_prefill`): a forward
+    that brings a context of ``L > N`` tokens into an empty cache under the press runs the model
+    chunk by chunk instead of in one pass. Chunks are aligned on the *end* of the context (the last
+    chunk always holds ``N`` tokens, the first ``L - (k - 1) N``), so every row of a left-padded
+    batch is cut exactly as it would be alone. Each chunk's queries attend to the layer's
+    compressed cache plus the chunk itself (causal, true RoPE positions: positions continue from the
+    tokens seen, never from the compressed length), then that layer is compressed back to its
+    *final* budget: the budget the one-shot press keeps for the whole context (``compression_ratio``
+    is relative to the whole context's length, known when the model is called with it), clipped to
+    the tokens seen so far. The cache thus never holds more than ``budget + N`` entries per kv head
+    on average over the heads of a layer (per head with a uniform allocator), and the final cache
+    holds exactly what the one-shot press would keep in total per layer and row. Entries kept
+    earlier are re-scored with every chunk (the scorer sees the kept entries plus the chunk, with the
+    chunk's queries: see each scorer's docstring). The forward returns the logits the caller asked
+    for (``logits_to_keep``, all positions by default, gathered over the chunks), so ``model(ids)``,
+    ``model.generate(ids)`` and :func:`kvpress_ada.generate` work unchanged. A context of ``L <= N``
+    tokens runs exactly as without ``prefill_chunk``. Refused (one-line error at construction):
+    presses that evict at the end of prefill (model-scope layer schedules such as ``AdaLayer``,
+    scorers with their own model pass such as ``KVzip``) and scorers declaring
+    ``supports_chunked_prefill = False``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -31,6 +52,8 @@ class Pipeline(BaseModel):
     evictor: SerializeAsAny[Evictor] = Field(default_factory=TopK)
     compression_ratio: float | None = Field(None, ge=0.0, lt=1.0)
     budget: int | None = Field(None, ge=1)
+    prefill_chunk: int | None = Field(None, ge=1, description="prefill the context in chunks of this many tokens, "
+                                                                "compressing after each chunk (None: one pass)")
 
     @field_validator("scorer", "allocator", "layers", "evictor", mode="before")
     @classmethod
@@ -47,11 +70,39 @@ class Pipeline(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _chunked_prefill_supported(self) -> "Pipeline":
+        if self.prefill_chunk is None:
+            return self
+        scorer = type(self.scorer)
+        if scorer.needs_model_pass:
+            reason = f"scorer {scorer.__name__} scores with its own model pass over the whole context"
+        elif type(self.layers).needs_all_layers:
+            reason = (f"layer schedule {type(self.layers).__name__} splits the budget across layers from every "
+                      "layer's scores of the whole context")
+        elif not scorer.supports_chunked_prefill:
+            reason = f"scorer {scorer.__name__} does not support chunked prefill"
+        else:
+            return self
+        raise ValueError(f"prefill_chunk={self.prefill_chunk} is not supported: {reason}; "
+                         "use prefill_chunk=None (one-shot prefill)")
+
     # ----------------------------------------------------------------- policy
     @property
     def is_noop(self) -> bool:
-        """Ratio 0 keeps every entry: the press leaves the model untouched."""
-        return self.compression_ratio == 0.0
+        """Ratio 0 without chunked prefill keeps every entry: the press leaves the model untouched.
+        (With ``prefill_chunk`` the press still runs the prefill chunk by chunk.)"""
+        return self.compression_ratio == 0.0 and self.prefill_chunk is None
+
+    def chunks(self, length: int) -> list[tuple[int, int]]:
+        """``[(start, stop), ...]`` of a chunked prefill of ``length`` tokens, aligned on the end:
+        every chunk but the first holds ``prefill_chunk`` tokens (one chunk without chunking)."""
+        n = self.prefill_chunk
+        if n is None or length <= n:
+            return [(0, length)]
+        bounds = list(range(length, 0, -n))[::-1]
+        starts = [0] + bounds[:-1]
+        return list(zip(starts, bounds))
 
     def average_budget(self, lengths: torch.Tensor) -> torch.Tensor:
         """Average tokens kept per kv head for rows with ``lengths`` valid tokens, ``[B]`` long."""

@@ -1,8 +1,9 @@
 """Evaluate a grid of presses x compression ratios on samples, with fan-out.
 
 Fan-out: each sample is prefilled once (:func:`capture_prefill`); every press's compressed
-cache is derived from the same observations, which gives exactly the answers a separate run
-per press would give (tested) at a fraction of the cost (prefill dominates on CPU).
+cache is derived from the same observations (except presses with ``prefill_chunk`` shorter than
+the prompt: they run their own chunked prefill, and their eviction loss is NaN), which gives
+exactly the answers a separate run per press would give (tested) at a fraction of the cost (prefill dominates on CPU).
 """
 
 from __future__ import annotations
@@ -100,10 +101,11 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
     prefill = capture_prefill(model, prompt)
     length = prefill.seq_len
 
-    def answer(press, cache):
+    def answer(press, cache, logits=None):
         with _routed(press, model):
             if question_aware:
-                tokens, cache = greedy_decode(model, prefill.logits, cache, max_new_tokens, eos)
+                first = prefill.logits if logits is None else logits
+                tokens, cache = greedy_decode(model, first, cache, max_new_tokens, eos)
             else:
                 tokens, cache = greedy_continue(model, tail_ids, cache, max_new_tokens, eos)
         _crop_to(cache, length)
@@ -122,20 +124,38 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
     records = [Record(index, sample.task, "full", 0.0, full_text, score_sample(sample, full_text), full_bytes,
                       full_bytes, 0.0, 1.0, [0.0] * len(prefill.layers), [0.0] * len(prefill.layers))]
     for entry in entries:
-        keep = prefill.keep_masks(entry.press)
-        cache = prefill.compressed_cache(entry.press, keep)
+        keep: list[torch.Tensor] | None = None
+        if entry.press is not None and _prefills_in_chunks(entry.press, length):
+            # fan-out cannot derive it from the dense prefill: run the press on the prompt
+            cache, next_logits = _chunked_prefill(model, entry.press, prompt)
+        else:
+            keep = prefill.keep_masks(entry.press)
+            cache, next_logits = prefill.compressed_cache(entry.press, keep), None
         kv_bytes = cache.nbytes() if hasattr(cache, "nbytes") else full_bytes
-        text = tokenizer.decode(answer(entry.press, cache), skip_special_tokens=True).strip()
+        text = tokenizer.decode(answer(entry.press, cache, next_logits), skip_special_tokens=True).strip()
         logits, hidden = _teacher_forced(model, entry.press, cache, forced)
         signal = fidelity(full_logits, logits, full_hidden, hidden)
-        loss = eviction_loss(prefill, keep, window=window)
+        # eviction loss compares keep masks over the dense prefill: not defined for chunked prefill
+        loss = eviction_loss(prefill, keep, window=window).tolist() if keep is not None else [float("nan")] * len(
+            prefill.layers)
         records.append(Record(index, sample.task, entry.label, entry.ratio, text, score_sample(sample, text),
-                              kv_bytes, full_bytes, signal["kl"], signal["top1"], signal["hidden_error"],
-                              loss.tolist()))
+                              kv_bytes, full_bytes, signal["kl"], signal["top1"], signal["hidden_error"], loss))
         del cache
         if on_entry is not None:
             on_entry()
     return records
+
+
+def _prefills_in_chunks(press: Pipeline, length: int) -> bool:
+    return press.prefill_chunk is not None and length > press.prefill_chunk
+
+
+@torch.inference_mode()
+def _chunked_prefill(model, press: Pipeline, prompt: torch.Tensor):
+    """The compressed cache and next-token logits ``[1, V]`` of a chunked-prefill press on ``prompt``."""
+    with press(model):
+        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): None})
+    return output_cache(out), out.logits[:, -1]
 
 
 def evaluate(model, tokenizer, samples, entries: list[Entry], question_aware: bool = False, max_new_tokens: int = 16,

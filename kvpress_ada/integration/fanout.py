@@ -73,6 +73,9 @@ class Prefill:
         """The keep mask ``[B, H_kv, L]`` the press selects in every layer."""
         if press.is_noop:
             return [torch.ones(c.keys.shape[:3], dtype=torch.bool, device=c.keys.device) for c in self.layers]
+        if press.prefill_chunk is not None and self.seq_len > press.prefill_chunk:
+            raise ValueError(f"fan-out derives caches from one dense prefill, but this press prefills in chunks of "
+                             f"{press.prefill_chunk} tokens ({self.seq_len} here): run it with `with press(model)`")
         press.check_context(int(self.key_mask.sum(-1).min()))
         observations = [self.observation(press.scorer, i) for i in range(len(self.layers))]
         if type(press.scorer).needs_model_pass:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
+from .entries import masked_view
 from .press_cache import DenseAttention, PressCache
 
 
@@ -47,6 +48,30 @@ class MaskedLayer(DynamicLayer):
         if self.keep is None:
             return torch.full(keys.shape[:2], keys.shape[2], dtype=torch.long, device=keys.device)
         return self.keep.sum(-1) + (keys.shape[2] - self.keep.shape[2])
+
+    def _held(self) -> torch.Tensor:
+        keys, _ = self._dense()
+        if self.keep is None:
+            return torch.ones(keys.shape[:3], dtype=torch.bool, device=keys.device)
+        return F.pad(self.keep, (0, keys.shape[2] - self.keep.shape[-1]), value=True)
+
+    def entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-padded per-head view ``(keys, values [B, H, Lv, D], lengths [B, H])`` of the visible
+        entries (kept prefix entries and everything appended since), in position order."""
+        keys, values = self._dense()
+        view_k, view_v, lengths, _ = masked_view(keys, values, self._held())
+        return view_k, view_v, lengths
+
+    def keep_entries(self, keep: torch.Tensor, view: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Keep the entries of :meth:`entries`'s view where ``keep [B, H, Lv]`` is True; the others
+        are hidden from now on (chunked prefill). ``view`` is accepted for the ragged layer's
+        signature and not needed here."""
+        keys, values = self._dense()
+        _, _, _, source = masked_view(keys, values, self._held())
+        full = torch.zeros(keys.shape[:3], dtype=torch.bool, device=keys.device)
+        full.scatter_(-1, source.clamp(min=0), keep & (source >= 0))
+        self.keep = None
+        self.compress(full)
 
     def nbytes(self) -> int:
         """Bytes held for keys and values: the full dense cache (masking frees nothing)."""

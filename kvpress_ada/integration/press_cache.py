@@ -34,6 +34,13 @@ class PressLayer(Protocol):
     def head_lengths(self) -> torch.Tensor:
         """Entries each (batch, kv head) attends to, ``LongTensor[B, H_kv]``."""
 
+    def entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-padded per-head view ``(keys, values [B, H_kv, Lv, D], lengths [B, H_kv])`` of the
+        entries each row attends to, in position order (chunked prefill re-scores them)."""
+
+    def keep_entries(self, keep: torch.Tensor, view: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Keep the entries of :meth:`entries`'s view where ``keep [B, H_kv, Lv]`` is True."""
+
     def nbytes(self) -> int:
         """Bytes held for keys and values."""
 

@@ -88,6 +88,14 @@ class PressRun:
         else:
             self.cache.compress_layer(layer_idx, self.press.select(obs))
 
+    def after_forward(self, output: Any) -> Any:
+        """Called by the routing's post-hook with the forward's output (``None`` when it raised);
+        returns the output the caller gets."""
+        self.cache.routed = False
+        if output is not None:  # always_call: also reached when the forward raised
+            self.finish()
+        return output
+
     def finish(self) -> None:
         """End of the forward: evict every layer at once when the press waited for all of them."""
         pending, self.pending = self.pending, {}
@@ -227,6 +235,11 @@ class _Route:
         shape, _ = input_shape(args, kwargs)
         _check_sliding_window(self.model, cache.get_seq_length() + shape[1])
         prefill = press is not None and cache.get_seq_length() == 0
+        if prefill and press is not None and press.prefill_chunk is not None and shape[1] > press.prefill_chunk:
+            from .chunked_prefill import start_chunked_prefill
+
+            kwargs.pop("past_key_values", None)
+            return start_chunked_prefill(self.model, press, cache, args, kwargs, self.cache_key)
         run = PressRun(press=press, cache=cache, model=self.model, compress=prefill, key_mask=None)
         if prefill:
             assert press is not None
@@ -241,12 +254,11 @@ class _Route:
         cache.routed = True
         return args, kwargs
 
-    def _post_hook(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+    def _post_hook(self, module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
         run = kwargs.get(RUN_KWARG)
         if isinstance(run, PressRun):
-            run.cache.routed = False
-            if output is not None:  # always_call: also reached when the forward raised
-                run.finish()
+            return run.after_forward(output)
+        return None
 
 
 _ROUTES: WeakKeyDictionary[torch.nn.Module, _Route] = WeakKeyDictionary()

@@ -21,6 +21,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .. import kernels
+from .entries import ragged_view
 from .masked_cache import _num_layers
 from .press_cache import DenseAttention, PressCache
 
@@ -156,6 +157,28 @@ class RaggedLayer(CacheLayerMixin):
         dst = _row_token_index(self.row_offsets, host_lengths)
         self.k_flat[dst] = old_k[src]
         self.v_flat[dst] = old_v[src]
+
+    def entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-padded per-head view ``(keys, values [B, H, Lv, D], lengths [B, H])`` of what each row
+        holds (the dense prefill as it is before compression)."""
+        if not self.compressed:
+            keys, values = self._dense()
+            B, H, L, _ = keys.shape
+            return keys, values, torch.full((B, H), L, dtype=torch.long, device=keys.device)
+        return ragged_view(self.k_flat, self.v_flat, self.row_offsets, self.row_lengths, self.shape)
+
+    def keep_entries(self, keep: torch.Tensor,
+                     view: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Keep the entries of :meth:`entries`'s view where ``keep [B, H, Lv]`` is True (False on its
+        padding) and re-lay the layer out (chunked prefill). ``view``: its keys and values, when
+        the caller already has them."""
+        if self.compressed:
+            if view is None:
+                keys, values, _ = self.entries()
+                view = (keys, values)
+            self.keys, self.values = view
+            self.compressed = False
+        self.compress(keep)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                scaling: float, dense_fn: DenseAttention, module: torch.nn.Module,

@@ -21,6 +21,14 @@ class Scorer(Component):
     model after the prefill (:class:`~kvpress_ada.presses.kvzip.KVzip`); the integration runs that
     pass and hands what it measured back as ``obs.pass_scores``, and eviction waits for the end of
     prefill.
+
+    Chunked prefill (``Pipeline(prefill_chunk=N)``): after each chunk the scorer is handed the
+    layer's kept entries followed by the chunk, as an ordinary left-padded observation (kept entries
+    first, in position order; ``queries`` are the chunk's trailing queries, at the end of the keys).
+    When the kv heads of a layer hold different numbers of entries (Ada allocation), each kv head is
+    scored on its own (``H_kv == 1``, ``obs.head_offset`` = its index in the layer, ``output_weight``
+    restricted to its query group). ``supports_chunked_prefill = False`` refuses chunked prefill
+    with a clear error (a scorer that needs the whole context at once).
     """
 
     kind: ClassVar[str] = "scorer"
@@ -28,6 +36,7 @@ class Scorer(Component):
     needs_output_weight: ClassVar[bool] = False
     needs_rope: ClassVar[bool] = False
     needs_model_pass: ClassVar[bool] = False
+    supports_chunked_prefill: ClassVar[bool] = True
 
     def query_window(self) -> int | None:
         """How many trailing prefill queries ``score`` reads (``None`` = all)."""

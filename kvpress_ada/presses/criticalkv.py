@@ -17,7 +17,10 @@ from .base import Scorer, protect_last, register_scorer
 @register_scorer("criticalkv")
 class CriticalKV(Scorer):
     """SnapKV's window attention per query head, reweighted by ``||W_o^h v||_1`` for that head,
-    averaged over the query group, pooled, window protected."""
+    averaged over the query group, pooled, window protected.
+
+    Chunked prefill: as SnapKV (the chunk's trailing queries re-score the kept entries and the chunk);
+    when kv heads are scored one at a time, ``output_weight`` holds that head's query group."""
 
     name: Literal["criticalkv"] = "criticalkv"
     window: int = Field(64, ge=1, description="observation window (trailing queries)")

@@ -18,7 +18,10 @@ class ExpectedAttention(Scorer):
     """Gaussian query model from the last ``window`` queries (``None``: every prefill query),
     rotated to the next ``n_future`` positions: ``logit = mu.k * s + 0.5 * s^2 * k^T Sigma k``,
     softmax over the context, times ``||v||``. The first ``sinks`` tokens are protected.
-    Padding positions are left out of the query statistics."""
+    Padding positions are left out of the query statistics.
+
+    Chunked prefill: the query statistics come from the chunk's trailing queries and the future
+    positions follow the chunk; kept entries are re-scored at every compression."""
 
     name: Literal["expected_attention"] = "expected_attention"
     window: int | None = Field(128, ge=2, description="trailing queries used to estimate the query statistics "

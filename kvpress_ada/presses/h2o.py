@@ -17,7 +17,11 @@ class ObservedAttention(Scorer):
     """Accumulated attention each key received from every prefill query (mean over the query
     group); the ``recent`` most recent tokens are protected. Computed in query chunks of
     ``chunk`` so the full ``L x L`` matrix is never held. Registered as ``h2o`` (its preset's name;
-    the old name ``observed_attention`` still loads); ``H2O`` is the same class."""
+    the old name ``observed_attention`` still loads); ``H2O`` is the same class.
+
+    Chunked prefill: the queries handed over are the last ones of the keys (the chunk's), so each
+    compression scores the kept entries and the chunk by the attention of the chunk's queries only;
+    earlier chunks' votes are not carried over (entries kept earlier are re-scored from scratch)."""
 
     name: Literal["h2o"] = "h2o"
     recent: int = Field(0, ge=0, description="most recent tokens always kept")
@@ -30,13 +34,13 @@ class ObservedAttention(Scorer):
         return max(self.recent, 1)
 
     def score(self, obs: Observation) -> torch.Tensor:
-        L = obs.seq_len
+        L, Q = obs.seq_len, obs.queries.shape[2]
         B, Hkv = obs.keys.shape[:2]
         total = torch.zeros(B, Hkv, L, device=obs.keys.device, dtype=torch.float32)
-        for start in range(0, L, self.chunk):
-            stop = min(start + self.chunk, L)
+        for start in range(0, Q, self.chunk):  # the queries sit at the last Q key positions
+            stop = min(start + self.chunk, Q)
             q = obs.queries[:, :, start:stop]
-            attn = _chunk_attention(obs, q, stop)
+            attn = _chunk_attention(obs, q, L - Q + stop)
             total += attn.sum(dim=3).mean(dim=2)
         return protect_last(total, self.recent)
 

@@ -22,7 +22,10 @@ class KeyDiff(Scorer):
     Across heads: cosine similarity is scale-free and bounded in ``[-1, 1]`` with the same meaning
     in every head (how redundant a key is among its head's keys), so raw scores are compared; Ada
     then gives fewer tokens to heads whose keys all point the same way, in line with the paper's
-    aim of keeping a diverse cache."""
+    aim of keeping a diverse cache.
+
+    Chunked prefill: the anchor is the mean over the kept entries and the chunk (the running cache),
+    so kept entries are re-scored against it at every compression."""
 
     name: Literal["keydiff"] = "keydiff"
     comparable_across_heads: ClassVar[bool] = True

@@ -77,6 +77,7 @@ class KVzip(Scorer):
     overlap: int = Field(8, ge=0, description="tokens of the previous chunk quoted in a later pass's prompt")
     plus: bool = Field(False, description="KVzip+: weigh each attention by ||W_O v|| / ||h|| (module docstring)")
     needs_model_pass: ClassVar[bool] = True
+    supports_chunked_prefill: ClassVar[bool] = False  # the reconstruction repeats the whole context
     _QUERY_BLOCK: ClassVar[int] = 256
 
     def query_window(self) -> int:

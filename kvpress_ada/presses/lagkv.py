@@ -39,7 +39,11 @@ class LagKV(Scorer):
     Across heads: rank scores are the same ``{0, 1/lag, ..., (lag-1)/lag}`` in every head and
     partition (same scale, but no information for Ada, which then stays near uniform);
     ``cross_scoring`` scores are shares of a partition's mass (sum 1 per partition in every head),
-    which Ada can compare; ``ada_lagkv`` uses them."""
+    which Ada can compare; ``ada_lagkv`` uses them.
+
+    Chunked prefill: partitions are cut over the running cache (kept entries, then the chunk), so a
+    kept entry is re-scored against its neighbours in the compacted cache; the chunk's tail partition
+    is protected at every compression."""
 
     name: Literal["lagkv"] = "lagkv"
     comparable_across_heads: ClassVar[bool] = True

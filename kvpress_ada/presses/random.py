@@ -34,7 +34,11 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
 class RandomScorer(Scorer):
     """Uniform random scores in ``[0, 1)``, a fixed function of ``(seed, layer, kv head, index of
     the token among the valid ones)``: reproducible, identical on every device and independent of
-    the left padding and of the other rows of the batch."""
+    the left padding and of the other rows of the batch.
+
+    Chunked prefill: the index is the entry's rank in the layer's running cache (kept entries, then
+    the chunk), so kept entries are redrawn at every compression; the final kept set is still a
+    random subset, but older tokens face more draws than with a one-shot prefill."""
 
     name: Literal["random"] = "random"
     seed: int = Field(0, ge=0)
@@ -48,6 +52,6 @@ class RandomScorer(Scorer):
         index = obs.key_mask.long().cumsum(-1) - 1  # [B, L] rank among valid tokens
         base = hash32(torch.tensor([self.seed], dtype=torch.long, device=device))
         base = hash32(base ^ obs.layer_idx)
-        head = hash32(base ^ torch.arange(H, dtype=torch.long, device=device))  # [H]
+        head = hash32(base ^ (torch.arange(H, dtype=torch.long, device=device) + obs.head_offset))  # [H]
         bits = hash32(head[None, :, None] ^ hash32(index.clamp(min=0)[:, None, :] + 0x9E3779B9))
         return (bits >> 8).float() / float(1 << 24)  # 24 random bits: exact in fp32, in [0, 1)

@@ -15,7 +15,12 @@ from .base import Scorer, protect_last, register_scorer
 @register_scorer("snapkv")
 class SnapKV(Scorer):
     """Attention of the last ``window`` queries, averaged over the window and the query group,
-    smoothed by 1-D average pooling of width ``kernel``; the window itself is always kept."""
+    smoothed by 1-D average pooling of width ``kernel``; the window itself is always kept.
+
+    Chunked prefill: the window is the last ``window`` queries of the chunk (all of them when the chunk is
+    shorter); they vote for the kept entries and the chunk at every compression, so kept entries are
+    re-scored by each new chunk. With the chunks aligned on the end of the context, the last compression
+    uses the same window queries as the one-shot press."""
 
     name: Literal["snapkv"] = "snapkv"
     window: int = Field(64, ge=1, description="observation window (trailing queries)")

@@ -15,7 +15,10 @@ from .base import Scorer, protect_first_valid, register_scorer
 class StreamingLLM(Scorer):
     """Keeps the first ``sinks`` tokens and then the most recent ones (score = position among the
     valid tokens, so left padding changes nothing). Registered as ``streamingllm`` (the old name
-    ``streaming_llm`` still loads)."""
+    ``streaming_llm`` still loads).
+
+    Chunked prefill: ranks in the running cache keep the order of positions and the sinks are
+    protected, so the chunked press keeps the same positions as the one-shot press (sinks and most recent tokens)."""
 
     name: Literal["streamingllm"] = "streamingllm"
     sinks: int = Field(4, ge=0, description="number of initial tokens always kept")

@@ -13,7 +13,10 @@ from .base import Scorer, register_scorer
 
 @register_scorer("tova")
 class TOVA(Scorer):
-    """Attention of the last query, averaged over the query group of each kv head."""
+    """Attention of the last query, averaged over the query group of each kv head.
+
+    Chunked prefill: the last query of each chunk re-scores the kept entries and the chunk (TOVA's own
+    streaming rule, applied once per chunk instead of once per token)."""
 
     name: Literal["tova"] = "tova"
 

@@ -34,6 +34,8 @@ import torch
 from .hf import input_shape
 
 ENV_VAR = "KVPRESS_ADA_COMPILE"
+BACKEND = "inductor"
+"""``torch.compile`` backend of the compiled step (tests use ``"aot_eager"`` to skip code generation)."""
 
 _COMPILED: WeakKeyDictionary[torch.nn.Module, dict[str, Callable]] = WeakKeyDictionary()
 
@@ -61,10 +63,10 @@ def default_mode(device: torch.device | str) -> str | None:
 def compiled_forward(model: Any, mode: str | None = None) -> Callable:
     """The model's shared ``torch.compile(model.forward, fullgraph=True, mode=mode)``."""
     per_model = _COMPILED.setdefault(model, {})
-    key = mode or "default"
+    key = f"{BACKEND}:{mode or 'default'}"
     if key not in per_model:
         forward = type(model).forward.__get__(model)
-        per_model[key] = torch.compile(forward, fullgraph=True, mode=mode)
+        per_model[key] = torch.compile(forward, fullgraph=True, mode=mode, backend=BACKEND)
     return per_model[key]
 
 

@@ -261,11 +261,11 @@ class RaggedCache(PressCache):
     @property
     def compressed(self) -> bool:
         """Every layer holds ragged rows (the state a compiled decode step expects)."""
-        return all(layer.compressed for layer in self.layers)  # type: ignore[attr-defined]
+        return all(isinstance(layer, RaggedLayer) and layer.compressed for layer in self.layers)
 
     def reserve(self, q: int) -> None:
         """Room for ``q`` more tokens per row in every compressed layer, counted now (see
         :meth:`RaggedLayer.reserve`); the eager half of a compiled decode step."""
         for layer in self.layers:
-            if layer.compressed:  # type: ignore[attr-defined]
-                layer.reserve(q)  # type: ignore[attr-defined]
+            if isinstance(layer, RaggedLayer) and layer.compressed:
+                layer.reserve(q)

@@ -186,8 +186,11 @@ class Pipeline(BaseModel):
             return [self.evictor.select(s, self._allocate(s, budgets[:, i])) for i, s in enumerate(scores)]
 
     # ------------------------------------------------------------ integration
-    def __call__(self, model):
-        """Context manager applying this press to ``model`` (see :mod:`kvpress_ada.integration`)."""
+    def __call__(self, model, compile: bool | None = None):
+        """Context manager applying this press to ``model`` (see :mod:`kvpress_ada.integration`).
+
+        ``compile``: compiled decode steps over the compressed cache (default: on CUDA, off on CPU;
+        ``$KVPRESS_ADA_COMPILE=0`` turns the default off; see :mod:`kvpress_ada.integration.compiled`)."""
         from .integration import apply_press
 
-        return apply_press(self, model)
+        return apply_press(self, model, compile=compile)

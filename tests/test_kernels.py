@@ -20,6 +20,7 @@ from kvpress_ada.kernels import (
     compact_ref,
     ragged_attention,
     ragged_attention_ref,
+    reference,
     use_backend,
 )
 
@@ -133,6 +134,46 @@ def test_reference_attention_matches_dense(case):
     out = ragged_attention_ref(q, k, v, offs, lens, scale)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert_close(out, dense_attention(q, k, v, offs, lens, scale), case["dtype"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(attention_case(dtypes=(torch.float32, torch.float16, torch.bfloat16), head_dims=(16, 64), max_len=40),
+       st.sampled_from([4, 8, 32]))
+def test_loop_free_attention_matches_dense_and_the_row_loop(case, chunk):
+    """The loop-free split-K pass (rows of different lengths, chunk-aligned layout) equals dense
+    attention and the per-row loop; spare slots hold garbage that must never be read."""
+    lens = case["lens"]
+    gaps = [-(-(n + g) // chunk) * chunk - n for n, g in zip(lens, case["gaps"])]
+    if sum(n + g for n, g in zip(lens, gaps)) == 0:
+        gaps[0] = chunk
+    k, v, offs, lens_t = make_cache(lens, case["D"], case["dtype"], gaps=gaps, extra=0, seed=case["seed"])
+    g = torch.Generator().manual_seed(case["seed"] + 1)
+    q = torch.randn(case["B"], case["H_kv"] * case["G"], case["Q"], case["D"], generator=g).to(case["dtype"]).to(DEV)
+    scale = case["D"] ** -0.5
+    assert reference.chunk_aligned(k, offs, chunk=chunk)
+    out = reference.ragged_attention_chunked(q, k, v, offs, lens_t, scale, chunk=chunk)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert_close(out, dense_attention(q, k, v, offs, lens_t, scale), case["dtype"])
+    loop_free = reference.LOOP_FREE
+    try:
+        reference.LOOP_FREE = False
+        loop = ragged_attention_ref(q, k, v, offs, lens_t, scale)
+    finally:
+        reference.LOOP_FREE = loop_free
+    assert_close(out, loop.double(), case["dtype"])
+
+
+def test_reference_takes_the_loop_free_path_for_aligned_ragged_rows(monkeypatch):
+    C = reference.CHUNK
+    lens = [5, 70, 0, 33]
+    k, v, offs, lens_t = make_cache(lens, 16, torch.float32, gaps=[-(-(n + 1) // C) * C - n for n in lens], extra=0)
+    q = torch.randn(2, 4, 1, 16, device=DEV)
+    calls = []
+    real = reference.ragged_attention_chunked
+    monkeypatch.setattr(reference, "ragged_attention_chunked", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    out = ragged_attention_ref(q, k, v, offs, lens_t, 0.25)
+    assert calls == [1]
+    assert_close(out, dense_attention(q, k, v, offs, lens_t, 0.25), torch.float32)
 
 
 @pytest.mark.parametrize("Q", [1, 3])

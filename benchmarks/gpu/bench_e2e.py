@@ -9,7 +9,10 @@ Per (context, batch) and config (``full``, and each press at each ratio), in one
 
 1. prefill (+ layer-by-layer compression under a press), logits of the last position only;
    wall time (synchronised), peak CUDA memory above the model's weights, KV bytes held;
-2. ``--steps`` greedy decode steps (eager), tokens/s after 2 warm-up steps;
+2. ``--steps`` greedy decode steps, tokens/s after 2 warm-up steps (their time, ``warmup_s``, holds the
+   compile / CUDA-graph recording of the compiled rows); each press runs eager (``press(model,
+   compile=False)``) and compiled (``<method>+compile``: ``press(model, compile=True)``, the library's
+   ``torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")`` decode step, CUDA graphs);
 3. peak CUDA memory over the whole job.
 
 Then a correctness check on the GPU: the ragged cache (TopK evictor, Triton kernels) and the
@@ -59,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--check-context", type=int, default=2048, help="context of the ragged-vs-masked check")
     p.add_argument("--check-steps", type=int, default=16)
     p.add_argument("--no-check", action="store_true")
+    p.add_argument("--compiled-only", action="store_true",
+                   help="time only the compiled press configs (+compile rows: press(model, compile=True), CUDA graphs)")
     p.add_argument("--out", type=Path, default=None, help=f"JSON output (default {DEFAULT_OUT.relative_to(ROOT)})")
     p.add_argument("--cpu-smoke", action="store_true", help="no GPU: tiny shapes on CPU to exercise the code")
     return p.parse_args(argv)
@@ -104,6 +109,17 @@ class Clock:
         return self.torch.cuda.max_memory_allocated() if self.cuda else 0
 
 
+class Compiled:
+    """``press`` applied with an explicit ``compile`` choice (on CUDA ``compile=True`` is the library's default:
+    one ``torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")`` decode step, CUDA graphs)."""
+
+    def __init__(self, press, compile: bool):
+        self.press, self.compile = press, compile
+
+    def __call__(self, model):
+        return self.press(model, compile=self.compile)
+
+
 def run_config(model, ids, press, steps: int, clock: Clock) -> dict:
     import common
 
@@ -113,13 +129,15 @@ def run_config(model, ids, press, steps: int, clock: Clock) -> dict:
     prefill_s = clock.now() - t0
     peak_prefill = clock.peak() - base
     kv_bytes = common.cache_nbytes(cache)
-    warm = common.decode(model, cache, nxt, 2, press)
+    t0 = clock.now()
+    warm = common.decode(model, cache, nxt, 2, press)  # compiled configs compile (or re-record) here
+    warm_s = clock.now() - t0
     nxt = clock.torch.tensor([[warm[-1]]] * ids.shape[0], device=ids.device)
     t0 = clock.now()
     tokens = common.decode(model, cache, nxt, steps, press)
     decode_s = clock.now() - t0
     row = {"prefill_s": prefill_s, "kv_bytes": kv_bytes, "peak_prefill_bytes": peak_prefill,
-           "peak_total_bytes": clock.peak() - base, "decode_s": decode_s,
+           "peak_total_bytes": clock.peak() - base, "decode_s": decode_s, "warmup_s": warm_s,
            "tokens_per_s": steps * ids.shape[0] / decode_s, "steps_per_s": steps / decode_s, "tokens": tokens}
     del cache
     return row
@@ -202,8 +220,10 @@ def main(argv=None) -> int:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     info["weights_bytes"] = weights
     print(f"[model] {args.shape} {args.dtype}: {weights / 2**30:.2f} GiB of weights on {info['device']}", flush=True)
-    configs = [("full", 0.0, None)] + [(m, r, preset(m, compression_ratio=r)) for m in args.methods
-                                       for r in args.ratios]
+    configs = [("full", 0.0, None)] + [(m + suffix, r, Compiled(preset(m, compression_ratio=r), compile))
+                                       for m in args.methods for r in args.ratios
+                                       for suffix, compile in (("", False), ("+compile", True))
+                                       if compile or not args.compiled_only]
     warm_ids = torch.randint(4, model.config.vocab_size, (1, 256), device=device)
     for _, _, press in configs:  # compile Triton kernels and warm allocators outside the timed runs
         run_config(model, warm_ids, press, 2, clock)

@@ -105,7 +105,8 @@ def batched_answer(model, ids: torch.Tensor, mask: torch.Tensor, cache, max_new_
 
 @torch.inference_mode()
 def generate(model, tokenizer, context: str | list[str], questions: list[str] | str, press=None,
-             max_new_tokens: int = 16, question_aware: bool = False) -> list[str] | list[list[str]]:
+             max_new_tokens: int = 16, question_aware: bool = False,
+             compile: bool | None = None) -> list[str] | list[list[str]]:
     """Answer every question about ``context`` with greedy decoding.
 
     ``question_aware=False``: the context alone is prefilled and compressed (the question is
@@ -113,7 +114,9 @@ def generate(model, tokenizer, context: str | list[str], questions: list[str] | 
     cache, which is cropped back to its compressed state after each answer. ``question_aware=True``:
     context and question form one prompt that is compressed as a whole. ``press=None``: full cache.
     ``context`` may be a list of documents of different lengths: they run as one left-padded batch
-    and the result is one list of answers per document.
+    and the result is one list of answers per document. ``compile``: decode steps over the compressed
+    cache run through a compiled forward (default: on CUDA, off on CPU; ``$KVPRESS_ADA_COMPILE=0`` turns
+    the default off; see :mod:`kvpress_ada.integration.compiled`); tokens are the same either way.
     """
     single = isinstance(context, str)
     contexts: list[str] = [context] if isinstance(context, str) else list(context)
@@ -136,7 +139,7 @@ def generate(model, tokenizer, context: str | list[str], questions: list[str] | 
     def parts(question):
         return [split_prompt(tokenizer, c, question) for c in contexts]
 
-    with press(model) if press is not None else nullcontext():
+    with press(model, compile=compile) if press is not None else nullcontext():
         if question_aware:
             for question in questions:
                 rows = [torch.cat([encode(tokenizer, h, device), encode(tokenizer, t, device)], 1)[0]

@@ -27,6 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..observation import Observation
+from . import compiled
 from .hf import cache_kwarg, check_left_padded, check_supported, input_shape, prefill_key_mask
 from .model_pass import model_pass_scores
 from .press_cache import PressCache
@@ -308,8 +309,11 @@ def attention_routed(model: Any) -> Iterator[Any]:
 
 
 @contextmanager
-def apply_press(press: Pipeline, model: Any) -> Iterator[Any]:
-    """Apply ``press`` to ``model`` inside the ``with`` block (see the module docstring)."""
+def apply_press(press: Pipeline, model: Any, compile: bool | None = None) -> Iterator[Any]:
+    """Apply ``press`` to ``model`` inside the ``with`` block (see the module docstring).
+
+    ``compile``: run decode steps over the compressed cache through a compiled forward
+    (:mod:`.compiled`; ``None``: on CUDA, off on CPU, ``$KVPRESS_ADA_COMPILE`` overrides)."""
     check_supported(model)
     active = _ROUTES.get(model)
     if active is not None and active.press is not None:
@@ -320,8 +324,13 @@ def apply_press(press: Pipeline, model: Any) -> Iterator[Any]:
         return
     route = _route(model)
     route.press = press
+    device = next(model.parameters()).device
+    step = compiled.install(model, route.cache_key, compiled.default_mode(device)) \
+        if compiled.compile_enabled(compile, device) else None
     try:
         yield model
     finally:
+        if step is not None:
+            compiled.uninstall(model)
         route.press = None
         _release(model)

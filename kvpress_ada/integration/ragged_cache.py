@@ -3,13 +3,24 @@
 Evicted entries really leave memory: after compression each layer holds one flat ``[N, D]``
 buffer for keys and one for values, with int32 ``row_offsets``/``row_lengths`` on the device.
 
-Reserve policy (the only slack beyond kept tokens): every row gets ``decode_reserve`` spare slots
-(default 32) for tokens appended after compression. Since every row appends exactly one token per
-step, all rows run out together; the layer is then re-laid out once with a spare of
-``max(decode_reserve, ceil(growth * mean row length))`` per row (``growth=0.125``). Appends thus
-cost amortised O(1) (one copy of the layer every ``growth * length`` steps, never one per token)
-and the slack stays within ``max(decode_reserve tokens, 12.5%)`` of each row. Right after
-compression, ``nbytes() == kept bytes + n_layers * B * H_kv * decode_reserve * D * 2 * itemsize``.
+Reserve policy (the only slack beyond kept tokens): every row gets at least ``decode_reserve``
+spare slots (default 32) for tokens appended after compression, and its capacity is rounded up to
+a whole number of :data:`~kvpress_ada.kernels.reference.CHUNK` (32) slots, so every row starts on
+a chunk boundary (the loop-free CPU attention views the buffer as chunks without a copy). Since
+every row appends exactly one token per step, all rows run out together; the layer is then re-laid
+out once with a spare of ``max(decode_reserve, ceil(growth * mean row length))`` per row
+(``growth=0.125``). Appends thus cost amortised O(1) (one copy of the layer every
+``growth * length`` steps, never one per token) and the slack stays within
+``max(decode_reserve, 12.5%) + CHUNK`` slots of each row. Right after compression,
+``kept bytes + rows * decode_reserve * D * 2 * itemsize <= nbytes() <
+kept bytes + rows * (decode_reserve + CHUNK) * D * 2 * itemsize``.
+
+Compiled decoding (``is_compileable = True``): the host-side bookkeeping of a step (room for the
+new tokens, re-layout, the token counter) runs in :meth:`RaggedCache.reserve`, eagerly, before the
+compiled forward; inside it ``update`` is one in-place append op and attention one ragged
+attention op, on device tensors only (no Python counter, no host sync). The flat buffers only
+change size at a re-layout (every ~12.5% of growth), and their length is marked dynamic, so the
+compiled step sees a small, fixed set of shapes.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .. import kernels
+from ..kernels.reference import CHUNK
 from .entries import ragged_view
 from .masked_cache import _num_layers
 from .press_cache import DenseAttention, PressCache
@@ -29,7 +41,7 @@ from .press_cache import DenseAttention, PressCache
 class RaggedLayer(CacheLayerMixin):
     """One layer: dense while prefill is in flight, ragged once :meth:`compress` ran."""
 
-    is_compileable = False
+    is_compileable = True
     is_sliding = False
     is_croppable = True
 
@@ -51,7 +63,8 @@ class RaggedLayer(CacheLayerMixin):
         self.row_offsets = self.row_lengths = torch.empty(0, dtype=torch.int32)
         self._base: list[int] = []  # host copy of each row's length right after compression
         self._appended = 0  # tokens appended to every row since compression
-        self._spare = 0  # free slots left in every row
+        self._spare = 0  # free slots left in the fullest row
+        self._reserved = 0  # tokens :meth:`reserve` made room for (and counted) ahead of the next update
         self.shape = (0, 0, 0)  # (B, H_kv, D)
 
     # ------------------------------------------------------------------ HF API
@@ -63,15 +76,33 @@ class RaggedLayer(CacheLayerMixin):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.seen += key_states.shape[-2]
+        q = key_states.shape[-2]
         if not self.compressed:
+            self.seen += q
             self.keys = key_states if self.keys is None else torch.cat([self.keys, key_states], dim=-2)
             self.values = value_states if self.values is None else torch.cat([self.values, value_states], dim=-2)
             return self.keys, self.values
-        self._append(key_states, value_states)
+        if not torch.compiler.is_compiling() and self._reserved != q:
+            self.reserve(q)  # eager callers need not reserve; a compiled step was reserved by its caller
+        self._reserved = 0
+        kernels.append(key_states, value_states, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths)
         return self.k_flat, self.v_flat
 
+    def reserve(self, q: int) -> None:
+        """Make room for ``q`` more tokens in every row and count them (eager, before the forward that
+        appends them): the host-side half of an append, kept out of the compiled step."""
+        if q > self._spare:
+            self._grow(q)
+        self.seen += q
+        self._appended += q
+        self._spare -= q
+        self._reserved = q
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.compressed:
+            # ragged attention applies its own (bottom-right causal) rule and ignores the mask that
+            # transformers builds, so keep that mask query-sized: a fixed shape for compiled decoding
+            return query_length, 0
         return self.seen + query_length, 0
 
     def get_seq_length(self) -> int:
@@ -99,7 +130,7 @@ class RaggedLayer(CacheLayerMixin):
                                  "(compressed context entries cannot be restored)")
             self._appended -= n
             self._spare += n
-            self.row_lengths -= n
+            self.row_lengths.sub_(n)  # in place: the compiled step may hold its address
         self.seen -= n
 
     # --------------------------------------------------------------- ragged API
@@ -124,10 +155,11 @@ class RaggedLayer(CacheLayerMixin):
         self.compressed = True
 
     def _layout(self, spare: int, lengths: torch.Tensor) -> None:
-        """Allocate flat storage with ``spare`` free slots per row after ``lengths`` tokens."""
+        """Allocate flat storage with at least ``spare`` free slots per row after ``lengths`` tokens,
+        every row's capacity a multiple of ``CHUNK``."""
         B, H, D = self.shape
         host = [n + self._appended for n in self._base]
-        caps = [n + spare for n in host]
+        caps = [-(-(n + spare) // CHUNK) * CHUNK for n in host]
         offsets = [0] * len(caps)
         for r in range(1, len(caps)):
             offsets[r] = offsets[r - 1] + caps[r - 1]
@@ -136,15 +168,8 @@ class RaggedLayer(CacheLayerMixin):
         self.v_flat = torch.empty(total, D, dtype=self.dtype, device=self.device)
         self.row_offsets = torch.tensor(offsets, dtype=torch.int32, device=self.device)
         self.row_lengths = lengths.to(device=self.device, dtype=torch.int32).clone()
-        self._spare = spare
-
-    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        q = key_states.shape[-2]
-        if q > self._spare:
-            self._grow(q)
-        kernels.append(key_states, value_states, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths)
-        self._appended += q
-        self._spare -= q
+        self._spare = min((c - n for c, n in zip(caps, host)), default=spare)
+        _mark_for_compile(self.k_flat, self.v_flat, self.row_offsets, self.row_lengths)
 
     def _grow(self, needed: int) -> None:
         """Re-lay the layer out with a geometric spare (amortised O(1) appends)."""
@@ -222,6 +247,20 @@ class RaggedLayer(CacheLayerMixin):
         return self.row_lengths.view(B, H).long()
 
 
+def _mark_for_compile(k_flat: torch.Tensor, v_flat: torch.Tensor, *index: torch.Tensor) -> None:
+    """The buffers' length changes at each re-layout: mark it dynamic so a compiled step does not
+    specialise on it. On CUDA also mark every buffer a static address (they are mutated in place),
+    so CUDA graphs (``mode="reduce-overhead"``) neither copy them nor skip the graph; a re-layout
+    gives new addresses, which re-records the graph (a coarse, rare event)."""
+    if torch.compiler.is_compiling():
+        return
+    for t in (k_flat, v_flat):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    if k_flat.device.type == "cuda":
+        for t in (k_flat, v_flat, *index):
+            torch._dynamo.mark_static_address(t)
+
+
 def _row_token_index(offsets: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """Flat positions of every valid token, row by row."""
     counts = torch.tensor(lengths, dtype=torch.long, device=offsets.device)
@@ -241,3 +280,15 @@ class RaggedCache(PressCache):
 
     def __init__(self, config: Any = None, num_layers: int | None = None, decode_reserve: int = 32):
         super().__init__(layers=[RaggedLayer(decode_reserve) for _ in range(_num_layers(config, num_layers))])
+
+    @property
+    def compressed(self) -> bool:
+        """Every layer holds ragged rows (the state a compiled decode step expects)."""
+        return all(isinstance(layer, RaggedLayer) and layer.compressed for layer in self.layers)
+
+    def reserve(self, q: int) -> None:
+        """Room for ``q`` more tokens per row in every compressed layer, counted now (see
+        :meth:`RaggedLayer.reserve`); the eager half of a compiled decode step."""
+        for layer in self.layers:
+            if isinstance(layer, RaggedLayer) and layer.compressed:
+                layer.reserve(q)

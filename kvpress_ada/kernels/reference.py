@@ -1,9 +1,13 @@
 """Plain torch reference implementations of the ragged-cache kernels (Ada-KV layout).
 
 These are the ground truth for the Triton kernels *and* the production CPU path, so they
-are written to be fast for CPU decode: no padded copies of the cache, one
-``[G*Q, D] @ [D, n]`` matmul per kv row (the whole GQA group reads the row once), and a
-batched no-copy fast path when every row has the same length and a regular stride.
+are written to be fast for CPU decode, with no padded copies of the cache:
+
+* every row has the same length and a regular stride (uniform presses): one batched no-copy view;
+* rows of different lengths in a chunk-aligned layout (what ``RaggedLayer`` builds): the loop-free
+  split-K pass :func:`ragged_attention_chunked`, one ``bmm`` over all rows' chunks;
+* any other layout: one ``[G*Q, D] @ [D, n]`` matmul per kv row (the whole GQA group reads the
+  row once); this is the ground truth the other two are tested against.
 
 Layout (see ``kvpress_ada.kernels``): row ``r = b * H_kv + h`` of one layer lives in
 ``k_flat[row_offsets[r] : row_offsets[r] + row_lengths[r]]``.
@@ -14,7 +18,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["ragged_attention_ref", "compact_ref", "append_ref"]
+__all__ = ["ragged_attention_ref", "ragged_attention_chunked", "chunk_aligned", "compact_ref", "append_ref", "CHUNK"]
+
+CHUNK = 32
+LOOP_FREE = True
+"""Route rows of different lengths through :func:`ragged_attention_chunked` (when the layout is chunk
+aligned) instead of one matmul pair per row; a switch for measurements (``benchmarks/decode.py``)."""
+"""Tokens per chunk of the loop-free path; :class:`~kvpress_ada.integration.RaggedLayer` aligns
+every row's capacity (and so every row offset) to a multiple of it."""
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, n: int, out: Tensor) -> None:
@@ -41,6 +52,76 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, n: int, out: Tensor) -> None:
     out.copy_(torch.matmul(p, v).view(*lead, G, Q, D))
 
 
+def uniform_layout(offs: list[int], lens: list[int], R: int) -> bool:
+    """Every row has the same length and rows sit at a regular stride (the batched no-copy path)."""
+    if R < 2 or lens[0] <= 0:
+        return False
+    stride = offs[1] - offs[0]
+    return (stride >= lens[0] and all(n == lens[0] for n in lens)
+            and all(offs[r] == offs[0] + r * stride for r in range(R)))
+
+
+def chunk_aligned(k_flat: Tensor, row_offsets: Tensor, offs: list[int] | None = None, chunk: int = CHUNK) -> bool:
+    """Whether the layout suits :func:`ragged_attention_chunked`: contiguous storage of a whole number of
+    chunks, rows in ascending order, each starting on a chunk boundary."""
+    if not (k_flat.is_contiguous() and k_flat.shape[0] % chunk == 0 and k_flat.shape[0] > 0):
+        return False
+    offs = row_offsets.tolist() if offs is None else offs
+    return all(o % chunk == 0 for o in offs) and all(a <= b for a, b in zip(offs, offs[1:]))
+
+
+def ragged_attention_chunked(
+    q: Tensor,
+    k_flat: Tensor,
+    v_flat: Tensor,
+    row_offsets: Tensor,
+    row_lengths: Tensor,
+    scale: float,
+    chunk: int = CHUNK,
+) -> Tensor:
+    """Loop-free ragged attention (split-K over fixed chunks, as the Triton kernel does).
+
+    The flat buffers are viewed, without a copy, as ``[N / chunk, chunk, D]``; a chunk belongs to
+    the row whose span starts at or before it (rows start on chunk boundaries, in ascending order;
+    see :func:`chunk_aligned`). One ``bmm`` scores every chunk against its row's query group, a
+    length mask hides the row's free slots, per-row maxima and sums combine the chunks
+    (``scatter_reduce``/``index_add``), and one more ``bmm`` reads the values. No host sync and no
+    Python loop over rows: the cost is the same for 3 rows or 300. Same contract as
+    :func:`ragged_attention_ref` (bottom-right causal queries, 0 for a query that sees nothing).
+    """
+    B, H_q, Q, D = q.shape
+    R = row_offsets.shape[0]
+    N = k_flat.shape[0]
+    n_chunks = N // chunk
+    GQ = (H_q // (R // B)) * Q
+    dev = q.device
+    low_precision = q.dtype != torch.float32
+    kc, vc = k_flat.view(n_chunks, chunk, D), v_flat.view(n_chunks, chunk, D)
+    if low_precision:
+        kc, vc = kc.float(), vc.float()
+    offs = row_offsets.to(torch.int64)
+    starts = torch.arange(0, N, chunk, device=dev)
+    row = torch.searchsorted(offs, starts, right=True) - 1  # [n_chunks] owning row
+    row = row.clamp_min(0)
+    # entries of its row that query i sees, counted from this chunk's start
+    seen = row_lengths.to(torch.int64)[row] - (starts - offs[row])  # [n_chunks]
+    ahead = torch.arange(Q - 1, -1, -1, device=dev).repeat(GQ // Q)  # [GQ]: Q - 1 - i
+    limit = seen[:, None] - ahead[None, :]  # [n_chunks, GQ]
+    qs = q.float().mul(scale) if low_precision or scale != 1.0 else q
+    qr = qs.reshape(R, GQ, D)
+    s = torch.bmm(qr.index_select(0, row), kc.transpose(1, 2))  # [n_chunks, GQ, chunk]
+    hidden = torch.arange(chunk, device=dev)[None, None, :] >= limit[:, :, None]
+    s.masked_fill_(hidden, float("-inf"))
+    m = torch.full((R, GQ), float("-inf"), device=dev).scatter_reduce_(0, row[:, None].expand(-1, GQ), s.amax(-1),
+                                                                         "amax")
+    m = m.clamp_min(torch.finfo(torch.float32).min)  # rows that see nothing: exp(-inf - finite) = 0
+    p = torch.exp(s - m.index_select(0, row)[:, :, None])
+    denom = torch.zeros(R, GQ, device=dev).index_add_(0, row, p.sum(-1))
+    out = torch.zeros(R, GQ, D, device=dev).index_add_(0, row, torch.bmm(p, vc))
+    out = out / denom.clamp_min(torch.finfo(torch.float32).tiny)[:, :, None]
+    return out.view(B, H_q, Q, D).to(q.dtype)
+
+
 def ragged_attention_ref(
     q: Tensor,
     k_flat: Tensor,
@@ -61,6 +142,9 @@ def ragged_attention_ref(
     G = H_q // H_kv
     offs = row_offsets.tolist()
     lens = row_lengths.tolist()
+    if LOOP_FREE and R > 1 and not uniform_layout(offs, lens, R) and chunk_aligned(k_flat, row_offsets, offs):
+        # rows of different lengths (Ada): every (batch, kv head) row in one pass, no loop per row
+        return ragged_attention_chunked(q, k_flat, v_flat, row_offsets, row_lengths, scale)
     low_precision = q.dtype != torch.float32
     qs = q.float() * scale if low_precision or scale != 1.0 else q
     if low_precision:

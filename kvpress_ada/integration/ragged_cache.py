@@ -164,8 +164,9 @@ class RaggedLayer(CacheLayerMixin):
         for r in range(1, len(caps)):
             offsets[r] = offsets[r - 1] + caps[r - 1]
         total = offsets[-1] + caps[-1] if caps else 0
-        self.k_flat = torch.empty(total, D, dtype=self.dtype, device=self.device)
-        self.v_flat = torch.empty(total, D, dtype=self.dtype, device=self.device)
+        # zeros, not empty: kernels mask the free slots' scores, but 0 * NaN garbage would still be NaN
+        self.k_flat = torch.zeros(total, D, dtype=self.dtype, device=self.device)
+        self.v_flat = torch.zeros(total, D, dtype=self.dtype, device=self.device)
         self.row_offsets = torch.tensor(offsets, dtype=torch.int32, device=self.device)
         self.row_lengths = lengths.to(device=self.device, dtype=torch.int32).clone()
         self._spare = min((c - n for c, n in zip(caps, host)), default=spare)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from contextlib import nullcontext
 
 import torch
@@ -113,7 +114,10 @@ def generate(model, tokenizer, context: str | list[str], questions: list[str] | 
     cache, which is cropped back to its compressed state after each answer. ``question_aware=True``:
     context and question form one prompt that is compressed as a whole. ``press=None``: full cache.
     ``context`` may be a list of documents of different lengths: they run as one left-padded batch
-    and the result is one list of answers per document.
+    and the result is one list of answers per document. With decode compression
+    (``press.decode_budget``) the question and answer tokens count toward the decode interval; a
+    compaction cannot be cropped away, so every question then starts from a copy of the
+    compressed context cache instead.
     """
     single = isinstance(context, str)
     contexts: list[str] = [context] if isinstance(context, str) else list(context)
@@ -152,6 +156,7 @@ def generate(model, tokenizer, context: str | list[str], questions: list[str] | 
                         **{cache_kwarg(model): None})
             cache = output_cache(out)
             context_length = cache.get_seq_length()
+            copies = press is not None and press.compresses_decode and len(questions) > 1
             for question in questions:
                 tails = [encode(tokenizer, t, device)[0] for _, t in parts(question)]
                 if any(not torch.equal(t, tails[0]) for t in tails):
@@ -159,7 +164,10 @@ def generate(model, tokenizer, context: str | list[str], questions: list[str] | 
                                      "answer them one context at a time")
                 tail = torch.stack(tails)
                 mask = torch.cat([context_mask, context_mask.new_ones(tail.shape)], dim=1)
-                token_rows, cache = batched_answer(model, tail, mask, cache, max_new_tokens, eos)
+                work = copy.deepcopy(cache) if copies else cache
+                token_rows, work = batched_answer(model, tail, mask, work, max_new_tokens, eos)
                 decode_rows(token_rows)
-                cache.crop(context_length - cache.get_seq_length())
+                if not copies:
+                    cache = work
+                    cache.crop(context_length - cache.get_seq_length())
     return answers[0] if single else answers

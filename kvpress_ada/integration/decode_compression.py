@@ -13,7 +13,10 @@ compacted in place:
    scored as its own :class:`Observation` (``H_kv = 1``: its keys and values, the queries of its
    GQA group, the matching columns of ``o_proj``); the queries are the scorer's
    ``query_window()`` most recent *generated* queries of that layer (a rolling window captured
-   in the attention hook; fewer right after the prefill). Keys already carry RoPE, so kept keys
+   in the attention hook; fewer right after the prefill, and never more than the row holds).
+   As at prefill, window attention treats the last ``w`` entries of a row as the window's own
+   keys; that is exact while those tokens are held (always when ``w <= K``, and for SnapKV-like
+   scorers that protect their window when ``w <= B``). Keys already carry RoPE, so kept keys
    keep their true positions, and tokens appended later continue from ``get_seq_length()``.
 3. **Allocate.** The layer schedule gives this layer's per-head budget ``b_l`` for an average of
    ``B`` (``UniformLayer``: ``b_l = B``), the head allocator (uniform or Ada) splits ``H_kv * b_l``
@@ -134,6 +137,7 @@ def decode_keep(press: Pipeline, model: Any, layer_idx: int, n_layers: int, keys
     B, H, L, D = keys.shape
     if queries is None:
         queries = keys.new_zeros(B, H, 0, D)
+    queries = queries[:, :, queries.shape[2] - min(queries.shape[2], L):]  # never more queries than entries
     G = queries.shape[1] // H
     scores = torch.empty(B, H, L, dtype=torch.float32, device=keys.device)
     for h in range(H):

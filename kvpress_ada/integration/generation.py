@@ -156,18 +156,19 @@ def generate(model, tokenizer, context: str | list[str], questions: list[str] | 
                         **{cache_kwarg(model): None})
             cache = output_cache(out)
             context_length = cache.get_seq_length()
-            copies = press is not None and press.compresses_decode and len(questions) > 1
-            for question in questions:
+            decoding = press is not None and press.compresses_decode
+            for i, question in enumerate(questions):
                 tails = [encode(tokenizer, t, device)[0] for _, t in parts(question)]
                 if any(not torch.equal(t, tails[0]) for t in tails):
                     raise ValueError("the question part of the prompt tokenizes differently across contexts; "
                                      "answer them one context at a time")
                 tail = torch.stack(tails)
                 mask = torch.cat([context_mask, context_mask.new_ones(tail.shape)], dim=1)
-                work = copy.deepcopy(cache) if copies else cache
+                last = i + 1 == len(questions)
+                work = copy.deepcopy(cache) if decoding and not last else cache
                 token_rows, work = batched_answer(model, tail, mask, work, max_new_tokens, eos)
                 decode_rows(token_rows)
-                if not copies:
+                if not decoding:
                     cache = work
                     cache.crop(context_length - cache.get_seq_length())
     return answers[0] if single else answers

@@ -193,3 +193,52 @@ def test_generate_several_questions_with_decode_compression(tokenizer):
     both = generate(model, tokenizer, context, ["what?", "who is it?"], press=press, max_new_tokens=10)
     one = [generate(model, tokenizer, context, [q], press=press, max_new_tokens=10)[0] for q in ["what?", "who is it?"]]
     assert both == one
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from conftest import build_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny_decode")
+    build_model("llama", max_position_embeddings=4096).save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def test_cli_eval_and_demo_with_decode_compression(tiny_model_dir, tmp_path, capsys):
+    import json
+
+    from kvpress_ada.cli import main
+
+    out = tmp_path / "run"
+    assert main(["eval", "--model", tiny_model_dir, "--presets", "snapkv", "--ratios", "0.0,0.5", "--tasks", "passkey",
+                 "--n", "1", "--context", "200", "--max-new-tokens", "12", "--decode-budget", "40",
+                 "--decode-interval", "4", "--out", str(out), "--no-progress"]) == 0
+    data = json.loads((out / "results.json").read_text())
+    presses = [r["press"] for r in data["summary"]] if "press" in data["summary"][0] else None
+    assert {(r["label"], r["ratio"]) for r in data["summary"]} == {("full", 0.0), ("snapkv", 0.0), ("snapkv", 0.5)}
+    assert presses is None or all(p is None or p["decode_budget"] == 40 for p in presses)
+    capsys.readouterr()
+    assert main(["demo", "--model", tiny_model_dir, "--preset", "snapkv", "--ratio", "0.5", "--context", "200",
+                 "--max-new-tokens", "12", "--decode-budget", "40", "--decode-interval", "4"]) == 0
+    assert "decode compression: back to 40 tokens per kv head every 4" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--decode-budget", "8"], "go together"),
+    (["--decode-budget", "0", "--decode-interval", "4"], "must be >= 1"),
+])
+def test_cli_decode_options_refused(extra, message, capsys):
+    from kvpress_ada.cli import main
+
+    code = main(["demo", "--model", "nowhere", "--preset", "snapkv", *extra])
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_decode_refused_for_h2o(capsys):
+    from kvpress_ada.cli import main
+
+    assert main(["demo", "--model", "nowhere", "--preset", "h2o", "--decode-budget", "8",
+                 "--decode-interval", "4"]) == 2
+    assert "query_window None" in capsys.readouterr().err

@@ -7,6 +7,7 @@ per press would give (tested) at a fraction of the cost (prefill dominates on CP
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from contextlib import nullcontext
@@ -79,12 +80,21 @@ def _crop_to(cache, length: int) -> None:
     cache.crop(length - cache.get_seq_length())
 
 
+def _decoding(press) -> bool:
+    """Decode compression compacts while generating, which a crop cannot undo: such presses answer
+    and teacher-force on copies of the compressed cache instead."""
+    return press is not None and press.compresses_decode
+
+
 @torch.inference_mode()
 def _teacher_forced(model, press, cache, tokens: torch.Tensor):
     length = cache.get_seq_length()
+    if _decoding(press):
+        cache = copy.deepcopy(cache)
     with _routed(press, model):
         out = model(input_ids=tokens, use_cache=True, output_hidden_states=True, **{cache_kwarg(model): cache})
-    _crop_to(output_cache(out), length)
+    if not _decoding(press):
+        _crop_to(output_cache(out), length)
     return out.logits[0], [h[0] for h in out.hidden_states]
 
 
@@ -101,12 +111,15 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
     length = prefill.seq_len
 
     def answer(press, cache):
+        if _decoding(press):
+            cache = copy.deepcopy(cache)
         with _routed(press, model):
             if question_aware:
                 tokens, cache = greedy_decode(model, prefill.logits, cache, max_new_tokens, eos)
             else:
                 tokens, cache = greedy_continue(model, tail_ids, cache, max_new_tokens, eos)
-        _crop_to(cache, length)
+        if not _decoding(press):
+            _crop_to(cache, length)
         return tokens
 
     full_cache = prefill.full_cache

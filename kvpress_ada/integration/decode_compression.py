@@ -200,7 +200,7 @@ def visible_view(keys: torch.Tensor, values: torch.Tensor,
     return out[0], out[1], valid, index
 
 
-def prefill_visible(key_mask: torch.Tensor | None, shape: tuple[int, int, int], device: Any) -> torch.Tensor:
+def prefill_visible(key_mask: torch.Tensor | None, shape: tuple[int, ...], device: Any) -> torch.Tensor:
     """``[B, H, L]`` visibility of a dense layer: the prefill's real tokens, then every appended one."""
     B, H, L = shape
     if key_mask is None:

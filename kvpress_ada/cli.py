@@ -17,7 +17,7 @@ import shlex
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +139,30 @@ def _check_common(args) -> None:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
 
 
+def _check_decode(args) -> None:
+    budget, interval = args.decode_budget, args.decode_interval
+    if (budget is None) != (interval is None):
+        raise UsageError("--decode-budget and --decode-interval go together (tokens kept per kv head while "
+                         "generating, and generated tokens between two compactions)")
+    if budget is not None and (budget < 1 or interval < 1):
+        raise UsageError(f"--decode-budget and --decode-interval must be >= 1, got {budget} and {interval}")
+
+
+def _with_decode(press, args):
+    """``press`` with the decode compression of ``--decode-budget/--decode-interval`` (unchanged without)."""
+    if args.decode_budget is None:
+        return press
+    from pydantic import ValidationError
+
+    from .pipeline import Pipeline
+
+    try:
+        return Pipeline.model_validate({**press.model_dump(), "decode_budget": args.decode_budget,
+                                        "decode_interval": args.decode_interval})
+    except ValidationError as err:
+        raise UsageError("decode compression: " + "; ".join(e["msg"] for e in err.errors())) from None
+
+
 def _load_model(name: str):
     from .models import load
 
@@ -163,7 +187,8 @@ def cmd_demo(args) -> int:
     if not 0.0 <= args.ratio < 1.0:
         raise UsageError(f"--ratio must be in [0, 1) (fraction of KV entries evicted), got {args.ratio}")
     _check_common(args)
-    presses = {name: preset(name, compression_ratio=args.ratio) for name in names}
+    _check_decode(args)
+    presses = {name: _with_decode(preset(name, compression_ratio=args.ratio), args) for name in names}
     model, tok = _load_model(args.model)
     _check_context(model, args.context)
     sample = _samples("passkey", tok, 1, args.context, args.seed)[0]
@@ -179,12 +204,15 @@ def cmd_demo(args) -> int:
     prefill = capture_prefill(model, prompt)
     t_prefill = time.perf_counter() - t0
 
+    decoded_bytes = []
+
     def answer(cache, pressing):
         with pressing:
             if args.question_aware:
-                tokens, _ = greedy_decode(model, prefill.logits, cache, args.max_new_tokens, eos)
+                tokens, cache = greedy_decode(model, prefill.logits, cache, args.max_new_tokens, eos)
             else:
-                tokens, _ = greedy_continue(model, tail_ids, cache, args.max_new_tokens, eos)
+                tokens, cache = greedy_continue(model, tail_ids, cache, args.max_new_tokens, eos)
+        decoded_bytes.append(cache.nbytes() if hasattr(cache, "nbytes") else 0)
         return tok.decode(tokens, skip_special_tokens=True).strip()
 
     t0 = time.perf_counter()
@@ -211,6 +239,10 @@ def cmd_demo(args) -> int:
     print(f"tokens kept per kv head in layer {middle}: {lengths} (budgets differ per head and per layer)")
     print(f"prefill {t_prefill:.2f}s, {args.preset} scoring + allocation + compaction "
           f"{compress_seconds[args.preset]:.2f}s (all layers)")
+    main = presses[args.preset]
+    if main.compresses_decode:
+        print(f"decode compression: back to {main.decode_budget} tokens per kv head every {main.decode_interval} "
+              f"generated tokens; KV bytes after the answer: {decoded_bytes[1]:,}")
     return 0
 
 
@@ -307,7 +339,9 @@ def cmd_eval(args) -> int:
     from .eval.runner import EvalResult, evaluate, grid
 
     presets, tasks, ratios, configs = _eval_inputs(args)
+    _check_decode(args)
     entries = _with_prefill_chunk(grid(presets, ratios) + grid(configs, ratios), args.prefill_chunk)
+    entries = [replace(e, press=_with_decode(e.press, args)) for e in entries]
     settings = _settings(args, tasks, entries)
     out = _prepare_out(args.out)
     partial = out / PARTIAL
@@ -368,6 +402,13 @@ def _tasks_epilog() -> str:
     return "tasks (--tasks):\n" + "\n".join(f"  {t.name:<{width}}  {t.description}" for t in TASKS.values())
 
 
+def _decode_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--decode-budget", type=int, metavar="B",
+                        help="decode compression: compact the cache back to B tokens per kv head while generating")
+    parser.add_argument("--decode-interval", type=int, metavar="K",
+                        help="decode compression: generated tokens between two compactions (with --decode-budget)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpress-ada", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -385,6 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--question-aware", action="store_true", help="compress context and question together")
     demo.add_argument("--max-new-tokens", type=int, default=16, help="answer length limit (>= 1)")
     demo.add_argument("--seed", type=int, default=0)
+    _decode_arguments(demo)
     demo.add_argument("--threads", type=int, help=threads_help)
     demo.set_defaults(func=cmd_demo)
 
@@ -404,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefill the context in chunks of N tokens, compressing after each (Pipeline.prefill_chunk; "
                          "presses that need the whole context, e.g. kvzip, are refused)")
     ev.add_argument("--seed", type=int, default=0)
+    _decode_arguments(ev)
     ev.add_argument("--out", default="kvpress_ada_eval", help="output directory for results.json and the plot "
                                                              f"(and {PARTIAL} while running)")
     ev.add_argument("--resume", action="store_true",

@@ -18,9 +18,17 @@ _REGISTRIES = {"scorer": SCORERS, "allocator": ALLOCATORS, "layers": LAYER_SCHED
 class Pipeline(BaseModel):
     """A press: ``Pipeline(scorer=SnapKV(), allocator=AdaHead(alpha=0.2), compression_ratio=0.5)``.
 
-    Exactly one of ``compression_ratio`` (fraction of the context's KV entries evicted, ``0 <= r < 1``)
-    or ``budget`` (average tokens kept per kv head) is given. ``with press(model): ...`` compresses
-    every layer right after its prefill attention, so the full cache of all layers is never held.
+    Prefill compression: at most one of ``compression_ratio`` (fraction of the context's KV entries
+    evicted, ``0 <= r < 1``) or ``budget`` (average tokens kept per kv head). ``with press(model): ...``
+    compresses every layer right after its prefill attention, so the full cache of all layers is
+    never held.
+
+    Decode compression: ``decode_budget=B, decode_interval=K`` (both or neither): while generating,
+    every ``K`` appended tokens each layer is re-scored (window = the most recent generated queries),
+    re-split across heads by the allocator and compacted in place back to ``B`` tokens per kv head
+    on average (see :mod:`kvpress_ada.integration.decode_compression` for the exact bound). Prefill
+    and decode compression compose; either may be given alone (a decode-only pipeline keeps the
+    whole prompt until its first compaction).
 
     ``prefill_chunk=N`` (chunked prefill, :mod:`kvpress_ada.integration.chunked_prefill`): a forward
     that brings a context of ``L > N`` tokens into an empty cache under the press runs the model
@@ -54,6 +62,8 @@ class Pipeline(BaseModel):
     budget: int | None = Field(None, ge=1)
     prefill_chunk: int | None = Field(None, ge=1, description="prefill the context in chunks of this many tokens, "
                                                                 "compressing after each chunk (None: one pass)")
+    decode_budget: int | None = Field(None, ge=1, description="average tokens per kv head kept while generating")
+    decode_interval: int | None = Field(None, ge=1, description="generated tokens between two decode compactions")
 
     @field_validator("scorer", "allocator", "layers", "evictor", mode="before")
     @classmethod
@@ -63,11 +73,21 @@ class Pipeline(BaseModel):
 
     @model_validator(mode="after")
     def _exactly_one_budget(self) -> "Pipeline":
-        if (self.compression_ratio is None) == (self.budget is None):
+        both = self.compression_ratio is not None and self.budget is not None
+        if both or (self.compression_ratio is None and self.budget is None and self.decode_budget is None):
             raise ValueError(
                 "give exactly one of compression_ratio (0 <= r < 1, fraction evicted) or budget "
-                f"(>= 1 tokens kept per kv head); got compression_ratio={self.compression_ratio}, budget={self.budget}"
-            )
+                "(>= 1 tokens kept per kv head) for prefill compression, or neither with decode_budget and "
+                f"decode_interval for decode-only compression; got compression_ratio={self.compression_ratio}, "
+                f"budget={self.budget}, decode_budget={self.decode_budget}")
+        if (self.decode_budget is None) != (self.decode_interval is None):
+            raise ValueError("decode_budget (tokens kept per kv head while generating) and decode_interval "
+                             "(generated tokens between compactions) go together: give both or neither; got "
+                             f"decode_budget={self.decode_budget}, decode_interval={self.decode_interval}")
+        if self.decode_budget is not None:
+            from .integration.decode_compression import check_decode_support
+
+            check_decode_support(self)
         return self
 
     @model_validator(mode="after")
@@ -90,9 +110,19 @@ class Pipeline(BaseModel):
     # ----------------------------------------------------------------- policy
     @property
     def is_noop(self) -> bool:
-        """Ratio 0 without chunked prefill keeps every entry: the press leaves the model untouched.
-        (With ``prefill_chunk`` the press still runs the prefill chunk by chunk.)"""
-        return self.compression_ratio == 0.0 and self.prefill_chunk is None
+        """Ratio 0 without chunked prefill or decode compression keeps every entry: the press leaves the
+        model untouched. (With ``prefill_chunk`` the press still runs the prefill chunk by chunk.)"""
+        return self.compression_ratio == 0.0 and self.prefill_chunk is None and self.decode_budget is None
+
+    @property
+    def compresses_prefill(self) -> bool:
+        """Whether the prefill is compressed (a ``budget``, or a ``compression_ratio`` above 0)."""
+        return self.budget is not None or bool(self.compression_ratio)
+
+    @property
+    def compresses_decode(self) -> bool:
+        """Whether the cache is compacted while generating (``decode_budget``/``decode_interval``)."""
+        return self.decode_budget is not None
 
     def chunks(self, length: int) -> list[tuple[int, int]]:
         """``[(start, stop), ...]`` of a chunked prefill of ``length`` tokens, aligned on the end:
@@ -108,7 +138,8 @@ class Pipeline(BaseModel):
         """Average tokens kept per kv head for rows with ``lengths`` valid tokens, ``[B]`` long."""
         if self.budget is not None:
             return torch.clamp(torch.full_like(lengths, self.budget), max=lengths).clamp(min=1)
-        assert self.compression_ratio is not None  # exactly one is set (validated)
+        if self.compression_ratio is None:  # decode-only pipeline: the prefill keeps everything
+            return lengths.clone()
         kept = torch.round((1.0 - self.compression_ratio) * lengths.double()).long()
         return torch.minimum(kept.clamp(min=1), lengths)
 

@@ -8,6 +8,7 @@ exactly the answers a separate run per press would give (tested) at a fraction o
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from contextlib import nullcontext
@@ -80,12 +81,21 @@ def _crop_to(cache, length: int) -> None:
     cache.crop(length - cache.get_seq_length())
 
 
+def _decoding(press) -> bool:
+    """Decode compression compacts while generating, which a crop cannot undo: such presses answer
+    and teacher-force on copies of the compressed cache instead."""
+    return press is not None and press.compresses_decode
+
+
 @torch.inference_mode()
 def _teacher_forced(model, press, cache, tokens: torch.Tensor):
     length = cache.get_seq_length()
+    if _decoding(press):
+        cache = copy.deepcopy(cache)
     with _routed(press, model):
         out = model(input_ids=tokens, use_cache=True, output_hidden_states=True, **{cache_kwarg(model): cache})
-    _crop_to(output_cache(out), length)
+    if not _decoding(press):
+        _crop_to(output_cache(out), length)
     return out.logits[0], [h[0] for h in out.hidden_states]
 
 
@@ -102,13 +112,16 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
     length = prefill.seq_len
 
     def answer(press, cache, logits=None):
+        if _decoding(press):
+            cache = copy.deepcopy(cache)
         with _routed(press, model):
             if question_aware:
                 first = prefill.logits if logits is None else logits
                 tokens, cache = greedy_decode(model, first, cache, max_new_tokens, eos)
             else:
                 tokens, cache = greedy_continue(model, tail_ids, cache, max_new_tokens, eos)
-        _crop_to(cache, length)
+        if not _decoding(press):
+            _crop_to(cache, length)
         return tokens
 
     full_cache = prefill.full_cache

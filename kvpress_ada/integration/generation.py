@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from contextlib import nullcontext
 
 import torch
@@ -116,7 +117,10 @@ def generate(model, tokenizer, context: str | list[str], questions: list[str] | 
     ``context`` may be a list of documents of different lengths: they run as one left-padded batch
     and the result is one list of answers per document. ``compile``: decode steps over the compressed
     cache run through a compiled forward (default: on CUDA, off on CPU; ``$KVPRESS_ADA_COMPILE=0`` turns
-    the default off; see :mod:`kvpress_ada.integration.compiled`); tokens are the same either way.
+    the default off; see :mod:`kvpress_ada.integration.compiled`); tokens are the same either way. With
+    decode compression (``press.decode_budget``) the question and answer tokens count toward the decode
+    interval; a compaction cannot be cropped away, so every question then starts from a copy of the
+    compressed context cache instead.
     """
     single = isinstance(context, str)
     contexts: list[str] = [context] if isinstance(context, str) else list(context)
@@ -155,14 +159,19 @@ def generate(model, tokenizer, context: str | list[str], questions: list[str] | 
                         **{cache_kwarg(model): None})
             cache = output_cache(out)
             context_length = cache.get_seq_length()
-            for question in questions:
+            decoding = press is not None and press.compresses_decode
+            for i, question in enumerate(questions):
                 tails = [encode(tokenizer, t, device)[0] for _, t in parts(question)]
                 if any(not torch.equal(t, tails[0]) for t in tails):
                     raise ValueError("the question part of the prompt tokenizes differently across contexts; "
                                      "answer them one context at a time")
                 tail = torch.stack(tails)
                 mask = torch.cat([context_mask, context_mask.new_ones(tail.shape)], dim=1)
-                token_rows, cache = batched_answer(model, tail, mask, cache, max_new_tokens, eos)
+                last = i + 1 == len(questions)
+                work = copy.deepcopy(cache) if decoding and not last else cache
+                token_rows, work = batched_answer(model, tail, mask, work, max_new_tokens, eos)
                 decode_rows(token_rows)
-                cache.crop(context_length - cache.get_seq_length())
+                if not decoding:
+                    cache = work
+                    cache.crop(context_length - cache.get_seq_length())
     return answers[0] if single else answers

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
+from .decode_compression import prefill_visible, visible_view
 from .entries import masked_view
 from .press_cache import DenseAttention, PressCache
 
@@ -41,6 +42,27 @@ class MaskedLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self.keep = None
+
+    def _visible(self, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        keys, _ = self._dense()
+        if self.keep is None:
+            return prefill_visible(key_mask, tuple(keys.shape[:3]), keys.device)
+        return F.pad(self.keep, (0, keys.shape[2] - self.keep.shape[-1]), value=True)
+
+    def decode_view(self, key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The visible entries as a left-padded view ``(keys, values, valid)`` (see ``decode_compression``)."""
+        keys, values = self._dense()
+        view_keys, view_values, valid, _ = visible_view(keys, values, self._visible(key_mask))
+        return view_keys, view_values, valid
+
+    def decode_compact(self, keep: torch.Tensor, spare: int, key_mask: torch.Tensor | None = None) -> None:
+        """Hide every entry whose :meth:`decode_view` slot ``keep`` drops (nothing is freed; ``spare``
+        is unused). ``key_mask`` as given to :meth:`decode_view`."""
+        keys, values = self._dense()
+        visible = self._visible(key_mask)
+        _, _, _, index = visible_view(keys[..., :1], values[..., :1], visible)
+        padded = F.pad(keep, (0, 1), value=False)
+        self.keep = padded.gather(2, index) & visible
 
     def head_lengths(self) -> torch.Tensor:
         """Visible entries per (batch, kv head), ``[B, H_kv]``."""

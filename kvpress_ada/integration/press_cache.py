@@ -44,6 +44,12 @@ class PressLayer(Protocol):
     def nbytes(self) -> int:
         """Bytes held for keys and values."""
 
+    def decode_view(self, key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-padded ``(keys, values, valid)`` view of the entries attended to (decode compression)."""
+
+    def decode_compact(self, keep: torch.Tensor, spare: int, key_mask: torch.Tensor | None = None) -> None:
+        """Keep the :meth:`decode_view` entries where ``keep`` is True (decode compression)."""
+
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                scaling: float, dense_fn: DenseAttention, module: torch.nn.Module,
                **kwargs: Any) -> tuple[torch.Tensor, Any]:
@@ -56,6 +62,7 @@ class PressCache(Cache):
     def __init__(self, layers: list[Any]):
         super().__init__(layers=layers)
         self.routed = False  # set by the press routing for the duration of one forward
+        self.decode_state: Any = None  # decode compression's per-cache state (decode_compression.py)
 
     def _layer(self, layer_idx: int) -> PressLayer:
         if not 0 <= layer_idx < len(self.layers):

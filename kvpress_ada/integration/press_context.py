@@ -28,6 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..observation import Observation
 from . import compiled
+from .decode_compression import after_decode_attention, start_decode
 from .hf import cache_kwarg, check_left_padded, check_supported, input_shape, prefill_key_mask
 from .model_pass import model_pass_scores
 from .press_cache import PressCache
@@ -70,6 +71,7 @@ class PressRun:
     key_mask: torch.Tensor | None
     input_ids: torch.Tensor | None = None
     next_position: torch.Tensor | None = None  # [B] RoPE position after the prefill (model passes)
+    decode: bool = False  # a decode forward of a press with decode compression (decode_compression.py)
     pending: dict[int, Observation] = field(default_factory=dict)
 
     def handles_prefill(self, layer_idx: int) -> bool:
@@ -117,8 +119,13 @@ class PressRun:
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:
-        return self.cache.attend(int(module.layer_idx), query, key, value, attention_mask, scaling,  # type: ignore[arg-type]
-                                 sdpa_attention_forward, module, **kwargs)
+        layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
+        out = self.cache.attend(layer_idx, query, key, value, attention_mask, scaling, sdpa_attention_forward,
+                                module, **kwargs)
+        if self.decode and self.press is not None:
+            after_decode_attention(self.press, self.cache, self.model, layer_idx, query, scaling,
+                                   _output_weight(module))
+        return out
 
 
 def _with_dense(obs: Observation, dense: tuple[torch.Tensor, torch.Tensor], pass_scores: torch.Tensor) -> Observation:
@@ -239,16 +246,23 @@ class _Route:
         if prefill and press is not None and press.prefill_chunk is not None and shape[1] > press.prefill_chunk:
             from .chunked_prefill import start_chunked_prefill
 
+            if press.compresses_decode:
+                start_decode(cache, prefill_key_mask(args, kwargs))
             kwargs.pop("past_key_values", None)
             return start_chunked_prefill(self.model, press, cache, args, kwargs, self.cache_key)
-        run = PressRun(press=press, cache=cache, model=self.model, compress=prefill, key_mask=None)
+        run = PressRun(press=press, cache=cache, model=self.model, compress=False, key_mask=None,
+                       decode=press is not None and press.compresses_decode and not prefill)
         if prefill:
             assert press is not None
             run.key_mask = prefill_key_mask(args, kwargs)
             check_left_padded(run.key_mask)
-            press.check_context(int(run.key_mask.sum(-1).min()))
-            run.input_ids = kwargs.get("input_ids", args[0] if args else None)
-            run.next_position = next_positions(kwargs.get("position_ids"), shape)
+            if press.compresses_decode:
+                start_decode(cache, run.key_mask)
+            if press.compresses_prefill:
+                run.compress = True
+                press.check_context(int(run.key_mask.sum(-1).min()))
+                run.input_ids = kwargs.get("input_ids", args[0] if args else None)
+                run.next_position = next_positions(kwargs.get("position_ids"), shape)
         kwargs.pop("past_key_values", None)
         kwargs[self.cache_key] = cache
         kwargs[RUN_KWARG] = run

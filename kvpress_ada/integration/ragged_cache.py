@@ -33,6 +33,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .. import kernels
 from ..kernels.reference import CHUNK
+from .decode_compression import left_padded_index, prefill_visible
 from .entries import ragged_view
 from .masked_cache import _num_layers
 from .press_cache import DenseAttention, PressCache
@@ -139,8 +140,9 @@ class RaggedLayer(CacheLayerMixin):
             raise ValueError("cannot compress a layer that holds no tokens")
         return self.keys, self.values
 
-    def compress(self, keep: torch.Tensor) -> None:
-        """Compact the dense prefill cache to the entries where ``keep [B, H_kv, L]`` is True."""
+    def compress(self, keep: torch.Tensor, spare: int | None = None) -> None:
+        """Compact the dense prefill cache to the entries where ``keep [B, H_kv, L]`` is True,
+        leaving ``spare`` free slots per row (default ``decode_reserve``)."""
         keys, values = self._dense()
         B, H, L, D = keys.shape
         if keep.shape != (B, H, L):
@@ -149,7 +151,7 @@ class RaggedLayer(CacheLayerMixin):
         self._base = counts.tolist()  # one host sync per layer, at compression time only
         self.shape = (B, H, D)
         self._appended = 0
-        self._layout(self.decode_reserve, counts)
+        self._layout(self.decode_reserve if spare is None else spare, counts)
         kernels.compact(keys, values, keep, self.row_offsets, self.k_flat, self.v_flat)
         self.keys = self.values = None
         self.compressed = True
@@ -232,6 +234,37 @@ class RaggedLayer(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
             raise NotImplementedError("selecting batch rows of a filled RaggedCache is not supported")
+
+    # ----------------------------------------------------- decode compression
+    def decode_view(self, key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-padded dense view of the layer for decode re-scoring: ``(keys, values, valid)``,
+        ``[B, H_kv, L_max, D]`` twice and ``[B, H_kv, L_max]`` (see ``decode_compression``);
+        ``key_mask``: the prefill's real tokens, for a layer not compressed yet."""
+        if not self.compressed:
+            keys, values = self._dense()
+            return keys, values, prefill_visible(key_mask, tuple(keys.shape[:3]), keys.device)
+        B, H, D = self.shape
+        host = [n + self._appended for n in self._base]
+        width = max(host) if host else 0
+        lengths = torch.tensor(host, dtype=torch.long, device=self.k_flat.device)
+        src = _row_token_index(self.row_offsets, host)
+        dst = left_padded_index(lengths, width)
+        views = []
+        for flat in (self.k_flat, self.v_flat):
+            view = flat.new_zeros(B * H * width, D)
+            view[dst] = flat[src]
+            views.append(view.view(B, H, width, D))
+        valid = torch.zeros(B * H * width, dtype=torch.bool, device=self.k_flat.device)
+        valid[dst] = True
+        return views[0], views[1], valid.view(B, H, width)
+
+    def decode_compact(self, keep: torch.Tensor, spare: int, key_mask: torch.Tensor | None = None) -> None:
+        """Keep the entries of :meth:`decode_view` where ``keep`` is True, in place of the layer's
+        rows, through the prefill's ``compress`` path; each row gets ``spare`` free slots
+        (``key_mask`` as given to :meth:`decode_view`; padding is never kept)."""
+        if self.compressed:
+            self.keys, self.values, _ = self.decode_view()
+        self.compress(keep, spare=spare)
 
     # ------------------------------------------------------------ inspection
     def nbytes(self) -> int:

@@ -1,0 +1,223 @@
+"""Decode-phase compression over a long generation: KV bytes over time, tokens/s, agreement.
+
+From a short chat prompt, the full-cache model generates ``--steps`` tokens greedily (EOS
+suppressed so the continuation has the requested length); its log-probs are kept. Every
+configuration then teacher-forces that same continuation one token per forward (so all see the
+same token ids) and records, at every step, the KV bytes held, KL(full || press) and whether its
+top-1 token equals the full-cache one, plus the forward times (tokens/s):
+
+* ours: ``Pipeline(scorer, allocator, decode_budget=B, decode_interval=K)``, decode-only (the
+  short prompt is not compressed), ragged cache; scorers SnapKV (uniform and Ada heads),
+  StreamingLLM and KNorm;
+* kvpress (``--kvpress``): ``DecodingPress(base, compression_interval=K, target_size=B)`` with the
+  same bases, in its own virtualenv (``benchmarks/decode_compression_worker.py``), true RoPE
+  positions passed explicitly as kvpress's pipeline does.
+
+    python benchmarks/decode_compression.py                    # default model, 2048 tokens
+    python benchmarks/decode_compression.py --kvpress          # + kvpress DecodingPress side by side
+    python benchmarks/decode_compression.py --quick            # tiny random model, 96 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default", choices=common.MODEL_CHOICES)
+    p.add_argument("--steps", type=int, default=2048, help="generated tokens")
+    p.add_argument("--budget", type=int, default=256, help="decode_budget: tokens per kv head after compaction")
+    p.add_argument("--interval", type=int, default=64, help="decode_interval: generated tokens between compactions")
+    p.add_argument("--window", type=int, default=32, help="SnapKV observation window (generated queries)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--kvpress", action="store_true", help="also run kvpress's DecodingPress (its own venv)")
+    p.add_argument("--venv", type=Path, default=None, help="kvpress virtualenv (see benchmarks/kvpress_compare.py)")
+    p.add_argument("--quick", action="store_true", help="tiny random model, 96 steps, budget 16, interval 8")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model, args.steps, args.budget, args.interval, args.window = "tiny", 96, 16, 8, 4
+    if args.kvpress and args.model != "default":
+        p.error("--kvpress runs the default model in kvpress's venv: use it with --model default (no --quick)")
+    return args
+
+
+def presses(args):
+    from kvpress_ada import Pipeline
+    from kvpress_ada.allocators import AdaHead
+    from kvpress_ada.presses import KNorm, SnapKV, StreamingLLM
+
+    common_fields = dict(decode_budget=args.budget, decode_interval=args.interval)
+    return {
+        "snapkv": Pipeline(scorer=SnapKV(window=args.window, kernel=5), **common_fields),
+        "ada_snapkv": Pipeline(scorer=SnapKV(window=args.window, kernel=5), allocator=AdaHead(alpha=0.2),
+                               **common_fields),
+        "streamingllm": Pipeline(scorer=StreamingLLM(sinks=4), **common_fields),
+        "knorm": Pipeline(scorer=KNorm(), **common_fields),
+    }
+
+
+@torch.inference_mode()
+def full_generation(model, prompt: torch.Tensor, steps: int, suppress: list[int]):
+    """Greedy full-cache generation: (tokens [steps], log-probs [steps, V] fp32, kv bytes, step seconds)."""
+    key = common.cache_kwarg(model)
+    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **{key: None})
+    cache = common.output_cache(out)
+    tokens, logps, kv, step_s = [], [], [], []
+    logits = out.logits[0, -1].float()
+    for step in range(steps):
+        logits[suppress] = float("-inf")
+        logp = torch.log_softmax(logits, -1)
+        token = int(logp.argmax())
+        tokens.append(token)
+        logps.append(logp)
+        if step + 1 == steps:
+            break
+        t0 = time.perf_counter()
+        out = model(input_ids=torch.tensor([[token]]), use_cache=True, **{key: cache})
+        step_s.append(time.perf_counter() - t0)
+        cache = common.output_cache(out)
+        kv.append(common.cache_nbytes(cache))
+        logits = out.logits[0, -1].float()
+    return torch.tensor(tokens), torch.stack(logps), kv, step_s
+
+
+@torch.inference_mode()
+def teacher_forced(model, press, prompt: torch.Tensor, tokens: torch.Tensor, full_logp: torch.Tensor) -> dict:
+    key = common.cache_kwarg(model)
+    kl, top1, kv, step_s = [], [], [], []
+    with press(model):
+        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **{key: None})
+        cache = common.output_cache(out)
+        for i in range(tokens.numel() - 1):
+            t0 = time.perf_counter()
+            out = model(input_ids=tokens[i].view(1, 1), use_cache=True, **{key: cache})
+            step_s.append(time.perf_counter() - t0)
+            cache = common.output_cache(out)
+            logp = torch.log_softmax(out.logits[0, -1].float(), -1)
+            ref = full_logp[i + 1]
+            kl.append(float((ref.exp() * (ref - logp)).sum()))
+            top1.append(int(logp.argmax()) == int(tokens[i + 1]))
+            kv.append(cache.nbytes())
+    return {"kl": kl, "top1": top1, "kv_bytes": kv, "step_s": step_s,
+            "compactions": list(cache.decode_state.compactions)}
+
+
+def summarize(run: dict, warm: int) -> dict:
+    steps = run["step_s"][warm:]
+    kv = run["kv_bytes"]
+    return {"tokens_per_s": len(steps) / sum(steps) if steps else None,
+            "mean_kl": sum(run["kl"]) / len(run["kl"]) if run.get("kl") else 0.0,
+            "top1": sum(run["top1"]) / len(run["top1"]) if run.get("top1") else 1.0,
+            "kv_bytes_max": max(kv), "kv_bytes_final": kv[-1],
+            "kv_bytes_max_after_first_compaction": max(kv[len(kv) // 8:]) if kv else None}
+
+
+def run_kvpress(args, prompt, tokens, full_logp) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from kvpress_compare import DEFAULT_VENV, ensure_kvpress_venv
+
+    from kvpress_ada.default_model import ensure_default_model
+
+    python = ensure_kvpress_venv(args.venv or DEFAULT_VENV)
+    with tempfile.TemporaryDirectory() as tmp:
+        inputs, out = Path(tmp) / "inputs.pt", Path(tmp) / "out.json"
+        torch.save({"prompt": prompt, "tokens": tokens, "logp": full_logp}, inputs)
+        cmd = [str(python), str(Path(__file__).resolve().parent / "decode_compression_worker.py"),
+               "--model", str(ensure_default_model()), "--inputs", str(inputs), "--out", str(out),
+               "--budget", str(args.budget), "--interval", str(args.interval), "--window", str(args.window),
+               "--threads", str(args.threads)]
+        subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": ""})
+        import json
+
+        return json.loads(out.read_text())
+
+
+def plot(payload: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, run in payload["series"].items():
+        ax.plot(range(1, len(run["kv_bytes"]) + 1), [b / 2**20 for b in run["kv_bytes"]], label=label,
+                linestyle="--" if label.startswith("kvpress") else "-")
+    ax.set_xlabel("generated tokens")
+    ax.set_ylabel("KV cache (MiB)")
+    s = payload["settings"]
+    ax.set_title(f"decode compression: budget {s['budget']}/kv head, every {s['interval']} tokens "
+                 f"({payload['model']})")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    common.set_threads(args.threads)
+    model, tok = common.load_model(args.model)
+    if tok is not None:
+        text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
+                                       add_generation_prompt=True)
+        prompt = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        suppress = sorted({i for i in [tok.eos_token_id, *(model.generation_config.eos_token_id or [])]
+                           if i is not None} if isinstance(model.generation_config.eos_token_id, list)
+                          else {i for i in [tok.eos_token_id, model.generation_config.eos_token_id] if i is not None})
+    else:
+        prompt = common.context_ids(None, 24, vocab_size=model.config.vocab_size)
+        suppress = []
+    geom = common.kv_geometry(model)
+    print(f"prompt: {prompt.shape[1]} tokens; generating {args.steps} with the full cache ...", file=sys.stderr)
+    tokens, full_logp, full_kv, full_s = full_generation(model, prompt, args.steps, suppress)
+    warm = min(8, len(full_s) // 4)
+    series = {"full": {"kv_bytes": full_kv, "step_s": full_s, "kl": [], "top1": []}}
+    for label, press in presses(args).items():
+        print(f"teacher-forcing {label} ...", file=sys.stderr)
+        series[label] = teacher_forced(model, press, prompt, tokens, full_logp)
+        print(f"  {summarize(series[label], warm)}", file=sys.stderr)
+    kvpress_versions = None
+    if args.kvpress:
+        print("kvpress DecodingPress (its own venv) ...", file=sys.stderr)
+        result = run_kvpress(args, prompt, tokens, full_logp)
+        kvpress_versions = result["versions"]
+        for method, run in result["runs"].items():
+            series[f"kvpress_{method}"] = run
+    bound = common.full_kv_bytes(geom, 1, args.budget + args.interval)
+    payload = {
+        "benchmark": "decode_compression", "date": common.now_iso(), "model": args.model,
+        "machine": common.machine_info(), "threads": args.threads, "kvpress": kvpress_versions,
+        "settings": {"steps": args.steps, "budget": args.budget, "interval": args.interval, "window": args.window,
+                     "prompt_tokens": int(prompt.shape[1]), "eos_suppressed": suppress},
+        "bound_bytes": bound, "geometry": geom,
+        "presses": {k: v.model_dump(mode="json") for k, v in presses(args).items()},
+        "summary": {label: summarize(run, warm) for label, run in series.items()},
+        "series": series,
+    }
+    out = args.out or (common.QUICK_DIR if args.quick else common.RESULTS) / "decode_compression.json"
+    common.write_json(out, payload)
+    plot(payload, out.with_suffix(".png"))
+    rows = [[label, f"{s['tokens_per_s']:.1f}", f"{s['kv_bytes_final'] / 2**20:.2f}",
+             f"{s['kv_bytes_max'] / 2**20:.2f}", f"{s['mean_kl']:.3f}", f"{s['top1']:.3f}"]
+            for label, s in payload["summary"].items()]
+    print(common.fmt_table(["config", "tok/s", "KV final MiB", "KV max MiB", "mean KL", "top-1"], rows))
+    print(f"bound (n_layers * H_kv * (B + K) slots): {bound / 2**20:.2f} MiB; wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

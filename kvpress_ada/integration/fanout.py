@@ -74,6 +74,7 @@ class Prefill:
         if press.is_noop:
             return [torch.ones(c.keys.shape[:3], dtype=torch.bool, device=c.keys.device) for c in self.layers]
         press.check_context(int(self.key_mask.sum(-1).min()))
+        press.check_model(self.model)
         observations = [self.observation(press.scorer, i) for i in range(len(self.layers))]
         if type(press.scorer).needs_model_pass:
             maps = self._pass_scores(press.scorer)

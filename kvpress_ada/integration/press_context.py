@@ -306,6 +306,7 @@ def apply_press(press: Pipeline, model: Any) -> Iterator[Any]:
     if press.is_noop:
         yield model
         return
+    press.check_model(model)
     route = _route(model)
     route.press = press
     try:

@@ -41,12 +41,12 @@ class _UsesCalibration:
     alpha: float
     model_specific: ClassVar[bool] = True  # tied to the model it was calibrated on: refused for any other
 
-    def calibration(self) -> calibration.Calibration:
+    def load_calibration(self) -> calibration.Calibration:
         """The calibration file's content (read once, cached)."""
         return calibration.load(self.path)
 
     def check_model(self, config: Any) -> None:
-        self.calibration().check_model(config, source=f"calibration {self.path!r}")
+        self.load_calibration().check_model(config, source=f"calibration {self.path!r}")
 
     def _shares(self, device: torch.device) -> torch.Tensor:
         """``[n_layers, H]`` float64 shares (summing to 1) on ``device`` (cached per device)."""
@@ -54,7 +54,7 @@ class _UsesCalibration:
 
     def _refuse_shape(self, what: str, got: Any, expected: Any) -> NoReturn:
         raise calibration.CalibrationError(
-            f"calibration {self.path!r} was made for model {self.calibration().model.describe()} with {expected} "
+            f"calibration {self.path!r} was made for model {self.load_calibration().model.describe()} with {expected} "
             f"{what}; this model has {got}; run `kvpress-ada calibrate` for this model")
 
 

@@ -189,7 +189,8 @@ def test_shipped_calibration_fits_the_default_model():
                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
                          rope_parameters={"rope_theta": 100000.0, "rope_type": "default"}, tie_word_embeddings=True)
     shipped.check_model(config)
-    assert shipped.scorer["name"] == "kvzip" and shipped.n == 32 and shipped.seeds["seed"] >= cal.CALIBRATION_SEED
+    assert shipped.scorer["name"] == "kvzip" and shipped.seeds["seed"] >= cal.CALIBRATION_SEED
+    assert shipped.n == sum(shipped.seeds["samples_per_task"].values()) >= 16 and len(shipped.shares) == 30
     press = preset("calibrated_streamingllm", compression_ratio=0.75)
     assert Pipeline.model_validate_json(press.model_dump_json()) == press
     budgets = press.layers.budgets(torch.tensor([250]), 30, torch.tensor([1000]))

@@ -4,6 +4,8 @@ that really frees memory."""
 from .allocators import (
                       AdaHead,
                       AdaLayer,
+                      Calibrated,
+                      CalibratedLayer,
                       HeadAllocator,
                       LayerSchedule,
                       PyramidLayer,
@@ -41,7 +43,8 @@ __all__ = [
     "Pipeline", "preset", "preset_names", "register_preset", "generate",
     "SnapKV", "StreamingLLM", "ObservedAttention", "H2O", "TOVA", "KNorm", "ExpectedAttention", "CriticalKV",
     "RandomScorer", "KVzip", "use_tokenizer", "LagKV", "KeyDiff",
-    "UniformHead", "AdaHead", "UniformLayer", "PyramidLayer", "AdaLayer", "TopK", "Mask",
+    "UniformHead", "AdaHead", "UniformLayer", "PyramidLayer", "AdaLayer", "Calibrated", "CalibratedLayer",
+    "TopK", "Mask",
     "Scorer", "HeadAllocator", "LayerSchedule", "Evictor", "Observation",
     "register_scorer", "register_allocator", "register_evictor",
     "RaggedCache", "MaskedCache", "SUPPORTED_MODEL_TYPES",

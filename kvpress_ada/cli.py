@@ -1,4 +1,5 @@
-"""``kvpress-ada``: the demo and the quality-vs-compression evaluation on the default model.
+"""``kvpress-ada``: the demo, the quality-vs-compression evaluation and the head-budget calibration
+(``calibrate``) on the default model.
 
 Exit codes: 0 done; 2 bad input (an argument, a ``--config`` file, an ``--out`` directory that
 cannot be written, a ``--context`` too short for a task, a ``--resume`` that does not match): one
@@ -163,6 +164,15 @@ def _with_decode(press, args):
         raise UsageError("decode compression: " + "; ".join(e["msg"] for e in err.errors())) from None
 
 
+def _check_press_model(label: str, press, model) -> None:
+    """A press tied to another model (a calibration file made for it) is bad input: exit 2."""
+    try:
+        if press is not None:
+            press.check_model(model)
+    except ValueError as err:
+        raise UsageError(f"{label}: {err}") from None
+
+
 def _load_model(name: str):
     from .models import load
 
@@ -191,6 +201,8 @@ def cmd_demo(args) -> int:
     presses = {name: _with_decode(preset(name, compression_ratio=args.ratio), args) for name in names}
     model, tok = _load_model(args.model)
     _check_context(model, args.context)
+    for name, press in presses.items():
+        _check_press_model(name, press, model)
     sample = _samples("passkey", tok, 1, args.context, args.seed)[0]
     head, tail = split_prompt(tok, sample.context, sample.question)
     head_ids, tail_ids = encode(tok, head, "cpu"), encode(tok, tail, "cpu")
@@ -355,6 +367,8 @@ def cmd_eval(args) -> int:
 
     model, tok = _load_model(args.model)
     _check_context(model, args.context)
+    for entry in entries:  # a calibration made for another model: exit 2 before any sample runs
+        _check_press_model(entry.label, entry.press, model)
     samples = [s for task in tasks for s in _samples(task, tok, args.n, args.context, args.seed)]
     start = time.perf_counter()
 
@@ -392,6 +406,60 @@ def cmd_eval(args) -> int:
     plot_accuracy(summary, out / "accuracy.png",
                   title=f"{args.model}, {','.join(tasks)}, {args.context} tokens, {setting}")
     print(f"wrote {out / 'results.json'} and {out / 'accuracy.png'}")
+    return 0
+
+
+# --------------------------------------------------------------------------- calibrate
+def _calibrate_inputs(args) -> tuple[list[str], list[float], Any]:
+    """Tasks, reference ratios and the scorer, all checked; nothing loaded yet."""
+    from .calibration import CALIBRATION_SEED
+    from .eval.tasks import TASKS
+    from .presses import SCORERS
+
+    tasks = _unique("--tasks", _split(args.tasks)) if args.tasks else list(TASKS)
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown or not tasks:
+        raise UsageError(f"unknown task {(unknown or [args.tasks])[0]!r}; valid tasks: {', '.join(TASKS)}")
+    ratios = _ratios(args.ratios)
+    if 0.0 in ratios:
+        raise UsageError("--ratios for calibration must be in (0, 1): ratio 0 keeps every entry and measures nothing")
+    if args.n < 1:
+        raise UsageError(f"--n must be >= 1 calibration samples, got {args.n}")
+    if args.context < 64:
+        raise UsageError(f"--context must be >= 64 tokens, got {args.context}")
+    if args.seed < CALIBRATION_SEED:
+        raise UsageError(f"--seed must be >= {CALIBRATION_SEED}: calibration never uses evaluation's seeds "
+                         f"(eval uses --seed 0), got {args.seed}")
+    try:
+        scorer = SCORERS.build(args.scorer)
+    except ValueError as err:
+        raise UsageError(f"--scorer: {err}") from None
+    return tasks, ratios, scorer
+
+
+def cmd_calibrate(args) -> int:
+    from .calibration.measure import calibrate
+
+    tasks, ratios, scorer = _calibrate_inputs(args)
+    out = Path(args.out)
+    if out.is_dir():
+        raise UsageError(f"--out {args.out} is a directory; give a file name such as heads.json")
+    _prepare_out(str(out.parent if str(out.parent) else "."))
+    model, tok = _load_model(args.model)
+    _check_context(model, args.context)
+    for task in tasks:  # a context too small for a task: exit 2 before any prefill
+        _samples(task, tok, 1, args.context, args.seed)
+    result = calibrate(model, tok, scorer, n=args.n, tasks=tasks, context=args.context, ratios=ratios,
+                       seed=args.seed, progress=not args.no_progress)
+    result = result.model_copy(update={"command": ["kvpress-ada", *args.argv]})
+    tmp = out.with_name(out.name + ".tmp")
+    result.save(tmp)
+    os.replace(tmp, out)
+    layer = [round(sum(row), 4) for row in result.shares]
+    print(f"calibrated {result.model.name} with {type(scorer).__name__} on {result.n} samples "
+          f"({', '.join(tasks)}; seeds from {args.seed}) in {result.seconds:.1f}s")
+    print(f"layer shares (sum over kv heads): {layer}")
+    print(f"wrote {out}; use it with Calibrated(path={str(out)!r}) and CalibratedLayer(path={str(out)!r})")
     return 0
 
 
@@ -454,6 +522,20 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--no-progress", action="store_true")
     ev.add_argument("--threads", type=int, help=threads_help)
     ev.set_defaults(func=cmd_eval)
+    cal = sub.add_parser("calibrate", help="measure per-(layer, kv head) budget shares of a scorer (KVzip) once "
+                                           "per model, for the Calibrated allocator",
+                         epilog=_tasks_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    cal.add_argument("--model", default="default")
+    cal.add_argument("--scorer", default="kvzip", help="registered scorer whose allocation is measured")
+    cal.add_argument("--n", type=int, default=32, help="calibration samples in all, spread over --tasks")
+    cal.add_argument("--tasks", default="", help="comma-separated synthetic tasks (default: all, listed below)")
+    cal.add_argument("--context", type=int, default=1000, help="context length in tokens (>= 64)")
+    cal.add_argument("--ratios", default="0.5,0.75", help="reference compression ratios in (0, 1) to average over")
+    cal.add_argument("--seed", type=int, default=10_000, help="first calibration seed (>= 10000; eval uses 0)")
+    cal.add_argument("--out", default="heads.json", help="the calibration file to write (JSON)")
+    cal.add_argument("--no-progress", action="store_true")
+    cal.add_argument("--threads", type=int, help=threads_help)
+    cal.set_defaults(func=cmd_calibrate)
     return parser
 
 

@@ -22,6 +22,12 @@ class Component(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     kind: ClassVar[str] = "component"
+    #: made for one model (e.g. calibrated on it) and refused by ``check_model`` for any other
+    model_specific: ClassVar[bool] = False
+
+    def check_model(self, config: Any) -> None:
+        """Raise ``ValueError`` when this component cannot serve a model with this ``config``
+        (called once when a press meets a model, never per forward). Most components serve any."""
 
 
 C = TypeVar("C", bound=type[Component])

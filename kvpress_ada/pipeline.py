@@ -173,10 +173,17 @@ class Pipeline(BaseModel):
         scores = self.scores(obs)
         lengths = obs.valid_lengths()
         budget = self.layers.layer_budget(self.average_budget(lengths), obs.layer_idx, obs.n_layers, lengths)
-        return scores, self._allocate(scores, budget)
+        return scores, self._allocate(scores, budget, obs.layer_idx)
 
-    def _allocate(self, scores: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
-        return self.allocator.allocate(scores, budget, comparable=type(self.scorer).comparable_across_heads)
+    def _allocate(self, scores: torch.Tensor, budget: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        return self.allocator.allocate_layer(scores, budget, layer_idx,
+                                             comparable=type(self.scorer).comparable_across_heads)
+
+    def check_model(self, model: Any) -> None:
+        """Raise ``ValueError`` when a component cannot serve ``model`` (a calibration made for another
+        model); called once when the press meets the model (``with press(model)``, fan-out)."""
+        for component in (self.scorer, self.layers, self.allocator, self.evictor):
+            component.check_model(model.config)
 
     def _check_scores(self, scores: torch.Tensor, obs: Observation) -> None:
         """The scorer's output contract: a ``[B, H_kv, L]`` tensor without NaN (checked eagerly;
@@ -214,7 +221,8 @@ class Pipeline(BaseModel):
                     scores, avg, lengths, comparable=type(self.scorer).comparable_across_heads)
             else:
                 budgets = self.layers.budgets(avg, len(scores), lengths)
-            return [self.evictor.select(s, self._allocate(s, budgets[:, i])) for i, s in enumerate(scores)]
+            return [self.evictor.select(s, self._allocate(s, budgets[:, i], obs.layer_idx))
+                    for i, (s, obs) in enumerate(zip(scores, observations))]
 
     # ------------------------------------------------------------ integration
     def __call__(self, model, compile: bool | None = None):

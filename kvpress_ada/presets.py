@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .allocators import AdaHead, AdaLayer, PyramidLayer, UniformHead, UniformLayer
+from .allocators import AdaHead, AdaLayer, Calibrated, CalibratedLayer, PyramidLayer, UniformHead, UniformLayer
 from .pipeline import Pipeline
 from .presses import (
     H2O,
@@ -47,11 +47,20 @@ _PRESETS: dict[str, Callable[[], dict]] = {
     "kvzip_plus": lambda: dict(scorer=KVzip(plus=True), layers=AdaLayer(alpha=0.0), allocator=AdaHead(alpha=0.0)),
     "kvzip_layerwise": lambda: dict(scorer=KVzip(), allocator=AdaHead(alpha=0.0)),
     "ada_kvzip": lambda: dict(scorer=KVzip(), layers=AdaLayer(alpha=ADA_ALPHA), allocator=AdaHead(alpha=ADA_ALPHA)),
+    # StreamingLLM's tokens with KVzip's per-(layer, head) budgets, calibrated offline on the default model
+    # (kvpress_ada/calibration/smollm2_135m_kvzip.json); refused for another model: `kvpress-ada calibrate`
+    "calibrated_streamingllm": lambda: dict(scorer=StreamingLLM(), layers=CalibratedLayer(), allocator=Calibrated()),
 }
 
 
 def preset_names() -> list[str]:
     return list(_PRESETS)
+
+
+def portable_preset_names() -> list[str]:
+    """Presets that serve any supported model (not those tied to one model by a calibration file)."""
+    return [name for name, factory in _PRESETS.items()
+            if not any(getattr(type(c), "model_specific", False) for c in factory().values())]
 
 
 def register_preset(name: str, factory: Callable[[], dict], override: bool = False) -> None:

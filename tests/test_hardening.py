@@ -27,12 +27,12 @@ from kvpress_ada import (
     SnapKV,
     TopK,
     preset,
-    preset_names,
 )
 from kvpress_ada.integration import PrefillHandler, PressCache, PressRun
 from kvpress_ada.integration.fanout import CaptureRun, capture_prefill
 from kvpress_ada.integration.hf import cache_kwarg, output_cache
 from kvpress_ada.integration.press_context import observation_for
+from kvpress_ada.presets import portable_preset_names
 
 
 def _ids(n, batch=1, seed=0):
@@ -231,7 +231,7 @@ def test_prefill_handlers_follow_the_protocol():
 
 
 # ------------------------------------------------ defect 2: padding never changes a row
-@pytest.mark.parametrize("name", preset_names())
+@pytest.mark.parametrize("name", portable_preset_names())  # calibrated: test_calibrated.py
 def test_padded_batch_row_equals_the_row_alone(llama, name):
     """A row's kept set and logits do not depend on how much left padding the batch gave it."""
     lengths = (90, 66, 78)

@@ -5,7 +5,8 @@ import pytest
 import torch
 from test_scorer_registry import scorer_names
 
-from kvpress_ada import Mask, Pipeline, RaggedCache, generate, preset, preset_names
+from kvpress_ada import Mask, Pipeline, RaggedCache, generate, preset
+from kvpress_ada.presets import portable_preset_names
 from kvpress_ada.presses import SCORERS
 
 CONTEXT = "In 1947 the pass key was 4821. The garden had seven doors and a blue gate. " * 2
@@ -23,7 +24,7 @@ def _batch(seed=0, lengths=(90, 70)):
     return ids, mask
 
 
-@pytest.mark.parametrize("name", preset_names())
+@pytest.mark.parametrize("name", portable_preset_names())  # calibrated: test_calibrated.py
 def test_preset_generate_every_arch(arch_model, tokenizer, name):
     press = preset(name, compression_ratio=0.5)
     agnostic = generate(arch_model, tokenizer, CONTEXT, QUESTIONS, press=press, max_new_tokens=3)
@@ -32,7 +33,7 @@ def test_preset_generate_every_arch(arch_model, tokenizer, name):
     assert all(isinstance(a, str) for a in agnostic + aware)
 
 
-@pytest.mark.parametrize("name", preset_names())
+@pytest.mark.parametrize("name", portable_preset_names())  # calibrated: test_calibrated.py
 def test_preset_model_generate_ragged_matches_mask(arch_model, name):
     """TopK + RaggedCache generates exactly what the Mask reference generates, batch 2, left padding."""
     ids, mask = _batch()

@@ -1,9 +1,10 @@
 """Budget allocation: layer schedules (how much per layer) apart from head allocators (how to split it)."""
 
+from .calibrated import Calibrated, CalibratedLayer
 from .heads import ALLOCATORS, AdaHead, HeadAllocator, UniformHead, register_allocator
 from .layers import LAYER_SCHEDULES, LayerSchedule, PyramidLayer, UniformLayer, register_layer_schedule
 from .model_scope import AdaLayer, model_topk_counts
 
 __all__ = ["ALLOCATORS", "AdaHead", "HeadAllocator", "UniformHead", "register_allocator",
            "LAYER_SCHEDULES", "LayerSchedule", "PyramidLayer", "UniformLayer", "register_layer_schedule",
-           "AdaLayer", "model_topk_counts"]
+           "AdaLayer", "model_topk_counts", "Calibrated", "CalibratedLayer"]

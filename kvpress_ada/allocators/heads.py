@@ -21,6 +21,12 @@ class HeadAllocator(Component):
                  comparable: bool = True) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__} must implement allocate(scores, budget, comparable)")
 
+    def allocate_layer(self, scores: torch.Tensor, budget: torch.Tensor, layer_idx: int,
+                       comparable: bool = True) -> torch.Tensor:
+        """What the pipeline calls for layer ``layer_idx``: :meth:`allocate` for allocators that split
+        every layer alike; allocators with per-layer knowledge (``Calibrated``) override this."""
+        return self.allocate(scores, budget, comparable)
+
 
 ALLOCATORS = Registry("allocator", HeadAllocator)
 

@@ -77,6 +77,7 @@ class Prefill:
             raise ValueError(f"fan-out derives caches from one dense prefill, but this press prefills in chunks of "
                              f"{press.prefill_chunk} tokens ({self.seq_len} here): run it with `with press(model)`")
         press.check_context(int(self.key_mask.sum(-1).min()))
+        press.check_model(self.model)
         observations = [self.observation(press.scorer, i) for i in range(len(self.layers))]
         if type(press.scorer).needs_model_pass:
             maps = self._pass_scores(press.scorer)

@@ -336,6 +336,7 @@ def apply_press(press: Pipeline, model: Any, compile: bool | None = None) -> Ite
     if press.is_noop:
         yield model
         return
+    press.check_model(model)
     route = _route(model)
     route.press = press
     device = next(model.parameters()).device

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,6 +19,9 @@ class Observation:
     ``rope_inv_freq``: RoPE inverse frequencies ``[D // 2]`` (only for scorers that declare it).
     ``pass_scores``: ``[B, H_kv, L]`` what the scorer's own model pass measured for each entry
     (only for scorers that declare ``needs_model_pass``, e.g. KVzip's context reconstruction).
+    ``shard``: under tensor parallelism, this rank's block of kv heads
+    (:class:`~kvpress_ada.integration.tensor_parallel.HeadShard`): ``keys`` etc. hold those heads only;
+    ``None`` in one process. Scorers that depend on a head's global index use :attr:`head_offset`.
     """
 
     keys: torch.Tensor
@@ -30,6 +34,12 @@ class Observation:
     output_weight: torch.Tensor | None = None
     rope_inv_freq: torch.Tensor | None = None
     pass_scores: torch.Tensor | None = None
+    shard: Any = None
+
+    @property
+    def head_offset(self) -> int:
+        """Global index of the first kv head in ``keys`` (0 unless the model is tensor-parallel)."""
+        return 0 if self.shard is None else int(self.shard.offset)
 
     @property
     def n_kv_heads(self) -> int:

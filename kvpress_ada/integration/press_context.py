@@ -30,6 +30,7 @@ from ..observation import Observation
 from .hf import cache_kwarg, check_left_padded, check_supported, input_shape, prefill_key_mask
 from .model_pass import model_pass_scores
 from .press_cache import PressCache
+from .tensor_parallel import HeadShard, head_shard, local_weight
 
 if TYPE_CHECKING:
     from ..pipeline import Pipeline
@@ -69,6 +70,7 @@ class PressRun:
     key_mask: torch.Tensor | None
     input_ids: torch.Tensor | None = None
     next_position: torch.Tensor | None = None  # [B] RoPE position after the prefill (model passes)
+    shard: HeadShard | None = None  # tensor parallelism: this rank's kv heads
     pending: dict[int, Observation] = field(default_factory=dict)
 
     def handles_prefill(self, layer_idx: int) -> bool:
@@ -82,7 +84,7 @@ class PressRun:
             return
         layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
         obs = observation_for(self.press.scorer, self.model, layer_idx, len(self.cache.layers), query, key,
-                              value, self.key_mask, scaling, _output_weight(module))
+                              value, self.key_mask, scaling, _output_weight(module), shard=self.shard)
         if self.press.evicts_at_end:
             self.pending[layer_idx] = obs
         else:
@@ -117,14 +119,14 @@ def _with_dense(obs: Observation, dense: tuple[torch.Tensor, torch.Tensor], pass
 
 
 def _output_weight(module: torch.nn.Module) -> torch.Tensor:
-    weight = getattr(module, "o_proj").weight
+    weight = local_weight(getattr(module, "o_proj").weight)  # tensor parallelism: the columns of this rank's heads
     assert isinstance(weight, torch.Tensor)
     return weight
 
 
 def observation_for(scorer: Any, model: Any, layer_idx: int, n_layers: int, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, key_mask: torch.Tensor | None, scaling: float,
-                    output_weight: torch.Tensor) -> Observation:
+                    output_weight: torch.Tensor, shard: HeadShard | None = None) -> Observation:
     """The :class:`Observation` of one layer, holding only what ``scorer`` declares it reads.
 
     A scorer asking for a window of ``w`` trailing queries gets ``min(w, L)`` of them.
@@ -138,7 +140,7 @@ def observation_for(scorer: Any, model: Any, layer_idx: int, n_layers: int, quer
         keys=key, values=value, queries=queries, key_mask=key_mask.to(key.device),
         layer_idx=layer_idx, n_layers=n_layers, scaling=scaling,
         output_weight=output_weight.detach() if scorer.needs_output_weight else None,
-        rope_inv_freq=_rope_inv_freq(model) if scorer.needs_rope else None,
+        rope_inv_freq=_rope_inv_freq(model) if scorer.needs_rope else None, shard=shard,
     )
 
 
@@ -235,6 +237,7 @@ class _Route:
             press.check_context(int(run.key_mask.sum(-1).min()))
             run.input_ids = kwargs.get("input_ids", args[0] if args else None)
             run.next_position = next_positions(kwargs.get("position_ids"), shape)
+            run.shard = head_shard(self.model)
         kwargs.pop("past_key_values", None)
         kwargs[self.cache_key] = cache
         kwargs[RUN_KWARG] = run
@@ -299,6 +302,7 @@ def attention_routed(model: Any) -> Iterator[Any]:
 def apply_press(press: Pipeline, model: Any) -> Iterator[Any]:
     """Apply ``press`` to ``model`` inside the ``with`` block (see the module docstring)."""
     check_supported(model)
+    head_shard(model)  # refuses a tensor-parallel layout the press cannot follow, before any forward
     active = _ROUTES.get(model)
     if active is not None and active.press is not None:
         raise RuntimeError(f"a press ({type(active.press.scorer).__name__}) is already applied to this model; "

@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     parser.add_argument("--n", type=int, default=8, help="samples per task")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny random model, 2 samples per task, 1 ratio")
+    parser.add_argument("--no-warm", action="store_true", help="skip the 1-sample warm-up run (default model converted)")
     parser.add_argument("--out", default=str(common.RESULTS / "eval_parallel.json"))
     args = parser.parse_args(argv)
 
@@ -66,7 +67,8 @@ def main(argv=None) -> int:
     base = ["eval", "--model", model, *grid, "--n", str(args.n)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(common.ROOT)}
     info = common.machine_info()
-    _run([*base, "--n", "1", "--out", str(work / "warm")], env)  # converts the default model once, warms the disk
+    if not args.no_warm:  # converts the default model once, warms the disk cache
+        _run([*base, "--n", "1", "--out", str(work / "warm")], env)
 
     one = _run([*base, "--out", str(work / "p1")], env)
     many = _run([*base, "--out", str(work / f"p{args.workers}"), "--workers", str(args.workers)], env)

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     parser.add_argument("--n", type=int, default=8, help="samples per task")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny random model, 2 samples per task, 1 ratio")
-    parser.add_argument("--no-warm", action="store_true", help="skip the 1-sample warm-up run (default model converted)")
+    parser.add_argument("--no-warm", action="store_true", help="skip the 1-sample warm-up run")
     parser.add_argument("--out", default=str(common.RESULTS / "eval_parallel.json"))
     args = parser.parse_args(argv)
 

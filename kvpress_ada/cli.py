@@ -347,30 +347,49 @@ def _resume_hint(args) -> str:
 
 
 def cmd_eval(args) -> int:
+    from .distributed import init, launched
+    from .eval import parallel
     from .eval.report import format_table, plot_accuracy
     from .eval.runner import EvalResult, evaluate, grid
 
     presets, tasks, ratios, configs = _eval_inputs(args)
+    if args.workers is not None:
+        if args.workers < 1:
+            raise UsageError(f"--workers must be >= 1, got {args.workers}")
+        if launched():
+            raise UsageError("--workers launches torchrun itself; under torchrun leave it out")
+        if args.workers > 1:
+            return parallel.launch(args.workers, parallel.strip_workers(args.argv))
     _check_decode(args)
     entries = _with_prefill_chunk(grid(presets, ratios) + grid(configs, ratios), args.prefill_chunk)
     entries = [replace(e, press=_with_decode(e.press, args)) for e in entries]
     settings = _settings(args, tasks, entries)
     out = _prepare_out(args.out)
-    partial = out / PARTIAL
+    world = init("gloo")  # one process without torchrun; the evaluation collectives are small python objects
+    partial = parallel.partial_path(out, world)
+    done: set[int] = set()
     if args.resume:
-        records, seconds = _resumed(partial, settings)
+        files = parallel.partial_files(out)
+        if not files:
+            files = [partial]  # _resumed notes that there is nothing to resume
+        records, seconds, done = parallel.resume(files, lambda f: _resumed(f, settings))
     else:
         records, seconds = [], 0.0
-        if partial.exists():
-            print(f"kvpress-ada eval: note: {partial} (an interrupted run) will be replaced; "
+        old = parallel.partial_files(out)
+        if old and world.is_main:
+            print(f"kvpress-ada eval: note: {', '.join(map(str, old))} (an interrupted run) will be replaced; "
                   "stop now and pass --resume to continue it instead", file=sys.stderr)
-
-    model, tok = _load_model(args.model)
+    with world.main_first():  # rank 0 converts the default model into the shared cache once
+        model, tok = _load_model(args.model)
     _check_context(model, args.context)
     for entry in entries:  # a calibration made for another model: exit 2 before any sample runs
         _check_press_model(entry.label, entry.press, model)
     samples = [s for task in tasks for s in _samples(task, tok, args.n, args.context, args.seed)]
+    mine = set(world.shard(len(samples)))
+    records = [r for r in records if r.sample in mine]
+    skip = frozenset(i for i in range(len(samples)) if i not in mine or i in done)
     start = time.perf_counter()
+    foreign = [] if args.resume else parallel.foreign_partials(out, world)
 
     def samples_done() -> int:
         return len({r.sample for r in records})
@@ -380,28 +399,42 @@ def cmd_eval(args) -> int:
         _write_json(partial, {"settings": settings, "samples_done": samples_done(), "samples": len(samples),
                               "seconds": seconds + time.perf_counter() - start,
                               "records": [asdict(r) for r in records]})
+        if world.is_main:  # a fresh run: checkpoints of an older run with another process count go
+            for file in foreign:
+                file.unlink(missing_ok=True)
+            foreign.clear()
 
     try:
         evaluate(model, tok, samples, entries, question_aware=args.question_aware, max_new_tokens=args.max_new_tokens,
-                 progress=not args.no_progress, skip=frozenset(r.sample for r in records), on_sample=checkpoint)
+                 progress=not args.no_progress and world.is_main, skip=skip, on_sample=checkpoint)
     except KeyboardInterrupt:
+        if world.size > 1:  # torchrun may pass the signal on twice: finish the checkpoint undisturbed
+            import signal
+
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         if not records:  # keep any older partial.json rather than replace it with nothing
             print("kvpress-ada eval: interrupted before the first sample finished; nothing to keep", file=sys.stderr)
             return 130
         checkpoint()
-        print(f"kvpress-ada eval: interrupted after {samples_done()} of {len(samples)} samples, kept in {partial}; "
+        of = f"{len(samples)} samples" if world.size == 1 else f"this rank's {len(mine)} of {len(samples)} samples"
+        print(f"kvpress-ada eval: interrupted after {samples_done()} of {of}, kept in {partial}; "
               f"continue with: {_resume_hint(args)}", file=sys.stderr)
         return 130
-    records.sort(key=lambda r: r.sample)  # stable: as an uninterrupted run orders them
+    parts = world.gather(records)
+    if parts is None:  # not rank 0: rank 0 writes the results and removes every checkpoint
+        return 0
+    records = parallel.merge(parts)  # stable: as an uninterrupted single-process run orders them
     result = EvalResult(records, seconds + time.perf_counter() - start, args.question_aware)
     summary = result.summary()
     print(format_table(summary))
-    print(f"\n{len(samples)} samples x {len(entries)} configurations in {result.seconds:.1f}s "
+    processes = f" on {world.size} processes" if world.size > 1 else ""
+    print(f"\n{len(samples)} samples x {len(entries)} configurations in {result.seconds:.1f}s{processes} "
           f"(one prefill per sample, fan-out)")
     payload = {"command": ["kvpress-ada", *args.argv], "model": args.model, "tasks": tasks, "context": args.context,
                "n": args.n, **result.to_dict()}
     _write_json(out / "results.json", payload)
-    partial.unlink(missing_ok=True)
+    for file in parallel.partial_files(out):
+        file.unlink(missing_ok=True)
     setting = "question-aware" if args.question_aware else "question-agnostic"
     plot_accuracy(summary, out / "accuracy.png",
                   title=f"{args.model}, {','.join(tasks)}, {args.context} tokens, {setting}")
@@ -521,6 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"continue an interrupted run from OUT/{PARTIAL} (same arguments otherwise)")
     ev.add_argument("--no-progress", action="store_true")
     ev.add_argument("--threads", type=int, help=threads_help)
+    ev.add_argument("--workers", type=int, help="evaluate in N local processes (launches torchrun --standalone "
+                                                "--nproc-per-node N; samples sharded, one results.json)")
     ev.set_defaults(func=cmd_eval)
     cal = sub.add_parser("calibrate", help="measure per-(layer, kv head) budget shares of a scorer (KVzip) once "
                                            "per model, for the Calibrated allocator",
@@ -546,7 +581,12 @@ def _run(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    return args.func(args)
+    try:
+        return args.func(args)
+    finally:  # under torchrun: leave the process group cleanly (a no-op in one process)
+        from .distributed import finish
+
+        finish()
 
 
 def main(argv: list[str] | None = None) -> int:

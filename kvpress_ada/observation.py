@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,8 +19,11 @@ class Observation:
     ``rope_inv_freq``: RoPE inverse frequencies ``[D // 2]`` (only for scorers that declare it).
     ``pass_scores``: ``[B, H_kv, L]`` what the scorer's own model pass measured for each entry
     (only for scorers that declare ``needs_model_pass``, e.g. KVzip's context reconstruction).
-    ``head_offset``: index in the layer of this observation's first kv head (non-zero when chunked
-    prefill scores the kv heads of a layer one at a time).
+    ``head_offset``: index in the layer (over all ranks) of this observation's first kv head: the
+    rank's first head under tensor parallelism, plus the head's index when chunked prefill scores the
+    kv heads of a layer one at a time; 0 otherwise. ``shard``: under tensor parallelism, this rank's
+    block of kv heads (:class:`~kvpress_ada.integration.tensor_parallel.HeadShard`): ``keys`` etc.
+    hold those heads only; ``None`` in one process.
     """
 
     keys: torch.Tensor
@@ -33,6 +37,7 @@ class Observation:
     rope_inv_freq: torch.Tensor | None = None
     pass_scores: torch.Tensor | None = None
     head_offset: int = 0
+    shard: Any = None
 
     @property
     def n_kv_heads(self) -> int:

@@ -173,11 +173,17 @@ class Pipeline(BaseModel):
         scores = self.scores(obs)
         lengths = obs.valid_lengths()
         budget = self.layers.layer_budget(self.average_budget(lengths), obs.layer_idx, obs.n_layers, lengths)
-        return scores, self._allocate(scores, budget, obs.layer_idx)
+        return scores, self._allocate(scores, budget, obs.layer_idx, obs.shard)
 
-    def _allocate(self, scores: torch.Tensor, budget: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        return self.allocator.allocate_layer(scores, budget, layer_idx,
-                                             comparable=type(self.scorer).comparable_across_heads)
+    def _allocate(self, scores: torch.Tensor, budget: torch.Tensor, layer_idx: int, shard: Any = None,
+                  all_heads: torch.Tensor | None = None) -> torch.Tensor:
+        """Counts of the heads in ``scores``. Under tensor parallelism (``shard``) an allocator that compares
+        heads runs on every head's scores (``all_heads``, else all-gathered) and this rank keeps its own."""
+        comparable = type(self.scorer).comparable_across_heads
+        if shard is None or type(self.allocator).head_local:
+            return self.allocator.allocate_layer(scores, budget, layer_idx, comparable=comparable)
+        full = shard.gather(scores) if all_heads is None else all_heads
+        return shard.local(self.allocator.allocate_layer(full, budget, layer_idx, comparable=comparable))
 
     def check_model(self, model: Any) -> None:
         """Raise ``ValueError`` when a component cannot serve ``model`` (a calibration made for another
@@ -214,14 +220,18 @@ class Pipeline(BaseModel):
                              "`with press(model)` or fan-out (capture_prefill), which run that pass")
         with torch.no_grad():
             scores = [self.scores(obs) for obs in observations]
+            shard = observations[0].shard  # tensor parallelism: decisions across heads see every head's scores
+            across = type(self.layers).needs_all_layers or not type(self.allocator).head_local
+            everyone = [shard.gather(s) for s in scores] if shard is not None and across else scores
             lengths = observations[0].valid_lengths()
             avg = self.average_budget(lengths)
             if type(self.layers).needs_all_layers:
                 budgets = self.layers.layer_budgets(  # type: ignore[attr-defined]
-                    scores, avg, lengths, comparable=type(self.scorer).comparable_across_heads)
+                    everyone, avg, lengths, comparable=type(self.scorer).comparable_across_heads)
             else:
                 budgets = self.layers.budgets(avg, len(scores), lengths)
-            return [self.evictor.select(s, self._allocate(s, budgets[:, i], obs.layer_idx))
+            return [self.evictor.select(s, self._allocate(s, budgets[:, i], obs.layer_idx, shard,
+                                                          everyone[i] if across else None))
                     for i, (s, obs) in enumerate(zip(scores, observations))]
 
     # ------------------------------------------------------------ integration

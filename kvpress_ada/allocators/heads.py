@@ -16,6 +16,9 @@ class HeadAllocator(Component):
     exactly and ``counts <= L``. ``comparable`` says whether scores of different heads share a scale."""
 
     kind: ClassVar[str] = "allocator"
+    #: counts of a head depend on that head's scores alone (no collective under tensor parallelism); an
+    #: allocator that compares heads (the default, the safe assumption) gets every head's scores
+    head_local: ClassVar[bool] = False
 
     def allocate(self, scores: torch.Tensor, budget: torch.Tensor,
                  comparable: bool = True) -> torch.Tensor:  # pragma: no cover - abstract
@@ -41,6 +44,7 @@ class UniformHead(HeadAllocator):
     """Every kv head of a layer keeps the same number of tokens (SnapKV, PyramidKV)."""
 
     name: Literal["uniform"] = "uniform"
+    head_local: ClassVar[bool] = True
 
     def allocate(self, scores: torch.Tensor, budget: torch.Tensor, comparable: bool = True) -> torch.Tensor:
         return budget.long()[:, None].expand(-1, scores.shape[1]).clone()

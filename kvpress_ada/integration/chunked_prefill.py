@@ -114,7 +114,7 @@ class ChunkedPrefill(PressRun):
             return keep
         rows = evict.nonzero()[:, 0]
         scores = self._scores(module, layer_idx, query[rows], keys[rows], values[rows], valid[rows])
-        counts = cap_counts(scores, self.press._allocate(scores, target[rows]), valid[rows])
+        counts = cap_counts(scores, self.press._allocate(scores, target[rows], layer_idx), valid[rows])
         keep[rows] = self.press.evictor.select(scores, counts) & valid[rows]
         return keep
 

@@ -149,7 +149,7 @@ def decode_keep(press: Pipeline, model: Any, layer_idx: int, n_layers: int, keys
     lengths = torch.full((B,), seen, dtype=torch.long, device=keys.device)
     avg = torch.full((B,), press.decode_budget, dtype=torch.long, device=keys.device)
     budget = press.layers.layer_budget(avg, layer_idx, n_layers, lengths)
-    counts = press._allocate(scores, budget)
+    counts = press._allocate(scores, budget, layer_idx)
     counts = fit_counts(counts, held, torch.minimum(H * budget.long(), held.sum(-1)))
     return press.evictor.select(scores, counts) & valid
 

@@ -17,6 +17,7 @@ from transformers import DynamicCache
 from .hf import cache_kwarg, check_left_padded, check_supported, prefill_key_mask
 from .model_pass import model_pass_scores
 from .press_context import RUN_KWARG, _output_weight, attention_routed, next_positions, observation_for
+from .tensor_parallel import head_shard
 
 
 @dataclass
@@ -67,7 +68,7 @@ class Prefill:
     def observation(self, scorer, layer_idx: int):
         c = self.layers[layer_idx]
         return observation_for(scorer, self.model, layer_idx, len(self.layers), c.queries, c.keys, c.values,
-                               self.key_mask, c.scaling, c.output_weight)
+                               self.key_mask, c.scaling, c.output_weight, shard=head_shard(self.model))
 
     def keep_masks(self, press) -> list[torch.Tensor]:
         """The keep mask ``[B, H_kv, L]`` the press selects in every layer."""

@@ -32,6 +32,7 @@ from .decode_compression import after_decode_attention, start_decode
 from .hf import cache_kwarg, check_left_padded, check_supported, input_shape, prefill_key_mask
 from .model_pass import model_pass_scores
 from .press_cache import PressCache
+from .tensor_parallel import HeadShard, head_shard, local_weight
 
 if TYPE_CHECKING:
     from ..pipeline import Pipeline
@@ -72,6 +73,7 @@ class PressRun:
     input_ids: torch.Tensor | None = None
     next_position: torch.Tensor | None = None  # [B] RoPE position after the prefill (model passes)
     decode: bool = False  # a decode forward of a press with decode compression (decode_compression.py)
+    shard: HeadShard | None = None  # tensor parallelism: this rank's kv heads
     pending: dict[int, Observation] = field(default_factory=dict)
 
     def handles_prefill(self, layer_idx: int) -> bool:
@@ -85,7 +87,7 @@ class PressRun:
             return
         layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
         obs = observation_for(self.press.scorer, self.model, layer_idx, len(self.cache.layers), query, key,
-                              value, self.key_mask, scaling, _output_weight(module))
+                              value, self.key_mask, scaling, _output_weight(module), shard=self.shard)
         if self.press.evicts_at_end:
             self.pending[layer_idx] = obs
         else:
@@ -133,14 +135,14 @@ def _with_dense(obs: Observation, dense: tuple[torch.Tensor, torch.Tensor], pass
 
 
 def _output_weight(module: torch.nn.Module) -> torch.Tensor:
-    weight = getattr(module, "o_proj").weight
+    weight = local_weight(getattr(module, "o_proj").weight)  # tensor parallelism: the columns of this rank's heads
     assert isinstance(weight, torch.Tensor)
     return weight
 
 
 def observation_for(scorer: Any, model: Any, layer_idx: int, n_layers: int, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, key_mask: torch.Tensor | None, scaling: float,
-                    output_weight: torch.Tensor) -> Observation:
+                    output_weight: torch.Tensor, shard: HeadShard | None = None) -> Observation:
     """The :class:`Observation` of one layer, holding only what ``scorer`` declares it reads.
 
     A scorer asking for a window of ``w`` trailing queries gets ``min(w, L)`` of them.
@@ -154,7 +156,8 @@ def observation_for(scorer: Any, model: Any, layer_idx: int, n_layers: int, quer
         keys=key, values=value, queries=queries, key_mask=key_mask.to(key.device),
         layer_idx=layer_idx, n_layers=n_layers, scaling=scaling,
         output_weight=output_weight.detach() if scorer.needs_output_weight else None,
-        rope_inv_freq=_rope_inv_freq(model) if scorer.needs_rope else None,
+        rope_inv_freq=_rope_inv_freq(model) if scorer.needs_rope else None, shard=shard,
+        head_offset=0 if shard is None else int(shard.offset),
     )
 
 
@@ -246,6 +249,9 @@ class _Route:
         if prefill and press is not None and press.prefill_chunk is not None and shape[1] > press.prefill_chunk:
             from .chunked_prefill import start_chunked_prefill
 
+            if head_shard(self.model) is not None:
+                raise ValueError("prefill_chunk is not supported on a tensor-parallel model yet; "
+                                 "use prefill_chunk=None (one-shot prefill)")
             if press.compresses_decode:
                 start_decode(cache, prefill_key_mask(args, kwargs))
             kwargs.pop("past_key_values", None)
@@ -263,6 +269,7 @@ class _Route:
                 press.check_context(int(run.key_mask.sum(-1).min()))
                 run.input_ids = kwargs.get("input_ids", args[0] if args else None)
                 run.next_position = next_positions(kwargs.get("position_ids"), shape)
+            run.shard = head_shard(self.model)
         kwargs.pop("past_key_values", None)
         kwargs[self.cache_key] = cache
         kwargs[RUN_KWARG] = run
@@ -329,6 +336,7 @@ def apply_press(press: Pipeline, model: Any, compile: bool | None = None) -> Ite
     ``compile``: run decode steps over the compressed cache through a compiled forward
     (:mod:`.compiled`; ``None``: on CUDA, off on CPU, ``$KVPRESS_ADA_COMPILE`` overrides)."""
     check_supported(model)
+    head_shard(model)  # refuses a tensor-parallel layout the press cannot follow, before any forward
     active = _ROUTES.get(model)
     if active is not None and active.press is not None:
         raise RuntimeError(f"a press ({type(active.press.scorer).__name__}) is already applied to this model; "

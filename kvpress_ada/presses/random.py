@@ -33,7 +33,8 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
 @register_scorer("random")
 class RandomScorer(Scorer):
     """Uniform random scores in ``[0, 1)``, a fixed function of ``(seed, layer, kv head, index of
-    the token among the valid ones)``: reproducible, identical on every device and independent of
+    the token among the valid ones)``: reproducible (also under tensor parallelism: the
+    kv head's global index), identical on every device and independent of
     the left padding and of the other rows of the batch.
 
     Chunked prefill: the index is the entry's rank in the layer's running cache (kept entries, then
@@ -52,6 +53,7 @@ class RandomScorer(Scorer):
         index = obs.key_mask.long().cumsum(-1) - 1  # [B, L] rank among valid tokens
         base = hash32(torch.tensor([self.seed], dtype=torch.long, device=device))
         base = hash32(base ^ obs.layer_idx)
-        head = hash32(base ^ (torch.arange(H, dtype=torch.long, device=device) + obs.head_offset))  # [H]
+        heads = torch.arange(obs.head_offset, obs.head_offset + H, dtype=torch.long, device=device)  # global
+        head = hash32(base ^ heads)  # [H]
         bits = hash32(head[None, :, None] ^ hash32(index.clamp(min=0)[:, None, :] + 0x9E3779B9))
         return (bits >> 8).float() / float(1 << 24)  # 24 random bits: exact in fp32, in [0, 1)

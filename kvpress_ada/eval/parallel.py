@@ -1,0 +1,104 @@
+"""Data-parallel evaluation: the samples of one ``kvpress-ada eval`` shared among ``torchrun`` processes.
+
+``torchrun --nproc-per-node N -m kvpress_ada.cli eval ...`` (or ``kvpress-ada eval --workers N``,
+which launches exactly that) runs one evaluator per process. Rank ``r`` of ``W`` evaluates the
+samples ``r, r + W, r + 2W, ...`` (round robin: every rank gets a mix of the tasks), checkpoints
+them after each sample to ``OUT/partial.rank<r>.json``, and at the end rank 0 gathers every rank's
+records through ``torch.distributed`` (gloo), sorts them by sample as one process would have
+produced them, and writes the one ``results.json`` and plot. Each sample's records depend on that
+sample only (one prefill per sample, batch 1), so the results equal the single-process run's
+except for the wall-clock ``seconds``.
+
+``--resume`` reads every partial file in ``OUT`` (``partial.json`` of a one-process run and the
+``partial.rank<r>.json`` of any number of processes), so an interrupted run may be resumed with
+another process count; each rank takes over the finished samples it owns in the new sharding.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from ..distributed import World
+
+PARTIAL = "partial.json"
+
+
+def partial_path(out: Path, world: World) -> Path:
+    """This rank's checkpoint: ``partial.json`` for one process, ``partial.rank<r>.json`` otherwise."""
+    return out / (PARTIAL if world.size == 1 else f"partial.rank{world.rank}.json")
+
+
+def partial_files(out: Path) -> list[Path]:
+    """Every checkpoint in ``out`` (of any process count), ``partial.json`` first, then by rank."""
+    ranked = sorted(out.glob("partial.rank*.json"), key=lambda p: (len(p.name), p.name))
+    return [p for p in [out / PARTIAL, *ranked] if p.is_file()]
+
+
+def foreign_partials(out: Path, world: World) -> list[Path]:
+    """Checkpoints in ``out`` that no rank of this run writes (left by a run with another process count)."""
+    own = {partial_path(out, World(r, world.size)) for r in range(world.size)}
+    return [p for p in partial_files(out) if p not in own]
+
+
+def resume(files: Sequence[Path], read: Callable[[Path], tuple[list, float]]) -> tuple[list, float, set[int]]:
+    """Records, seconds and finished samples of the checkpoints ``files`` (``read`` parses one file and checks
+    its settings). A sample found in several files (a stale checkpoint) is taken from the first; seconds are
+    the longest of the files (their processes ran side by side)."""
+    records: list = []
+    seconds = 0.0
+    done: set[int] = set()
+    for file in files:
+        recs, secs = read(file)
+        seconds = max(seconds, secs)
+        new = {r.sample for r in recs} - done
+        records += [r for r in recs if r.sample in new]
+        done |= new
+    return records, seconds, done
+
+
+def merge(parts: Sequence[Sequence]) -> list:
+    """Every rank's records in the order of one uninterrupted single-process run: by sample, each sample's
+    records in the order they were made (all of a sample's records come from one rank)."""
+    records = [r for part in parts for r in part]
+    records.sort(key=lambda r: r.sample)
+    return records
+
+
+def launch(workers: int, argv: Sequence[str]) -> int:
+    """Run ``kvpress-ada <argv>`` in ``workers`` local processes under ``torchrun`` (standalone rendezvous);
+    returns its exit code. The workers' command line is ``argv`` itself (without ``--workers``), so the
+    ``command`` recorded in ``results.json`` is the single-process one."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
+           "-m", "kvpress_ada.cli", "--", *argv]  # "--": torchrun would take "--n" for its own "--nnodes"
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    # its own session: Ctrl-C reaches torchrun once (from here), and torchrun hands it to each worker once
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    interrupted = False
+    while True:
+        try:
+            code = proc.wait()
+            return 130 if interrupted else code
+        except KeyboardInterrupt:  # the workers checkpoint and exit; wait for them
+            if not interrupted:
+                proc.send_signal(signal.SIGINT)
+            interrupted = True
+
+
+def strip_workers(argv: Sequence[str]) -> list[str]:
+    """``argv`` without ``--workers N`` / ``--workers=N``."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--workers":
+            skip = True
+        elif not arg.startswith("--workers="):
+            out.append(arg)
+    return out

@@ -1,0 +1,107 @@
+"""Tensor parallelism: a press on a model loaded with ``from_pretrained(path, tp_plan="auto")`` under ``torchrun``.
+
+transformers' tensor-parallel plan for the supported architectures shards ``q_proj``/``k_proj``/
+``v_proj`` column-wise and ``o_proj`` row-wise, in contiguous blocks: rank ``r`` of ``W`` computes
+attention for kv heads ``r * H_kv / W ... (r + 1) * H_kv / W - 1`` and for their query heads. The
+query heads of one kv head (its GQA group, ``G = H_q / H_kv`` consecutive heads) stay together on
+the rank of their kv head exactly when ``W`` divides ``H_kv`` (then ``H_q / W = G * H_kv / W``); any
+other world size is refused (:func:`head_shard`). So every scorer, which reads only its kv head's
+keys, values and query group, computes on each rank exactly the scores of the single-process run
+for that rank's heads, and each rank's :class:`~kvpress_ada.integration.ragged_cache.RaggedCache`
+holds only its own rows (memory per rank = its share of the kept entries).
+
+What spans heads is made on global information through one small collective per layer:
+``Pipeline`` all-gathers (:meth:`HeadShard.gather`) the layer's ``[B, H_kv / W, L]`` *scores* (``1 / (2 D)`` of the
+layer's dense K/V, never the cache itself) so that every rank runs the head allocator (``AdaHead``)
+and a model-scope layer schedule (``AdaLayer``) on the same ``[B, H_kv, L]`` tensor as one process,
+with the same tie-breaking, and keeps its own heads' counts. ``UniformHead`` (declared
+``head_local``) needs no collective. Scorers that depend on a head's global index read
+``Observation.head_offset`` (the random scorer's per-head stream).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """This rank's contiguous block of ``n_local`` kv heads out of ``n_local * size`` (tensor parallelism)."""
+
+    rank: int
+    size: int
+    n_local: int
+    group: Any = None  # the tensor-parallel process group (None: the default group)
+
+    @property
+    def offset(self) -> int:
+        """Global index of this rank's first kv head."""
+        return self.rank * self.n_local
+
+    @property
+    def n_heads(self) -> int:
+        return self.n_local * self.size
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """``[B, n_local, ...]`` of every rank -> ``[B, n_heads, ...]`` in global head order (an all-gather)."""
+        import torch.distributed as dist
+
+        local = local.contiguous()
+        if local.shape[1] != self.n_local:
+            raise ValueError(f"expected {self.n_local} local kv heads on dim 1, got shape {tuple(local.shape)}")
+        parts = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(parts, local, group=self.group)
+        return torch.cat(parts, dim=1)
+
+    def local(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's heads of a ``[B, n_heads, ...]`` tensor."""
+        return full.narrow(1, self.offset, self.n_local)
+
+
+def _tp_mesh(model: Any) -> Any:
+    mesh = getattr(model, "_device_mesh", None) or getattr(model, "device_mesh", None)
+    if mesh is None:
+        return None
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return mesh["tp"] if "tp" in names and len(names) > 1 else mesh
+
+
+def head_shard(model: Any) -> HeadShard | None:
+    """The kv-head block of this rank when ``model`` is tensor-parallel (``tp_size > 1``), else ``None``.
+
+    Raises a clear error for what is not supported: a kv-head count the world size does not divide
+    (the GQA group of a kv head would be split across ranks), or sharding along more than tensor
+    parallelism of the attention heads."""
+    size = getattr(model, "tp_size", None) or getattr(model, "_tp_size", None) or 1
+    if size <= 1:
+        return None
+    config = model.config
+    n_kv = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    n_q = int(config.num_attention_heads)
+    if n_kv % size or n_q % size:
+        raise ValueError(f"tensor parallelism over {size} ranks needs the number of kv heads ({n_kv}) and of query "
+                         f"heads ({n_q}) divisible by {size}, so that each rank holds whole kv heads with their query "
+                         "groups; kvpress_ada presses refuse other world sizes")
+    plan = getattr(model, "_tp_plan", None) or getattr(config, "base_model_tp_plan", None) or {}
+    styles = {key.rsplit(".", 1)[-1]: style for key, style in plan.items() if ".self_attn." in key}
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        if styles.get(proj, "colwise") != "colwise":
+            raise ValueError(f"kvpress_ada presses need {proj} sharded column-wise (contiguous blocks of heads) under "
+                             f"tensor parallelism; this model's plan shards it as {styles[proj]!r}")
+    mesh = _tp_mesh(model)
+    if mesh is not None:
+        rank, group = mesh.get_local_rank(), mesh.get_group()
+    else:
+        import torch.distributed as dist
+
+        rank, group = dist.get_rank(), None
+    return HeadShard(rank=int(rank), size=int(size), n_local=n_kv // size, group=group)
+
+
+def local_weight(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter that may be a ``DTensor`` (``o_proj`` row-wise: the columns of its heads)."""
+    to_local = getattr(weight, "to_local", None)
+    return to_local() if callable(to_local) else weight

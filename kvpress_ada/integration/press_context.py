@@ -249,9 +249,6 @@ class _Route:
         if prefill and press is not None and press.prefill_chunk is not None and shape[1] > press.prefill_chunk:
             from .chunked_prefill import start_chunked_prefill
 
-            if head_shard(self.model) is not None:
-                raise ValueError("prefill_chunk is not supported on a tensor-parallel model yet; "
-                                 "use prefill_chunk=None (one-shot prefill)")
             if press.compresses_decode:
                 start_decode(cache, prefill_key_mask(args, kwargs))
             kwargs.pop("past_key_values", None)
@@ -336,7 +333,10 @@ def apply_press(press: Pipeline, model: Any, compile: bool | None = None) -> Ite
     ``compile``: run decode steps over the compressed cache through a compiled forward
     (:mod:`.compiled`; ``None``: on CUDA, off on CPU, ``$KVPRESS_ADA_COMPILE`` overrides)."""
     check_supported(model)
-    head_shard(model)  # refuses a tensor-parallel layout the press cannot follow, before any forward
+    # refuses a tensor-parallel layout the press cannot follow, before any forward
+    if head_shard(model) is not None and (press.compresses_decode or press.prefill_chunk is not None):
+        raise ValueError("decode compression (decode_budget) and chunked prefill (prefill_chunk) are not supported "
+                         "on a tensor-parallel model yet; use a press without them")
     active = _ROUTES.get(model)
     if active is not None and active.press is not None:
         raise RuntimeError(f"a press ({type(active.press.scorer).__name__}) is already applied to this model; "

@@ -12,8 +12,10 @@ out); everything else (warnings, progress bars) goes to stderr. Commands:
                   question and a greedy answer on the compressed cache with explicit RoPE positions,
                   exactly as ``KVPressTextGenerationPipeline.generate_answer`` does (question-agnostic);
                   or, with ``question_aware``, the whole prompt (context + question) is prefilled and
-                  compressed and the answer starts from the prefill's last logits. Writes answers
-                  (token ids), KV bytes held, per-(layer, head) kept masks (packed bits, .npz).
+                  compressed and the answer starts from the prefill's last logits. Returns answers
+                  (token ids) and KV bytes held; writes per-(layer, head) kept masks (packed bits, .npz)
+                  for the presses whose kept set can be read (``Worker._kept``; ``kept_sets: false``
+                  skips them). ``indices`` restricts the run to some samples (checkpointing driver).
 ``decode_setup``  prefill one long context once per configuration and keep every cache.
 ``decode``        time ``steps`` greedy single-token steps on one kept cache (after the question).
 ``quit``
@@ -44,28 +46,49 @@ transformers.utils.logging.set_verbosity_error()
 warnings.filterwarnings("ignore")
 
 import kvpress  # noqa: E402
-from kvpress import AdaKVPress, ExpectedAttentionPress, KVPressTextGenerationPipeline, PyramidKVPress, SnapKVPress  # noqa: E402
+from kvpress import (  # noqa: E402
+    AdaKVPress,
+    ExpectedAttentionPress,
+    KeyDiffPress,
+    KVPressTextGenerationPipeline,
+    KVzipPress,
+    LagKVPress,
+    PyramidKVPress,
+    ScorerPress,
+    SnapKVPress,
+)
 from kvpress.utils import compute_n_kept  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 
 ADA_ALPHA = 0.2  # kvpress's default alpha_safeguard (and the paper's)
 
 
+# kvpress_ada preset name -> the kvpress press for it at a ratio; kvpress's defaults otherwise (the
+# driver records each press's repr, which lists every field)
+PRESSES = {
+    "snapkv": lambda r: SnapKVPress(compression_ratio=r),
+    "ada_snapkv": lambda r: AdaKVPress(SnapKVPress(compression_ratio=r), alpha_safeguard=ADA_ALPHA),
+    "pyramidkv": lambda r: PyramidKVPress(compression_ratio=r),
+    "expected_attention": lambda r: ExpectedAttentionPress(compression_ratio=r),
+    "ada_expected_attention": lambda r: AdaKVPress(ExpectedAttentionPress(compression_ratio=r),
+                                                   alpha_safeguard=ADA_ALPHA),
+    # KVzipPress scores on leaving its `with` block (context reconstruction through the model) and masks
+    # the evicted keys (masked_key_indices, like AdaKVPress): one top-k over all layers and heads
+    # (layerwise=False, its default) or one per layer over its heads (layerwise=True)
+    "kvzip": lambda r: KVzipPress(compression_ratio=r),
+    "kvzip_layerwise": lambda r: KVzipPress(compression_ratio=r, layerwise=True),
+    "lagkv": lambda r: LagKVPress(compression_ratio=r),
+    "keydiff": lambda r: KeyDiffPress(compression_ratio=r),
+}
+
+
 def build_press(method: str, ratio: float):
     """The kvpress press matching one of kvpress_ada's preset names (kvpress defaults otherwise)."""
     if method == "full":
         return None
-    if method == "snapkv":
-        return SnapKVPress(compression_ratio=ratio)
-    if method == "ada_snapkv":
-        return AdaKVPress(SnapKVPress(compression_ratio=ratio), alpha_safeguard=ADA_ALPHA)
-    if method == "pyramidkv":
-        return PyramidKVPress(compression_ratio=ratio)
-    if method == "expected_attention":
-        return ExpectedAttentionPress(compression_ratio=ratio)
-    if method == "ada_expected_attention":
-        return AdaKVPress(ExpectedAttentionPress(compression_ratio=ratio), alpha_safeguard=ADA_ALPHA)
-    raise ValueError(f"unknown method {method!r}")
+    if method not in PRESSES:
+        raise ValueError(f"unknown method {method!r}; known: {', '.join(PRESSES)}")
+    return PRESSES[method](ratio)
 
 
 class Worker:
@@ -118,13 +141,18 @@ class Worker:
         data = _read_json(req["samples_file"])
         methods, ratios, max_new = req["methods"], req["ratios"], req["max_new_tokens"]
         aware = bool(req.get("question_aware"))
+        kept_sets = req.get("kept_sets", True)
+        samples = data["samples"]
+        if req.get("indices") is not None:  # a subset (the driver checkpoints sample by sample)
+            wanted = set(req["indices"])
+            samples = [s for s in samples if s["index"] in wanted]
         configs = [("full", 0.0)] + [(m, r) for m in methods for r in ratios]
         records, masks, presses = [], {}, {}
         start = time.perf_counter()
         setting = "question-aware" if aware else "question-agnostic"
-        bar = tqdm(total=len(data["samples"]) * len(configs), desc=f"kvpress {setting} (one prefill per press)",
-                   unit="run", file=sys.stderr, dynamic_ncols=True)
-        for s in data["samples"]:
+        bar = tqdm(total=len(samples) * len(configs), desc=f"kvpress {setting} (one prefill per press)",
+                   unit="run", file=sys.stderr, dynamic_ncols=True, disable=bool(req.get("quiet")))
+        for s in samples:
             head = torch.tensor([s["head_ids"]])
             tail = torch.tensor([s["tail_ids"]])
             for method, ratio in configs:
@@ -132,7 +160,7 @@ class Worker:
                 presses[method if method == "full" else f"{method}@{ratio}"] = repr(press)
                 prompt = torch.cat([head, tail], dim=1) if aware else head
                 t0 = time.perf_counter()
-                cache, keep, logits = self._prefill(press, prompt, lm_head=aware)
+                cache, keep, logits = self._prefill(press, prompt, record=kept_sets, lm_head=aware)
                 prefill_s = time.perf_counter() - t0
                 kv_bytes = _cache_bytes(cache)
                 t0 = time.perf_counter()
@@ -152,9 +180,11 @@ class Worker:
                 del cache
                 bar.update(1)
         bar.close()
-        np.savez_compressed(req["masks_file"], **masks)
-        return {"records": records, "presses": presses, "seconds": time.perf_counter() - start,
-                "question_token_by_token": self.question_token_by_token}
+        if req.get("masks_file"):
+            np.savez_compressed(req["masks_file"], **masks)
+        kept = sorted({k.split("|")[0] for k in masks})
+        return {"records": records, "kept_set_methods": kept, "presses": presses,
+                "seconds": time.perf_counter() - start, "question_token_by_token": self.question_token_by_token}
 
     def decode_setup(self, req):
         head = torch.tensor([req["head_ids"]])
@@ -200,11 +230,14 @@ class Worker:
     @torch.inference_mode()
     def _prefill(self, press, head: torch.Tensor, record: bool = True, lm_head: bool = False):
         """kvpress's prefill (``KVPressTextGenerationPipeline._forward``): hooks on, model without LM head
-        (with it, last position only, when the answer starts right after the prefill)."""
+        (with it, last position only, when the answer starts right after the prefill).
+
+        With ``record``, also the kept set ``[layers, kv_heads, L]`` of presses whose kept set can be
+        read without changing them (see :meth:`_kept`); None for the others and for the full cache."""
         cache = DynamicCache()
         scores: dict[int, torch.Tensor] = {}
         inner = press.press if isinstance(press, AdaKVPress) else press
-        if record and inner is not None:
+        if record and isinstance(inner, ScorerPress):
             original = inner.score
 
             def score(module, *args, **kwargs):
@@ -214,7 +247,7 @@ class Worker:
 
             inner.score = score
         logits = None
-        with press(self.model) if press is not None else nullcontext():
+        with press(self.model) if press is not None else nullcontext():  # KVzipPress compresses on exit
             if lm_head:
                 logits = self.model(input_ids=head, past_key_values=cache, logits_to_keep=1).logits[:, -1]
             else:
@@ -223,23 +256,34 @@ class Worker:
             return cache, None, logits
         return cache, self._kept(press, scores, cache, head.shape[1]), logits
 
-    def _kept(self, press, scores, cache, length: int) -> torch.Tensor:
-        """Bool ``[layers, kv_heads, L]``: the tokens each (layer, head) still attends to."""
+    def _kept(self, press, scores, cache, length: int) -> torch.Tensor | None:
+        """Bool ``[layers, kv_heads, L]``: the tokens each (layer, head) still attends to, read by mechanism:
+
+        - masking presses (AdaKVPress, KVzipPress) leave ``masked_key_indices`` on every attention module
+          (the prefill resets them, so they belong to this press) and keep the full cache;
+        - ScorerPress subclasses gather ``topk(scores, n_kept)``: the same call on the scores recorded
+          during the prefill gives the same set (checked against the cache length);
+        - anything else: None (no kept-set comparison for it)."""
+        masked = [getattr(m, "masked_key_indices", None) for m in self.attn_modules]
         keeps = []
         for i, module in enumerate(self.attn_modules):
-            s = scores[i][0]  # [H, L]
-            keep = torch.zeros_like(s, dtype=torch.bool)
-            if isinstance(press, AdaKVPress):
-                keep.fill_(True)
-                _, heads, pos = module.masked_key_indices
-                keep[heads, pos] = False
+            H = cache.layers[i].keys.shape[1]
+            if any(m is not None for m in masked):
+                keep = torch.ones(H, length, dtype=torch.bool)
+                if masked[i] is not None:
+                    _, heads, pos = masked[i]
+                    keep[heads, pos] = False
                 assert cache.layers[i].keys.shape[2] == length
-            else:
+            elif i in scores:
+                s = scores[i][0]  # [H, L]
+                keep = torch.zeros_like(s, dtype=torch.bool)
                 # the same topk call on the same scores the press made (ScorerPress / PyramidKVPress.compress)
                 n_kept = press.get_layer_budget(module, length) if isinstance(press, PyramidKVPress) \
                     else compute_n_kept(length, press.compression_ratio)
                 keep.scatter_(-1, s.topk(n_kept, dim=-1).indices, True)
                 assert cache.layers[i].keys.shape[2] == n_kept, (cache.layers[i].keys.shape, n_kept)
+            else:
+                return None
             keeps.append(keep)
         return torch.stack(keeps)
 

@@ -126,6 +126,11 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true",
                    help="keep the samples already in an incomplete JSON at --out of the same configuration (the JSON "
                         "is rewritten after every sample, marked complete: false until the run ends)")
+    p.add_argument("--kvpress-separate", action="store_true",
+                   help="one kvpress prefill per (press, ratio) even where kvpress's own compress on the inputs "
+                        "captured from the sample's full-cache prefill gives the same cache (ScorerPress, AdaKVPress) "
+                        "and one KVzip context reconstruction per (ratio, layerwise) instead of one per sample "
+                        "(the scores depend on neither); same answers, several times slower")
     p.add_argument("--no-plot", action="store_true", help="do not write the accuracy-vs-ratio PNG next to the JSON")
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="kvpress virtualenv (created if missing)")
     p.add_argument("--threads", type=int, default=1,
@@ -582,7 +587,7 @@ def main(argv=None):
                 kv = worker.call("accuracy", samples_file=str(samples_file), masks_file=str(masks_file),
                                  indices=[i], methods=kv_methods, ratios=args.ratios,
                                  max_new_tokens=args.max_new_tokens, question_aware=aware, kept_sets=args.kept_sets,
-                                 quiet=True)
+                                 fanout=not args.kvpress_separate, quiet=True)
                 for rec in kv["records"]:
                     text = tok.decode(rec["tokens"], skip_special_tokens=True).strip()
                     state["kv_records"].append({"setting": setting, **{k: v for k, v in rec.items() if k != "tokens"},
@@ -640,7 +645,8 @@ def run_config(args) -> dict:
     return {"model": args.model, "tasks": args.tasks, "n": args.n, "context": args.context, "seed": args.seed,
             "ratios": args.ratios, "methods": args.methods, "settings": args.settings,
             "max_new_tokens": args.max_new_tokens, "no_diagnostics": args.no_diagnostics,
-            "replica_accuracy": args.replica_accuracy, "ea_ablation": args.ea_ablation, "kept_sets": args.kept_sets}
+            "replica_accuracy": args.replica_accuracy, "ea_ablation": args.ea_ablation, "kept_sets": args.kept_sets,
+            "kvpress_separate": args.kvpress_separate}
 
 
 def load_checkpoint(args) -> dict | None:

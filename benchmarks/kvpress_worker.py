@@ -48,6 +48,7 @@ warnings.filterwarnings("ignore")
 import kvpress  # noqa: E402
 from kvpress import (  # noqa: E402
     AdaKVPress,
+    BasePress,
     ExpectedAttentionPress,
     KeyDiffPress,
     KVPressTextGenerationPipeline,
@@ -91,6 +92,26 @@ def build_press(method: str, ratio: float):
     return PRESSES[method](ratio)
 
 
+class CapturePress(BasePress):
+    """Records what kvpress's ``BasePress.forward_hook`` hands ``compress`` in every layer and compresses
+    nothing: one prefill under it is the full-cache run and the input of every derived press."""
+
+    def __init__(self):
+        self.layers: dict[int, tuple] = {}
+
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        self.layers[module.layer_idx] = (module, hidden_states, keys, values, attentions, kwargs)
+        return keys, values
+
+
+def derivable(press) -> bool:
+    """Presses that act only through ``BasePress.forward_hook -> compress`` (ScorerPress subclasses,
+    AdaKVPress, ...): a prefill is unchanged by them (each layer compresses after its own attention), so
+    ``press.compress`` on the inputs captured from one uncompressed prefill gives what a prefill of their
+    own gives."""
+    return type(press).__call__ is BasePress.__call__ and type(press).forward_hook is BasePress.forward_hook
+
+
 class Worker:
     def __init__(self, model_dir: str, threads: int | None):
         if threads:
@@ -104,6 +125,7 @@ class Worker:
             self.eos.add(self.tokenizer.eos_token_id)
         self.decode_states: dict[str, dict] = {}
         self.question_token_by_token = 0  # forwards that needed the per-token workaround (see _question)
+        self.last_run = None  # how _prefill produced the last cache: "prefill" or "derived"
 
     @property
     def attn_modules(self):
@@ -155,12 +177,13 @@ class Worker:
         for s in samples:
             head = torch.tensor([s["head_ids"]])
             tail = torch.tensor([s["tail_ids"]])
+            shared = {} if req.get("fanout", True) else None  # what later configs of this sample derive from
             for method, ratio in configs:
                 press = build_press(method, ratio)
                 presses[method if method == "full" else f"{method}@{ratio}"] = repr(press)
                 prompt = torch.cat([head, tail], dim=1) if aware else head
                 t0 = time.perf_counter()
-                cache, keep, logits = self._prefill(press, prompt, record=kept_sets, lm_head=aware)
+                cache, keep, logits = self._prefill(press, prompt, record=kept_sets, lm_head=aware, shared=shared)
                 prefill_s = time.perf_counter() - t0
                 kv_bytes = _cache_bytes(cache)
                 t0 = time.perf_counter()
@@ -171,7 +194,7 @@ class Worker:
                 answer_s = time.perf_counter() - t0
                 rec = {"sample": s["index"], "task": s["task"], "label": method, "ratio": ratio, "tokens": tokens,
                        "kv_bytes": kv_bytes, "prefill_s": prefill_s, "answer_s": answer_s,
-                       "context_len": int(prompt.shape[1])}
+                       "context_len": int(prompt.shape[1]), "kvpress_run": self.last_run}
                 if keep is not None:
                     rec["kept_per_head"] = keep.sum(-1).tolist()  # [layers][heads]
                     masks[f"{method}|{ratio}|{s['index']}"] = np.packbits(keep.numpy().reshape(-1))
@@ -228,12 +251,18 @@ class Worker:
 
     # ------------------------------------------------------------------ helpers
     @torch.inference_mode()
-    def _prefill(self, press, head: torch.Tensor, record: bool = True, lm_head: bool = False):
+    def _prefill(self, press, head: torch.Tensor, record: bool = True, lm_head: bool = False, shared=None):
         """kvpress's prefill (``KVPressTextGenerationPipeline._forward``): hooks on, model without LM head
         (with it, last position only, when the answer starts right after the prefill).
 
         With ``record``, also the kept set ``[layers, kv_heads, L]`` of presses whose kept set can be
-        read without changing them (see :meth:`_kept`); None for the others and for the full cache."""
+        read without changing them (see :meth:`_kept`); None for the others and for the full cache.
+
+        ``shared`` (a dict per sample, or None for one prefill per press) lets configs reuse kvpress's own
+        work on identical inputs: the full-cache run captures every layer's ``compress`` inputs, and
+        :func:`derivable` presses call their ``compress`` on them; the first KVzipPress of a sample runs
+        for real (prefill + context reconstruction) and later ones (other ratio / ``layerwise``) call
+        ``compress_post`` on its reconstruction scores, which depend on neither."""
         cache = DynamicCache()
         scores: dict[int, torch.Tensor] = {}
         inner = press.press if isinstance(press, AdaKVPress) else press
@@ -247,14 +276,53 @@ class Worker:
 
             inner.score = score
         logits = None
-        with press(self.model) if press is not None else nullcontext():  # KVzipPress compresses on exit
-            if lm_head:
-                logits = self.model(input_ids=head, past_key_values=cache, logits_to_keep=1).logits[:, -1]
-            else:
-                self.model.model(input_ids=head, past_key_values=cache)
+        self.last_run = "derived"
+        if shared is not None and "layers" in shared and press is not None and derivable(press):
+            logits = shared["logits"]
+            self._reset_masks()
+            press.post_init_from_model(self.model)
+            for i, (module, hidden, keys, values, attn, kwargs) in sorted(shared["layers"].items()):
+                keys, values = press.compress(module, hidden, keys.clone(), values.clone(), attn, kwargs)
+                cache.update(keys, values, i)
+        elif shared is not None and "kvzip" in shared and isinstance(press, KVzipPress):
+            logits = shared["kvzip"]["logits"]
+            for i, layer in enumerate(shared["kvzip"]["cache"].layers):
+                cache.update(layer.keys.clone(), layer.values.clone(), i)
+            self._reset_masks()
+            press.score_val = shared["kvzip"]["scores"].clone()  # compress_post overwrites the sinks' scores
+            press.compress_post(self.model)
+        else:
+            self.last_run = "prefill"
+            capture = CapturePress() if shared is not None and press is None else None
+            if shared is not None and isinstance(press, KVzipPress):
+                compress_post = press.compress_post
+
+                def keep_scores(model):
+                    shared["kvzip_scores"] = press.score_val.clone()
+                    return compress_post(model)
+
+                press.compress_post = keep_scores
+            context = press or capture
+            with context(self.model) if context is not None else nullcontext():  # KVzipPress compresses on exit
+                if lm_head:
+                    logits = self.model(input_ids=head, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+                else:
+                    self.model.model(input_ids=head, past_key_values=cache)
+            if capture is not None:
+                shared.update(layers=capture.layers, logits=logits)
+            if "kvzip_scores" in (shared or {}):
+                pristine = DynamicCache()
+                for i, layer in enumerate(cache.layers):
+                    pristine.update(layer.keys.clone(), layer.values.clone(), i)
+                shared["kvzip"] = {"cache": pristine, "scores": shared.pop("kvzip_scores"), "logits": logits}
         if not record or press is None:
             return cache, None, logits
         return cache, self._kept(press, scores, cache, head.shape[1]), logits
+
+    def _reset_masks(self):
+        """What a prefill does to kvpress's masking state (attention_patch: a prefill call sets None)."""
+        for m in self.attn_modules:
+            m.masked_key_indices = None
 
     def _kept(self, press, scores, cache, length: int) -> torch.Tensor | None:
         """Bool ``[layers, kv_heads, L]``: the tokens each (layer, head) still attends to, read by mechanism:

@@ -6,18 +6,32 @@ What it does
        kvpress_ada environment.
     2. Generates the samples once with kvpress_ada's synthetic tasks, renders the chat prompt with
        ``split_prompt`` and hands the *token ids* (context part, question part) to both libraries.
-    3. kvpress side (``benchmarks/kvpress_worker.py``, a subprocess in the kvpress venv): one prefill per
-       press per sample under ``with press(model)``, then the question and a greedy answer on the
-       compressed cache (question-agnostic), as ``KVPressTextGenerationPipeline`` does.
-    4. kvpress_ada side: the fan-out evaluator (one prefill per sample) on the same presets.
+    3. kvpress side (``benchmarks/kvpress_worker.py``, a subprocess in the kvpress venv): per sample, the
+       full-cache prefill under a capturing press, every press that acts only through kvpress's
+       ``compress`` hook (ScorerPress subclasses, AdaKVPress) derived by its own ``compress`` on those
+       captured inputs, and ``KVzipPress`` run once (prefill, then its context reconstruction when the
+       ``with`` block exits) with the other ratios / ``layerwise`` derived by its ``compress_post`` on the
+       same scores; then the question and a greedy answer on each compressed cache (question-agnostic), as
+       ``KVPressTextGenerationPipeline`` does. Same caches as one prefill per press (checked: answers, bytes
+       and masks); ``--kvpress-separate`` runs one prefill per press.
+    4. kvpress_ada side: the fan-out evaluator (one prefill per sample) on the same presets. Samples go
+       round-robin over tasks and the JSON is rewritten after every sample (``complete: false`` and
+       ``coverage`` until done; ``--resume`` continues a stopped run).
     5. Decode speed: one long synthetic sample, one cache per (library, press, ratio), greedy decode
        steps timed in interleaved rounds (kvpress, ours, kvpress, ...), medians.
     6. Agreement analysis: per-(layer, head) kept sets of both libraries (Jaccard), paired accuracy
        differences, and diagnostic kvpress_ada pipelines that re-implement kvpress's exact rules
-       (``*~kvpress``) or change one factor at a time, to attribute every disagreement.
+       (``*~kvpress``) or change one factor at a time, to attribute every disagreement. Kept sets are
+       compared only where the worker can read kvpress's (masking presses, ScorerPress subclasses);
+       ``--no-kept-sets`` skips them (they cost one more prefill per sample on our side).
 
 Run from the repository root: ``python benchmarks/kvpress_compare.py --quick`` (smoke test, a few
-minutes), ``python benchmarks/kvpress_compare.py`` (default run; about an hour on 2 CPU cores).
+minutes), ``python benchmarks/kvpress_compare.py`` (default run; about an hour on 2 CPU cores). Issue 10's
+question-agnostic comparison (KVzip, LagKV, KeyDiff, StreamingLLM)::
+
+    python benchmarks/kvpress_compare.py --methods issue10 --tasks passkey,multikey,multivalue,multiquery \
+        --n 16 --ratios 0.25,0.5,0.75,0.9 --settings agnostic --no-decode --no-kept-sets \
+        --out benchmarks/results/kvpress_compare_issue10.json --resume
 """
 
 from __future__ import annotations

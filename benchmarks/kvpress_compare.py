@@ -6,18 +6,32 @@ What it does
        kvpress_ada environment.
     2. Generates the samples once with kvpress_ada's synthetic tasks, renders the chat prompt with
        ``split_prompt`` and hands the *token ids* (context part, question part) to both libraries.
-    3. kvpress side (``benchmarks/kvpress_worker.py``, a subprocess in the kvpress venv): one prefill per
-       press per sample under ``with press(model)``, then the question and a greedy answer on the
-       compressed cache (question-agnostic), as ``KVPressTextGenerationPipeline`` does.
-    4. kvpress_ada side: the fan-out evaluator (one prefill per sample) on the same presets.
+    3. kvpress side (``benchmarks/kvpress_worker.py``, a subprocess in the kvpress venv): per sample, the
+       full-cache prefill under a capturing press, every press that acts only through kvpress's
+       ``compress`` hook (ScorerPress subclasses, AdaKVPress) derived by its own ``compress`` on those
+       captured inputs, and ``KVzipPress`` run once (prefill, then its context reconstruction when the
+       ``with`` block exits) with the other ratios / ``layerwise`` derived by its ``compress_post`` on the
+       same scores; then the question and a greedy answer on each compressed cache (question-agnostic), as
+       ``KVPressTextGenerationPipeline`` does. Same caches as one prefill per press (checked: answers, bytes
+       and masks); ``--kvpress-separate`` runs one prefill per press.
+    4. kvpress_ada side: the fan-out evaluator (one prefill per sample) on the same presets. Samples go
+       round-robin over tasks and the JSON is rewritten after every sample (``complete: false`` and
+       ``coverage`` until done; ``--resume`` continues a stopped run).
     5. Decode speed: one long synthetic sample, one cache per (library, press, ratio), greedy decode
        steps timed in interleaved rounds (kvpress, ours, kvpress, ...), medians.
     6. Agreement analysis: per-(layer, head) kept sets of both libraries (Jaccard), paired accuracy
        differences, and diagnostic kvpress_ada pipelines that re-implement kvpress's exact rules
-       (``*~kvpress``) or change one factor at a time, to attribute every disagreement.
+       (``*~kvpress``) or change one factor at a time, to attribute every disagreement. Kept sets are
+       compared only where the worker can read kvpress's (masking presses, ScorerPress subclasses);
+       ``--no-kept-sets`` skips them (they cost one more prefill per sample on our side).
 
 Run from the repository root: ``python benchmarks/kvpress_compare.py --quick`` (smoke test, a few
-minutes), ``python benchmarks/kvpress_compare.py`` (default run; about an hour on 2 CPU cores).
+minutes), ``python benchmarks/kvpress_compare.py`` (default run; about an hour on 2 CPU cores). Issue 10's
+question-agnostic comparison (KVzip, LagKV, KeyDiff, StreamingLLM)::
+
+    python benchmarks/kvpress_compare.py --methods issue10 --tasks passkey,multikey,multivalue,multiquery \
+        --n 16 --ratios 0.25,0.5,0.75,0.9 --settings agnostic --no-decode --no-kept-sets \
+        --out benchmarks/results/kvpress_compare_issue10.json --resume
 """
 
 from __future__ import annotations
@@ -41,7 +55,11 @@ ROOT = HERE.parent
 DEFAULT_OUT = HERE / "results" / "kvpress_compare.json"
 DEFAULT_VENV = Path(os.environ.get("KVPRESS_ADA_CACHE") or Path.home() / ".cache" / "kvpress_ada") / "kvpress-venv"
 KVPRESS_REQUIREMENTS = ("torch==2.13.0", "kvpress==0.5.5")
-METHODS = ("snapkv", "ada_snapkv", "pyramidkv", "expected_attention", "ada_expected_attention")
+METHODS = ("snapkv", "ada_snapkv", "pyramidkv", "expected_attention", "ada_expected_attention")  # default run
+# issue 10 section 5: question-agnostic presses (KVzip's context reconstruction, LagKV, KeyDiff) + baselines
+ISSUE10_METHODS = ("kvzip", "kvzip_layerwise", "ada_kvzip", "lagkv", "ada_lagkv", "keydiff", "streamingllm")
+ALL_METHODS = METHODS + ISSUE10_METHODS
+# kvpress_ada preset -> the kvpress press run for it (benchmarks/kvpress_worker.py PRESSES builds them)
 KVPRESS_NAMES = {
     "full": "no press",
     "snapkv": "SnapKVPress",
@@ -49,7 +67,34 @@ KVPRESS_NAMES = {
     "pyramidkv": "PyramidKVPress",
     "expected_attention": "ExpectedAttentionPress",
     "ada_expected_attention": "AdaKVPress(ExpectedAttentionPress)",
+    "kvzip": "KVzipPress(layerwise=False)",
+    "kvzip_layerwise": "KVzipPress(layerwise=True)",
+    "lagkv": "LagKVPress",
+    "keydiff": "KeyDiffPress",
 }
+# presets with no kvpress press of their own, compared (paired) with this kvpress press; presets in neither
+# table (streamingllm here) run on our side only, as a baseline
+KVPRESS_COUNTERPART = {"ada_kvzip": "kvzip", "ada_lagkv": "lagkv"}
+# kvpress 0.5.5's defaults for the presses run (read from its source; every run also records each press's repr)
+KVPRESS_DEFAULTS = {
+    "KVzipPress": "layerwise=False (one top-k over all layers and kv heads; True: per layer, across its heads), "
+                  "n_sink=4, kvzip_plus_normalization=False, chunk_size=2048; scores on leaving its `with` block "
+                  "by reconstructing the context after the chat prefix ('\\n\\nRepeat the previous context "
+                  "exactly.' + the template's assistant suffix + the context); the chat prefix tokens after the "
+                  "sinks are never scored (score 0, evicted first); evicted keys are masked "
+                  "(masked_key_indices), the full cache stays",
+    "LagKVPress": "n_sink=4, lag_size=128, cross_scoring=False (ranks within each partition); gathers the kept "
+                  "tokens (real eviction)",
+    "KeyDiffPress": "no parameters besides compression_ratio (the paper's block-wise version is "
+                    "BlockPress(KeyDiffPress), not run); gathers the kept tokens",
+}
+
+
+def kvpress_counterpart(label: str) -> str | None:
+    """The kvpress method whose answers ``label`` (a preset or a diagnostic pipeline) is paired with."""
+    if label in DIAGNOSTICS:
+        return DIAGNOSTICS[label][0]
+    return KVPRESS_COUNTERPART.get(label, label if label in KVPRESS_NAMES else None)
 
 
 def parse_args(argv=None):
@@ -67,7 +112,10 @@ def parse_args(argv=None):
     p.add_argument("--ratios", default="0.25,0.5",
                    help="compression ratios (fraction evicted) for accuracy; at 0.75 every method of both libraries "
                         "is at the floor on this model (<= 0.1), so the default stops at 0.5")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="comma-separated kvpress_ada presets from " + ",".join(ALL_METHODS) + "; kvpress runs its "
+                        "press for each one it has (" + ",".join(m for m in KVPRESS_NAMES if m != "full") + "); "
+                        "'issue10' stands for " + ",".join(ISSUE10_METHODS))
     p.add_argument("--settings", default="agnostic,aware",
                    help="agnostic: compress the context, then ask (the question is unknown when compressing); "
                         "aware: compress context + question together")
@@ -85,6 +133,19 @@ def parse_args(argv=None):
                         "kept set by kept set, which is cheap)")
     p.add_argument("--ea-ablation", action="store_true",
                    help="add one-factor ExpectedAttention variants between ours and kvpress's (answered)")
+    p.add_argument("--no-kept-sets", dest="kept_sets", action="store_false",
+                   help="skip the kept-set comparison (one extra prefill per sample on our side, plus KVzip's model "
+                        "pass when a KVzip preset is compared); it runs only for kvpress presses whose kept set the "
+                        "worker can read (masking presses and ScorerPress subclasses)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the samples already in an incomplete JSON at --out of the same configuration (the JSON "
+                        "is rewritten after every sample, marked complete: false until the run ends)")
+    p.add_argument("--kvpress-separate", action="store_true",
+                   help="one kvpress prefill per (press, ratio) even where kvpress's own compress on the inputs "
+                        "captured from the sample's full-cache prefill gives the same cache (ScorerPress, AdaKVPress) "
+                        "and one KVzip context reconstruction per (ratio, layerwise) instead of one per sample "
+                        "(the scores depend on neither); same answers, several times slower")
+    p.add_argument("--no-plot", action="store_true", help="do not write the accuracy-vs-ratio PNG next to the JSON")
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="kvpress virtualenv (created if missing)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads in both processes; on a busy 2-core machine 1 thread measured 3x faster "
@@ -102,9 +163,10 @@ def parse_args(argv=None):
     args.settings = [x for x in args.settings.split(",") if x]
     if not args.settings or set(args.settings) - {"agnostic", "aware"}:
         p.error("--settings takes agnostic, aware or both (comma-separated)")
-    unknown = sorted(set(args.methods) - set(METHODS))
+    args.methods = list(dict.fromkeys(m for x in args.methods for m in (ISSUE10_METHODS if x == "issue10" else [x])))
+    unknown = sorted(set(args.methods) - set(ALL_METHODS))
     if unknown:
-        p.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+        p.error(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
     if args.quick:
         args.n = max(1, 2 // max(len(args.tasks), 1))
         args.ratios = args.ratios[-1:]
@@ -443,7 +505,7 @@ def main(argv=None):
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the worker before torch loads
 
     import kvpress_ada
-    from kvpress_ada.eval.runner import evaluate, grid
+    from kvpress_ada.eval.runner import evaluate_sample, grid
     from kvpress_ada.eval.scoring import score_sample
     from kvpress_ada.eval.tasks import make_samples
     from kvpress_ada.integration.fanout import capture_prefill
@@ -457,10 +519,11 @@ def main(argv=None):
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvpress_compare_"))
     workdir.mkdir(parents=True, exist_ok=True)
 
-    # ---- samples, rendered once; both libraries get these token ids
-    samples, payload = [], []
-    for task in args.tasks:
-        samples += make_samples(task, tok, args.n, args.context, seed=args.seed)
+    # ---- samples, rendered once; both libraries get these token ids. Round-robin over tasks, so a run
+    # stopped early covers every task equally.
+    per_task = [make_samples(task, tok, args.n, args.context, seed=args.seed) for task in args.tasks]
+    samples = [s for group in zip(*per_task) for s in group]
+    payload = []
     for i, s in enumerate(samples):
         head, tail = split_prompt(tok, s.context, s.question)
         payload.append({"index": i, "task": s.task, "context": s.context, "question": s.question,
@@ -473,29 +536,102 @@ def main(argv=None):
           f"context ids + {min(len(p['tail_ids']) for p in payload)}-{max(len(p['tail_ids']) for p in payload)} "
           f"question ids; exchange files in {workdir}", file=sys.stderr)
 
+    kv_methods = [m for m in args.methods if m in KVPRESS_NAMES]
+    entries = grid(args.methods, args.ratios)
+    diag_entries = [] if args.no_diagnostics else diagnostic_entries(args.ratios, args.methods, args.ea_ablation)
+    answered = entries + [e for e in diag_entries if args.replica_accuracy or not e.label.endswith("~kvpress")]
+    state = load_checkpoint(args) if args.resume else None
+    state = state or {"kv_records": [], "our_records": [], "overlap_samples": [], "done": {},
+                      "seconds": {"kvpress": {}, "kvpress_ada": {}, "kept_sets": {}}, "presses": {},
+                      "question_token_by_token": {}, "kept_set_methods": []}
+
     worker = WorkerProcess(python, model_dir, args.threads)
+    decode = None
     try:
         kv_versions = worker.call("hello")
         prompt_check = worker.call("prompt_check", samples_file=str(samples_file))
         print(f"[kvpress] {kv_versions}; prompt check {prompt_check}", file=sys.stderr)
 
-        # ---- accuracy, per setting: kvpress (one prefill per press), then ours (fan-out), then kept sets
-        entries = grid(args.methods, args.ratios)
-        diag_entries = [] if args.no_diagnostics else diagnostic_entries(args.ratios, args.methods, args.ea_ablation)
-        answered = entries + [e for e in diag_entries if args.replica_accuracy or not e.label.endswith("~kvpress")]
-        runs = {}
+        def write(complete: bool):
+            report = build_report(args, payload, state["kv_records"], state["our_records"],
+                                  aggregate_overlap(state["overlap_samples"]), decode)
+            done = {k: sorted(v) for k, v in state["done"].items()}
+            report["complete"] = complete
+            report["coverage"] = {
+                setting: {"samples": len(idx), "of": len(samples),
+                          "per_task": {t: sum(payload[i]["task"] == t for i in idx) for t in args.tasks}}
+                for setting, idx in done.items()}
+            report["meta"] = {
+                "machine": machine_info(torch, transformers),
+                "kvpress_env": {**kv_versions, "venv": str(args.venv), "requirements": list(KVPRESS_REQUIREMENTS)},
+                "kvpress_ada_version": kvpress_ada.__version__, "git": git_state(),
+                "model_dir": model_dir, "config": run_config(args),
+                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                "prompt_check": prompt_check, "kvpress_presses": state["presses"],
+                "kvpress_defaults": {KVPRESS_NAMES[m]: KVPRESS_DEFAULTS.get(KVPRESS_NAMES[m].split("(")[0])
+                                     for m in kv_methods},
+                "kvpress_counterparts": {e.label: kvpress_counterpart(e.label) for e in answered},
+                "kept_set_methods": state["kept_set_methods"],
+                "kvpress_question_token_by_token": state["question_token_by_token"],
+                "seconds": {"total": time.perf_counter() - t_start + state.get("resumed_seconds", 0.0),
+                            "kvpress_accuracy": state["seconds"]["kvpress"],
+                            "kvpress_ada_accuracy": state["seconds"]["kvpress_ada"],
+                            "kept_sets": state["seconds"]["kept_sets"],
+                            "decode": decode["seconds"] if decode else None},
+                "diagnostics": {k: v[1] for k, v in DIAGNOSTICS.items()},
+                "notes": NOTES,
+            }
+            report["checkpoint"] = {"done": done, "overlap_samples": state["overlap_samples"]}
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = args.out.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(report, indent=1) + "\n")
+            tmp.replace(args.out)
+            return report
+
+        # ---- accuracy, sample by sample (checkpointed): kvpress (one prefill per press), ours (fan-out: one
+        # prefill per sample), then the kept sets of both where kvpress's can be read
         for setting in args.settings:
             aware = setting == "aware"
-            masks_file = workdir / f"kvpress_masks_{setting}.npz"
-            kv = worker.call("accuracy", samples_file=str(samples_file), masks_file=str(masks_file),
-                             methods=args.methods, ratios=args.ratios, max_new_tokens=args.max_new_tokens,
-                             question_aware=aware)
-            t0 = time.perf_counter()
-            ours = evaluate(model, tok, samples, answered, question_aware=aware, max_new_tokens=args.max_new_tokens)
-            ours_seconds = time.perf_counter() - t0
-            overlap = kept_set_agreement(model, payload, entries + diag_entries, masks_file, aware, capture_prefill,
-                                         np, torch, tqdm)
-            runs[setting] = {"kv": kv, "ours": ours, "ours_seconds": ours_seconds, "overlap": overlap}
+            done = state["done"].setdefault(setting, [])
+            todo = [i for i in range(len(samples)) if i not in done]
+            bar = tqdm(total=len(samples), initial=len(samples) - len(todo), desc=f"{setting}: samples",
+                       unit="sample", dynamic_ncols=True)
+            for i in todo:
+                masks_file = workdir / f"kvpress_masks_{setting}_{i}.npz"
+                kv = worker.call("accuracy", samples_file=str(samples_file), masks_file=str(masks_file),
+                                 indices=[i], methods=kv_methods, ratios=args.ratios,
+                                 max_new_tokens=args.max_new_tokens, question_aware=aware, kept_sets=args.kept_sets,
+                                 fanout=not args.kvpress_separate, quiet=True)
+                for rec in kv["records"]:
+                    text = tok.decode(rec["tokens"], skip_special_tokens=True).strip()
+                    state["kv_records"].append({"setting": setting, **{k: v for k, v in rec.items() if k != "tokens"},
+                                                "answer": text, "score": score_sample(samples[rec["sample"]], text)})
+                state["presses"].update(kv["presses"])
+                state["question_token_by_token"][setting] = (state["question_token_by_token"].get(setting, 0)
+                                                             + kv["question_token_by_token"])
+                _add(state["seconds"]["kvpress"], setting, kv["seconds"])
+                t0 = time.perf_counter()
+                recs = evaluate_sample(model, tok, samples[i], answered, i, question_aware=aware,
+                                       max_new_tokens=args.max_new_tokens)
+                _add(state["seconds"]["kvpress_ada"], setting, time.perf_counter() - t0)
+                state["our_records"] += [
+                    {"setting": setting, "sample": r.sample, "task": r.task, "label": r.label, "ratio": r.ratio,
+                     "answer": r.answer, "score": r.score, "kv_bytes": r.kv_bytes, "full_kv_bytes": r.full_kv_bytes,
+                     "kl": r.kl, "top1": r.top1} for r in recs]
+                kept = set(kv["kept_set_methods"])
+                state["kept_set_methods"] = sorted(kept | set(state["kept_set_methods"]))
+                compared = [e for e in entries + diag_entries if kvpress_counterpart(e.label) in kept]
+                if compared:
+                    t0 = time.perf_counter()
+                    rows = kept_set_sample(model, payload[i], compared, masks_file, aware, capture_prefill, np,
+                                           torch)
+                    state["overlap_samples"] += [{"setting": setting, **r} for r in rows]
+                    _add(state["seconds"]["kept_sets"], setting, time.perf_counter() - t0)
+                masks_file.unlink(missing_ok=True)
+                done.append(i)
+                bar.update(1)
+                write(complete=False)
+            bar.close()
 
         # ---- decode speed at a long context
         decode = None if args.no_decode else decode_benchmark(
@@ -504,39 +640,52 @@ def main(argv=None):
     finally:
         worker.close()
 
-    # ---- score kvpress answers with our tokenizer and scorer
-    kv_records, our_records, overlap = [], [], []
-    for setting, run in runs.items():
-        for rec in run["kv"]["records"]:
-            text = tok.decode(rec["tokens"], skip_special_tokens=True).strip()
-            kv_records.append({"setting": setting, **{k: v for k, v in rec.items() if k != "tokens"}, "answer": text,
-                               "score": score_sample(samples[rec["sample"]], text)})
-        our_records += [{"setting": setting, "sample": r.sample, "task": r.task, "label": r.label, "ratio": r.ratio,
-                         "answer": r.answer, "score": r.score, "kv_bytes": r.kv_bytes,
-                         "full_kv_bytes": r.full_kv_bytes, "kl": r.kl, "top1": r.top1} for r in run["ours"].records]
-        overlap += [{"setting": setting, **o} for o in run["overlap"]]
-
-    report = build_report(args, payload, kv_records, our_records, overlap, decode)
-    any_kv = next(iter(runs.values()))["kv"]
-    report["meta"] = {
-        "machine": machine_info(torch, transformers),
-        "kvpress_env": {**kv_versions, "venv": str(args.venv), "requirements": list(KVPRESS_REQUIREMENTS)},
-        "kvpress_ada_version": kvpress_ada.__version__, "git": git_state(),
-        "model_dir": model_dir, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "prompt_check": prompt_check, "kvpress_presses": any_kv["presses"],
-        "kvpress_question_token_by_token": {k: r["kv"].get("question_token_by_token") for k, r in runs.items()},
-        "seconds": {"total": time.perf_counter() - t_start,
-                    "kvpress_accuracy": {k: r["kv"]["seconds"] for k, r in runs.items()},
-                    "kvpress_ada_accuracy": {k: r["ours_seconds"] for k, r in runs.items()},
-                    "decode": decode["seconds"] if decode else None},
-        "diagnostics": {k: v[1] for k, v in DIAGNOSTICS.items()},
-        "notes": NOTES,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    report = write(complete=all(len(state["done"].get(s, [])) == len(samples) for s in args.settings))
     print(render_markdown(report))
+    if not args.no_plot:
+        png = plot_report(report, args.out.with_suffix(".png"))
+        if png:
+            print(f"wrote {png}", file=sys.stderr)
     print(f"\nwrote {args.out} (total {report['meta']['seconds']['total'] / 60:.1f} min)", file=sys.stderr)
     return report
+
+
+def _add(d: dict, key: str, value: float):
+    d[key] = d.get(key, 0.0) + value
+
+
+def run_config(args) -> dict:
+    """What a resumed run must share with the checkpoint it continues."""
+    return {"model": args.model, "tasks": args.tasks, "n": args.n, "context": args.context, "seed": args.seed,
+            "ratios": args.ratios, "methods": args.methods, "settings": args.settings,
+            "max_new_tokens": args.max_new_tokens, "no_diagnostics": args.no_diagnostics,
+            "replica_accuracy": args.replica_accuracy, "ea_ablation": args.ea_ablation, "kept_sets": args.kept_sets,
+            "kvpress_separate": args.kvpress_separate}
+
+
+def load_checkpoint(args) -> dict | None:
+    """The accumulated state of an earlier, incomplete run at ``args.out`` with the same configuration."""
+    if not args.out.exists():
+        return None
+    old = json.loads(args.out.read_text())
+    meta = old.get("meta", {})
+    if old.get("complete", True) or "checkpoint" not in old:
+        print(f"[resume] {args.out} is complete or has no checkpoint; starting over", file=sys.stderr)
+        return None
+    if meta.get("config") != json.loads(json.dumps(run_config(args))):
+        print(f"[resume] {args.out} has another configuration; starting over", file=sys.stderr)
+        return None
+    sec = meta["seconds"]
+    state = {"kv_records": old["records"]["kvpress"], "our_records": old["records"]["kvpress_ada"],
+             "overlap_samples": old["checkpoint"]["overlap_samples"],
+             "done": {k: list(v) for k, v in old["checkpoint"]["done"].items()},
+             "seconds": {"kvpress": sec["kvpress_accuracy"], "kvpress_ada": sec["kvpress_ada_accuracy"],
+                         "kept_sets": sec.get("kept_sets") or {}},
+             "presses": meta["kvpress_presses"], "question_token_by_token": meta["kvpress_question_token_by_token"],
+             "kept_set_methods": meta.get("kept_set_methods", []), "resumed_seconds": sec["total"]}
+    print(f"[resume] {', '.join(f'{k}: {len(v)} samples' for k, v in state['done'].items())} from {args.out}",
+          file=sys.stderr)
+    return state
 
 
 NOTES = [
@@ -544,10 +693,16 @@ NOTES = [
     "question in one user turn); kvpress's own pipeline.preprocess yields the same ids when given context + '\\n\\n' "
     "(checked per sample in meta.prompt_check).",
     "kvpress side mirrors KVPressTextGenerationPipeline: prefill model.model(context_ids) under `with press(model)`, "
-    "then question + greedy answer with explicit true RoPE positions; kvpress_ada side: fan-out evaluate(..., "
-    "question_aware=False).",
-    "KV bytes: kvpress = key/value tensors held by its DynamicCache after compression (AdaKVPress keeps the full "
-    "cache and masks evicted keys with fake keys at every attention call); kvpress_ada = RaggedCache.nbytes() "
+    "then question + greedy answer with explicit true RoPE positions; kvpress_ada side: fan-out evaluate_sample "
+    "(one prefill per sample, every preset x ratio derived from it; KVzip's reconstruction pass once per sample). "
+    "KVzipPress scores and masks when its `with` block exits, after the context prefill, before the question.",
+    "Samples go round-robin over tasks and the JSON is rewritten after every sample (complete: false, coverage) "
+    "so a stopped run still covers every task equally; --resume continues it.",
+    "Paired differences: ours minus the kvpress press in meta.kvpress_counterparts (the same-named one, or for "
+    "ada_kvzip KVzipPress(layerwise=False), for ada_lagkv LagKVPress), sample by sample, normal 95% CI.",
+    "KV bytes: kvpress = key/value tensors held by its DynamicCache after compression (AdaKVPress and KVzipPress "
+    "keep the full cache and mask evicted keys with fake keys at every attention call); "
+    "kvpress_ada = RaggedCache.nbytes() "
     "(allocated capacity, including the reserve for appended tokens).",
     "Decode tok/s: greedy single-token steps after the question on one long synthetic passkey sample; rounds "
     "interleave libraries and configs; medians over rounds; 'x full' is the median of per-round ratios to the same "
@@ -558,50 +713,58 @@ NOTES = [
 # --------------------------------------------------------------------------- pieces
 
 
-def kept_set_agreement(model, payload, entries, masks_file, aware, capture_prefill, np, torch, tqdm):
-    """Per (label, ratio): Jaccard of the kept sets of kvpress and kvpress_ada per (layer, head), averaged,
-    the fraction of (layer, head) rows selected identically, and the mean |kept-count difference| per head."""
+ADA_LABELS = ("ada_snapkv", "ada_expected_attention", "ada_snapkv~kvpress_rule", "ada_kvzip", "ada_lagkv", "kvzip",
+              "kvzip_layerwise")  # head allocations worth summarising (Ada-like rules on either side)
+
+
+def kept_set_sample(model, p, entries, masks_file, aware, capture_prefill, np, torch) -> list[dict]:
+    """One sample: per entry whose kvpress counterpart left a kept mask, the Jaccard of the kept sets of
+    kvpress and kvpress_ada per (layer, head) averaged, the fraction of (layer, head) rows selected
+    identically, the mean |kept-count difference| per head, and for Ada-like rules how unequal the
+    heads' kept counts are. Costs one prefill (plus a model pass for model-pass scorers)."""
     kv_masks = np.load(masks_file)
-    acc: dict[tuple[str, float], dict[str, list]] = {}
-    counts: dict[tuple[str, float], list] = {}
-    bar = tqdm(total=len(payload), desc="kept-set comparison (one prefill per sample)", unit="sample")
-    for i, p in enumerate(payload):
-        prefill = capture_prefill(model, torch.tensor([p["head_ids"] + (p["tail_ids"] if aware else [])]))
-        for e in entries:
-            counterpart = DIAGNOSTICS.get(e.label, (e.label,))[0]
-            key = f"{counterpart}|{e.ratio}|{i}"
-            if key not in kv_masks:
-                continue
-            shape = tuple(kv_masks[key + "|shape"])
-            theirs = torch.from_numpy(np.unpackbits(kv_masks[key])[: int(np.prod(shape))].reshape(shape).astype(bool))
-            ours = torch.stack([m[0] for m in prefill.keep_masks(e.press)]).cpu()  # [layers, H, L]
-            inter = (ours & theirs).sum(-1).double()
-            union = (ours | theirs).sum(-1).double().clamp(min=1)
-            d = acc.setdefault((e.label, e.ratio), {"jaccard": [], "identical": [], "count_diff": []})
-            d["jaccard"].append(float((inter / union).mean()))
-            d["identical"].append(float((ours == theirs).all(-1).double().mean()))
-            d["count_diff"].append(float((ours.sum(-1) - theirs.sum(-1)).abs().double().mean()))
-            if e.label in ("ada_snapkv", "ada_expected_attention", "ada_snapkv~kvpress_rule"):
-                counts.setdefault((e.label, e.ratio), []).append(
-                    {"ours_min_share": float((ours.sum(-1).double() / ours.sum(-1).double().mean(-1, keepdim=True))
-                                             .min()),
-                     "kvpress_min_share": float((theirs.sum(-1).double()
-                                                 / theirs.sum(-1).double().mean(-1, keepdim=True)).min()),
-                     "ours_cv": float((ours.sum(-1).double().std(-1) / ours.sum(-1).double().mean(-1)).mean()),
-                     "kvpress_cv": float((theirs.sum(-1).double().std(-1) / theirs.sum(-1).double().mean(-1))
-                                         .mean())})
-        del prefill
-        bar.update(1)
-    bar.close()
+    prefill = capture_prefill(model, torch.tensor([p["head_ids"] + (p["tail_ids"] if aware else [])]))
     rows = []
-    for (label, ratio), d in acc.items():
-        row = {"label": label, "ratio": ratio, "kvpress_counterpart": DIAGNOSTICS.get(label, (label,))[0],
-               "jaccard": sum(d["jaccard"]) / len(d["jaccard"]),
-               "identical_rows": sum(d["identical"]) / len(d["identical"]),
-               "mean_abs_count_diff": sum(d["count_diff"]) / len(d["count_diff"])}
-        if (label, ratio) in counts:
-            c = counts[(label, ratio)]
-            row["head_allocation"] = {k: sum(x[k] for x in c) / len(c) for k in c[0]}
+    for e in entries:
+        key = f"{kvpress_counterpart(e.label)}|{e.ratio}|{p['index']}"
+        if key not in kv_masks:
+            continue
+        shape = tuple(kv_masks[key + "|shape"])
+        theirs = torch.from_numpy(np.unpackbits(kv_masks[key])[: int(np.prod(shape))].reshape(shape).astype(bool))
+        ours = torch.stack([m[0] for m in prefill.keep_masks(e.press)]).cpu()  # [layers, H, L]
+        inter = (ours & theirs).sum(-1).double()
+        union = (ours | theirs).sum(-1).double().clamp(min=1)
+        row = {"label": e.label, "ratio": e.ratio, "sample": p["index"], "jaccard": float((inter / union).mean()),
+               "identical": float((ours == theirs).all(-1).double().mean()),
+               "count_diff": float((ours.sum(-1) - theirs.sum(-1)).abs().double().mean())}
+        if e.label in ADA_LABELS:
+            o, t = ours.sum(-1).double(), theirs.sum(-1).double()
+            row["head_allocation"] = {
+                "ours_min_share": float((o / o.mean(-1, keepdim=True).clamp(min=1e-9)).min()),
+                "kvpress_min_share": float((t / t.mean(-1, keepdim=True).clamp(min=1e-9)).min()),
+                "ours_cv": float((o.std(-1) / o.mean(-1).clamp(min=1e-9)).mean()),
+                "kvpress_cv": float((t.std(-1) / t.mean(-1).clamp(min=1e-9)).mean()),
+                "ours_layer_share_min": float((o.sum(-1) / o.sum(-1).mean()).min()),
+                "kvpress_layer_share_min": float((t.sum(-1) / t.sum(-1).mean()).min())}
+        rows.append(row)
+    del prefill
+    return rows
+
+
+def aggregate_overlap(sample_rows: list[dict]) -> list[dict]:
+    """Per (setting, label, ratio): the per-sample kept-set numbers of :func:`kept_set_sample`, averaged."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in sample_rows:
+        groups.setdefault((r["setting"], r["label"], r["ratio"]), []).append(r)
+    rows = []
+    for (setting, label, ratio), rs in groups.items():
+        row = {"setting": setting, "label": label, "ratio": ratio, "kvpress_counterpart": kvpress_counterpart(label),
+               "kept_set_n": len(rs), "jaccard": sum(r["jaccard"] for r in rs) / len(rs),
+               "identical_rows": sum(r["identical"] for r in rs) / len(rs),
+               "mean_abs_count_diff": sum(r["count_diff"] for r in rs) / len(rs)}
+        alloc = [r["head_allocation"] for r in rs if "head_allocation" in r]
+        if alloc:
+            row["head_allocation"] = {k: sum(a[k] for a in alloc) / len(alloc) for k in alloc[0]}
         rows.append(row)
     return rows
 
@@ -617,7 +780,8 @@ def decode_benchmark(args, worker, model, tok, make_samples, split_prompt, encod
     configs = [("full", 0.0)] + [(m, r) for m in args.methods for r in args.decode_ratios]
 
     kv_setup = worker.call("decode_setup", head_ids=head_ids[0].tolist(), tail_ids=tail_ids[0].tolist(),
-                           methods=args.methods, ratios=args.decode_ratios)["configs"]
+                           methods=[m for m in args.methods if m in KVPRESS_NAMES],
+                           ratios=args.decode_ratios)["configs"]
     t0 = time.perf_counter()
     prefill = capture_prefill(model, head_ids)
     ours_prefill_s = time.perf_counter() - t0
@@ -652,13 +816,14 @@ def decode_benchmark(args, worker, model, tok, make_samples, split_prompt, encod
 
     times = {"kvpress": {}, "kvpress_ada": {}}
     rounds = args.decode_repeats + 1  # round 0 warms up (short)
-    bar = tqdm(total=rounds * len(configs) * 2, desc=f"decode timing at {length} tokens", unit="run")
+    n_runs = len(configs) + sum(f"{m}|{r}" in kv_setup for m, r in configs)
+    bar = tqdm(total=rounds * n_runs, desc=f"decode timing at {length} tokens", unit="run")
     for rnd in range(rounds):
         order = configs if rnd % 2 == 0 else configs[::-1]
         for method, ratio in order:
             key = f"{method}|{ratio}"
             libs = ("kvpress", "kvpress_ada") if rnd % 2 == 0 else ("kvpress_ada", "kvpress")
-            for lib in libs:
+            for lib in (x for x in libs if x == "kvpress_ada" or key in kv_setup):
                 steps = 2 if rnd == 0 else args.decode_steps
                 sec = worker.call("decode", config=key, steps=steps)["seconds"] if lib == "kvpress" \
                     else ours_decode(key, steps)
@@ -716,7 +881,7 @@ def build_report(args, payload, kv_records, our_records, overlap, decode):
         row_for(d["library"], d["label"], d["ratio"])["decode"] = {
             "tok_s": d["tok_s_median"], "x_full": d["x_full_median"], "kv_bytes": d["kv_bytes"],
             "kv_fraction": d["kv_fraction"]}
-    order = {m: i for i, m in enumerate(("full",) + METHODS)}
+    order = {m: i for i, m in enumerate(("full",) + ALL_METHODS)}
     table = sorted(rows.values(), key=lambda r: (order.get(r["method"], 99), r["ratio"], r["library"]))
 
     # paired agreement of ours (presets and diagnostics) with kvpress, sample by sample
@@ -724,7 +889,7 @@ def build_report(args, payload, kv_records, our_records, overlap, decode):
     keys = list(our_cells) + [(o["setting"], o["label"], o["ratio"]) for o in overlap
                               if (o["setting"], o["label"], o["ratio"]) not in our_cells]
     for setting, label, ratio in keys:
-        counterpart = "full" if label == "full" else DIAGNOSTICS.get(label, (label,))[0]
+        counterpart = kvpress_counterpart(label)
         theirs = by_sample(kv_cells.get((setting, counterpart, ratio), []))
         if not theirs:
             continue
@@ -746,7 +911,7 @@ def build_report(args, payload, kv_records, our_records, overlap, decode):
             row.update({k: v for k, v in ov.items() if k not in ("setting", "label", "ratio", "kvpress_counterpart")})
         agreement.append(row)
 
-    base = {m: i for i, m in enumerate(("full",) + METHODS)}
+    base = {m: i for i, m in enumerate(("full",) + ALL_METHODS)}
     agreement.sort(key=lambda a: (args.settings.index(a["setting"]), base.get(a["kvpress_counterpart"], 99),
                                   a["label"] != a["kvpress_counterpart"], a["label"], a["ratio"]))
     return {"table": table, "agreement": agreement, "decode": decode,
@@ -778,9 +943,9 @@ def render_markdown(report) -> str:
     n = sorted({a["n"] for r in report["table"] for a in r["accuracy"].values()})
     lines.append(f"\nn per accuracy cell: {', '.join(map(str, n))}")
     lines += ["", "Agreement with kvpress (paired per sample; kept-set Jaccard per layer x kv head, averaged):", "",
-              "| setting | kvpress_ada pipeline | ratio | acc ours | acc kvpress | diff (95% CI) | ours-only / "
-              "kvpress-only | McNemar p | same answer | kept-set Jaccard | identical rows |",
-              "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|"]
+              "| setting | kvpress_ada pipeline | vs kvpress | ratio | acc ours | acc kvpress | diff (95% CI) | "
+              "ours-only / kvpress-only | McNemar p | same answer | kept-set Jaccard | identical rows |",
+              "|---|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|"]
     for a in report["agreement"]:
         if "n" in a:
             acc = (f"{a['accuracy']:.2f} | {a['kvpress_accuracy']:.2f} | "
@@ -788,7 +953,8 @@ def render_markdown(report) -> str:
                    f"| {a['ours_only']} / {a['kvpress_only']} | {a['mcnemar_p']:.2f} | {a['same_answer']:.2f}")
         else:
             acc = "- | - | - | - | - | -"
-        lines.append(f"| {a['setting']} | {a['label']} | {a['ratio']:g} | {acc} | {f(a.get('jaccard'), '.3f')} | "
+        lines.append(f"| {a['setting']} | {a['label']} | {KVPRESS_NAMES.get(a['kvpress_counterpart'], '-')} | "
+                     f"{a['ratio']:g} | {acc} | {f(a.get('jaccard'), '.3f')} | "
                      f"{f(a.get('identical_rows'), '.2f')} |")
     alloc = [a for a in report["agreement"] if a.get("head_allocation")]
     if alloc:
@@ -805,6 +971,50 @@ def render_markdown(report) -> str:
                       f"median of {d['rounds']} interleaved rounds; x full = median per-round ratio to the same "
                       "library's full cache."]
     return "\n".join(lines)
+
+
+def plot_report(report, path: Path) -> Path | None:
+    """Accuracy vs ratio per setting, both libraries: ours solid, kvpress dashed in the same colour as the
+    preset it is run for, full caches dotted. Returns None when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = list(dict.fromkeys(s for r in report["table"] for s in r["accuracy"]))
+    fig, axes = plt.subplots(1, len(settings), figsize=(7.5 * len(settings), 4.8), squeeze=False)
+    methods = list(dict.fromkeys(r["method"] for r in report["table"] if r["method"] != "full"))
+    colors = {m: f"C{i % 10}" for i, m in enumerate(methods)}
+    for ax, setting in zip(axes[0], settings):
+        for lib, style, marker in (("kvpress_ada", "-", "o"), ("kvpress", "--", "s")):
+            for m in methods:
+                rows = sorted((r for r in report["table"] if r["library"] == lib and r["method"] == m
+                               and setting in r["accuracy"]), key=lambda r: r["ratio"])
+                if not rows:
+                    continue
+                acc = [r["accuracy"][setting] for r in rows]
+                ax.errorbar([r["ratio"] for r in rows], [a["mean"] for a in acc],
+                            yerr=[a["ci95"] or 0.0 for a in acc], color=colors[m], linestyle=style, marker=marker,
+                            capsize=3, label=f"{'ours' if lib == 'kvpress_ada' else 'kvpress'} {rows[0]['name']}")
+            full = next((r for r in report["table"] if r["library"] == lib and r["method"] == "full"
+                         and setting in r["accuracy"]), None)
+            if full:
+                ax.axhline(full["accuracy"][setting]["mean"], color="black" if lib == "kvpress_ada" else "grey",
+                           linestyle=":", label=f"{'ours' if lib == 'kvpress_ada' else 'kvpress'} full cache")
+        n = sorted({a["n"] for r in report["table"] for s, a in r["accuracy"].items() if s == setting})
+        ax.set_title(f"question-{setting}, n={'/'.join(map(str, n))} per cell"
+                     + ("" if report.get("complete", True) else " (incomplete run)"), fontsize=10)
+        ax.set_xlabel("compression ratio (fraction of KV entries evicted)")
+        ax.set_ylabel("accuracy")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def machine_info(torch, transformers) -> dict:

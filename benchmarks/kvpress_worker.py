@@ -12,8 +12,10 @@ out); everything else (warnings, progress bars) goes to stderr. Commands:
                   question and a greedy answer on the compressed cache with explicit RoPE positions,
                   exactly as ``KVPressTextGenerationPipeline.generate_answer`` does (question-agnostic);
                   or, with ``question_aware``, the whole prompt (context + question) is prefilled and
-                  compressed and the answer starts from the prefill's last logits. Writes answers
-                  (token ids), KV bytes held, per-(layer, head) kept masks (packed bits, .npz).
+                  compressed and the answer starts from the prefill's last logits. Returns answers
+                  (token ids) and KV bytes held; writes per-(layer, head) kept masks (packed bits, .npz)
+                  for the presses whose kept set can be read (``Worker._kept``; ``kept_sets: false``
+                  skips them). ``indices`` restricts the run to some samples (checkpointing driver).
 ``decode_setup``  prefill one long context once per configuration and keep every cache.
 ``decode``        time ``steps`` greedy single-token steps on one kept cache (after the question).
 ``quit``
@@ -44,28 +46,70 @@ transformers.utils.logging.set_verbosity_error()
 warnings.filterwarnings("ignore")
 
 import kvpress  # noqa: E402
-from kvpress import AdaKVPress, ExpectedAttentionPress, KVPressTextGenerationPipeline, PyramidKVPress, SnapKVPress  # noqa: E402
+from kvpress import (  # noqa: E402
+    AdaKVPress,
+    BasePress,
+    ExpectedAttentionPress,
+    KeyDiffPress,
+    KVPressTextGenerationPipeline,
+    KVzipPress,
+    LagKVPress,
+    PyramidKVPress,
+    ScorerPress,
+    SnapKVPress,
+)
 from kvpress.utils import compute_n_kept  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 
 ADA_ALPHA = 0.2  # kvpress's default alpha_safeguard (and the paper's)
 
 
+# kvpress_ada preset name -> the kvpress press for it at a ratio; kvpress's defaults otherwise (the
+# driver records each press's repr, which lists every field)
+PRESSES = {
+    "snapkv": lambda r: SnapKVPress(compression_ratio=r),
+    "ada_snapkv": lambda r: AdaKVPress(SnapKVPress(compression_ratio=r), alpha_safeguard=ADA_ALPHA),
+    "pyramidkv": lambda r: PyramidKVPress(compression_ratio=r),
+    "expected_attention": lambda r: ExpectedAttentionPress(compression_ratio=r),
+    "ada_expected_attention": lambda r: AdaKVPress(ExpectedAttentionPress(compression_ratio=r),
+                                                   alpha_safeguard=ADA_ALPHA),
+    # KVzipPress scores on leaving its `with` block (context reconstruction through the model) and masks
+    # the evicted keys (masked_key_indices, like AdaKVPress): one top-k over all layers and heads
+    # (layerwise=False, its default) or one per layer over its heads (layerwise=True)
+    "kvzip": lambda r: KVzipPress(compression_ratio=r),
+    "kvzip_layerwise": lambda r: KVzipPress(compression_ratio=r, layerwise=True),
+    "lagkv": lambda r: LagKVPress(compression_ratio=r),
+    "keydiff": lambda r: KeyDiffPress(compression_ratio=r),
+}
+
+
 def build_press(method: str, ratio: float):
     """The kvpress press matching one of kvpress_ada's preset names (kvpress defaults otherwise)."""
     if method == "full":
         return None
-    if method == "snapkv":
-        return SnapKVPress(compression_ratio=ratio)
-    if method == "ada_snapkv":
-        return AdaKVPress(SnapKVPress(compression_ratio=ratio), alpha_safeguard=ADA_ALPHA)
-    if method == "pyramidkv":
-        return PyramidKVPress(compression_ratio=ratio)
-    if method == "expected_attention":
-        return ExpectedAttentionPress(compression_ratio=ratio)
-    if method == "ada_expected_attention":
-        return AdaKVPress(ExpectedAttentionPress(compression_ratio=ratio), alpha_safeguard=ADA_ALPHA)
-    raise ValueError(f"unknown method {method!r}")
+    if method not in PRESSES:
+        raise ValueError(f"unknown method {method!r}; known: {', '.join(PRESSES)}")
+    return PRESSES[method](ratio)
+
+
+class CapturePress(BasePress):
+    """Records what kvpress's ``BasePress.forward_hook`` hands ``compress`` in every layer and compresses
+    nothing: one prefill under it is the full-cache run and the input of every derived press."""
+
+    def __init__(self):
+        self.layers: dict[int, tuple] = {}
+
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        self.layers[module.layer_idx] = (module, hidden_states, keys, values, attentions, kwargs)
+        return keys, values
+
+
+def derivable(press) -> bool:
+    """Presses that act only through ``BasePress.forward_hook -> compress`` (ScorerPress subclasses,
+    AdaKVPress, ...): a prefill is unchanged by them (each layer compresses after its own attention), so
+    ``press.compress`` on the inputs captured from one uncompressed prefill gives what a prefill of their
+    own gives."""
+    return type(press).__call__ is BasePress.__call__ and type(press).forward_hook is BasePress.forward_hook
 
 
 class Worker:
@@ -81,6 +125,7 @@ class Worker:
             self.eos.add(self.tokenizer.eos_token_id)
         self.decode_states: dict[str, dict] = {}
         self.question_token_by_token = 0  # forwards that needed the per-token workaround (see _question)
+        self.last_run = None  # how _prefill produced the last cache: "prefill" or "derived"
 
     @property
     def attn_modules(self):
@@ -118,21 +163,27 @@ class Worker:
         data = _read_json(req["samples_file"])
         methods, ratios, max_new = req["methods"], req["ratios"], req["max_new_tokens"]
         aware = bool(req.get("question_aware"))
+        kept_sets = req.get("kept_sets", True)
+        samples = data["samples"]
+        if req.get("indices") is not None:  # a subset (the driver checkpoints sample by sample)
+            wanted = set(req["indices"])
+            samples = [s for s in samples if s["index"] in wanted]
         configs = [("full", 0.0)] + [(m, r) for m in methods for r in ratios]
         records, masks, presses = [], {}, {}
         start = time.perf_counter()
         setting = "question-aware" if aware else "question-agnostic"
-        bar = tqdm(total=len(data["samples"]) * len(configs), desc=f"kvpress {setting} (one prefill per press)",
-                   unit="run", file=sys.stderr, dynamic_ncols=True)
-        for s in data["samples"]:
+        bar = tqdm(total=len(samples) * len(configs), desc=f"kvpress {setting} (one prefill per press)",
+                   unit="run", file=sys.stderr, dynamic_ncols=True, disable=bool(req.get("quiet")))
+        for s in samples:
             head = torch.tensor([s["head_ids"]])
             tail = torch.tensor([s["tail_ids"]])
+            shared = {} if req.get("fanout", True) else None  # what later configs of this sample derive from
             for method, ratio in configs:
                 press = build_press(method, ratio)
                 presses[method if method == "full" else f"{method}@{ratio}"] = repr(press)
                 prompt = torch.cat([head, tail], dim=1) if aware else head
                 t0 = time.perf_counter()
-                cache, keep, logits = self._prefill(press, prompt, lm_head=aware)
+                cache, keep, logits = self._prefill(press, prompt, record=kept_sets, lm_head=aware, shared=shared)
                 prefill_s = time.perf_counter() - t0
                 kv_bytes = _cache_bytes(cache)
                 t0 = time.perf_counter()
@@ -143,7 +194,7 @@ class Worker:
                 answer_s = time.perf_counter() - t0
                 rec = {"sample": s["index"], "task": s["task"], "label": method, "ratio": ratio, "tokens": tokens,
                        "kv_bytes": kv_bytes, "prefill_s": prefill_s, "answer_s": answer_s,
-                       "context_len": int(prompt.shape[1])}
+                       "context_len": int(prompt.shape[1]), "kvpress_run": self.last_run}
                 if keep is not None:
                     rec["kept_per_head"] = keep.sum(-1).tolist()  # [layers][heads]
                     masks[f"{method}|{ratio}|{s['index']}"] = np.packbits(keep.numpy().reshape(-1))
@@ -152,9 +203,11 @@ class Worker:
                 del cache
                 bar.update(1)
         bar.close()
-        np.savez_compressed(req["masks_file"], **masks)
-        return {"records": records, "presses": presses, "seconds": time.perf_counter() - start,
-                "question_token_by_token": self.question_token_by_token}
+        if req.get("masks_file"):
+            np.savez_compressed(req["masks_file"], **masks)
+        kept = sorted({k.split("|")[0] for k in masks})
+        return {"records": records, "kept_set_methods": kept, "presses": presses,
+                "seconds": time.perf_counter() - start, "question_token_by_token": self.question_token_by_token}
 
     def decode_setup(self, req):
         head = torch.tensor([req["head_ids"]])
@@ -198,13 +251,22 @@ class Worker:
 
     # ------------------------------------------------------------------ helpers
     @torch.inference_mode()
-    def _prefill(self, press, head: torch.Tensor, record: bool = True, lm_head: bool = False):
+    def _prefill(self, press, head: torch.Tensor, record: bool = True, lm_head: bool = False, shared=None):
         """kvpress's prefill (``KVPressTextGenerationPipeline._forward``): hooks on, model without LM head
-        (with it, last position only, when the answer starts right after the prefill)."""
+        (with it, last position only, when the answer starts right after the prefill).
+
+        With ``record``, also the kept set ``[layers, kv_heads, L]`` of presses whose kept set can be
+        read without changing them (see :meth:`_kept`); None for the others and for the full cache.
+
+        ``shared`` (a dict per sample, or None for one prefill per press) lets configs reuse kvpress's own
+        work on identical inputs: the full-cache run captures every layer's ``compress`` inputs, and
+        :func:`derivable` presses call their ``compress`` on them; the first KVzipPress of a sample runs
+        for real (prefill + context reconstruction) and later ones (other ratio / ``layerwise``) call
+        ``compress_post`` on its reconstruction scores, which depend on neither."""
         cache = DynamicCache()
         scores: dict[int, torch.Tensor] = {}
         inner = press.press if isinstance(press, AdaKVPress) else press
-        if record and inner is not None:
+        if record and isinstance(inner, ScorerPress):
             original = inner.score
 
             def score(module, *args, **kwargs):
@@ -214,32 +276,82 @@ class Worker:
 
             inner.score = score
         logits = None
-        with press(self.model) if press is not None else nullcontext():
-            if lm_head:
-                logits = self.model(input_ids=head, past_key_values=cache, logits_to_keep=1).logits[:, -1]
-            else:
-                self.model.model(input_ids=head, past_key_values=cache)
+        self.last_run = "derived"
+        if shared is not None and "layers" in shared and press is not None and derivable(press):
+            logits = shared["logits"]
+            self._reset_masks()
+            press.post_init_from_model(self.model)
+            for i, (module, hidden, keys, values, attn, kwargs) in sorted(shared["layers"].items()):
+                keys, values = press.compress(module, hidden, keys.clone(), values.clone(), attn, kwargs)
+                cache.update(keys, values, i)
+        elif shared is not None and "kvzip" in shared and isinstance(press, KVzipPress):
+            logits = shared["kvzip"]["logits"]
+            for i, layer in enumerate(shared["kvzip"]["cache"].layers):
+                cache.update(layer.keys.clone(), layer.values.clone(), i)
+            self._reset_masks()
+            press.score_val = shared["kvzip"]["scores"].clone()  # compress_post overwrites the sinks' scores
+            press.compress_post(self.model)
+        else:
+            self.last_run = "prefill"
+            capture = CapturePress() if shared is not None and press is None else None
+            if shared is not None and isinstance(press, KVzipPress):
+                compress_post = press.compress_post
+
+                def keep_scores(model):
+                    shared["kvzip_scores"] = press.score_val.clone()
+                    return compress_post(model)
+
+                press.compress_post = keep_scores
+            context = press or capture
+            with context(self.model) if context is not None else nullcontext():  # KVzipPress compresses on exit
+                if lm_head:
+                    logits = self.model(input_ids=head, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+                else:
+                    self.model.model(input_ids=head, past_key_values=cache)
+            if capture is not None:
+                shared.update(layers=capture.layers, logits=logits)
+            if "kvzip_scores" in (shared or {}):
+                pristine = DynamicCache()
+                for i, layer in enumerate(cache.layers):
+                    pristine.update(layer.keys.clone(), layer.values.clone(), i)
+                shared["kvzip"] = {"cache": pristine, "scores": shared.pop("kvzip_scores"), "logits": logits}
         if not record or press is None:
             return cache, None, logits
         return cache, self._kept(press, scores, cache, head.shape[1]), logits
 
-    def _kept(self, press, scores, cache, length: int) -> torch.Tensor:
-        """Bool ``[layers, kv_heads, L]``: the tokens each (layer, head) still attends to."""
+    def _reset_masks(self):
+        """What a prefill does to kvpress's masking state (attention_patch: a prefill call sets None)."""
+        for m in self.attn_modules:
+            m.masked_key_indices = None
+
+    def _kept(self, press, scores, cache, length: int) -> torch.Tensor | None:
+        """Bool ``[layers, kv_heads, L]``: the tokens each (layer, head) still attends to, read by mechanism:
+
+        - masking presses (AdaKVPress, KVzipPress) leave ``masked_key_indices`` on every attention module
+          (the prefill resets them, so they belong to this press) and keep the full cache;
+        - ScorerPress subclasses gather ``topk(scores, n_kept)``: the same call on the scores recorded
+          during the prefill gives the same set (checked against the cache length);
+        - anything else: None (no kept-set comparison for it)."""
+        masked = [getattr(m, "masked_key_indices", None) for m in self.attn_modules]
         keeps = []
         for i, module in enumerate(self.attn_modules):
-            s = scores[i][0]  # [H, L]
-            keep = torch.zeros_like(s, dtype=torch.bool)
-            if isinstance(press, AdaKVPress):
-                keep.fill_(True)
-                _, heads, pos = module.masked_key_indices
-                keep[heads, pos] = False
+            H = cache.layers[i].keys.shape[1]
+            if any(m is not None for m in masked):
+                keep = torch.ones(H, length, dtype=torch.bool)
+                if masked[i] is not None:
+                    _, heads, pos = masked[i]
+                    keep[heads, pos] = False
                 assert cache.layers[i].keys.shape[2] == length
-            else:
+            elif i in scores:
+                s = scores[i][0]  # [H, L]
+                keep = torch.zeros_like(s, dtype=torch.bool)
                 # the same topk call on the same scores the press made (ScorerPress / PyramidKVPress.compress)
                 n_kept = press.get_layer_budget(module, length) if isinstance(press, PyramidKVPress) \
                     else compute_n_kept(length, press.compression_ratio)
                 keep.scatter_(-1, s.topk(n_kept, dim=-1).indices, True)
                 assert cache.layers[i].keys.shape[2] == n_kept, (cache.layers[i].keys.shape, n_kept)
+            else:
+                return None
             keeps.append(keep)
         return torch.stack(keeps)
 

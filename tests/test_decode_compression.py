@@ -18,6 +18,7 @@ from kvpress_ada import Pipeline, generate
 from kvpress_ada.allocators import AdaHead, UniformHead
 from kvpress_ada.evictors import Mask, TopK
 from kvpress_ada.integration.decode_compression import fit_counts
+from kvpress_ada.kernels.reference import CHUNK
 from kvpress_ada.presses import SCORERS, SnapKV, StreamingLLM
 
 torch.set_num_threads(1)
@@ -102,7 +103,9 @@ def _check_bound(model, press, ids, steps):
     cfg = model.config
     H, n_layers = cfg.num_key_value_heads, cfg.num_hidden_layers
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    bound_bytes = n_layers * ids.shape[0] * H * (B_dec + K) * D * 2 * 4  # keys + values, fp32
+    slot_bytes = n_layers * ids.shape[0] * H * D * 2 * 4  # keys + values, fp32, per slot of every row
+    bound_bytes = slot_bytes * (B_dec + K + CHUNK - 1)  # each row's room rounded up to whole chunks
+    needed_bytes = slot_bytes * (B_dec + K)
     with torch.inference_mode(), press(model):
         out = model(ids, use_cache=True)
         cache = out.past_key_values
@@ -126,7 +129,7 @@ def _check_bound(model, press, ids, steps):
             if step >= K:
                 assert cache.nbytes() <= bound_bytes
                 if step % K == 0 and full:
-                    assert cache.nbytes() == bound_bytes
+                    assert cache.nbytes() >= needed_bytes
     return cache
 
 

@@ -32,11 +32,12 @@ compacted in place:
 layer ``l`` and batch row: right after a compaction the layer holds exactly
 ``min(H_kv * b_l, held)`` entries; after any forward from the first compaction on it holds at
 most ``H_kv * (b_l + K - 1)`` (``H_kv * (b_l + K)`` inside the compacting step, before its
-compaction). A :class:`RaggedCache` layer compacted in the decode phase holds
-``B * H_kv * (b_l + K)`` slots for ``B`` batch rows, so from the first compaction of every layer
-on, ``cache.nbytes() <= n_layers * B * H_kv * (decode_budget + K) * D * 2 * itemsize`` for
-schedules whose ``b_l`` average ``decode_budget`` (equality when every layer held enough
-entries). Before its first compaction a layer holds what the prefill left (the whole prompt in a
+compaction). A :class:`RaggedCache` layer compacted in the decode phase lays each row out with
+room for its kept entries plus ``K``, rounded up to whole :data:`~kvpress_ada.kernels.reference.CHUNK`
+(32-slot) chunks, so from the first compaction of every layer on,
+``cache.nbytes() <= n_layers * B * H_kv * (decode_budget + K + CHUNK - 1) * D * 2 * itemsize``
+for schedules whose ``b_l`` average ``decode_budget`` (and at least the bound without the
+``CHUNK - 1`` when every layer held enough entries). Before its first compaction a layer holds what the prefill left (the whole prompt in a
 decode-only pipeline) plus the generated tokens. Forwards of several tokens (a question appended
 after the context) count all their tokens; they may grow the ragged layout past the bound for
 that one step.

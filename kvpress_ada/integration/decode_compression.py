@@ -37,8 +37,9 @@ room for its kept entries plus ``K``, rounded up to whole :data:`~kvpress_ada.ke
 (32-slot) chunks, so from the first compaction of every layer on,
 ``cache.nbytes() <= n_layers * B * H_kv * (decode_budget + K + CHUNK - 1) * D * 2 * itemsize``
 for schedules whose ``b_l`` average ``decode_budget`` (and at least the bound without the
-``CHUNK - 1`` when every layer held enough entries). Before its first compaction a layer holds what the prefill left (the whole prompt in a
-decode-only pipeline) plus the generated tokens. Forwards of several tokens (a question appended
+``CHUNK - 1`` when every layer held enough entries). Before its first compaction a layer holds
+what the prefill left (the whole prompt in a decode-only pipeline) plus the generated tokens.
+Forwards of several tokens (a question appended
 after the context) count all their tokens; they may grow the ragged layout past the bound for
 that one step.
 
@@ -171,41 +172,3 @@ def fit_counts(counts: torch.Tensor, held: torch.Tensor, total: torch.Tensor) ->
         before = add.cumsum(-1) - add
         fitted = fitted + torch.minimum(add, (deficit[:, None] - before).clamp(min=0))
     return fitted
-
-
-def left_padded_index(lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """Flat index ``row * width + (width - n_row) + i`` of entry ``i`` of every row, row by row."""
-    counts = lengths.long()
-    rows = torch.arange(counts.numel(), device=counts.device).repeat_interleave(counts)
-    first = torch.cumsum(counts, 0) - counts
-    within = torch.arange(int(counts.sum()), device=counts.device) - first.repeat_interleave(counts)
-    return rows * width + (width - counts[rows]) + within
-
-
-def visible_view(keys: torch.Tensor, values: torch.Tensor,
-                 visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Left-padded view of the ``visible [B, H, L]`` entries of dense ``keys``/``values``:
-    ``(keys, values, valid [B, H, L_max], index)`` where ``index [B, H, L]`` maps each dense entry
-    to its view slot (``L_max`` for hidden entries)."""
-    B, H, L, D = keys.shape
-    n = visible.sum(-1)
-    width = int(n.max()) if n.numel() else 0
-    rank = visible.long().cumsum(-1) - 1
-    index = torch.where(visible, (width - n)[..., None] + rank, torch.full_like(rank, width))
-    out = []
-    for x in (keys, values):
-        view = x.new_zeros(B, H, width + 1, D)
-        view.scatter_(2, index[..., None].expand(B, H, L, D), x)
-        out.append(view[:, :, :width])
-    valid = torch.arange(width, device=keys.device)[None, None, :] >= (width - n)[..., None]
-    return out[0], out[1], valid, index
-
-
-def prefill_visible(key_mask: torch.Tensor | None, shape: tuple[int, ...], device: Any) -> torch.Tensor:
-    """``[B, H, L]`` visibility of a dense layer: the prefill's real tokens, then every appended one."""
-    B, H, L = shape
-    if key_mask is None:
-        return torch.ones(B, H, L, dtype=torch.bool, device=device)
-    mask = key_mask.to(device)[:, :L]
-    mask = torch.nn.functional.pad(mask, (0, L - mask.shape[-1]), value=True)
-    return mask[:, None, :].expand(B, H, L)

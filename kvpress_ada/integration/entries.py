@@ -2,10 +2,13 @@
 
 Chunked prefill (and anything else that re-scores a compressed layer) reads a layer as dense
 ``[B, H_kv, Lv, D]`` keys and values where row ``(b, h)`` holds its ``lengths[b, h]`` entries in
-position order at the *end* (left padding), and hands back a keep mask over that view.
+position order at the *end* (left padding), and hands back a keep mask over that view. Decode
+compression reads a layer the same way (``visible_view``, ``left_padded_index``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -49,3 +52,41 @@ def masked_view(keys: torch.Tensor, values: torch.Tensor,
     view_k = torch.where(present[..., None], keys.gather(2, gather), zero)
     view_v = torch.where(present[..., None], values.gather(2, gather), zero)
     return view_k, view_v, lengths, torch.where(present, order, torch.full_like(order, -1))
+
+
+def left_padded_index(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """Flat index ``row * width + (width - n_row) + i`` of entry ``i`` of every row, row by row."""
+    counts = lengths.long()
+    rows = torch.arange(counts.numel(), device=counts.device).repeat_interleave(counts)
+    first = torch.cumsum(counts, 0) - counts
+    within = torch.arange(int(counts.sum()), device=counts.device) - first.repeat_interleave(counts)
+    return rows * width + (width - counts[rows]) + within
+
+
+def visible_view(keys: torch.Tensor, values: torch.Tensor,
+                 visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded view of the ``visible [B, H, L]`` entries of dense ``keys``/``values``:
+    ``(keys, values, valid [B, H, L_max], index)`` where ``index [B, H, L]`` maps each dense entry
+    to its view slot (``L_max`` for hidden entries)."""
+    B, H, L, D = keys.shape
+    n = visible.sum(-1)
+    width = int(n.max()) if n.numel() else 0
+    rank = visible.long().cumsum(-1) - 1
+    index = torch.where(visible, (width - n)[..., None] + rank, torch.full_like(rank, width))
+    out = []
+    for x in (keys, values):
+        view = x.new_zeros(B, H, width + 1, D)
+        view.scatter_(2, index[..., None].expand(B, H, L, D), x)
+        out.append(view[:, :, :width])
+    valid = torch.arange(width, device=keys.device)[None, None, :] >= (width - n)[..., None]
+    return out[0], out[1], valid, index
+
+
+def prefill_visible(key_mask: torch.Tensor | None, shape: tuple[int, ...], device: Any) -> torch.Tensor:
+    """``[B, H, L]`` visibility of a dense layer: the prefill's real tokens, then every appended one."""
+    B, H, L = shape
+    if key_mask is None:
+        return torch.ones(B, H, L, dtype=torch.bool, device=device)
+    mask = key_mask.to(device)[:, :L]
+    mask = torch.nn.functional.pad(mask, (0, L - mask.shape[-1]), value=True)
+    return mask[:, None, :].expand(B, H, L)

@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
-from .decode_compression import prefill_visible, visible_view
-from .entries import masked_view
+from .entries import masked_view, prefill_visible, visible_view
 from .press_cache import DenseAttention, PressCache
 
 

@@ -33,8 +33,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .. import kernels
 from ..kernels.reference import CHUNK
-from .decode_compression import left_padded_index, prefill_visible
-from .entries import ragged_view
+from .entries import left_padded_index, prefill_visible, ragged_view
 from .masked_cache import _num_layers
 from .press_cache import DenseAttention, PressCache
 

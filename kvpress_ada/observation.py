@@ -19,11 +19,12 @@ class Observation:
     ``rope_inv_freq``: RoPE inverse frequencies ``[D // 2]`` (only for scorers that declare it).
     ``pass_scores``: ``[B, H_kv, L]`` what the scorer's own model pass measured for each entry
     (only for scorers that declare ``needs_model_pass``, e.g. KVzip's context reconstruction).
-    ``head_offset``: index in the layer (over all ranks) of this observation's first kv head: the
-    rank's first head under tensor parallelism, plus the head's index when chunked prefill scores the
-    kv heads of a layer one at a time; 0 otherwise. ``shard``: under tensor parallelism, this rank's
-    block of kv heads (:class:`~kvpress_ada.integration.tensor_parallel.HeadShard`): ``keys`` etc.
-    hold those heads only; ``None`` in one process.
+    ``head_offset``: index among this process's kv heads of the observation's first kv head
+    (non-zero when chunked prefill scores the kv heads of a layer one at a time). ``shard``: under
+    tensor parallelism, this rank's block of kv heads
+    (:class:`~kvpress_ada.integration.tensor_parallel.HeadShard`): ``keys`` etc. hold those heads
+    only; ``None`` in one process. :attr:`global_head_offset` is the first head's index in the
+    whole layer (what scorers that depend on a head's index use).
     """
 
     keys: torch.Tensor
@@ -38,6 +39,11 @@ class Observation:
     pass_scores: torch.Tensor | None = None
     head_offset: int = 0
     shard: Any = None
+
+    @property
+    def global_head_offset(self) -> int:
+        """Index in the whole layer (over all ranks) of the first kv head in ``keys``."""
+        return self.head_offset + (0 if self.shard is None else int(self.shard.offset))
 
     @property
     def n_kv_heads(self) -> int:

@@ -32,6 +32,7 @@ from kvpress_ada.integration import PrefillHandler, PressCache, PressRun
 from kvpress_ada.integration.fanout import CaptureRun, capture_prefill
 from kvpress_ada.integration.hf import cache_kwarg, output_cache
 from kvpress_ada.integration.press_context import observation_for
+from kvpress_ada.kernels.reference import CHUNK
 from kvpress_ada.presets import portable_preset_names
 
 
@@ -219,8 +220,12 @@ def test_the_evictor_builds_its_cache(llama):
         with preset("snapkv", compression_ratio=0.5, evictor=evictor)(llama):
             sizes[type(evictor).__name__] = output_cache(llama(input_ids=ids)).nbytes()
     D = llama.config.hidden_size // llama.config.num_attention_heads
-    slots = 3 * 1 * 2 * (32 - 1)  # layers x batch x kv heads x reserve difference
-    assert sizes["TopK"] - sizes["SmallReserve"] == slots * D * 2 * 4
+    def room(n):  # a row's slots: kept entries + reserve, rounded up to whole chunks (compile-first layout)
+        return -(-n // CHUNK) * CHUNK
+
+    kept = 40  # snapkv at r = 0.5 of 80 tokens, per kv head
+    slots = 3 * 1 * 2 * (room(kept + 32) - room(kept + 1))  # layers x batch x kv heads x reserve difference
+    assert slots > 0 and sizes["TopK"] - sizes["SmallReserve"] == slots * D * 2 * 4
 
 
 def test_prefill_handlers_follow_the_protocol():

@@ -21,7 +21,7 @@ from conftest import build_model, build_tokenizer
 from kvpress_ada import preset
 from kvpress_ada.integration.tensor_parallel import HeadShard, head_shard, local_weight
 from kvpress_ada.observation import Observation
-from kvpress_ada.presets import preset_names
+from kvpress_ada.presets import portable_preset_names
 from kvpress_ada.presses import RandomScorer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +123,7 @@ def test_two_ranks_equal_one_process(tmp_path):
     failed = {name: r["problems"] for ranked in data["ranks"] for name, r in ranked.items() if not r["ok"]}
     assert not failed and proc.returncode == 0, (failed, proc.stderr[-2000:])
     assert data["world_size"] == 2
-    assert all(set(ranked) == set(preset_names()) for ranked in data["ranks"])
+    assert all(set(ranked) == set(portable_preset_names()) for ranked in data["ranks"])
     # Ada gives the heads of a layer different budgets, decided across both ranks' heads
     ada = [ranked["ada_snapkv"]["layer0_lengths"] for ranked in data["ranks"]]
     assert len({n for rank in ada for row in rank for n in row}) > 1

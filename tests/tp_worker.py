@@ -3,7 +3,7 @@ loaded with ``tp_plan="auto"`` against the same model in one process (the refere
 
 For each preset, batch 2 with left padding: the keep mask of every layer on this rank must equal the reference's
 rows of this rank's kv heads, the generated tokens must be equal, and the bytes this rank's cache holds must be
-exactly its own rows (kept entries + the decode reserve). Rank 0 writes a JSON report to ``argv[2]``.
+exactly its own rows (kept entries + the decode reserve, in whole 32-slot chunks). Rank 0 writes a JSON report to ``argv[2]``.
 
 "Equal" for kept sets allows one thing: two entries of a head whose scores tie within float rounding (relative
 1e-5) may swap. The tensor-parallel model sums ``o_proj``/``down_proj`` partial products across ranks (an
@@ -50,7 +50,7 @@ def main() -> int:
     from kvpress_ada.integration.hf import output_cache
     from kvpress_ada.integration.press_cache import PressCache
     from kvpress_ada.integration.tensor_parallel import head_shard
-    from kvpress_ada.presets import preset_names
+    from kvpress_ada.presets import portable_preset_names
 
     tp = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32).eval()
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -100,7 +100,7 @@ def main() -> int:
 
     results = {}
     failures = []
-    for name in presets or preset_names():
+    for name in presets or portable_preset_names():
         press = preset(name, compression_ratio=0.5)
         tokens, keeps, cache, _ = run(tp, press)
         ref_tokens, ref_keeps, ref_cache, ref_scores = run(ref, press)
@@ -118,7 +118,10 @@ def main() -> int:
                     problems.append(f"layer {layer}: {why}")
         D = tp.config.hidden_size // tp.config.num_attention_heads
         reserve = cache.layers[0].decode_reserve
-        own = sum(int(k.sum()) + k.shape[0] * k.shape[1] * reserve for k in keeps) * D * 2 * 4
+        from kvpress_ada.kernels.reference import CHUNK
+
+        # each row: kept entries + the decode reserve, rounded up to whole chunks (compile-first layout)
+        own = sum(int((-(-(k.sum(-1) + reserve) // CHUNK) * CHUNK).sum()) for k in keeps) * D * 2 * 4
         if cache.nbytes() != own:
             problems.append(f"this rank holds {cache.nbytes()} bytes, its rows are {own}")
         total = torch.tensor([cache.nbytes()])

@@ -157,7 +157,6 @@ def observation_for(scorer: Any, model: Any, layer_idx: int, n_layers: int, quer
         layer_idx=layer_idx, n_layers=n_layers, scaling=scaling,
         output_weight=output_weight.detach() if scorer.needs_output_weight else None,
         rope_inv_freq=_rope_inv_freq(model) if scorer.needs_rope else None, shard=shard,
-        head_offset=0 if shard is None else int(shard.offset),
     )
 
 

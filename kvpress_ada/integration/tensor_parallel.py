@@ -16,7 +16,7 @@ layer's dense K/V, never the cache itself) so that every rank runs the head allo
 and a model-scope layer schedule (``AdaLayer``) on the same ``[B, H_kv, L]`` tensor as one process,
 with the same tie-breaking, and keeps its own heads' counts. ``UniformHead`` (declared
 ``head_local``) needs no collective. Scorers that depend on a head's global index read
-``Observation.head_offset`` (the random scorer's per-head stream).
+``Observation.global_head_offset`` (the random scorer's per-head stream).
 """
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ class RandomScorer(Scorer):
         index = obs.key_mask.long().cumsum(-1) - 1  # [B, L] rank among valid tokens
         base = hash32(torch.tensor([self.seed], dtype=torch.long, device=device))
         base = hash32(base ^ obs.layer_idx)
-        heads = torch.arange(obs.head_offset, obs.head_offset + H, dtype=torch.long, device=device)  # global
+        first = obs.global_head_offset
+        heads = torch.arange(first, first + H, dtype=torch.long, device=device)  # global
         head = hash32(base ^ heads)  # [H]
         bits = hash32(head[None, :, None] ^ hash32(index.clamp(min=0)[:, None, :] + 0x9E3779B9))
         return (bits >> 8).float() / float(1 << 24)  # 24 random bits: exact in fp32, in [0, 1)

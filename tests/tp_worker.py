@@ -3,7 +3,8 @@ loaded with ``tp_plan="auto"`` against the same model in one process (the refere
 
 For each preset, batch 2 with left padding: the keep mask of every layer on this rank must equal the reference's
 rows of this rank's kv heads, the generated tokens must be equal, and the bytes this rank's cache holds must be
-exactly its own rows (kept entries + the decode reserve, in whole 32-slot chunks). Rank 0 writes a JSON report to ``argv[2]``.
+exactly its own rows (kept entries + the decode reserve, in whole 32-slot chunks). Rank 0 writes a JSON
+report to ``argv[2]``.
 
 "Equal" for kept sets allows one thing: two entries of a head whose scores tie within float rounding (relative
 1e-5) may swap. The tensor-parallel model sums ``o_proj``/``down_proj`` partial products across ranks (an

@@ -110,7 +110,8 @@ def teacher_forced(model, press, prompt: torch.Tensor, tokens: torch.Tensor, ful
             cache = common.output_cache(out)
             logp = torch.log_softmax(out.logits[0, -1].float(), -1)
             ref = full_logp[i + 1]
-            kl.append(float((ref.exp() * (ref - logp)).sum()))
+            p = ref.exp()  # tokens the reference run suppressed (EOS: -inf) have p = 0 and add nothing
+            kl.append(float(torch.where(p > 0, p * (ref - logp), torch.zeros_like(p)).sum()))
             top1.append(int(logp.argmax()) == int(tokens[i + 1]))
             kv.append(cache.nbytes())
     return {"kl": kl, "top1": top1, "kv_bytes": kv, "step_s": step_s,

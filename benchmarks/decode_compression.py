@@ -199,7 +199,10 @@ def main(argv=None):
         kvpress_versions = result["versions"]
         for method, run in result["runs"].items():
             series[f"kvpress_{method}"] = run
-    bound = common.full_kv_bytes(geom, 1, args.budget + args.interval)
+    from kvpress_ada.kernels.reference import CHUNK
+
+    # each row's room (kept + K) is rounded up to whole chunks: at most CHUNK - 1 more slots per row
+    bound = common.full_kv_bytes(geom, 1, args.budget + args.interval + CHUNK - 1)
     payload = {
         "benchmark": "decode_compression", "date": common.now_iso(), "model": args.model,
         "machine": common.machine_info(), "threads": args.threads, "kvpress": kvpress_versions,
@@ -217,7 +220,7 @@ def main(argv=None):
              f"{s['kv_bytes_max'] / 2**20:.2f}", f"{s['mean_kl']:.3f}", f"{s['top1']:.3f}"]
             for label, s in payload["summary"].items()]
     print(common.fmt_table(["config", "tok/s", "KV final MiB", "KV max MiB", "mean KL", "top-1"], rows))
-    print(f"bound (n_layers * H_kv * (B + K) slots): {bound / 2**20:.2f} MiB; wrote {out}")
+    print(f"bound (n_layers * H_kv * (B + K + 31) slots): {bound / 2**20:.2f} MiB; wrote {out}")
 
 
 if __name__ == "__main__":

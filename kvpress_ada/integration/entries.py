@@ -3,7 +3,7 @@
 Chunked prefill (and anything else that re-scores a compressed layer) reads a layer as dense
 ``[B, H_kv, Lv, D]`` keys and values where row ``(b, h)`` holds its ``lengths[b, h]`` entries in
 position order at the *end* (left padding), and hands back a keep mask over that view. Decode
-compression reads a layer the same way (``visible_view``, ``left_padded_index``).
+compression reads a layer the same way (``ragged_view``, ``visible_view``).
 """
 
 from __future__ import annotations
@@ -52,15 +52,6 @@ def masked_view(keys: torch.Tensor, values: torch.Tensor,
     view_k = torch.where(present[..., None], keys.gather(2, gather), zero)
     view_v = torch.where(present[..., None], values.gather(2, gather), zero)
     return view_k, view_v, lengths, torch.where(present, order, torch.full_like(order, -1))
-
-
-def left_padded_index(lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """Flat index ``row * width + (width - n_row) + i`` of entry ``i`` of every row, row by row."""
-    counts = lengths.long()
-    rows = torch.arange(counts.numel(), device=counts.device).repeat_interleave(counts)
-    first = torch.cumsum(counts, 0) - counts
-    within = torch.arange(int(counts.sum()), device=counts.device) - first.repeat_interleave(counts)
-    return rows * width + (width - counts[rows]) + within
 
 
 def visible_view(keys: torch.Tensor, values: torch.Tensor,

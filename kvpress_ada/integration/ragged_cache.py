@@ -33,7 +33,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .. import kernels
 from ..kernels.reference import CHUNK
-from .entries import left_padded_index, prefill_visible, ragged_view
+from .entries import prefill_visible, ragged_view
 from .masked_cache import _num_layers
 from .press_cache import DenseAttention, PressCache
 
@@ -242,20 +242,10 @@ class RaggedLayer(CacheLayerMixin):
         if not self.compressed:
             keys, values = self._dense()
             return keys, values, prefill_visible(key_mask, tuple(keys.shape[:3]), keys.device)
-        B, H, D = self.shape
-        host = [n + self._appended for n in self._base]
-        width = max(host) if host else 0
-        lengths = torch.tensor(host, dtype=torch.long, device=self.k_flat.device)
-        src = _row_token_index(self.row_offsets, host)
-        dst = left_padded_index(lengths, width)
-        views = []
-        for flat in (self.k_flat, self.v_flat):
-            view = flat.new_zeros(B * H * width, D)
-            view[dst] = flat[src]
-            views.append(view.view(B, H, width, D))
-        valid = torch.zeros(B * H * width, dtype=torch.bool, device=self.k_flat.device)
-        valid[dst] = True
-        return views[0], views[1], valid.view(B, H, width)
+        keys, values, lengths = self.entries()  # the same left-padded view chunked prefill reads
+        width = keys.shape[2]
+        valid = torch.arange(width, device=keys.device) >= (width - lengths)[..., None]
+        return keys, values, valid
 
     def decode_compact(self, keep: torch.Tensor, spare: int, key_mask: torch.Tensor | None = None) -> None:
         """Keep the entries of :meth:`decode_view` where ``keep`` is True, in place of the layer's

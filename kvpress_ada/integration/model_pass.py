@@ -1,8 +1,10 @@
 """A scorer's own model pass (KVzip's context reconstruction), run over a dense prefill cache.
 
 After the prefill, every pass the scorer asks for (:meth:`KVzip.pass_chunks`) runs through the
-model with the cache; a :class:`PassRun` hands each layer's post-RoPE queries and keys to the
-scorer's ``pass_scores`` (with the layer's values and ``o_proj`` weight, and, when the scorer's
+model with the cache; a :class:`PassRun` runs each layer's attention with
+:func:`~kvpress_ada.kernels.lse_attention.attention_with_lse` (output and log-sum-exp from one
+kernel) and hands the post-RoPE queries and keys, and that log-sum-exp, to the scorer's
+``pass_scores`` (with the layer's values and ``o_proj`` weight, and, when the scorer's
 ``pass_reads_hidden_states()`` says so, the norm of each pass token's hidden state entering the
 attention module, recorded by a forward pre-hook on that module for the pass only) and the pass's own
 tokens are cropped off the cache again. The result is one ``[B, H_kv, L]`` map per layer, handed back
@@ -22,6 +24,7 @@ from weakref import WeakKeyDictionary
 
 import torch
 
+from ..kernels.lse_attention import attention_with_lse
 from .hf import cache_kwarg
 
 _TOKENIZERS: WeakKeyDictionary[torch.nn.Module, Any] = WeakKeyDictionary()
@@ -61,16 +64,11 @@ class PassRun:
     hidden_norms: dict[int, torch.Tensor] = field(default_factory=dict)  # [B, T] per layer, when recorded
 
     def handles_prefill(self, layer_idx: int) -> bool:
-        return True
+        return False  # the pass's attention runs in :meth:`attend`, which also yields the scores
 
     def after_prefill(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       scaling: float) -> None:
-        from .press_context import _output_weight
-
-        layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
-        self.scores[layer_idx] = self.scorer.pass_scores(query, key, self.chunk, scaling, value=value,
-                                                         output_weight=_output_weight(module),
-                                                         hidden_norm=self.hidden_norms.pop(layer_idx, None))
+        raise RuntimeError("PassRun runs every layer's attention itself")  # pragma: no cover
 
     def record_hidden_norm(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook of an attention module: the norm of each token's input hidden state."""
@@ -80,7 +78,26 @@ class PassRun:
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:
-        raise RuntimeError("PassRun handles every layer's forward")  # pragma: no cover
+        """The pass's attention (one fused kernel giving output and log-sum-exp), then the scores,
+        which reuse that log-sum-exp when the scorer's softmax spans what the model attends to."""
+        from .press_context import _output_weight
+
+        layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
+        allowed = _allowed(attention_mask, query.shape[2], key.shape[2])
+        out, lse = attention_with_lse(query, key, value, allowed, scaling)
+        self.scores[layer_idx] = self.scorer.pass_scores(
+            query, key, self.chunk, scaling, value=value, output_weight=_output_weight(module),
+            hidden_norm=self.hidden_norms.pop(layer_idx, None), lse=lse if self.chunk.whole_context else None)
+        return out.transpose(1, 2).contiguous(), None
+
+
+def _allowed(attention_mask: Any, T: int, S: int) -> torch.Tensor:
+    """The model's attention mask as ``[B | 1, 1, T, S]`` booleans (``None``: causal, end-aligned)."""
+    if attention_mask is None:
+        return torch.ones(T, S, dtype=torch.bool).tril(S - T)[None, None]
+    if attention_mask.dtype == torch.bool:
+        return attention_mask[..., :S]
+    return attention_mask[..., :S] == 0  # an additive float mask: 0 where allowed, -inf elsewhere
 
 
 @torch.no_grad()

@@ -43,6 +43,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import Field
 
+from ..kernels.lse_attention import attention_with_lse
 from ..observation import Observation
 from .base import Scorer, protect_first_valid, register_scorer
 
@@ -57,13 +58,15 @@ class PassChunk:
 
     ``ids``/``mask``: ``[B, T]`` the pass's input (left padding False); ``scored``: ``[B, L]`` the
     context entries this pass scores; ``visible``: ``[B, L]`` the context entries its scoring
-    softmax spans (``scored`` plus the sinks).
+    softmax spans (``scored`` plus the sinks); ``whole_context``: whether ``visible`` is every valid
+    context entry (one pass covers the context), so the softmax is the model's own attention's.
     """
 
     ids: torch.Tensor
     mask: torch.Tensor
     scored: torch.Tensor
     visible: torch.Tensor
+    whole_context: bool = False
 
 
 @register_scorer("kvzip")
@@ -113,7 +116,8 @@ class KVzip(Scorer):
                 rows.append(torch.cat([head.to(context_ids.device), suffix.to(context_ids.device), part]))
             ids, mask = _left_pad(rows)
             visible = scored | (sink if c > 0 else torch.zeros_like(sink))
-            chunks.append(PassChunk(ids=ids, mask=mask, scored=scored, visible=visible))
+            chunks.append(PassChunk(ids=ids, mask=mask, scored=scored, visible=visible,
+                                    whole_context=bool(torch.equal(visible, key_mask))))
         return chunks
 
     def pass_reads_hidden_states(self) -> bool:
@@ -122,47 +126,58 @@ class KVzip(Scorer):
 
     def pass_scores(self, query: torch.Tensor, key: torch.Tensor, chunk: PassChunk, scaling: float,
                     value: torch.Tensor | None = None, output_weight: torch.Tensor | None = None,
-                    hidden_norm: torch.Tensor | None = None) -> torch.Tensor:
+                    hidden_norm: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, H_kv, L]``: the largest attention each scored context entry gets from this pass.
 
         ``query [B, H_q, T, D]`` are the pass's post-RoPE queries; ``key [B, H_kv, L + T, D]`` the
         layer's keys (context then the pass's own tokens). KVzip+ also reads ``value`` (same shape
         as ``key``), the layer's ``output_weight`` (``o_proj.weight``, ``[hidden, H_q * D]``) and
         ``hidden_norm [B, T]``, the norm of each pass token's hidden state entering the attention.
+        ``lse [B, H_q, T]``: the log-sum-exp of each query's logits over :meth:`pass_mask` when the
+        caller already has it (the pass's own attention, when it sees exactly that); computed here
+        otherwise.
+
+        Since ``exp`` is monotonic, ``max_j exp(s_ji - lse_j) = exp(max_j (s_ji - lse_j))``: the
+        logits are shifted by each query's ``lse`` (plus ``log ||h_j||`` for KVzip+) inside the
+        matmul and reduced by a max over the pass's queries before a single ``exp`` per entry.
         """
         B, Hq, T, D = query.shape
         Hkv, L = key.shape[1], key.shape[2] - T
         G = Hq // Hkv
-        inv_norm = None
+        if self.plus and (value is None or output_weight is None or hidden_norm is None):
+            raise ValueError("KVzip+ (plus=True) needs the pass's values, the layer's o_proj weight and the "
+                             "hidden-state norms of the pass's tokens")
+        if lse is None:
+            lse = attention_with_lse(query.float(), key.float(), key.float(), self.pass_mask(chunk), scaling)[1]
+        shift = lse.float()
         if self.plus:
-            if value is None or output_weight is None or hidden_norm is None:
-                raise ValueError("KVzip+ (plus=True) needs the pass's values, the layer's o_proj weight and the "
-                                 "hidden-state norms of the pass's tokens")
-            inv_norm = hidden_norm.float().reciprocal()[:, None, None, :, None]  # [B, 1, 1, T, 1]
-        keys_t = key.float().transpose(-1, -2)  # [B, Hkv, D, L + T]
-        queries = query.float().view(B, Hkv, G, T, D)
-        ninf = torch.tensor(float("-inf"), device=key.device)
-        context_bias = torch.where(chunk.visible, 0.0, ninf)[:, None, None, None, :]  # [B, 1, 1, 1, L]
-        own = torch.ones(T, T, dtype=torch.bool, device=key.device).tril()[None] & chunk.mask[:, None, :]
-        own_bias = torch.where(own, 0.0, ninf)  # [B, T, T]: causal among the pass's valid tokens
-        best = torch.zeros(B, Hkv, G, L, device=key.device)  # per query head: max over the pass's queries
-        for start in range(0, T, self._QUERY_BLOCK):  # query blocks bound memory to block x (L + T)
+            assert hidden_norm is not None
+            shift = shift + hidden_norm.float().log()[:, None, :]  # dividing by ||h_j||
+        shift = shift.masked_fill(~chunk.mask[:, None, :], float("inf"))  # padded queries do not vote
+        shift = shift.reshape(B * Hkv, G, T)
+        queries = query.float().reshape(B * Hkv, G, T, D)
+        keys_t = key[:, :, :L].float().transpose(-1, -2).reshape(B * Hkv, D, L)
+        best = torch.full((B * Hkv, G, L), float("-inf"), device=key.device)
+        for start in range(0, T, self._QUERY_BLOCK):  # query blocks bound memory to G x block x L
             stop = min(start + self._QUERY_BLOCK, T)
-            logits = torch.matmul(queries[:, :, :, start:stop].reshape(B, Hkv, -1, D), keys_t) * scaling
-            logits = logits.view(B, Hkv, G, stop - start, L + T)
-            logits[..., :L] += context_bias
-            logits[..., L:] += own_bias[:, None, None, start:stop]
-            # softmax over the visible columns; padded queries do not vote
-            norm = torch.logsumexp(logits, dim=-1, keepdim=True)
-            probs = (logits[..., :L] - norm).exp_()
-            if inv_norm is not None:
-                probs.mul_(inv_norm[:, :, :, start:stop])
-            probs.masked_fill_(~chunk.mask[:, None, None, start:stop, None], 0.0)
-            best = torch.maximum(best, probs.amax(dim=3))
+            n = stop - start
+            block = torch.baddbmm(-shift[:, :, start:stop].reshape(B * Hkv, G * n, 1),
+                                  queries[:, :, start:stop].reshape(B * Hkv, G * n, D), keys_t, alpha=scaling)
+            best = torch.maximum(best, block.view(B * Hkv, G, n, L).amax(dim=2))
+        best = best.view(B, Hkv, G, L).exp_()
         if self.plus:
             assert value is not None and output_weight is not None
             best = best * output_norms(value[:, :, :L], output_weight)  # ||W_O^g v_i|| does not depend on j
         return best.amax(dim=2).masked_fill(~chunk.scored[:, None, :], 0.0)
+
+    @staticmethod
+    def pass_mask(chunk: PassChunk) -> torch.Tensor:
+        """``[B, 1, T, L + T]``: what a pass query's scoring softmax spans: the chunk's visible context
+        entries and the pass's own valid tokens up to itself (causal)."""
+        T = chunk.ids.shape[1]
+        own = torch.ones(T, T, dtype=torch.bool, device=chunk.mask.device).tril()[None] & chunk.mask[:, None, :]
+        context = chunk.visible[:, None, :].expand(-1, T, -1)
+        return torch.cat([context, own], dim=-1)[:, None]
 
 
 def output_norms(values: torch.Tensor, output_weight: torch.Tensor) -> torch.Tensor:

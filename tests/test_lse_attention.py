@@ -1,0 +1,56 @@
+"""Attention with log-sum-exp (KVzip's reconstruction pass): the fused CPU path equals the plain
+torch reference, and both equal softmax attention written out, masks and grouped heads included."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpress_ada.kernels.lse_attention import attention_with_lse, attention_with_lse_ref
+
+
+def _written_out(query, key, value, allowed, scaling):
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    logits = (query.double() @ key.double().transpose(-1, -2)) * scaling
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(logits, -1)
+    probs = torch.softmax(logits, -1).nan_to_num(0.0)
+    return probs @ value.double(), lse
+
+
+@settings(max_examples=25, deadline=None)
+@given(B=st.integers(1, 2), Hkv=st.integers(1, 3), group=st.sampled_from([1, 2, 3]), T=st.integers(1, 20),
+       L=st.integers(0, 30), blank=st.booleans(), seed=st.integers(0, 2**16))
+def test_fused_and_reference_equal_the_formula(B, Hkv, group, T, L, blank, seed):
+    g = torch.Generator().manual_seed(seed)
+    D = 8
+    query = torch.randn(B, Hkv * group, T, D, generator=g)
+    key, value = torch.randn(2, B, Hkv, L + T, D, generator=g)
+    allowed = torch.rand(B, 1, T, L + T, generator=g) > 0.4
+    allowed[..., L:] |= torch.eye(T, dtype=torch.bool)  # every query sees itself ...
+    if blank:
+        allowed[0, 0, 0] = False  # ... except one that sees nothing (a padded query)
+    want_out, want_lse = _written_out(query, key, value, allowed, 0.3)
+    for fn in (attention_with_lse, attention_with_lse_ref):
+        out, lse = fn(query, key, value, allowed, 0.3)
+        assert out.shape == query.shape and lse.shape == query.shape[:3] and lse.dtype == torch.float32
+        torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+        seen = allowed.any(-1).expand_as(lse)
+        torch.testing.assert_close(lse.double()[seen], want_lse[seen], atol=1e-5, rtol=1e-5)
+        assert torch.isneginf(lse[~seen]).all() and (out[~seen] == 0).all()
+
+
+def test_cpu_uses_the_fused_kernel(monkeypatch):
+    from kvpress_ada.kernels import lse_attention
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("fell back to the reference")
+
+    monkeypatch.setattr(lse_attention, "attention_with_lse_ref", refuse)
+    query, key, value = torch.randn(3, 1, 4, 6, 16)
+    allowed = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril()
+    out, lse = lse_attention.attention_with_lse(query, key, value, allowed, 0.25)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True,
+                                                                                     scale=0.25))
+    torch.testing.assert_close(lse, torch.logsumexp((query @ key.transpose(-1, -2) * 0.25).masked_fill(
+        ~allowed[0], float("-inf")), -1))

@@ -28,7 +28,7 @@ from kvpress_ada import (
     TopK,
     preset,
 )
-from kvpress_ada.integration import PrefillHandler, PressCache, PressRun
+from kvpress_ada.integration import PrefillHandler, PressCache, PressRun, RaggedLayer
 from kvpress_ada.integration.fanout import CaptureRun, capture_prefill
 from kvpress_ada.integration.hf import cache_kwarg, output_cache
 from kvpress_ada.integration.press_context import observation_for
@@ -210,13 +210,13 @@ def test_the_evictor_builds_its_cache(llama):
     assert isinstance(TopK().new_cache(llama.config), RaggedCache)
     assert isinstance(Mask().new_cache(llama.config), MaskedCache)
 
-    class SmallReserve(TopK):
+    class BigReserve(TopK):
         def new_cache(self, config):
-            return RaggedCache(config=config, decode_reserve=1)
+            return RaggedCache(config=config, decode_reserve=40)
 
     ids = _ids(80)
     sizes = {}
-    for evictor in (TopK(), SmallReserve()):
+    for evictor in (TopK(), BigReserve()):
         with preset("snapkv", compression_ratio=0.5, evictor=evictor)(llama):
             sizes[type(evictor).__name__] = output_cache(llama(input_ids=ids)).nbytes()
     D = llama.config.hidden_size // llama.config.num_attention_heads
@@ -224,8 +224,9 @@ def test_the_evictor_builds_its_cache(llama):
         return -(-n // CHUNK) * CHUNK
 
     kept = 40  # snapkv at r = 0.5 of 80 tokens, per kv head
-    slots = 3 * 1 * 2 * (room(kept + 32) - room(kept + 1))  # layers x batch x kv heads x reserve difference
-    assert slots > 0 and sizes["TopK"] - sizes["SmallReserve"] == slots * D * 2 * 4
+    default = RaggedLayer().decode_reserve
+    slots = 3 * 1 * 2 * (room(kept + 40) - room(kept + default))  # layers x batch x kv heads x reserve difference
+    assert slots > 0 and sizes["BigReserve"] - sizes["TopK"] == slots * D * 2 * 4
 
 
 def test_prefill_handlers_follow_the_protocol():

@@ -229,30 +229,35 @@ def run_quality(args, out: Path) -> int:
     if payload is None:
         payload = {"benchmark": "long_context_quality", "machine": common.machine_info(), "started": common.now_iso(),
                    "settings": {k: getattr(args, k) for k in ("model", "preset", "budget", "chunk", "tasks",
-                                                              "quality_contexts", "n", "seed")},
+                                                              "quality_contexts", "n", "seed",
+                                                              "question_aware")},
                    "records": []}
     done = {(r["context"], r["task"], r["sample"]) for r in payload["records"]}
-    presses = {"oneshot": preset(args.preset, budget=args.budget),
+    presses = {"full": None, "oneshot": preset(args.preset, budget=args.budget),
                "chunked": preset(args.preset, budget=args.budget, prefill_chunk=args.chunk)}
-    for L in args.quality_contexts:
-        for task in args.tasks:
-            samples = make_samples(task, tok, args.n, L, seed=args.seed)
-            for i, sample in enumerate(samples):
-                if (L, task, i) in done:
-                    continue
-                row = {"context": L, "task": task, "sample": i}
-                for name, press in presses.items():
-                    t0 = time.perf_counter()
-                    with torch.inference_mode():
-                        answer = generate(model, tok, sample.context, [sample.question], press=press,
-                                          max_new_tokens=args.max_new_tokens)[0]
-                    row[name] = {"answer": answer, "score": score_sample(sample, str(answer)),
-                                 "seconds": time.perf_counter() - t0}
-                payload["records"].append(row)
-                payload["updated"] = common.now_iso()
-                common.write_json(out, payload)
-                print(f"{L} {task} {i}: oneshot {row['oneshot']['score']:.2f} chunked {row['chunked']['score']:.2f}",
-                      flush=True)
+    samples = {(L, task): make_samples(task, tok, args.n, L, seed=args.seed)
+               for L in args.quality_contexts for task in args.tasks}
+    # sample-major order: an interrupted run still covers every context and task
+    for i in range(args.n):
+        for (L, task), cell in samples.items():
+            sample = cell[i]
+            if (L, task, i) in done:
+                continue
+            row = {"context": L, "task": task, "sample": i}
+            for name, press in presses.items():
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    answer = generate(model, tok, sample.context, [sample.question], press=press,
+                                      max_new_tokens=args.max_new_tokens,
+                                      question_aware=args.question_aware)[0]
+                row[name] = {"answer": answer, "score": score_sample(sample, str(answer)),
+                             "seconds": time.perf_counter() - t0}
+            payload["records"].append(row)
+            payload["updated"] = common.now_iso()
+            common.write_json(out, payload)
+            print(f"{L} {task} {i}: full {row['full']['score']:.2f} oneshot {row['oneshot']['score']:.2f} "
+                  f"chunked {row['chunked']['score']:.2f}",
+                  flush=True)
     payload["summary"] = quality_summary(payload["records"])
     common.write_json(out, payload)
     print(quality_table(payload["summary"]))
@@ -268,15 +273,21 @@ def quality_summary(records: list[dict]) -> list[dict]:
         out.append({"context": L, "n": len(rows), "oneshot": sum(r["oneshot"]["score"] for r in rows) / len(rows),
                     "chunked": sum(r["chunked"]["score"] for r in rows) / len(rows),
                     "diff": sum(diffs) / len(diffs), "ci95": [lo, hi],
+                    "full": _mean([r["full"]["score"] for r in rows if "full" in r]),
                     "tasks": sorted({r["task"] for r in rows})})
     return out
 
 
 def quality_table(summary: list[dict]) -> str:
-    rows = [[s["context"], s["n"], f"{s['oneshot']:.3f}", f"{s['chunked']:.3f}", f"{s['diff']:+.3f}",
-             f"[{s['ci95'][0]:+.3f}, {s['ci95'][1]:+.3f}]"] for s in summary]
-    return common.fmt_table(["ctx", "n", "one-shot", "chunked", "chunked - one-shot", "95% CI (paired bootstrap)"],
-                            rows)
+    rows = [[s["context"], s["n"], "-" if s.get("full") is None else f"{s['full']:.3f}", f"{s['oneshot']:.3f}",
+             f"{s['chunked']:.3f}", f"{s['diff']:+.3f}", f"[{s['ci95'][0]:+.3f}, {s['ci95'][1]:+.3f}]"]
+            for s in summary]
+    return common.fmt_table(["ctx", "n", "full cache", "one-shot", "chunked", "chunked - one-shot",
+                             "95% CI (paired bootstrap)"], rows)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 # ----------------------------------------------------------------------------- main
@@ -294,6 +305,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quality-contexts", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--tasks", nargs="+", default=["passkey", "multikey"])
     parser.add_argument("--n", type=int, default=8, help="quality: samples per task and context")
+    parser.add_argument("--question-aware", action="store_true",
+                        help="quality: compress context and question together (default: the context alone)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)

@@ -137,3 +137,31 @@ def test_pyramid_matches_paper_shape():
     expected = torch.linspace(2 * b - b / beta, b / beta, n)
     assert (budgets.double() - expected.double()).abs().max() <= 1.0
     assert math.isclose(float(budgets.double().mean()), b)
+
+
+@settings(max_examples=60, deadline=None)
+@given(B=st.integers(1, 3), H=st.integers(1, 4), L=st.integers(1, 12), seed=st.integers(0, 2**16))
+def test_fit_to_valid_totals_caps_and_best_entries(B, H, L, seed):
+    """Every head's count fits its valid entries, the row total is min(asked, valid), and the excess
+    goes to the best-scored valid entries the other heads had not selected."""
+    from kvpress_ada.allocators.heads import fit_to_valid
+    from kvpress_ada.evictors import topk_mask
+
+    g = torch.Generator().manual_seed(seed)
+    valid = torch.rand(B, H, L, generator=g) > 0.4
+    scores = torch.randn(B, H, L, generator=g).masked_fill(~valid, float("-inf"))  # padding, as callers pass it
+    counts = torch.randint(0, L + 3, (B, H), generator=g)
+    fitted = fit_to_valid(scores, counts, valid)
+    cap = valid.sum(-1)
+    assert bool((fitted <= cap).all()) and bool((fitted >= torch.minimum(counts, cap)).all())
+    assert fitted.sum(-1).tolist() == torch.minimum(counts.sum(-1), cap.sum(-1)).tolist()
+    # the extra entries are the best of what was left: written out per row
+    clipped = torch.minimum(counts, cap)
+    chosen = topk_mask(scores, clipped)
+    for b in range(B):
+        extra = int(fitted[b].sum() - clipped[b].sum())
+        left = scores[b][valid[b] & ~chosen[b]]
+        if extra:
+            threshold = left.sort(descending=True).values[extra - 1]
+            granted = topk_mask(scores[b:b + 1], fitted[b:b + 1])[0] & ~chosen[b] & valid[b]
+            assert int(granted.sum()) == extra and bool((scores[b][granted] >= threshold).all())

@@ -17,7 +17,6 @@ from pydantic import ValidationError
 from kvpress_ada import Pipeline, generate
 from kvpress_ada.allocators import AdaHead, UniformHead
 from kvpress_ada.evictors import Mask, TopK
-from kvpress_ada.integration.decode_compression import fit_counts
 from kvpress_ada.kernels.reference import CHUNK
 from kvpress_ada.presses import SCORERS, SnapKV, StreamingLLM
 
@@ -153,16 +152,6 @@ def test_bound_and_reference_over_intervals_and_budgets(llama, interval, decode_
     tokens_m, logits_m, _ = _generate(llama, Pipeline(evictor=Mask(), **fields), ids, 2 * interval + 3)
     assert torch.equal(tokens_r, tokens_m)
     torch.testing.assert_close(logits_r, logits_m, atol=1e-4, rtol=0)
-
-
-def test_fit_counts_caps_and_redistributes():
-    counts = torch.tensor([[10, 10, 10], [30, 0, 0]])
-    held = torch.tensor([[2, 40, 40], [5, 5, 50]])
-    total = torch.minimum(counts.sum(-1), held.sum(-1))
-    fitted = fit_counts(counts, held, total)
-    assert fitted.sum(-1).tolist() == total.tolist()
-    assert bool((fitted <= held).all())
-    assert fitted[0, 0] == 2 and fitted[1, 0] == 5
 
 
 def test_validation():

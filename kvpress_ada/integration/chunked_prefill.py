@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from ..allocators.heads import fit_to_valid
 from .entries import left_pad_index
 from .hf import check_left_padded, prefill_key_mask
 from .press_context import RUN_KWARG, PressRun, _output_weight, observation_for
@@ -114,7 +115,7 @@ class ChunkedPrefill(PressRun):
             return keep
         rows = evict.nonzero()[:, 0]
         scores = self._scores(module, layer_idx, query[rows], keys[rows], values[rows], valid[rows])
-        counts = cap_counts(scores, self.press._allocate(scores, target[rows], layer_idx), valid[rows])
+        counts = fit_to_valid(scores, self.press._allocate(scores, target[rows], layer_idx), valid[rows])
         keep[rows] = self.press.evictor.select(scores, counts) & valid[rows]
         return keep
 
@@ -152,24 +153,6 @@ def _chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     allowed = (valid[:, :, None, :] & before) | itself
     mask = allowed.repeat_interleave(Hq // H, dim=1)
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=Hq != H)
-
-
-def cap_counts(scores: torch.Tensor, counts: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Clip ``counts [B, H]`` to the valid entries of each head and give the excess to the best
-    valid entries not yet selected in the row's other heads (the row's total is unchanged as long
-    as it does not exceed the row's valid entries)."""
-    from ..allocators.heads import flat_topk_counts
-    from ..evictors import topk_mask
-
-    cap = valid.sum(-1)
-    excess = (counts - cap).clamp(min=0).sum(-1)
-    counts = torch.minimum(counts, cap)
-    if not bool((excess > 0).any()):
-        return counts
-    chosen = topk_mask(scores, counts)
-    floor = torch.finfo(scores.dtype).min  # a valid entry scored -inf still beats padding
-    rest = torch.where(valid & ~chosen, scores.clamp(min=floor), torch.full_like(scores, float("-inf")))
-    return counts + flat_topk_counts(rest, excess)
 
 
 def start_chunked_prefill(model: Any, press: Pipeline, cache: PressCache, args: tuple, kwargs: dict,

@@ -59,6 +59,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..allocators.heads import fit_to_valid
+
 if TYPE_CHECKING:
     from ..pipeline import Pipeline
 
@@ -147,28 +149,9 @@ def decode_keep(press: Pipeline, model: Any, layer_idx: int, n_layers: int, keys
         obs = observation_for(press.scorer, model, layer_idx, n_layers, queries[:, heads], keys[:, h:h + 1],
                               values[:, h:h + 1], valid[:, h], scaling, output_weight[:, h * G * D:(h + 1) * G * D])
         scores[:, h] = press.scores(obs)[:, 0]
-    held = valid.sum(-1)  # [B, H]
     lengths = torch.full((B,), seen, dtype=torch.long, device=keys.device)
     avg = torch.full((B,), press.decode_budget, dtype=torch.long, device=keys.device)
     budget = press.layers.layer_budget(avg, layer_idx, n_layers, lengths)
     counts = press._allocate(scores, budget, layer_idx)
-    counts = fit_counts(counts, held, torch.minimum(H * budget.long(), held.sum(-1)))
+    counts = fit_to_valid(scores, counts, valid)
     return press.evictor.select(scores, counts) & valid
-
-
-def fit_counts(counts: torch.Tensor, held: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """Counts ``[B, H]`` capped at what each head ``held``, the excess handed to heads with room
-    (evenly, lower heads first), summing exactly to ``total [B]`` (``<= held.sum(-1)``)."""
-    fitted = torch.minimum(counts.long(), held.long())
-    for _ in range(counts.shape[-1] + 1):
-        deficit = total - fitted.sum(-1)
-        if not bool((deficit > 0).any()):
-            break
-        room = held - fitted
-        free = room > 0
-        n_free = free.sum(-1).clamp(min=1)
-        share = torch.div(deficit + n_free - 1, n_free, rounding_mode="floor")
-        add = torch.minimum(room, share[:, None]) * free
-        before = add.cumsum(-1) - add
-        fitted = fitted + torch.minimum(add, (deficit[:, None] - before).clamp(min=0))
-    return fitted

@@ -41,7 +41,7 @@ def test_summary_signals_are_sane(tokenizer):
     assert rows[("full", 0.0)]["kv_fraction"] == 1.0
     for label in ("snapkv", "ada_snapkv"):
         low, high = rows[(label, 0.2)], rows[(label, 0.8)]
-        # bytes held include the decode reserve (32 slots per row), large next to these tiny contexts
+        # bytes held include the decode reserve and chunk rounding, large next to these tiny contexts
         assert high["kv_fraction"] < low["kv_fraction"] and high["kv_fraction"] < 1.0
         assert high["eviction_loss"] >= low["eviction_loss"] >= 0.0
         assert 0.0 <= high["top1"] <= 1.0 and high["kl"] >= 0.0
@@ -61,3 +61,28 @@ def test_custom_config_grid_overrides_ratio():
     entries = grid({"mine": base}, [0.25, 0.5])
     assert [e.press.compression_ratio for e in entries] == [0.25, 0.5]
     assert all(e.press.budget is None and e.press.scorer == SnapKV(window=16) for e in entries)
+
+
+@pytest.mark.parametrize("question_aware", [False, True])
+def test_batched_entries_equal_one_at_a_time(tokenizer, question_aware):
+    """Entries decoded as rows of one batch (compressed_batch) give the records of batch-1 runs:
+    answers, bytes held (each row's own layout), signals; Mask and chunked entries stay batch 1."""
+    from kvpress_ada import Mask, preset
+    from kvpress_ada.eval.runner import Entry, evaluate_sample
+
+    model = build_model("llama", seed=5)
+    entries = grid(["snapkv", "ada_snapkv", "streamingllm", "knorm"], [0.3, 0.6, 0.8])
+    entries += [Entry("snapkv_mask", 0.5, preset("snapkv", compression_ratio=0.5, evictor=Mask())),
+                Entry("chunked", 0.5, preset("ada_snapkv", compression_ratio=0.5, prefill_chunk=16))]
+    for sample in SAMPLES:
+        one = evaluate_sample(model, tokenizer, sample, entries, question_aware=question_aware, max_new_tokens=6,
+                              batch_entries=1)
+        many = evaluate_sample(model, tokenizer, sample, entries, question_aware=question_aware,
+                               max_new_tokens=6, batch_entries=5)  # groups of 5, 5 and 2: a partial group too
+        assert [(r.label, r.ratio) for r in many] == [(r.label, r.ratio) for r in one]
+        for a, b in zip(one, many):
+            assert (a.answer, a.kv_bytes, a.full_kv_bytes) == (b.answer, b.kv_bytes, b.full_kv_bytes)
+            assert a.kl == pytest.approx(b.kl, abs=1e-4) and a.top1 == b.top1
+            assert a.eviction_loss == pytest.approx(b.eviction_loss, abs=1e-6, nan_ok=True)  # NaN: chunked
+            assert a.hidden_error == pytest.approx(b.hidden_error, abs=1e-4)
+        assert len({r.kv_bytes for r in many}) > 3  # the ratios really hold different bytes

@@ -17,8 +17,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from ..evictors import TopK
 from ..integration.fanout import capture_prefill
 from ..integration.generation import (
+    decode_rows,
     encode,
     eos_ids,
     generate,
@@ -31,6 +33,8 @@ from ..pipeline import Pipeline
 from ..presets import preset
 from .scoring import score_sample
 from .signals import eviction_loss, fidelity
+
+ENTRY_BATCH = 16  # entries decoded together in one batch (memory: 16 compressed caches of a sample)
 
 
 @dataclass(frozen=True)
@@ -101,8 +105,15 @@ def _teacher_forced(model, press, cache, tokens: torch.Tensor):
 
 @torch.inference_mode()
 def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int = 0, question_aware: bool = False,
-                    max_new_tokens: int = 16, window: int = 64, on_entry=None) -> list[Record]:
-    """All entries on one sample from a single prefill; the full cache is recorded as ``label='full'``."""
+                    max_new_tokens: int = 16, window: int = 64, on_entry=None,
+                    batch_entries: int = ENTRY_BATCH) -> list[Record]:
+    """All entries on one sample from a single prefill; the full cache is recorded as ``label='full'``.
+
+    Entries whose cache is a plain ragged cache derived from the prefill (evictor ``TopK``, no
+    chunked prefill, no decode compression) answer ``batch_entries`` at a time: their caches become
+    the rows of one batch (:meth:`Prefill.compressed_batch`), decoded and teacher-forced together.
+    Each row attends to exactly its own press's entries, so answers and signals are the ones a
+    batch-1 run gives, up to float summation order (``batch_entries=1``: one entry at a time)."""
     device = next(model.parameters()).device
     eos = eos_ids(model, tokenizer)
     head, tail = split_prompt(tokenizer, sample.context, sample.question)
@@ -136,7 +147,44 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
     full_text = tokenizer.decode(full_tokens, skip_special_tokens=True).strip()
     records = [Record(index, sample.task, "full", 0.0, full_text, score_sample(sample, full_text), full_bytes,
                       full_bytes, 0.0, 1.0, [0.0] * len(prefill.layers), [0.0] * len(prefill.layers))]
-    for entry in entries:
+    results: dict[int, Record] = {}
+
+    def record(i: int, text: str, kv_bytes: int, logits, hidden, keep) -> None:
+        entry = entries[i]
+        signal = fidelity(full_logits, logits, full_hidden, hidden)
+        # eviction loss compares keep masks over the dense prefill: not defined for chunked prefill
+        loss = eviction_loss(prefill, keep, window=window).tolist() if keep is not None else [float("nan")] * len(
+            prefill.layers)
+        results[i] = Record(index, sample.task, entry.label, entry.ratio, text, score_sample(sample, text),
+                            kv_bytes, full_bytes, signal["kl"], signal["top1"], signal["hidden_error"], loss)
+        if on_entry is not None:
+            on_entry()
+
+    batched = [i for i, e in enumerate(entries) if batch_entries > 1 and _batchable(e.press, length)]
+    for start in range(0, len(batched), batch_entries):
+        group = batched[start:start + batch_entries]
+        presses = [entries[i].press for i in group]
+        keeps = [prefill.keep_masks(p) for p in presses]
+        cache = prefill.compressed_batch(presses, keeps)
+        row_bytes = cache.batch_nbytes()
+        E = len(group)
+        with _routed(presses[0], model):  # decode routing is the same for every press of the group
+            if question_aware:
+                rows, cache = decode_rows(model, prefill.logits.expand(E, -1), cache, max_new_tokens, eos)
+            else:
+                out = model(input_ids=tail_ids.expand(E, -1), use_cache=True, logits_to_keep=1,
+                            **{cache_kwarg(model): cache})
+                rows, cache = decode_rows(model, out.logits[:, -1], output_cache(out), max_new_tokens, eos)
+            _crop_to(cache, length)
+            out = model(input_ids=forced.expand(E, -1), use_cache=True, output_hidden_states=True,
+                        **{cache_kwarg(model): cache})
+        for e, i in enumerate(group):
+            text = tokenizer.decode(rows[e], skip_special_tokens=True).strip()
+            record(i, text, row_bytes[e], out.logits[e], [h[e] for h in out.hidden_states], keeps[e])
+        del cache, out
+    for i, entry in enumerate(entries):
+        if i in results:
+            continue
         keep: list[torch.Tensor] | None = None
         if entry.press is not None and _prefills_in_chunks(entry.press, length):
             # fan-out cannot derive it from the dense prefill: run the press on the prompt
@@ -147,16 +195,16 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
         kv_bytes = cache.nbytes() if hasattr(cache, "nbytes") else full_bytes
         text = tokenizer.decode(answer(entry.press, cache, next_logits), skip_special_tokens=True).strip()
         logits, hidden = _teacher_forced(model, entry.press, cache, forced)
-        signal = fidelity(full_logits, logits, full_hidden, hidden)
-        # eviction loss compares keep masks over the dense prefill: not defined for chunked prefill
-        loss = eviction_loss(prefill, keep, window=window).tolist() if keep is not None else [float("nan")] * len(
-            prefill.layers)
-        records.append(Record(index, sample.task, entry.label, entry.ratio, text, score_sample(sample, text),
-                              kv_bytes, full_bytes, signal["kl"], signal["top1"], signal["hidden_error"], loss))
+        record(i, text, kv_bytes, logits, hidden, keep)
         del cache
-        if on_entry is not None:
-            on_entry()
+    records += [results[i] for i in range(len(entries))]
     return records
+
+
+def _batchable(press: Pipeline | None, length: int) -> bool:
+    """Whether the entry's cache can be a row of :meth:`Prefill.compressed_batch`."""
+    return (press is not None and not press.is_noop and type(press.evictor) is TopK and not _decoding(press)
+            and not _prefills_in_chunks(press, length))
 
 
 def _prefills_in_chunks(press: Pipeline, length: int) -> bool:

@@ -17,6 +17,7 @@ from transformers import DynamicCache
 from .hf import cache_kwarg, check_left_padded, check_supported, prefill_key_mask
 from .model_pass import model_pass_scores
 from .press_context import RUN_KWARG, _output_weight, attention_routed, next_positions, observation_for
+from .ragged_cache import RaggedCache
 from .tensor_parallel import head_shard
 
 
@@ -92,6 +93,21 @@ class Prefill:
             self.pass_cache[key] = model_pass_scores(self.model, scorer, self.full_cache, self.input_ids,
                                                      self.key_mask, next_positions(None, self.key_mask.shape))
         return self.pass_cache[key]
+
+    def compressed_batch(self, presses: list, keep_masks: list[list[torch.Tensor]]) -> RaggedCache:
+        """One ragged cache whose batch row ``e`` holds what ``presses[e]`` keeps of this (batch 1)
+        prefill: the rows are laid out independently, so row ``e`` attends to exactly the entries of
+        ``compressed_cache(presses[e])`` and decoding all rows at once answers every press in one
+        batch (fan-out evaluation's decode)."""
+        if self.key_mask.shape[0] != 1:
+            raise ValueError("compressed_batch stacks presses of a batch-1 prefill, not batch "
+                             f"{self.key_mask.shape[0]}")
+        cache = RaggedCache(config=self.model.config)
+        E = len(presses)
+        for i, c in enumerate(self.layers):
+            cache.update(c.keys.expand(E, -1, -1, -1), c.values.expand(E, -1, -1, -1), i)
+            cache.compress_layer(i, torch.cat([masks[i] for masks in keep_masks], dim=0))
+        return cache
 
     def compressed_cache(self, press, keep_masks: list[torch.Tensor] | None = None):
         """A fresh cache holding what ``press`` keeps (a dense copy for a no-op press)."""

@@ -46,11 +46,11 @@ def greedy_continue(model, input_ids: torch.Tensor, cache, max_new_tokens: int, 
 @torch.inference_mode()
 def greedy_decode(model, logits: torch.Tensor, cache, max_new_tokens: int, eos: set[int]):
     """Greedy decoding (batch 1) from next-token ``logits [1, V]``; stops at an ``eos`` id (not returned)."""
-    rows, cache = _decode_rows(model, logits, cache, max_new_tokens, eos)
+    rows, cache = decode_rows(model, logits, cache, max_new_tokens, eos)
     return rows[0], cache
 
 
-def _decode_rows(model, logits: torch.Tensor, cache, max_new_tokens: int, eos: set[int], mask=None):
+def decode_rows(model, logits: torch.Tensor, cache, max_new_tokens: int, eos: set[int], mask=None):
     """Greedy decoding of every batch row from ``logits [B, V]``; each row stops at its first eos.
 
     With ``mask [B, past]`` (left-padded batches) the mask grows by one per step and positions
@@ -101,7 +101,7 @@ def batched_answer(model, ids: torch.Tensor, mask: torch.Tensor, cache, max_new_
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                 **{cache_kwarg(model): cache})
-    return _decode_rows(model, out.logits[:, -1], output_cache(out), max_new_tokens, eos, mask=mask)
+    return decode_rows(model, out.logits[:, -1], output_cache(out), max_new_tokens, eos, mask=mask)
 
 
 @torch.inference_mode()

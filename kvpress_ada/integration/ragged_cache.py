@@ -262,6 +262,20 @@ class RaggedLayer(CacheLayerMixin):
         tensors = (self.k_flat, self.v_flat) if self.compressed else (self.keys, self.values)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
+    def batch_nbytes(self) -> list[int]:
+        """Bytes each batch row holds (its kv heads' slots, free room included): what the row would
+        hold as a cache of its own, since every row is laid out on its own."""
+        if not self.compressed:
+            if self.keys is None or self.values is None:
+                return []
+            per_row = self.keys[0].numel() * self.keys.element_size() * 2  # keys and values alike
+            return [per_row] * self.keys.shape[0]
+        B, H, D = self.shape
+        offsets = self.row_offsets.tolist() + [self.k_flat.shape[0]]
+        caps = [b - a for a, b in zip(offsets, offsets[1:])]
+        per_slot = D * (self.k_flat.element_size() + self.v_flat.element_size())
+        return [sum(caps[b * H:(b + 1) * H]) * per_slot for b in range(B)]
+
     def head_lengths(self) -> torch.Tensor:
         if not self.compressed:
             if self.keys is None:
@@ -310,6 +324,11 @@ class RaggedCache(PressCache):
     def compressed(self) -> bool:
         """Every layer holds ragged rows (the state a compiled decode step expects)."""
         return all(isinstance(layer, RaggedLayer) and layer.compressed for layer in self.layers)
+
+    def batch_nbytes(self) -> list[int]:
+        """Bytes held per batch row over all layers (see :meth:`RaggedLayer.batch_nbytes`)."""
+        per_layer = [layer.batch_nbytes() for layer in self.layers if isinstance(layer, RaggedLayer)]
+        return [sum(row) for row in zip(*per_layer)]
 
     def reserve(self, q: int) -> None:
         """Room for ``q`` more tokens per row in every compressed layer, counted now (see

@@ -220,8 +220,9 @@ def _chunked_prefill(model, press: Pipeline, prompt: torch.Tensor):
 
 
 def evaluate(model, tokenizer, samples, entries: list[Entry], question_aware: bool = False, max_new_tokens: int = 16,
-             progress: bool = True, skip=frozenset(), on_sample=None) -> "EvalResult":
-    """Fan-out evaluation of ``entries`` on ``samples`` (one prefill per sample).
+             progress: bool = True, skip=frozenset(), on_sample=None, batch_entries: int = ENTRY_BATCH) -> "EvalResult":
+    """Fan-out evaluation of ``entries`` on ``samples`` (one prefill per sample; ``batch_entries``
+    entries decoded together, see :func:`evaluate_sample`).
 
     ``skip``: indices of samples not to run (done by an earlier, resumed run); ``on_sample(i, records)``
     is called after each sample with its records (for checkpoints)."""
@@ -234,7 +235,7 @@ def evaluate(model, tokenizer, samples, entries: list[Entry], question_aware: bo
     try:
         for i in todo:
             new = evaluate_sample(model, tokenizer, samples[i], entries, i, question_aware, max_new_tokens,
-                                  on_entry=bar.update)
+                                  on_entry=bar.update, batch_entries=batch_entries)
             records += new
             bar.update(1)
             if on_sample is not None:

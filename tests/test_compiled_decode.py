@@ -83,3 +83,30 @@ def test_compile_policy(monkeypatch):
     with pytest.raises(ValueError, match="KVPRESS_ADA_COMPILE"):
         compiled.compile_enabled(None, "cpu")
     assert compiled.default_mode("cuda") == "reduce-overhead" and compiled.default_mode("cpu") is None
+
+
+def test_cache_built_outside_inference_mode_decodes_inside_without_recompiles(model):
+    """A cache prefilled under no_grad (normal tensors) and decoded under inference_mode, where
+    re-layouts happen at different steps in different layers, keeps one graph: the buffers are
+    always normal tensors, so no layer's dispatch keys change (found by benchmarks/decode.py)."""
+    from kvpress_ada.integration.hf import cache_kwarg, output_cache
+
+    counters.clear()
+    press = preset("ada_snapkv", compression_ratio=0.5)
+    ids = torch.randint(5, 100, (1, 150), generator=torch.Generator().manual_seed(7))
+    with press(model, compile=True):
+        with torch.no_grad():
+            out = model(input_ids=ids, use_cache=True)
+        cache = output_cache(out)
+        assert not cache.layers[0].k_flat.is_inference()
+        before = [layer.k_flat.shape[0] for layer in cache.layers]
+        with torch.inference_mode():
+            token = out.logits[:, -1:].argmax(-1)
+            for _ in range(STEPS):
+                out = model(input_ids=token, use_cache=True, **{cache_kwarg(model): cache})
+                token = out.logits[:, -1:].argmax(-1)
+        assert model.forward.calls == STEPS
+    assert all(layer.k_flat.shape[0] > n for layer, n in zip(cache.layers, before))  # every layer re-laid out
+    assert not any(layer.k_flat.is_inference() for layer in cache.layers)
+    assert counters["graph_break"] == {}, dict(counters["graph_break"])
+    assert 1 <= counters["stats"]["unique_graphs"] <= MAX_GRAPHS, dict(counters["stats"])

@@ -167,11 +167,16 @@ class RaggedLayer(CacheLayerMixin):
         for r in range(1, len(caps)):
             offsets[r] = offsets[r - 1] + caps[r - 1]
         total = offsets[-1] + caps[-1] if caps else 0
-        # zeros, not empty: kernels mask the free slots' scores, but 0 * NaN garbage would still be NaN
-        self.k_flat = torch.zeros(total, D, dtype=self.dtype, device=self.device)
-        self.v_flat = torch.zeros(total, D, dtype=self.dtype, device=self.device)
-        self.row_offsets = torch.tensor(offsets, dtype=torch.int32, device=self.device)
-        self.row_lengths = lengths.to(device=self.device, dtype=torch.int32).clone()
+        # Always normal tensors, even when re-laid out inside torch.inference_mode(): a compiled step
+        # guards on each buffer's dispatch keys, and a cache built outside inference mode but grown
+        # inside it would otherwise recompile for every mix of the two kinds across layers.
+        with torch.inference_mode(False):
+            # zeros, not empty: kernels mask the free slots' scores, but 0 * NaN garbage would still be NaN
+            self.k_flat = torch.zeros(total, D, dtype=self.dtype, device=self.device)
+            self.v_flat = torch.zeros(total, D, dtype=self.dtype, device=self.device)
+            self.row_offsets = torch.tensor(offsets, dtype=torch.int32, device=self.device)
+            self.row_lengths = torch.zeros(len(caps), dtype=torch.int32, device=self.device)
+        self.row_lengths.copy_(lengths.reshape(-1))
         self._spare = min((c - n for c, n in zip(caps, host)), default=spare)
         _mark_for_compile(self.k_flat, self.v_flat, self.row_offsets, self.row_lengths)
 

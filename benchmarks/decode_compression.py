@@ -48,6 +48,9 @@ def parse_args(argv=None):
     p.add_argument("--venv", type=Path, default=None, help="kvpress virtualenv (see benchmarks/kvpress_compare.py)")
     p.add_argument("--quick", action="store_true", help="tiny random model, 96 steps, budget 16, interval 8")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--resume", action="store_true",
+                   help="keep the configs already in --out (same settings and continuation; a config whose KL has "
+                        "NaN is rerun) and run only the missing ones")
     args = p.parse_args(argv)
     if args.quick:
         args.model, args.steps, args.budget, args.interval, args.window = "tiny", 96, 16, 8, 4
@@ -148,6 +151,35 @@ def run_kvpress(args, prompt, tokens, full_logp) -> dict:
         return json.loads(out.read_text())
 
 
+def previous_series(out: Path, args, prompt: torch.Tensor, tokens: torch.Tensor) -> dict:
+    """The series of an earlier run in ``out`` that can be kept: same settings and prompt, the same
+    full-cache continuation (checked when the file records it), and a KL without NaN."""
+    import json
+    import math
+
+    if not out.exists():
+        return {}
+    old = json.loads(out.read_text())
+    settings = old.get("settings", {})
+    same = (old.get("model") == args.model and settings.get("steps") == args.steps
+            and settings.get("budget") == args.budget and settings.get("interval") == args.interval
+            and settings.get("window") == args.window and settings.get("prompt_tokens") == int(prompt.shape[1]))
+    if not same:
+        print(f"[resume] {out} has other settings; running every config", file=sys.stderr)
+        return {}
+    if "tokens" in old and old["tokens"] != tokens.tolist():
+        print(f"[resume] {out} was teacher-forced on another continuation; running every config", file=sys.stderr)
+        return {}
+    if "tokens" not in old:
+        print(f"[resume] {out} does not record its continuation (older file); keeping its configs on the "
+              "settings match (greedy decoding of the same model and prompt)", file=sys.stderr)
+    kept = {label: run for label, run in old.get("series", {}).items()
+            if label != "full" and run.get("kl") and not any(math.isnan(x) for x in run["kl"])}
+    if old.get("kvpress"):
+        kept["_kvpress_versions"] = old["kvpress"]
+    return kept
+
+
 def plot(payload: dict, path: Path) -> None:
     import matplotlib
 
@@ -187,13 +219,24 @@ def main(argv=None):
     print(f"prompt: {prompt.shape[1]} tokens; generating {args.steps} with the full cache ...", file=sys.stderr)
     tokens, full_logp, full_kv, full_s = full_generation(model, prompt, args.steps, suppress)
     warm = min(8, len(full_s) // 4)
+    out = args.out or (common.QUICK_DIR if args.quick else common.RESULTS) / "decode_compression.json"
+    kept = previous_series(out, args, prompt, tokens) if args.resume else {}
     series = {"full": {"kv_bytes": full_kv, "step_s": full_s, "kl": [], "top1": []}}
+    series.update({k: v for k, v in kept.items() if not k.startswith(("kvpress", "_"))})
     for label, press in presses(args).items():
+        if label in series:
+            print(f"{label}: kept from {out}", file=sys.stderr)
+            continue
         print(f"teacher-forcing {label} ...", file=sys.stderr)
         series[label] = teacher_forced(model, press, prompt, tokens, full_logp)
         print(f"  {summarize(series[label], warm)}", file=sys.stderr)
     kvpress_versions = None
-    if args.kvpress:
+    kvpress_kept = {k: v for k, v in kept.items() if k.startswith("kvpress")}
+    if args.kvpress and len(kvpress_kept) == 3 and kept.get("_kvpress_versions"):
+        print(f"kvpress runs: kept from {out}", file=sys.stderr)
+        series.update(kvpress_kept)
+        kvpress_versions = kept["_kvpress_versions"]
+    elif args.kvpress:
         print("kvpress DecodingPress (its own venv) ...", file=sys.stderr)
         result = run_kvpress(args, prompt, tokens, full_logp)
         kvpress_versions = result["versions"]
@@ -211,9 +254,9 @@ def main(argv=None):
         "bound_bytes": bound, "geometry": geom,
         "presses": {k: v.model_dump(mode="json") for k, v in presses(args).items()},
         "summary": {label: summarize(run, warm) for label, run in series.items()},
+        "tokens": tokens.tolist(),
         "series": series,
     }
-    out = args.out or (common.QUICK_DIR if args.quick else common.RESULTS) / "decode_compression.json"
     common.write_json(out, payload)
     plot(payload, out.with_suffix(".png"))
     rows = [[label, f"{s['tokens_per_s']:.1f}", f"{s['kv_bytes_final'] / 2**20:.2f}",

@@ -57,7 +57,8 @@ def run(model, method: str, inputs: dict, budget: int, interval: int, window: in
             step_s.append(time.perf_counter() - t0)
             logp = torch.log_softmax(out.logits[0, -1].float(), -1)
             ref = full_logp[i + 1].float()
-            kl.append(float((ref.exp() * (ref - logp)).sum()))
+            p = ref.exp()  # tokens the full cache gives probability 0 add nothing (not 0 * (-inf - -inf) = NaN)
+            kl.append(float(torch.where(p > 0, p * (ref - logp), torch.zeros_like(p)).sum()))
             top1.append(int(logp.argmax()) == int(tokens[i + 1]))
             kv.append(cache_bytes(cache))
     return {"kl": kl, "top1": top1, "kv_bytes": kv, "step_s": step_s}

@@ -217,10 +217,9 @@ def bootstrap_ci(diffs: list[float], reps: int = 10000, seed: int = 0) -> tuple[
 
 
 def run_quality(args, out: Path) -> int:
-    import torch
 
-    from kvpress_ada import generate, preset
-    from kvpress_ada.eval.scoring import score_sample
+    from kvpress_ada import preset
+    from kvpress_ada.eval.runner import Entry, evaluate_sample
     from kvpress_ada.eval.tasks import make_samples
 
     common.set_threads(args.threads)
@@ -233,31 +232,31 @@ def run_quality(args, out: Path) -> int:
                                                               "question_aware")},
                    "records": []}
     done = {(r["context"], r["task"], r["sample"]) for r in payload["records"]}
-    presses = {"full": None, "oneshot": preset(args.preset, budget=args.budget),
-               "chunked": preset(args.preset, budget=args.budget, prefill_chunk=args.chunk)}
+    entries = [Entry("oneshot", 0.0, preset(args.preset, budget=args.budget)),
+               Entry("chunked", 0.0, preset(args.preset, budget=args.budget, prefill_chunk=args.chunk))]
     samples = {(L, task): make_samples(task, tok, args.n, L, seed=args.seed)
                for L in args.quality_contexts for task in args.tasks}
     # sample-major order: an interrupted run still covers every context and task
     for i in range(args.n):
         for (L, task), cell in samples.items():
-            sample = cell[i]
             if (L, task, i) in done:
                 continue
-            row = {"context": L, "task": task, "sample": i}
-            for name, press in presses.items():
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    answer = generate(model, tok, sample.context, [sample.question], press=press,
-                                      max_new_tokens=args.max_new_tokens,
-                                      question_aware=args.question_aware)[0]
-                row[name] = {"answer": answer, "score": score_sample(sample, str(answer)),
-                             "seconds": time.perf_counter() - t0}
+            t0 = time.perf_counter()
+            # one dense prefill gives the full cache's answer and continuation and the one-shot press's
+            # cache (fan-out); the chunked press runs its own chunked prefill. KL and top-1 are against
+            # the full cache on its teacher-forced continuation (question then answer).
+            records = evaluate_sample(model, tok, cell[i], entries, i, question_aware=args.question_aware,
+                                      max_new_tokens=args.max_new_tokens)
+            row: dict = {"context": L, "task": task, "sample": i, "seconds": time.perf_counter() - t0}
+            for r in records:
+                row[r.label] = {"answer": r.answer, "score": r.score, "kl": r.kl, "top1": r.top1,
+                                "kv_bytes": r.kv_bytes}
             payload["records"].append(row)
             payload["updated"] = common.now_iso()
             common.write_json(out, payload)
-            print(f"{L} {task} {i}: full {row['full']['score']:.2f} oneshot {row['oneshot']['score']:.2f} "
-                  f"chunked {row['chunked']['score']:.2f}",
-                  flush=True)
+            print(f"{L} {task} {i}: score full {row['full']['score']:.2f} oneshot {row['oneshot']['score']:.2f} "
+                  f"chunked {row['chunked']['score']:.2f}; KL oneshot {row['oneshot']['kl']:.3f} "
+                  f"chunked {row['chunked']['kl']:.3f} ({row['seconds']:.0f} s)", flush=True)
     payload["summary"] = quality_summary(payload["records"])
     common.write_json(out, payload)
     print(quality_table(payload["summary"]))
@@ -270,20 +269,31 @@ def quality_summary(records: list[dict]) -> list[dict]:
         rows = [r for r in records if r["context"] == L]
         diffs = [r["chunked"]["score"] - r["oneshot"]["score"] for r in rows]
         lo, hi = bootstrap_ci(diffs)
+        kl_diffs = [r["chunked"]["kl"] - r["oneshot"]["kl"] for r in rows if "kl" in r["chunked"]]
         out.append({"context": L, "n": len(rows), "oneshot": sum(r["oneshot"]["score"] for r in rows) / len(rows),
                     "chunked": sum(r["chunked"]["score"] for r in rows) / len(rows),
                     "diff": sum(diffs) / len(diffs), "ci95": [lo, hi],
                     "full": _mean([r["full"]["score"] for r in rows if "full" in r]),
+                    "kl_oneshot": _mean([r["oneshot"]["kl"] for r in rows if "kl" in r["oneshot"]]),
+                    "kl_chunked": _mean([r["chunked"]["kl"] for r in rows if "kl" in r["chunked"]]),
+                    "kl_diff_ci95": list(bootstrap_ci(kl_diffs)) if kl_diffs else None,
+                    "top1_oneshot": _mean([r["oneshot"]["top1"] for r in rows if "top1" in r["oneshot"]]),
+                    "top1_chunked": _mean([r["chunked"]["top1"] for r in rows if "top1" in r["chunked"]]),
                     "tasks": sorted({r["task"] for r in rows})})
     return out
 
 
 def quality_table(summary: list[dict]) -> str:
-    rows = [[s["context"], s["n"], "-" if s.get("full") is None else f"{s['full']:.3f}", f"{s['oneshot']:.3f}",
-             f"{s['chunked']:.3f}", f"{s['diff']:+.3f}", f"[{s['ci95'][0]:+.3f}, {s['ci95'][1]:+.3f}]"]
-            for s in summary]
-    return common.fmt_table(["ctx", "n", "full cache", "one-shot", "chunked", "chunked - one-shot",
-                             "95% CI (paired bootstrap)"], rows)
+    def num(value, fmt=".3f"):
+        return "-" if value is None else format(value, fmt)
+
+    rows = [[s["context"], s["n"], num(s.get("full")), f"{s['oneshot']:.3f}", f"{s['chunked']:.3f}",
+             f"{s['diff']:+.3f} [{s['ci95'][0]:+.3f}, {s['ci95'][1]:+.3f}]",
+             f"{num(s.get('kl_oneshot'))} / {num(s.get('kl_chunked'))}",
+             "-" if not s.get("kl_diff_ci95") else f"[{s['kl_diff_ci95'][0]:+.3f}, {s['kl_diff_ci95'][1]:+.3f}]",
+             f"{num(s.get('top1_oneshot'))} / {num(s.get('top1_chunked'))}"] for s in summary]
+    return common.fmt_table(["ctx", "n", "full acc", "one-shot acc", "chunked acc", "chunked - one-shot (95% CI)",
+                             "KL one-shot / chunked", "KL diff 95% CI", "top-1 one-shot / chunked"], rows)
 
 
 def _mean(values: list[float]) -> float | None:

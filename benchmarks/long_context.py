@@ -17,9 +17,11 @@ OS; see ``benchmarks/memory.py``). Results are checkpointed to the JSON after ev
 with ``--resume`` skips the configs already there.
 
 Quality part (``--quality``): on the synthetic task suite (``kvpress_ada.eval.tasks``) at the given
-contexts, each sample is answered with the one-shot press and with the chunked press at the same
-budget (question-agnostic: the context alone is compressed); per-sample scores are paired and the
-mean difference gets a 95% bootstrap CI. Checkpointed per sample.
+contexts, each sample is answered with the full cache, the one-shot press and the chunked press at
+the same budget (question-agnostic unless ``--question-aware``), through the eval's fan-out
+(``evaluate_sample``): accuracy, and KL / top-1 against the full cache on its teacher-forced
+continuation. Per-sample differences (chunked - one-shot) are paired and get a 95% bootstrap CI.
+Checkpointed per sample, in sample-major order (every context and task covered early).
 
     python benchmarks/long_context.py                       # 2k..32k, budget 512, chunk 512
     python benchmarks/long_context.py --quality --n 8       # 4k and 8k quality, n samples per task

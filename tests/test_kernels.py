@@ -163,16 +163,18 @@ def test_loop_free_attention_matches_dense_and_the_row_loop(case, chunk):
     assert_close(out, loop.double(), case["dtype"])
 
 
-def test_reference_takes_the_loop_free_path_for_aligned_ragged_rows(monkeypatch):
+@pytest.mark.parametrize("lens, loop_free", [([5, 70, 0, 33], True),  # short rows: the loop-free pass
+                                              ([300, 700, 290, 410], False),  # long rows: one matmul pair each
+                                              ([5, 70], False)])  # too few rows for the pass to pay
+def test_reference_picks_the_loop_free_path_for_many_short_rows(monkeypatch, lens, loop_free):
     C = reference.CHUNK
-    lens = [5, 70, 0, 33]
     k, v, offs, lens_t = make_cache(lens, 16, torch.float32, gaps=[-(-(n + 1) // C) * C - n for n in lens], extra=0)
-    q = torch.randn(2, 4, 1, 16, device=DEV)
+    q = torch.randn(len(lens) // 2, 4, 1, 16, device=DEV)
     calls = []
     real = reference.ragged_attention_chunked
     monkeypatch.setattr(reference, "ragged_attention_chunked", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     out = ragged_attention_ref(q, k, v, offs, lens_t, 0.25)
-    assert calls == [1]
+    assert calls == ([1] if loop_free else [])
     assert_close(out, dense_attention(q, k, v, offs, lens_t, 0.25), torch.float32)
 
 

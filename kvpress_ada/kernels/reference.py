@@ -4,10 +4,17 @@ These are the ground truth for the Triton kernels *and* the production CPU path,
 are written to be fast for CPU decode, with no padded copies of the cache:
 
 * every row has the same length and a regular stride (uniform presses): one batched no-copy view;
-* rows of different lengths in a chunk-aligned layout (what ``RaggedLayer`` builds): the loop-free
-  split-K pass :func:`ragged_attention_chunked`, one ``bmm`` over all rows' chunks;
-* any other layout: one ``[G*Q, D] @ [D, n]`` matmul per kv row (the whole GQA group reads the
-  row once); this is the ground truth the other two are tested against.
+* rows of different lengths: one ``[G*Q, D] @ [D, n]`` matmul per kv row (the whole GQA group
+  reads the row once); this is the ground truth the other two are tested against;
+* unless the rows are many and short, in a chunk-aligned layout (what ``RaggedLayer`` builds): then
+  the loop-free split-K pass :func:`ragged_attention_chunked`, one ``bmm`` over all rows' chunks.
+
+Which of the last two is cheaper was measured on the development CPU (1 thread, fp32, decode,
+GQA 3; ``benchmarks/README.md``): a row of the loop costs about 100 us of fixed overhead plus its
+length, a 32-slot chunk of the loop-free pass about 10 us. So the loop-free pass wins only when
+rows average under ~300 entries (48 rows of ~100 entries: 1.4 ms vs 5.0 ms), and loses when they
+are long (3 rows of ~1,000, the default model at 4k and r = 0.75: 1.5 ms vs 0.5 ms per layer).
+:data:`LOOP_FREE_BELOW` encodes that crossover.
 
 Layout (see ``kvpress_ada.kernels``): row ``r = b * H_kv + h`` of one layer lives in
 ``k_flat[row_offsets[r] : row_offsets[r] + row_lengths[r]]``.
@@ -21,11 +28,15 @@ from torch import Tensor
 __all__ = ["ragged_attention_ref", "ragged_attention_chunked", "chunk_aligned", "compact_ref", "append_ref", "CHUNK"]
 
 CHUNK = 32
-LOOP_FREE = True
-"""Route rows of different lengths through :func:`ragged_attention_chunked` (when the layout is chunk
-aligned) instead of one matmul pair per row; a switch for measurements (``benchmarks/decode.py``)."""
 """Tokens per chunk of the loop-free path; :class:`~kvpress_ada.integration.RaggedLayer` aligns
 every row's capacity (and so every row offset) to a multiple of it."""
+LOOP_FREE = True
+"""Allow :func:`ragged_attention_chunked` for rows of different lengths (when the layout is chunk
+aligned and the rows are short, see :data:`LOOP_FREE_BELOW`); ``False`` forces one matmul pair per
+row (a switch for measurements, ``benchmarks/decode.py --row-loop``)."""
+LOOP_FREE_BELOW = 256
+"""Mean row length under which the loop-free pass is used (a loop row's fixed cost, in entries of
+the loop-free pass; see the module docstring), for at least 4 rows."""
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, n: int, out: Tensor) -> None:
@@ -142,8 +153,9 @@ def ragged_attention_ref(
     G = H_q // H_kv
     offs = row_offsets.tolist()
     lens = row_lengths.tolist()
-    if LOOP_FREE and R > 1 and not uniform_layout(offs, lens, R) and chunk_aligned(k_flat, row_offsets, offs):
-        # rows of different lengths (Ada): every (batch, kv head) row in one pass, no loop per row
+    if (LOOP_FREE and R >= 4 and sum(lens) < LOOP_FREE_BELOW * R and not uniform_layout(offs, lens, R)
+            and chunk_aligned(k_flat, row_offsets, offs)):
+        # many short rows of different lengths: every (batch, kv head) row in one pass, no loop per row
         return ragged_attention_chunked(q, k_flat, v_flat, row_offsets, row_lengths, scale)
     low_precision = q.dtype != torch.float32
     qs = q.float() * scale if low_precision or scale != 1.0 else q

@@ -20,12 +20,11 @@ from tqdm.auto import tqdm
 from ..evictors import TopK
 from ..integration.fanout import capture_prefill
 from ..integration.generation import (
+    continue_rows,
     decode_rows,
     encode,
     eos_ids,
     generate,
-    greedy_continue,
-    greedy_decode,
     split_prompt,
 )
 from ..integration.hf import cache_kwarg, output_cache
@@ -93,6 +92,8 @@ def _decoding(press) -> bool:
 
 @torch.inference_mode()
 def _teacher_forced(model, press, cache, tokens: torch.Tensor):
+    """Logits ``[B, T, V]`` and per-layer hidden states ``[B, T, H]`` of ``tokens [B, T]`` fed over ``cache``
+    (left as it was)."""
     length = cache.get_seq_length()
     if _decoding(press):
         cache = copy.deepcopy(cache)
@@ -100,7 +101,12 @@ def _teacher_forced(model, press, cache, tokens: torch.Tensor):
         out = model(input_ids=tokens, use_cache=True, output_hidden_states=True, **{cache_kwarg(model): cache})
     if not _decoding(press):
         _crop_to(output_cache(out), length)
-    return out.logits[0], [h[0] for h in out.hidden_states]
+    return out.logits, out.hidden_states
+
+
+def _row(logits: torch.Tensor, hidden, e: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Batch row ``e`` of :func:`_teacher_forced`'s output."""
+    return logits[e], [h[e] for h in hidden]
 
 
 @torch.inference_mode()
@@ -122,28 +128,29 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
     prefill = capture_prefill(model, prompt)
     length = prefill.seq_len
 
-    def answer(press, cache, logits=None):
+    def answer(press, cache, logits=None, rows: int = 1) -> list[list[int]]:
+        """Greedy answer tokens of each of the cache's ``rows`` batch rows; the cache is left as it was."""
         if _decoding(press):
             cache = copy.deepcopy(cache)
         with _routed(press, model):
             if question_aware:
                 first = prefill.logits if logits is None else logits
-                tokens, cache = greedy_decode(model, first, cache, max_new_tokens, eos)
+                tokens, cache = decode_rows(model, first.expand(rows, -1), cache, max_new_tokens, eos)
             else:
-                tokens, cache = greedy_continue(model, tail_ids, cache, max_new_tokens, eos)
+                tokens, cache = continue_rows(model, tail_ids.expand(rows, -1), cache, max_new_tokens, eos)
         if not _decoding(press):
             _crop_to(cache, length)
         return tokens
 
     full_cache = prefill.full_cache
     full_bytes = sum(t.numel() * t.element_size() for c in prefill.layers for t in (c.keys, c.values))
-    full_tokens = answer(None, full_cache)
+    full_tokens = answer(None, full_cache)[0]
     first = [int(prefill.logits.argmax(-1))]
     continuation = (full_tokens or first) if question_aware else full_tokens
     forced = torch.tensor([continuation], device=device, dtype=torch.long)
     if not question_aware:
         forced = torch.cat([tail_ids, forced], 1)
-    full_logits, full_hidden = _teacher_forced(model, None, full_cache, forced)
+    full_logits, full_hidden = _row(*_teacher_forced(model, None, full_cache, forced))
     full_text = tokenizer.decode(full_tokens, skip_special_tokens=True).strip()
     records = [Record(index, sample.task, "full", 0.0, full_text, score_sample(sample, full_text), full_bytes,
                       full_bytes, 0.0, 1.0, [0.0] * len(prefill.layers), [0.0] * len(prefill.layers))]
@@ -167,21 +174,14 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
         keeps = [prefill.keep_masks(p) for p in presses]
         cache = prefill.compressed_batch(presses, keeps)
         row_bytes = cache.batch_nbytes()
-        E = len(group)
-        with _routed(presses[0], model):  # decode routing is the same for every press of the group
-            if question_aware:
-                rows, cache = decode_rows(model, prefill.logits.expand(E, -1), cache, max_new_tokens, eos)
-            else:
-                out = model(input_ids=tail_ids.expand(E, -1), use_cache=True, logits_to_keep=1,
-                            **{cache_kwarg(model): cache})
-                rows, cache = decode_rows(model, out.logits[:, -1], output_cache(out), max_new_tokens, eos)
-            _crop_to(cache, length)
-            out = model(input_ids=forced.expand(E, -1), use_cache=True, output_hidden_states=True,
-                        **{cache_kwarg(model): cache})
+        # decode routing is the same for every press of the group: any of them routes the batch
+        rows = answer(presses[0], cache, rows=len(group))
+        logits, hidden = _teacher_forced(model, presses[0], cache, forced.expand(len(group), -1))
         for e, i in enumerate(group):
             text = tokenizer.decode(rows[e], skip_special_tokens=True).strip()
-            record(i, text, row_bytes[e], out.logits[e], [h[e] for h in out.hidden_states], keeps[e])
-        del cache, out
+            row_logits, row_hidden = _row(logits, hidden, e)
+            record(i, text, row_bytes[e], row_logits, row_hidden, keeps[e])
+        del cache, logits, hidden
     for i, entry in enumerate(entries):
         if i in results:
             continue
@@ -193,8 +193,8 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
             keep = prefill.keep_masks(entry.press)
             cache, next_logits = prefill.compressed_cache(entry.press, keep), None
         kv_bytes = cache.nbytes() if hasattr(cache, "nbytes") else full_bytes
-        text = tokenizer.decode(answer(entry.press, cache, next_logits), skip_special_tokens=True).strip()
-        logits, hidden = _teacher_forced(model, entry.press, cache, forced)
+        text = tokenizer.decode(answer(entry.press, cache, next_logits)[0], skip_special_tokens=True).strip()
+        logits, hidden = _row(*_teacher_forced(model, entry.press, cache, forced))
         record(i, text, kv_bytes, logits, hidden, keep)
         del cache
     records += [results[i] for i in range(len(entries))]

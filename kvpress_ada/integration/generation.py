@@ -39,8 +39,15 @@ def eos_ids(model, tokenizer) -> set[int]:
 @torch.inference_mode()
 def greedy_continue(model, input_ids: torch.Tensor, cache, max_new_tokens: int, eos: set[int]):
     """Feed ``input_ids`` through ``model`` with ``cache``, then decode greedily; returns (token ids, cache)."""
+    rows, cache = continue_rows(model, input_ids, cache, max_new_tokens, eos)
+    return rows[0], cache
+
+
+@torch.inference_mode()
+def continue_rows(model, input_ids: torch.Tensor, cache, max_new_tokens: int, eos: set[int]):
+    """:func:`greedy_continue` for every batch row of ``input_ids [B, T]``: (one token list per row, cache)."""
     out = model(input_ids=input_ids, use_cache=True, **{cache_kwarg(model): cache})
-    return greedy_decode(model, out.logits[:, -1], output_cache(out), max_new_tokens, eos)
+    return decode_rows(model, out.logits[:, -1], output_cache(out), max_new_tokens, eos)
 
 
 @torch.inference_mode()

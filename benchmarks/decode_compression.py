@@ -151,14 +151,15 @@ def run_kvpress(args, prompt, tokens, full_logp) -> dict:
         return json.loads(out.read_text())
 
 
-def previous_series(out: Path, args, prompt: torch.Tensor, tokens: torch.Tensor) -> dict:
-    """The series of an earlier run in ``out`` that can be kept: same settings and prompt, the same
-    full-cache continuation (checked when the file records it), and a KL without NaN."""
+def previous_series(out: Path, args, prompt: torch.Tensor, tokens: torch.Tensor) -> tuple[dict, dict | None]:
+    """The series of an earlier run in ``out`` that can be kept (same settings and prompt, the same
+    full-cache continuation, checked when the file records it, and a KL without NaN), and the kvpress
+    versions that run recorded."""
     import json
     import math
 
     if not out.exists():
-        return {}
+        return {}, None
     old = json.loads(out.read_text())
     settings = old.get("settings", {})
     same = (old.get("model") == args.model and settings.get("steps") == args.steps
@@ -166,18 +167,16 @@ def previous_series(out: Path, args, prompt: torch.Tensor, tokens: torch.Tensor)
             and settings.get("window") == args.window and settings.get("prompt_tokens") == int(prompt.shape[1]))
     if not same:
         print(f"[resume] {out} has other settings; running every config", file=sys.stderr)
-        return {}
+        return {}, None
     if "tokens" in old and old["tokens"] != tokens.tolist():
         print(f"[resume] {out} was teacher-forced on another continuation; running every config", file=sys.stderr)
-        return {}
+        return {}, None
     if "tokens" not in old:
         print(f"[resume] {out} does not record its continuation (older file); keeping its configs on the "
               "settings match (greedy decoding of the same model and prompt)", file=sys.stderr)
     kept = {label: run for label, run in old.get("series", {}).items()
             if label != "full" and run.get("kl") and not any(math.isnan(x) for x in run["kl"])}
-    if old.get("kvpress"):
-        kept["_kvpress_versions"] = old["kvpress"]
-    return kept
+    return kept, old.get("kvpress")
 
 
 def plot(payload: dict, path: Path) -> None:
@@ -220,9 +219,9 @@ def main(argv=None):
     tokens, full_logp, full_kv, full_s = full_generation(model, prompt, args.steps, suppress)
     warm = min(8, len(full_s) // 4)
     out = args.out or (common.QUICK_DIR if args.quick else common.RESULTS) / "decode_compression.json"
-    kept = previous_series(out, args, prompt, tokens) if args.resume else {}
+    kept, kept_versions = previous_series(out, args, prompt, tokens) if args.resume else ({}, None)
     series = {"full": {"kv_bytes": full_kv, "step_s": full_s, "kl": [], "top1": []}}
-    series.update({k: v for k, v in kept.items() if not k.startswith(("kvpress", "_"))})
+    series.update({k: v for k, v in kept.items() if not k.startswith("kvpress")})
     for label, press in presses(args).items():
         if label in series:
             print(f"{label}: kept from {out}", file=sys.stderr)
@@ -232,10 +231,10 @@ def main(argv=None):
         print(f"  {summarize(series[label], warm)}", file=sys.stderr)
     kvpress_versions = None
     kvpress_kept = {k: v for k, v in kept.items() if k.startswith("kvpress")}
-    if args.kvpress and len(kvpress_kept) == 3 and kept.get("_kvpress_versions"):
+    if args.kvpress and len(kvpress_kept) == 3 and kept_versions:
         print(f"kvpress runs: kept from {out}", file=sys.stderr)
         series.update(kvpress_kept)
-        kvpress_versions = kept["_kvpress_versions"]
+        kvpress_versions = kept_versions
     elif args.kvpress:
         print("kvpress DecodingPress (its own venv) ...", file=sys.stderr)
         result = run_kvpress(args, prompt, tokens, full_logp)

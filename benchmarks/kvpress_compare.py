@@ -27,11 +27,12 @@ What it does
 
 Run from the repository root: ``python benchmarks/kvpress_compare.py --quick`` (smoke test, a few
 minutes), ``python benchmarks/kvpress_compare.py`` (default run; about an hour on 2 CPU cores). Issue 10's
-question-agnostic comparison (KVzip, LagKV, KeyDiff, StreamingLLM)::
+question-agnostic comparison (KVzip, LagKV, KeyDiff; ``--methods issue10`` adds ada_kvzip, ada_lagkv and
+streamingllm on our side)::
 
-    python benchmarks/kvpress_compare.py --methods issue10 --tasks passkey,multikey,multivalue,multiquery \
-        --n 16 --ratios 0.25,0.5,0.75,0.9 --settings agnostic --no-decode --no-kept-sets \
-        --out benchmarks/results/kvpress_compare_issue10.json --resume
+    python benchmarks/kvpress_compare.py --methods kvzip,kvzip_layerwise,lagkv,keydiff \
+        --tasks passkey,multikey,multivalue,multiquery --n 16 --ratios 0.25,0.5,0.75,0.9 --settings agnostic \
+        --no-decode --no-diagnostics --no-kept-sets --out benchmarks/results/kvpress_compare_issue10_n16.json --resume
 """
 
 from __future__ import annotations

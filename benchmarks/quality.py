@@ -72,7 +72,10 @@ def _resume(path: Path, config: dict, record_type) -> tuple[list, float]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", default=PRESETS)
+    parser.add_argument("--presets", default=PRESETS, help="comma-separated presets ('' for none)")
+    parser.add_argument("--config", action="append", default=[],
+                        help="a pipeline file (JSON or YAML, as `kvpress-ada eval --config`); its row label is the "
+                             "file name; repeatable")
     parser.add_argument("--ratios", default="0.25,0.5,0.75,0.9")
     parser.add_argument("--tasks", default="passkey,multikey,multivalue,multiquery")
     parser.add_argument("--n", type=int, default=16, help="samples per task (cell n = n x tasks)")
@@ -95,7 +98,16 @@ def main(argv=None) -> int:
     common.set_threads(args.threads)
     model_name = "default"
     model, tok = common.load_model(model_name)
+    from kvpress_ada.cli import UsageError, _config_label, _load_config
+
     presets = "snapkv,ada_snapkv" if args.quick else args.presets
+    names = [p for p in presets.split(",") if p]
+    try:
+        configs = {_config_label(path, names): _load_config(path) for path in args.config}
+    except UsageError as err:
+        parser.error(str(err))
+    if not names and not configs:
+        parser.error("give --presets and/or --config")
     ratios = [float(r) for r in ("0.5,0.75" if args.quick else args.ratios).split(",")]
     tasks = ["passkey"] if args.quick else args.tasks.split(",")
     n = 2 if args.quick else args.n
@@ -105,9 +117,12 @@ def main(argv=None) -> int:
     # Round-robin over tasks, so a run stopped early still covers every task equally.
     per_task = [make_samples(t, tok, n, context, seed=0) for t in tasks]
     samples = [s for group in zip(*per_task) for s in group]
-    entries = grid(presets.split(","), ratios)
+    entries = grid(names, ratios) + grid(configs, ratios)
     config = {"model": model_name, "tasks": tasks, "n_per_task": n, "context": context,
-              "presets": presets.split(","), "ratios": ratios, "max_new_tokens": args.max_new_tokens}
+              "presets": names + list(configs), "ratios": ratios, "max_new_tokens": args.max_new_tokens}
+    if configs:
+        config["configs"] = {label: press.model_dump(exclude={"compression_ratio", "budget"})
+                             for label, press in configs.items()}
     machine = common.machine_info()
     for setting in args.settings.split(","):
         path = out / f"quality_{setting}.json"

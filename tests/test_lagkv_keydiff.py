@@ -16,6 +16,7 @@ from test_matrix import _batch
 from kvpress_ada import AdaHead, KeyDiff, LagKV, Mask, Observation, Pipeline, preset
 
 INF = float("inf")
+TAIL = LagKV.TAIL
 RTOL, ATOL = 1e-4, 1e-6
 
 
@@ -85,7 +86,7 @@ def lagkv_by_hand(keys, values, key_mask, lag, sinks, cross=False, use_values=Tr
             else:
                 P = (n - sinks) // lag
                 for r in range(n):
-                    score[r] = INF  # sinks and the tail (last full partition + remainder)
+                    score[r] = INF if r < sinks else TAIL  # the tail: last full partition + remainder
                 for p in range(P - 1):
                     part = list(range(sinks + p * lag, sinks + (p + 1) * lag))
                     ref = [t + lag for t in part]
@@ -131,8 +132,8 @@ def test_lagkv_golden_partitions_and_tail(seed, cross):
     got = scorer.score(_obs(keys, values, mask))
     want = lagkv_by_hand(keys, values, mask, lag=4, sinks=2, cross=cross)
     _assert_valid_close(got, want, mask)
-    assert torch.isinf(got[0, :, -5:]).all() and torch.isfinite(got[0, :, 2:18]).all()
-    assert torch.isinf(got[1, :, -6:]).all() and torch.isfinite(got[1, :, 5:17]).all()
+    assert (got[0, :, -5:] == TAIL).all() and (got[0, :, 2:18] < 1).all() and torch.isinf(got[0, :, :2]).all()
+    assert (got[1, :, -6:] == TAIL).all() and (got[1, :, 5:17] <= 1).all()
     assert torch.isinf(got[1, :, 3:5]).all()  # row 1's sinks sit after its padding
     # each removed factor changes the scores (so this test would fail without it)
     for ablation in ({"use_values": False}, {"normalise": False}, {"softmax": False}):
@@ -160,10 +161,24 @@ def test_lagkv_short_context_keeps_sinks_then_recency(seed):
     row1 = got[1, 0, 3:]
     assert torch.isinf(row1[:2]).all()
     assert torch.allclose(row1[2:], torch.arange(18) / 18.0)
-    assert torch.isinf(got[0, :, 12:]).all() and torch.isfinite(got[0, :, 2:12]).all()
+    assert (got[0, :, 12:] == TAIL).all() and (got[0, :, 2:12] < 1).all()
     # everything short: context shorter than the sinks
     short = LagKV(lag=4, sinks=30).score(_obs(keys, values, mask))
     assert torch.isinf(short[mask[:, None, :].expand_as(short)]).all()
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_lagkv_budget_below_sinks_plus_tail_keeps_the_sinks(cross):
+    """L = 40, lag = 8, sinks = 4: 4 full partitions, tail = 8 + 4 = 12 tokens, 16 always-kept.
+    With a budget of 10, every head keeps the 4 sinks and the 6 most recent tokens (found at
+    r = 0.75 on 1k tokens: a tie among all 16 used to go to the more recent ones, dropping sinks)."""
+    keys, values, mask = _setup(2, B=1, L=40, D=4, pads=(0,))
+    pipe = Pipeline(scorer=LagKV(lag=8, sinks=4, cross_scoring=cross), budget=10)
+    keep = pipe.select(_obs(keys, values, mask))
+    want = torch.zeros(40, dtype=torch.bool)
+    want[:4] = True
+    want[-6:] = True
+    assert torch.equal(keep[0], want.expand(2, 40))
 
 
 def test_lagkv_flat_reference_channel_gives_numbers():
@@ -253,16 +268,17 @@ def test_presets_ragged_equals_mask_and_batch_equals_rows(llama, name, overrides
 
 def test_scores_agree_with_kvpress():
     """Same tensors (one unpadded row, as kvpress runs): LagKVPress's scores equal ours where ours
-    are finite and are 1 where ours are +inf (its "always keep"); KeyDiffPress's equal ours."""
+    are below ``TAIL`` and are 1 where ours are +inf or ``TAIL`` (its "always keep"); KeyDiffPress's
+    equal ours."""
     press_mod = pytest.importorskip("kvpress")
     keys, values, mask = _setup(11, B=1, L=40, D=8, pads=(0,))
     for lag, sinks, cross in ((4, 2, False), (4, 2, True), (8, 4, False), (30, 4, False)):
         ours = LagKV(lag=lag, sinks=sinks, cross_scoring=cross).score(_obs(keys, values, mask))
         theirs = press_mod.LagKVPress(n_sink=sinks, lag_size=lag, cross_scoring=cross).score(
             None, None, keys, values, None, {}).float()
-        finite = torch.isfinite(ours)
-        assert torch.allclose(ours[finite], theirs[finite], rtol=RTOL, atol=ATOL)
-        assert (theirs[~finite] == 1).all()
+        scored = ours < TAIL
+        assert torch.allclose(ours[scored], theirs[scored], rtol=RTOL, atol=ATOL)
+        assert (theirs[~scored] == 1).all()
     ours = KeyDiff().score(_obs(keys, values, mask))
     theirs = press_mod.KeyDiffPress().score(None, None, keys, values, None, {}).float()
     assert torch.allclose(ours, theirs, rtol=RTOL, atol=ATOL)

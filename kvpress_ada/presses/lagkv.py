@@ -28,8 +28,12 @@ class LagKV(Scorer):
     top-k does; ``cross_scoring=True`` keeps the averaged softmax itself (kvpress's option "useful
     with AdaKVPress"), a token's share of its partition, so partitions and heads compete.
 
-    Always kept (``+inf``): the sinks, and the last full partition together with the incomplete
-    remainder (they have no reference partition; kvpress's ``tail_len = lag + remainder``).
+    Always kept: the sinks (``+inf``), and the last full partition together with the incomplete
+    remainder (they have no reference partition; kvpress's ``tail_len = lag + remainder``), scored
+    ``TAIL``, above every partition score but below the sinks. kvpress scores both 1 and lets
+    ``topk`` break the tie; when a budget is smaller than sinks + tail (r = 0.75 at 1k tokens with
+    the defaults: 4 + 253 > 256), ours keeps the sinks, then the most recent tail tokens, instead of
+    dropping the first sink (a protected-only tie goes to the more recent token).
     Short contexts, fewer than ``sinks + 2 * lag`` valid tokens (no partition has a reference): the
     paper does not compress; kvpress, which must still meet the ratio, keeps the sinks and scores
     the rest by recency, ``i / (n - sinks)``; so do we. Partitions start at each row's first valid
@@ -47,6 +51,7 @@ class LagKV(Scorer):
 
     name: Literal["lagkv"] = "lagkv"
     comparable_across_heads: ClassVar[bool] = True
+    TAIL: ClassVar[float] = 2.0  # > every rank (< 1), share (<= 1) and recency (< 1) score
     lag: int = Field(128, ge=1, description="partition size (kvpress lag_size)")
     sinks: int = Field(4, ge=0, description="initial tokens always kept (kvpress n_sink)")
     cross_scoring: bool = Field(False, description="keep the softmax shares instead of ranks within partitions")
@@ -84,7 +89,8 @@ class LagKV(Scorer):
             lag_scores[:, :, S:S + (p_max - 1) * lag] = scored.reshape(B, H, -1)
         recency = (j - S).float() / (n - S).clamp(min=1).float()  # short contexts: kvpress's fallback
         inf = torch.full_like(lag_scores, float("inf"))
-        long_scores = torch.where(part < n_parts - 1, lag_scores, inf)  # tail: last partition + remainder
+        tail = torch.full_like(lag_scores, self.TAIL)
+        long_scores = torch.where(part < n_parts - 1, lag_scores, tail)  # tail: last partition + remainder
         aligned = torch.where(n_parts >= 2, long_scores, recency.expand(B, H, L))
         aligned = torch.where(j < S, inf, aligned)
         aligned = torch.where(j < n, aligned, torch.zeros_like(aligned))  # padding (masked by the pipeline)

@@ -91,15 +91,12 @@ def main(argv=None) -> int:
                         help="keep the samples already in an incomplete JSON of the same configuration")
     args = parser.parse_args(argv)
 
+    from kvpress_ada.cli import UsageError, _config_label, _load_config
     from kvpress_ada.eval.report import format_table, plot_accuracy
     from kvpress_ada.eval.runner import Record, evaluate, grid
     from kvpress_ada.eval.tasks import make_samples
 
-    common.set_threads(args.threads)
-    model_name = "default"
-    model, tok = common.load_model(model_name)
-    from kvpress_ada.cli import UsageError, _config_label, _load_config
-
+    # pipeline files are checked before the model loads, so a bad one fails at once
     presets = "snapkv,ada_snapkv" if args.quick else args.presets
     names = [p for p in presets.split(",") if p]
     try:
@@ -108,6 +105,9 @@ def main(argv=None) -> int:
         parser.error(str(err))
     if not names and not configs:
         parser.error("give --presets and/or --config")
+    common.set_threads(args.threads)
+    model_name = "default"
+    model, tok = common.load_model(model_name)
     ratios = [float(r) for r in ("0.5,0.75" if args.quick else args.ratios).split(",")]
     tasks = ["passkey"] if args.quick else args.tasks.split(",")
     n = 2 if args.quick else args.n

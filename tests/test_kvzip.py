@@ -103,3 +103,29 @@ def test_kvzip_scores_need_the_pass():
     obs = prefill.observation(KVzip(), 0)
     with pytest.raises(ValueError, match="reconstruction pass"):
         KVzip().score(obs)
+
+
+def test_pass_scores_from_the_callers_own_lse_equal_the_computed_ones():
+    """The pass hands ``lse_own`` (the log-sum-exp over its own tokens) from its attention kernel;
+    the scores must equal those computed from scratch, on a chunk whose softmax spans only part of
+    the context (so only those columns are multiplied)."""
+    from kvpress_ada.kernels.lse_attention import attention_with_lse
+
+    g = torch.Generator().manual_seed(3)
+    B, Hkv, G, T, L, D = 2, 2, 3, 5, 9, 4
+    query = torch.randn(B, Hkv * G, T, D, generator=g)
+    key = torch.randn(B, Hkv, L + T, D, generator=g)
+    pass_mask = torch.tensor([[True] * T, [False] + [True] * (T - 1)])
+    scored = torch.zeros(B, L, dtype=torch.bool)
+    scored[0, 4:7] = True
+    scored[1, 5:8] = True
+    visible = scored.clone()
+    visible[:, :2] = True
+    chunk = PassChunk(ids=torch.zeros(B, T, dtype=torch.long), mask=pass_mask, scored=scored, visible=visible)
+    scorer = KVzip()
+    own = key[:, :, L:]
+    lse_own = attention_with_lse(query, own, own, scorer.pass_mask(chunk)[..., L:], 0.5)[1]
+    from_caller = scorer.pass_scores(query, key, chunk, 0.5, lse_own=lse_own)
+    torch.testing.assert_close(from_caller, scorer.pass_scores(query, key, chunk, 0.5))
+    assert (from_caller[~scored[:, None, :].expand_as(from_caller)] == 0).all()
+    assert (from_caller[scored[:, None, :].expand_as(from_caller)] > 0).all()

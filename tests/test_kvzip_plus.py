@@ -64,13 +64,20 @@ def _formula_scores(model, ids, scorer):
 
 
 @pytest.mark.parametrize("plus", [False, True])
-def test_pass_scores_match_the_formula_on_a_model(plus):
+def test_pass_scores_match_the_formula_on_a_model(plus, monkeypatch):
+    from kvpress_ada.integration import model_pass
+
+    split_calls = []
+    parts = model_pass.prefix_then_causal_parts
+    monkeypatch.setattr(model_pass, "prefix_then_causal_parts",
+                        lambda *a, **k: split_calls.append(1) or parts(*a, **k))
     model = build_model("llama", seed=5)
     ids = torch.randint(5, 100, (1, 40), generator=torch.Generator().manual_seed(2))
     scorer = KVzip(chunk=24, plus=plus)  # two passes: the second sees the sinks and quotes the first
     cache = output_cache(model(ids, use_cache=True, **{cache_kwarg(model): DynamicCache(config=model.config)}))
     got = model_pass_scores(model, scorer, cache, ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([40]))
     assert cache.get_seq_length() == 40
+    assert len(split_calls) == 2 * model.config.num_hidden_layers  # the unpadded passes took the split kernels
     want = _formula_scores(model, ids, scorer)
     for layer_idx, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a[0], b, rtol=1e-4, atol=1e-7, msg=f"layer {layer_idx}")

@@ -54,3 +54,42 @@ def test_cpu_uses_the_fused_kernel(monkeypatch):
                                                                                      scale=0.25))
     torch.testing.assert_close(lse, torch.logsumexp((query @ key.transpose(-1, -2) * 0.25).masked_fill(
         ~allowed[0], float("-inf")), -1))
+
+
+def _prefix_then_causal(T, P, B=1):
+    return torch.cat([torch.ones(T, P, dtype=torch.bool), torch.ones(T, T, dtype=torch.bool).tril()], 1).expand(
+        B, 1, T, P + T)
+
+
+def test_the_prefix_then_causal_mask_is_recognised_and_nothing_else():
+    from kvpress_ada.kernels.lse_attention import full_prefix_then_causal
+
+    assert full_prefix_then_causal(_prefix_then_causal(5, 7, B=2)) == 7
+    padded = _prefix_then_causal(5, 7, B=2).clone()
+    padded[1, :, :, 0] = False  # row 1's first context entry is padding
+    assert full_prefix_then_causal(padded) is None
+    unpadded_pass = _prefix_then_causal(5, 7).clone()
+    unpadded_pass[..., 7] = False  # the pass's first token is padding
+    assert full_prefix_then_causal(unpadded_pass) is None
+    assert full_prefix_then_causal(torch.ones(1, 1, 5, 5, dtype=torch.bool).tril()) is None  # no prefix
+
+
+@settings(max_examples=20, deadline=None)
+@given(B=st.integers(1, 2), Hkv=st.integers(1, 3), group=st.sampled_from([1, 2, 3]), T=st.integers(1, 20),
+       P=st.integers(1, 30), seed=st.integers(0, 2**16))
+def test_prefix_then_causal_parts_equal_the_formula(B, Hkv, group, T, P, seed):
+    from kvpress_ada.kernels.lse_attention import prefix_then_causal_parts
+
+    g = torch.Generator().manual_seed(seed)
+    D = 8
+    query = torch.randn(B, Hkv * group, T, D, generator=g)
+    key, value = torch.randn(2, B, Hkv, P + T, D, generator=g)
+    allowed = _prefix_then_causal(T, P, B)
+    want_out, want_lse = _written_out(query, key, value, allowed, 0.3)
+    own_allowed = torch.zeros_like(allowed)
+    own_allowed[..., P:] = allowed[..., P:]
+    want_own = _written_out(query, key, value, own_allowed, 0.3)[1]
+    out, lse, lse_own = prefix_then_causal_parts(query, key, value, P, 0.3)
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse_own.double(), want_own, atol=1e-5, rtol=1e-5)

@@ -3,12 +3,13 @@
 After the prefill, every pass the scorer asks for (:meth:`KVzip.pass_chunks`) runs through the
 model with the cache; a :class:`PassRun` runs each layer's attention with
 :func:`~kvpress_ada.kernels.lse_attention.attention_with_lse` (output and log-sum-exp from one
-kernel) and hands the post-RoPE queries and keys, and that log-sum-exp, to the scorer's
-``pass_scores`` (with the layer's values and ``o_proj`` weight, and, when the scorer's
-``pass_reads_hidden_states()`` says so, the norm of each pass token's hidden state entering the
-attention module, recorded by a forward pre-hook on that module for the pass only) and the pass's own
-tokens are cropped off the cache again. The result is one ``[B, H_kv, L]`` map per layer, handed back
-to the scorer as ``Observation.pass_scores``.
+kernel; for an unpadded pass :func:`~kvpress_ada.kernels.lse_attention.prefix_then_causal_parts`,
+which also gives the log-sum-exp over the pass's own tokens) and hands the post-RoPE queries and
+keys, and those log-sum-exps, to the scorer's ``pass_scores`` (with the layer's values and
+``o_proj`` weight, and, when the scorer's ``pass_reads_hidden_states()`` says so, the norm of each
+pass token's hidden state entering the attention module, recorded by a forward pre-hook on that
+module for the pass only) and the pass's own tokens are cropped off the cache again. The result
+is one ``[B, H_kv, L]`` map per layer, handed back to the scorer as ``Observation.pass_scores``.
 
 The pass needs the model's tokenizer (its prompt is text): :func:`use_tokenizer` registers one for
 a model (``kvpress_ada.models.load`` and ``generate`` do it), otherwise it is loaded from the
@@ -24,7 +25,7 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from ..kernels.lse_attention import attention_with_lse
+from ..kernels.lse_attention import attention_with_lse, full_prefix_then_causal, prefix_then_causal_parts
 from .hf import cache_kwarg
 
 _TOKENIZERS: WeakKeyDictionary[torch.nn.Module, Any] = WeakKeyDictionary()
@@ -62,6 +63,7 @@ class PassRun:
     chunk: Any
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
     hidden_norms: dict[int, torch.Tensor] = field(default_factory=dict)  # [B, T] per layer, when recorded
+    _mask: tuple[Any, tuple[int, int], torch.Tensor, int | None] | None = None  # (model mask, shape, allowed, prefix)
 
     def handles_prefill(self, layer_idx: int) -> bool:
         return False  # the pass's attention runs in :meth:`attend`, which also yields the scores
@@ -83,11 +85,24 @@ class PassRun:
         from .press_context import _output_weight
 
         layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
-        allowed = _allowed(attention_mask, query.shape[2], key.shape[2])
-        out, lse = attention_with_lse(query, key, value, allowed, scaling)
+        shape = (query.shape[2], key.shape[2])
+        if self._mask is None or self._mask[0] is not attention_mask or self._mask[1] != shape:
+            allowed = _allowed(attention_mask, *shape)  # the same mask object serves every layer
+            self._mask = (attention_mask, shape, allowed, full_prefix_then_causal(allowed))
+        allowed, prefix = self._mask[2], self._mask[3]
+        parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        if prefix is not None:  # an unpadded pass: two mask-free kernels, and the own tokens' lse for free
+            try:
+                parts = prefix_then_causal_parts(query, key, value, prefix, scaling)
+            except RuntimeError:  # no fused CPU kernel for these inputs
+                parts = None
+        if parts is None:
+            parts = (*attention_with_lse(query, key, value, allowed, scaling), None)
+        out, lse, lse_own = parts
         self.scores[layer_idx] = self.scorer.pass_scores(
             query, key, self.chunk, scaling, value=value, output_weight=_output_weight(module),
-            hidden_norm=self.hidden_norms.pop(layer_idx, None), lse=lse if self.chunk.whole_context else None)
+            hidden_norm=self.hidden_norms.pop(layer_idx, None), lse=lse if self.chunk.whole_context else None,
+            lse_own=lse_own)
         return out.transpose(1, 2).contiguous(), None
 
 

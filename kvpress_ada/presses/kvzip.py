@@ -81,7 +81,7 @@ class KVzip(Scorer):
     plus: bool = Field(False, description="KVzip+: weigh each attention by ||W_O v|| / ||h|| (module docstring)")
     needs_model_pass: ClassVar[bool] = True
     supports_chunked_prefill: ClassVar[bool] = False  # the reconstruction repeats the whole context
-    _QUERY_BLOCK: ClassVar[int] = 256
+    _QUERY_BLOCK: ClassVar[int] = 64
 
     def query_window(self) -> int:
         return 0
@@ -126,7 +126,8 @@ class KVzip(Scorer):
 
     def pass_scores(self, query: torch.Tensor, key: torch.Tensor, chunk: PassChunk, scaling: float,
                     value: torch.Tensor | None = None, output_weight: torch.Tensor | None = None,
-                    hidden_norm: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+                    hidden_norm: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                    lse_own: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, H_kv, L]``: the largest attention each scored context entry gets from this pass.
 
         ``query [B, H_q, T, D]`` are the pass's post-RoPE queries; ``key [B, H_kv, L + T, D]`` the
@@ -134,12 +135,14 @@ class KVzip(Scorer):
         as ``key``), the layer's ``output_weight`` (``o_proj.weight``, ``[hidden, H_q * D]``) and
         ``hidden_norm [B, T]``, the norm of each pass token's hidden state entering the attention.
         ``lse [B, H_q, T]``: the log-sum-exp of each query's logits over :meth:`pass_mask` when the
-        caller already has it (the pass's own attention, when it sees exactly that); computed here
-        otherwise.
+        caller already has it (the pass's own attention, when it sees exactly that). Otherwise it is
+        computed here from the same query-key products as the scores, plus ``lse_own [B, H_q, T]``,
+        the log-sum-exp over the pass's own tokens (causal), taken from the caller when it has it.
 
-        Since ``exp`` is monotonic, ``max_j exp(s_ji - lse_j) = exp(max_j (s_ji - lse_j))``: the
-        logits are shifted by each query's ``lse`` (plus ``log ||h_j||`` for KVzip+) inside the
-        matmul and reduced by a max over the pass's queries before a single ``exp`` per entry.
+        Only the context entries some row's softmax spans (``chunk.visible``) are multiplied. Since
+        ``exp`` is monotonic, ``max_j exp(s_ji - lse_j) = exp(max_j (s_ji - lse_j))``: the logits
+        are shifted by each query's ``lse`` (plus ``log ||h_j||`` for KVzip+) and reduced by a max
+        over the pass's queries before a single ``exp`` per entry.
         """
         B, Hq, T, D = query.shape
         Hkv, L = key.shape[1], key.shape[2] - T
@@ -147,28 +150,59 @@ class KVzip(Scorer):
         if self.plus and (value is None or output_weight is None or hidden_norm is None):
             raise ValueError("KVzip+ (plus=True) needs the pass's values, the layer's o_proj weight and the "
                              "hidden-state norms of the pass's tokens")
-        if lse is None:
-            lse = attention_with_lse(query.float(), key.float(), key.float(), self.pass_mask(chunk), scaling)[1]
-        shift = lse.float()
+        columns = chunk.visible.any(0).nonzero().flatten()  # the context entries some row's softmax spans
+        V = columns.numel()
+        whole = V == L
+        visible = chunk.visible if whole else chunk.visible[:, columns]  # [B, V]
+        if lse is None and lse_own is None:
+            own = key[:, :, L:].float()
+            lse_own = attention_with_lse(query.float(), own, own, self.pass_mask(chunk)[..., L:], scaling)[1]
+        extra = torch.zeros(B, 1, T, device=key.device)
         if self.plus:
             assert hidden_norm is not None
-            shift = shift + hidden_norm.float().log()[:, None, :]  # dividing by ||h_j||
-        shift = shift.masked_fill(~chunk.mask[:, None, :], float("inf"))  # padded queries do not vote
-        shift = shift.reshape(B * Hkv, G, T)
+            extra = extra + hidden_norm.float().log()[:, None, :]  # dividing by ||h_j||
+        voting = chunk.mask[:, None, :].expand(B, Hkv, T).reshape(B * Hkv, 1, T)  # padded queries do not vote
+        extra = extra.expand(B, Hq, T).reshape(B * Hkv, G, T)
+        known = None if lse is None else (lse.float().reshape(B * Hkv, G, T) + extra).masked_fill(~voting, float("inf"))
+        own_lse = None if lse_own is None else lse_own.float().reshape(B * Hkv, G, T)
+        hidden_out = ~visible[:, None, None, :].expand(B, Hkv, 1, V).reshape(B * Hkv, 1, V)
+        mask_columns = not bool(visible.all())
         queries = query.float().reshape(B * Hkv, G, T, D)
-        keys_t = key[:, :, :L].float().transpose(-1, -2).reshape(B * Hkv, D, L)
-        best = torch.full((B * Hkv, G, L), float("-inf"), device=key.device)
-        for start in range(0, T, self._QUERY_BLOCK):  # query blocks bound memory to G x block x L
+        keys = key[:, :, :L] if whole else key[:, :, columns]
+        keys_t = keys.float().transpose(-1, -2).reshape(B * Hkv, D, V)
+        best = torch.full((B * Hkv, G, V), float("-inf"), device=key.device)
+        # query blocks bound memory to G x block x V; one buffer serves every block (a fresh
+        # multi-MB tensor per block costs more in page faults than the product itself on CPU)
+        buffer = torch.empty(B * Hkv * G * min(self._QUERY_BLOCK, T) * V, device=key.device)
+        block_max = torch.empty_like(best)
+        for start in range(0, T, self._QUERY_BLOCK):
             stop = min(start + self._QUERY_BLOCK, T)
             n = stop - start
-            block = torch.baddbmm(-shift[:, :, start:stop].reshape(B * Hkv, G * n, 1),
-                                  queries[:, :, start:stop].reshape(B * Hkv, G * n, D), keys_t, alpha=scaling)
-            best = torch.maximum(best, block.view(B * Hkv, G, n, L).amax(dim=2))
-        best = best.view(B, Hkv, G, L).exp_()
+            block = buffer[:B * Hkv * G * n * V].view(B * Hkv, G * n, V)
+            rows = queries[:, :, start:stop].reshape(B * Hkv, G * n, D)
+            if known is not None:
+                torch.baddbmm(-known[:, :, start:stop].reshape(B * Hkv, G * n, 1), rows, keys_t, alpha=scaling,
+                              out=block)
+            else:
+                assert own_lse is not None
+                torch.bmm(rows, keys_t, out=block).mul_(scaling)
+                if mask_columns:
+                    block.masked_fill_(hidden_out, float("-inf"))
+                context_lse = torch.logsumexp(block.view(B * Hkv, G, n, V), dim=-1)
+                shift = torch.logaddexp(context_lse, own_lse[:, :, start:stop]) + extra[:, :, start:stop]
+                shift = shift.masked_fill(~voting[:, :, start:stop], float("inf"))
+                block.view(B * Hkv, G, n, V).sub_(shift[..., None])
+            torch.amax(block.view(B * Hkv, G, n, V), dim=2, out=block_max)
+            torch.maximum(best, block_max, out=best)
+        best = best.view(B, Hkv, G, V).exp_()
         if self.plus:
             assert value is not None and output_weight is not None
-            best = best * output_norms(value[:, :, :L], output_weight)  # ||W_O^g v_i|| does not depend on j
-        return best.amax(dim=2).masked_fill(~chunk.scored[:, None, :], 0.0)
+            values = value[:, :, :L] if whole else value[:, :, columns]
+            best = best * output_norms(values, output_weight)  # ||W_O^g v_i|| does not depend on j
+        scores = best.amax(dim=2)
+        if not whole:
+            scores = torch.zeros(B, Hkv, L, device=key.device).index_copy_(2, columns, scores)
+        return scores.masked_fill(~chunk.scored[:, None, :], 0.0)
 
     @staticmethod
     def pass_mask(chunk: PassChunk) -> torch.Tensor:

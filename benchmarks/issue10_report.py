@@ -1,4 +1,5 @@
-"""Issue 10 report: question-agnostic accuracy of the new presets, paired comparisons and KV bytes.
+"""Issue 10 report: accuracy of the new presets (question-agnostic or question-aware, as the inputs
+were run), paired comparisons and KV bytes.
 
 Reads one or more ``quality_<setting>.json`` files written by ``benchmarks/quality.py`` (runs over the
 same samples, e.g. a second run adding presets; records pair by task and sample index), and writes
@@ -32,7 +33,8 @@ def merge(paths: list[Path]) -> tuple[list[dict], list[dict]]:
         data = json.loads(path.read_text())
         sources.append({"path": str(path), "complete": data.get("complete"), "samples_done": data.get("samples_done"),
                         "presets": data.get("presets"), "ratios": data.get("ratios"), "tasks": data.get("tasks"),
-                        "context": data.get("context"), "machine": data.get("machine", {}).get("cpu")})
+                        "context": data.get("context"), "setting": data.get("setting"),
+                        "machine": data.get("machine", {}).get("cpu")})
         for r in data["records"]:
             cells[(r["label"], r["ratio"], r["task"], r["sample"])] = r
     return list(cells.values()), sources
@@ -70,7 +72,7 @@ def main(argv=None) -> int:
     common.write_json(args.out / "report.json", {"date": common.now_iso(), "sources": sources, "summary": summary,
                                                  "paired": pairs, "best": best})
     plot_accuracy(summary, args.out / "report.png",
-                  title=f"question-agnostic, {', '.join(sources[0]['tasks'] or [])}, "
+                  title=f"question-{sources[0].get('setting') or 'agnostic'}, {', '.join(sources[0]['tasks'] or [])},\n"
                         f"{sources[0]['context']} tokens (merged: {len(sources)} runs)")
     print(format_table(summary))
     print("\npaired (a - b, 95% CI):")

@@ -51,11 +51,12 @@ def main(argv=None) -> int:
     ids = common.context_ids(tok, context)
     configs = {"none": None, **{name: preset(name, compression_ratio=args.ratio) for name in args.presets.split(",")}}
     times: dict[str, list[float]] = {name: [] for name in configs}
+    logits = {"logits_to_keep": 1} if args.last_logits else {}
     for _ in range(reps):
         for name, press in configs.items():
             with torch.inference_mode(), common.press_context(press, model):
                 start = time.perf_counter()
-                model(input_ids=ids, use_cache=True, **({"logits_to_keep": 1} if args.last_logits else {}))
+                model(input_ids=ids, use_cache=True, **logits)
                 times[name].append(time.perf_counter() - start)
     base = statistics.median(times["none"])
     rows = {name: {"seconds": ts, "median_s": statistics.median(ts),

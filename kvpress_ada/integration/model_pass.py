@@ -94,8 +94,8 @@ class PassRun:
         if prefix is not None:  # an unpadded pass: two mask-free kernels, and the own tokens' lse for free
             try:
                 parts = prefix_then_causal_parts(query, key, value, prefix, scaling)
-            except RuntimeError:  # no fused CPU kernel for these inputs
-                parts = None
+            except RuntimeError:  # no fused CPU kernel for these inputs: the general path below
+                pass
         if parts is None:
             parts = (*attention_with_lse(query, key, value, allowed, scaling), None)
         out, lse, lse_own = parts

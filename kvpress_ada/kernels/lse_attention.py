@@ -5,13 +5,17 @@ on) and the log-sum-exp of its attention logits (the score of an entry is ``exp(
 Getting the second from the same kernel as the first avoids materialising and normalising the
 whole ``[T, L + T]`` attention matrix a second time.
 
+:func:`attention_with_lse` takes any mask:
+
 * CPU: PyTorch's fused flash-attention kernel for CPU
-  (``aten::_scaled_dot_product_flash_attention_for_cpu``), which returns the log-sum-exp; when the
-  mask is "all of a prefix, then causal" (the pass over an unpadded context) as two mask-free calls
-  merged by their log-sum-exps (:func:`full_prefix_then_causal`), which skips the masked half of
-  the causal block and the per-call float mask;
+  (``aten::_scaled_dot_product_flash_attention_for_cpu``), which returns the log-sum-exp;
 * elsewhere, or when that op is missing or refuses the inputs: :func:`attention_with_lse_ref`,
   plain torch in query blocks (memory ``block x S`` per head).
+
+:func:`prefix_then_causal_parts` is the faster CPU entry point for the one mask an unpadded pass
+has, "all of a prefix, then causal" (:func:`full_prefix_then_causal` recognises it): two mask-free
+calls of the same kernel merged by their log-sum-exps, which skip the masked half of the causal
+block and the per-call float mask, and also give the log-sum-exp over the last ``T`` keys alone.
 
 ``allowed [B, 1 | H, T, S]`` (bool) says which keys each query may see; a query that sees none
 gets a zero output and a log-sum-exp of ``-inf`` from both paths.
@@ -30,9 +34,7 @@ def attention_with_lse(query: Tensor, key: Tensor, value: Tensor, allowed: Tenso
     """``(out [B, H, T, D], lse [B, H, T] fp32)`` of softmax attention; ``key``/``value`` may have
     fewer heads than ``query`` (grouped-query attention: each serves ``H / H_kv`` query heads)."""
     if query.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        group = query.shape[1] // key.shape[1]
-        if group > 1:
-            key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+        key, value = _per_query_head(key, value, query.shape[1])
         bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
         bias.masked_fill_(~allowed, float("-inf"))
         try:
@@ -77,9 +79,7 @@ def prefix_then_causal_parts(query: Tensor, key: Tensor, value: Tensor, prefix: 
     group = H // Hkv
     folded = query.reshape(B, Hkv, group * T, D)  # query head kv * group + g -> rows g * T + t
     out_p, lse_p = flash(folded, key[:, :, :prefix], value[:, :, :prefix], 0.0, False, scale=scaling)[:2]
-    own_k, own_v = key[:, :, prefix:], value[:, :, prefix:]
-    if group > 1:
-        own_k, own_v = own_k.repeat_interleave(group, dim=1), own_v.repeat_interleave(group, dim=1)
+    own_k, own_v = _per_query_head(key[:, :, prefix:], value[:, :, prefix:], H)
     out_o, lse_o = flash(query, own_k, own_v, 0.0, True, scale=scaling)[:2]
     lse_p = lse_p.reshape(B, H, T).float()
     lse_o = lse_o.reshape(B, H, T).float()
@@ -92,9 +92,7 @@ def prefix_then_causal_parts(query: Tensor, key: Tensor, value: Tensor, prefix: 
 def attention_with_lse_ref(query: Tensor, key: Tensor, value: Tensor, allowed: Tensor,
                            scaling: float) -> tuple[Tensor, Tensor]:
     """Plain-torch :func:`attention_with_lse` (same heads in query, key and value, or grouped)."""
-    group = query.shape[1] // key.shape[1]
-    if group > 1:
-        key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    key, value = _per_query_head(key, value, query.shape[1])
     B, H, T, D = query.shape
     out = torch.empty(B, H, T, value.shape[-1], dtype=query.dtype, device=query.device)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=query.device)
@@ -108,3 +106,11 @@ def attention_with_lse_ref(query: Tensor, key: Tensor, value: Tensor, allowed: T
         out[:, :, start:stop] = torch.matmul(probs, value.float()).to(query.dtype)
         lse[:, :, start:stop] = norm
     return out, lse
+
+
+def _per_query_head(key: Tensor, value: Tensor, query_heads: int) -> tuple[Tensor, Tensor]:
+    """Grouped-query attention: each kv head repeated for the ``query_heads / H_kv`` heads it serves."""
+    group = query_heads // key.shape[1]
+    if group == 1:
+        return key, value
+    return key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)

@@ -165,8 +165,9 @@ class KVzip(Scorer):
         extra = extra.expand(B, Hq, T).reshape(B * Hkv, G, T)
         known = None if lse is None else (lse.float().reshape(B * Hkv, G, T) + extra).masked_fill(~voting, float("inf"))
         own_lse = None if lse_own is None else lse_own.float().reshape(B * Hkv, G, T)
-        hidden_out = ~visible[:, None, None, :].expand(B, Hkv, 1, V).reshape(B * Hkv, 1, V)
-        mask_columns = not bool(visible.all())
+        hidden_out = None  # [B * H_kv, 1, V]: columns a row's softmax does not span, when some do not
+        if not bool(visible.all()):
+            hidden_out = ~visible[:, None, None, :].expand(B, Hkv, 1, V).reshape(B * Hkv, 1, V)
         queries = query.float().reshape(B * Hkv, G, T, D)
         keys = key[:, :, :L] if whole else key[:, :, columns]
         keys_t = keys.float().transpose(-1, -2).reshape(B * Hkv, D, V)
@@ -186,7 +187,7 @@ class KVzip(Scorer):
             else:
                 assert own_lse is not None
                 torch.bmm(rows, keys_t, out=block).mul_(scaling)
-                if mask_columns:
+                if hidden_out is not None:
                     block.masked_fill_(hidden_out, float("-inf"))
                 context_lse = torch.logsumexp(block.view(B * Hkv, G, n, V), dim=-1)
                 shift = torch.logaddexp(context_lse, own_lse[:, :, start:stop]) + extra[:, :, start:stop]

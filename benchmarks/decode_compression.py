@@ -118,7 +118,7 @@ def teacher_forced(model, press, prompt: torch.Tensor, tokens: torch.Tensor, ful
             top1.append(int(logp.argmax()) == int(tokens[i + 1]))
             kv.append(cache.nbytes())
     return {"kl": kl, "top1": top1, "kv_bytes": kv, "step_s": step_s,
-            "compactions": list(cache.decode_state.compactions)}
+            "compactions": list(cache.state.compactions)}
 
 
 def summarize(run: dict, warm: int) -> dict:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -60,3 +60,79 @@ class Observation:
     def valid_lengths(self) -> torch.Tensor:
         """Number of non-padding tokens per batch row, ``[B]`` long."""
         return self.key_mask.sum(-1)
+
+
+@dataclass(frozen=True)
+class LayerView:
+    """One attention layer as the selection policy (:meth:`~kvpress_ada.Pipeline.keep`) sees it.
+
+    ``keys``/``values``: ``[B, H_kv, L, D]`` what each (batch row, kv head) holds, left-padded per
+    row and head, in position order; ``valid``: ``[B, H_kv, L]`` bool, False on padding;
+    ``positions``: ``[B, H_kv, L]`` each entry's index in the sequence fed to the cache (None when
+    the view's layout is the sequence itself). ``queries``: ``[B, H_q, w, D]`` the queries a scorer
+    reads (the last ``w`` of the forward, the scorer's ``query_window``). The remaining fields are
+    those of :class:`Observation`.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+    queries: torch.Tensor
+    layer_idx: int
+    n_layers: int
+    scaling: float
+    output_weight: torch.Tensor | None = None
+    rope_inv_freq: torch.Tensor | None = None
+    pass_scores: torch.Tensor | None = None
+    shard: Any = None
+    positions: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, obs: Observation) -> "LayerView":
+        """The view of an observation whose rows hold the same entries in every kv head."""
+        B, H, L = obs.keys.shape[:3]
+        return cls(keys=obs.keys, values=obs.values, valid=obs.key_mask[:, None, :].expand(B, H, L),
+                   queries=obs.queries, layer_idx=obs.layer_idx, n_layers=obs.n_layers, scaling=obs.scaling,
+                   output_weight=obs.output_weight, rope_inv_freq=obs.rope_inv_freq, pass_scores=obs.pass_scores,
+                   shard=obs.shard)
+
+    def rows(self, index: torch.Tensor) -> "LayerView":
+        """The view of the batch rows ``index``."""
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index]
+
+        return replace(self, keys=self.keys[index], values=self.values[index], valid=self.valid[index],
+                       queries=self.queries[index], pass_scores=pick(self.pass_scores), positions=pick(self.positions))
+
+    def observations(self) -> list[Observation]:
+        """What the scorer reads: one :class:`Observation` of the whole layer when every kv head of a
+        row holds the same entries, else one per kv head (``H_kv = 1``, its query group, its columns
+        of ``output_weight``, ``head_offset`` = its index). One host sync."""
+        H = self.keys.shape[1]
+        common = dict(layer_idx=self.layer_idx, n_layers=self.n_layers, scaling=self.scaling,
+                      rope_inv_freq=self.rope_inv_freq, shard=self.shard)
+        if bool((self.valid == self.valid[:, :1]).all()):
+            return [Observation(keys=self.keys, values=self.values, queries=self.queries, key_mask=self.valid[:, 0],
+                                output_weight=self.output_weight, pass_scores=self.pass_scores, **common)]
+        G = self.queries.shape[1] // H
+        D = self.queries.shape[-1]
+        heads = []
+        for h in range(H):
+            weight = None if self.output_weight is None else self.output_weight[:, h * G * D:(h + 1) * G * D]
+            heads.append(Observation(
+                keys=self.keys[:, h:h + 1], values=self.values[:, h:h + 1], queries=self.queries[:, h * G:(h + 1) * G],
+                key_mask=self.valid[:, h], output_weight=weight, head_offset=h,
+                pass_scores=None if self.pass_scores is None else self.pass_scores[:, h:h + 1], **common))
+        return heads
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How many entries a layer keeps: ``average`` ``[B]`` tokens per kv head averaged over the
+    layers (what the layer schedule spreads), ``lengths`` ``[B]`` the context length each layer's
+    budget is clipped to, ``cap`` ``[B]`` an optional per-head ceiling applied after the schedule
+    (the tokens seen so far in a chunked prefill)."""
+
+    average: torch.Tensor
+    lengths: torch.Tensor
+    cap: torch.Tensor | None = None

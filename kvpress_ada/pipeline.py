@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
 from .allocators import ALLOCATORS, LAYER_SCHEDULES, HeadAllocator, LayerSchedule, UniformHead, UniformLayer
+from .allocators.heads import fit_to_valid
 from .evictors import EVICTORS, Evictor, TopK
-from .observation import Observation
+from .integration import apply_press
+from .integration.tensor_parallel import head_shard
+from .observation import Budget, LayerView, Observation
 from .presses import SCORERS, Scorer
 
 _REGISTRIES = {"scorer": SCORERS, "allocator": ALLOCATORS, "layers": LAYER_SCHEDULES, "evictor": EVICTORS}
@@ -85,10 +88,21 @@ class Pipeline(BaseModel):
                              "(generated tokens between compactions) go together: give both or neither; got "
                              f"decode_budget={self.decode_budget}, decode_interval={self.decode_interval}")
         if self.decode_budget is not None:
-            from .integration.decode_compression import check_decode_support
-
-            check_decode_support(self)
+            self._check_decode_support()
         return self
+
+    def _check_decode_support(self) -> None:
+        """Raise a one-line ``ValueError`` when this press cannot re-score the cache while generating."""
+        name = type(self.scorer).__name__
+        if type(self.scorer).needs_model_pass:
+            raise ValueError(f"{name} scores from a model pass over the prefill and cannot re-score the cache while "
+                             "generating: drop decode_budget/decode_interval or use a windowed scorer (e.g. snapkv)")
+        if self.scorer.query_window() is None:
+            raise ValueError(f"{name} reads every query since the start (query_window None) but decode compression "
+                             "keeps only a window of recent queries: use a scorer with a finite window")
+        if type(self.layers).needs_all_layers:
+            raise ValueError(f"the layer schedule {type(self.layers).__name__} needs every layer's scores at once; "
+                             "decode compression compacts layer by layer: use a uniform or pyramid layer schedule")
 
     @model_validator(mode="after")
     def _chunked_prefill_supported(self) -> "Pipeline":
@@ -107,7 +121,7 @@ class Pipeline(BaseModel):
         raise ValueError(f"prefill_chunk={self.prefill_chunk} is not supported: {reason}; "
                          "use prefill_chunk=None (one-shot prefill)")
 
-    # ----------------------------------------------------------------- policy
+    # ------------------------------------------------------------ capabilities
     @property
     def is_noop(self) -> bool:
         """Ratio 0 without chunked prefill or decode compression keeps every entry: the press leaves the
@@ -124,6 +138,13 @@ class Pipeline(BaseModel):
         """Whether the cache is compacted while generating (``decode_budget``/``decode_interval``)."""
         return self.decode_budget is not None
 
+    @property
+    def evicts_at_end(self) -> bool:
+        """Whether eviction waits for every layer's scores (a model-scope layer schedule, or a
+        scorer with a model pass of its own): the full cache of all layers is then held until the
+        end of prefill. Otherwise each layer is evicted right after its own prefill attention."""
+        return bool(type(self.layers).needs_all_layers or type(self.scorer).needs_model_pass)
+
     def chunks(self, length: int) -> list[tuple[int, int]]:
         """``[(start, stop), ...]`` of a chunked prefill of ``length`` tokens, aligned on the end:
         every chunk but the first holds ``prefill_chunk`` tokens (one chunk without chunking)."""
@@ -134,14 +155,9 @@ class Pipeline(BaseModel):
         starts = [0] + bounds[:-1]
         return list(zip(starts, bounds))
 
-    def average_budget(self, lengths: torch.Tensor) -> torch.Tensor:
-        """Average tokens kept per kv head for rows with ``lengths`` valid tokens, ``[B]`` long."""
-        if self.budget is not None:
-            return torch.clamp(torch.full_like(lengths, self.budget), max=lengths).clamp(min=1)
-        if self.compression_ratio is None:  # decode-only pipeline: the prefill keeps everything
-            return lengths.clone()
-        kept = torch.round((1.0 - self.compression_ratio) * lengths.double()).long()
-        return torch.minimum(kept.clamp(min=1), lengths)
+    def chunks_prompt(self, length: int) -> bool:
+        """Whether a prompt of ``length`` tokens is prefilled in more than one chunk."""
+        return len(self.chunks(length)) > 1
 
     def check_context(self, min_length: int) -> None:
         """Raise a clear error when the shortest row is too short for the scorer."""
@@ -152,28 +168,127 @@ class Pipeline(BaseModel):
                 f"({need} tokens, e.g. its observation window); use a longer context or a smaller window"
             )
 
-    @property
-    def evicts_at_end(self) -> bool:
-        """Whether eviction waits for every layer's scores (a model-scope layer schedule, or a
-        scorer with a model pass of its own): the full cache of all layers is then held until the
-        end of prefill. Otherwise each layer is evicted right after its own prefill attention."""
-        return bool(type(self.layers).needs_all_layers or type(self.scorer).needs_model_pass)
+    def check_model(self, model: Any) -> None:
+        """Raise ``ValueError`` when this press cannot serve ``model`` (a calibration made for another
+        model, a tensor-parallel layout it cannot follow); called once when the press meets the model
+        (``with press(model)``, fan-out)."""
+        for component in (self.scorer, self.layers, self.allocator, self.evictor):
+            component.check_model(model.config)
+        if head_shard(model) is not None and (self.compresses_decode or self.prefill_chunk is not None):
+            raise ValueError("decode compression (decode_budget) and chunked prefill (prefill_chunk) are not "
+                             "supported on a tensor-parallel model yet; use a press without them")
 
-    def scores(self, obs: Observation) -> torch.Tensor:
-        """The scorer's checked ``[B, H_kv, L]`` fp32 scores for one layer, padding at ``-inf``."""
-        scores = self.scorer.score(obs)
-        self._check_scores(scores, obs)
-        return scores.float().masked_fill(~obs.key_mask[:, None, :], float("-inf"))
+    def check_fan_out(self, length: int) -> None:
+        """Raise when fan-out (one dense prefill serving many presses) cannot derive this press's cache
+        for a prompt of ``length`` tokens: a chunked prefill changes the prefill itself."""
+        if self.chunks_prompt(length):
+            raise ValueError(f"fan-out derives caches from one dense prefill, but this press prefills in chunks of "
+                             f"{self.prefill_chunk} tokens ({length} here): run it with `with press(model)`")
 
-    def counts(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scores (padding at ``-inf``) and the kept count per (batch, kv head) for one layer."""
-        if self.evicts_at_end:
-            raise ValueError("this press evicts at the end of prefill (a model-scope layer schedule or a scorer "
-                             "with its own model pass): use select_all() with every layer's observation")
-        scores = self.scores(obs)
-        lengths = obs.valid_lengths()
-        budget = self.layers.layer_budget(self.average_budget(lengths), obs.layer_idx, obs.n_layers, lengths)
-        return scores, self._allocate(scores, budget, obs.layer_idx, obs.shard)
+    # ------------------------------------------------------------------ budgets
+    def average_budget(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Average tokens kept per kv head for rows with ``lengths`` valid tokens, ``[B]`` long."""
+        if self.budget is not None:
+            return torch.clamp(torch.full_like(lengths, self.budget), max=lengths).clamp(min=1)
+        if self.compression_ratio is None:  # decode-only pipeline: the prefill keeps everything
+            return lengths.clone()
+        kept = torch.round((1.0 - self.compression_ratio) * lengths.double()).long()
+        return torch.minimum(kept.clamp(min=1), lengths)
+
+    def prefill_budget(self, lengths: torch.Tensor, seen: torch.Tensor | None = None) -> Budget:
+        """The budget of a prefill whose rows hold ``lengths [B]`` real tokens; ``seen [B]``: the
+        tokens a chunked prefill has brought so far (each layer then keeps at most that many per head)."""
+        return Budget(average=self.average_budget(lengths), lengths=lengths, cap=seen)
+
+    def decode_budget_for(self, seen: torch.Tensor) -> Budget:
+        """The budget of a decode compaction of rows that have seen ``seen [B]`` tokens."""
+        if self.decode_budget is None:
+            raise ValueError("this press has no decode_budget: it does not compact while generating")
+        return Budget(average=torch.full_like(seen, self.decode_budget), lengths=seen)
+
+    # ------------------------------------------------------------------- policy
+    def keep(self, views: Sequence[LayerView], budget: Budget) -> list[torch.Tensor]:
+        """The selection policy, whole: the bool keep mask ``[B, H_kv, L]`` over each layer's view.
+
+        Score each layer (:meth:`LayerView.observations`: the whole layer, or head by head when its
+        heads hold different entries); give each layer its per-head budget ``b_l`` (the layer schedule;
+        a model-scope schedule needs every layer's view in one call), clipped to ``budget.cap``; split
+        ``H_kv * b_l`` across kv heads (head allocator); fit the counts to what each head holds (the
+        excess of a head goes to the best remaining entries of its row's other heads); select (evictor).
+        Each row of layer ``l`` keeps exactly ``min(H_kv * b_l, valid entries)`` entries; padding never.
+        Every mode that evicts (one-shot, end of prefill, chunked prefill, decode compaction, fan-out)
+        calls this and nothing else.
+        """
+        if not views:
+            return []
+        if type(self.layers).needs_all_layers and len(views) != views[0].n_layers:
+            raise ValueError(f"the layer schedule {type(self.layers).__name__} splits the budget across layers: "
+                             f"keep() needs every layer's view at once ({views[0].n_layers}), got {len(views)}")
+        if type(self.scorer).needs_model_pass and any(v.pass_scores is None for v in views):
+            raise ValueError(f"{type(self.scorer).__name__} scores from its own model pass: run it through "
+                             "`with press(model)` or fan-out (capture_prefill), which run that pass")
+        with torch.no_grad():
+            if type(self.layers).needs_all_layers:
+                return self._keep_model_scope(views, budget)
+            return [self._keep_layer(v, self._cap(self.layers.layer_budget(
+                budget.average, v.layer_idx, v.n_layers, budget.lengths), budget)) for v in views]
+
+    def _keep_layer(self, view: LayerView, budget: torch.Tensor) -> torch.Tensor:
+        """Keep mask of one layer with per-head budget ``budget [B]``. Rows whose valid entries all fit
+        keep them without being scored (a chunked prefill's first chunks may hold only padding)."""
+        H = view.keys.shape[1]
+        evict = view.valid.sum((-1, -2)) > H * budget
+        keep = view.valid.clone()
+        if not bool(evict.any()):  # one host sync per layer
+            return keep
+        rows = None if bool(evict.all()) else evict.nonzero()[:, 0]
+        part = view if rows is None else view.rows(rows)
+        scores = self._scores(part)
+        everyone = scores
+        across = not type(self.allocator).head_local
+        if part.shard is not None and across:
+            everyone = part.shard.gather(scores)
+        counts = self._allocate(scores, budget if rows is None else budget[rows], view.layer_idx, part.shard,
+                                everyone if across else None)
+        counts = fit_to_valid(scores, counts, part.valid, self.evictor.select)
+        selected = self.evictor.select(scores, counts) & part.valid
+        if rows is None:
+            return selected
+        keep[rows] = selected
+        return keep
+
+    def _keep_model_scope(self, views: Sequence[LayerView], budget: Budget) -> list[torch.Tensor]:
+        """Keep masks of every layer under a layer schedule that compares the layers' scores."""
+        scores = [self._scores(v) for v in views]
+        shard = views[0].shard  # tensor parallelism: decisions across heads see every head's scores
+        everyone = [shard.gather(s) for s in scores] if shard is not None else scores
+        table = self.layers.layer_budgets(  # type: ignore[attr-defined]
+            everyone, budget.average, budget.lengths, comparable=type(self.scorer).comparable_across_heads)
+        masks = []
+        for i, (s, v, full) in enumerate(zip(scores, views, everyone)):
+            counts = self._allocate(s, self._cap(table[:, i], budget), v.layer_idx, shard, full)
+            counts = fit_to_valid(s, counts, v.valid, self.evictor.select)
+            masks.append(self.evictor.select(s, counts) & v.valid)
+        return masks
+
+    @staticmethod
+    def _cap(layer_budget: torch.Tensor, budget: Budget) -> torch.Tensor:
+        return layer_budget if budget.cap is None else torch.minimum(layer_budget, budget.cap.to(layer_budget.device))
+
+    def select(self, obs: Observation) -> torch.Tensor:
+        """:meth:`keep` of one layer's prefill observation (every kv head holds the observation's
+        tokens): the bool keep mask ``[B, H_kv, L]``. For scorer and allocator studies."""
+        return self.keep([LayerView.of(obs)], self.prefill_budget(obs.valid_lengths()))[0]
+
+    def _scores(self, view: LayerView) -> torch.Tensor:
+        """The scorer's checked fp32 scores ``[B, H_kv, L]`` of one view, ``-inf`` where not valid."""
+        parts = []
+        for obs in view.observations():
+            scores = self.scorer.score(obs)
+            self._check_scores(scores, obs)
+            parts.append(scores.float())
+        scores = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return scores.masked_fill(~view.valid, float("-inf"))
 
     def _allocate(self, scores: torch.Tensor, budget: torch.Tensor, layer_idx: int, shard: Any = None,
                   all_heads: torch.Tensor | None = None) -> torch.Tensor:
@@ -184,12 +299,6 @@ class Pipeline(BaseModel):
             return self.allocator.allocate_layer(scores, budget, layer_idx, comparable=comparable)
         full = shard.gather(scores) if all_heads is None else all_heads
         return shard.local(self.allocator.allocate_layer(full, budget, layer_idx, comparable=comparable))
-
-    def check_model(self, model: Any) -> None:
-        """Raise ``ValueError`` when a component cannot serve ``model`` (a calibration made for another
-        model); called once when the press meets the model (``with press(model)``, fan-out)."""
-        for component in (self.scorer, self.layers, self.allocator, self.evictor):
-            component.check_model(model.config)
 
     def _check_scores(self, scores: torch.Tensor, obs: Observation) -> None:
         """The scorer's output contract: a ``[B, H_kv, L]`` tensor without NaN (checked eagerly;
@@ -204,42 +313,10 @@ class Pipeline(BaseModel):
             raise ValueError(f"scorer {name} returned NaN scores in layer {obs.layer_idx}; "
                              "scores must be numbers (+inf protects a token, -inf drops it)")
 
-    def select(self, obs: Observation) -> torch.Tensor:
-        """Score -> allocate -> select for one layer: the bool keep mask ``[B, H_kv, L]``."""
-        with torch.no_grad():
-            scores, counts = self.counts(obs)
-            return self.evictor.select(scores, counts)
-
-    def select_all(self, observations: list[Observation]) -> list[torch.Tensor]:
-        """Keep masks of every layer from all layers' observations at once (the end-of-prefill path;
-        equal to :meth:`select` layer by layer for layer-local schedules)."""
-        if not self.evicts_at_end:
-            return [self.select(obs) for obs in observations]
-        if type(self.scorer).needs_model_pass and any(obs.pass_scores is None for obs in observations):
-            raise ValueError(f"{type(self.scorer).__name__} scores from its own model pass: run it through "
-                             "`with press(model)` or fan-out (capture_prefill), which run that pass")
-        with torch.no_grad():
-            scores = [self.scores(obs) for obs in observations]
-            shard = observations[0].shard  # tensor parallelism: decisions across heads see every head's scores
-            across = type(self.layers).needs_all_layers or not type(self.allocator).head_local
-            everyone = [shard.gather(s) for s in scores] if shard is not None and across else scores
-            lengths = observations[0].valid_lengths()
-            avg = self.average_budget(lengths)
-            if type(self.layers).needs_all_layers:
-                budgets = self.layers.layer_budgets(  # type: ignore[attr-defined]
-                    everyone, avg, lengths, comparable=type(self.scorer).comparable_across_heads)
-            else:
-                budgets = self.layers.budgets(avg, len(scores), lengths)
-            return [self.evictor.select(s, self._allocate(s, budgets[:, i], obs.layer_idx, shard,
-                                                          everyone[i] if across else None))
-                    for i, (s, obs) in enumerate(zip(scores, observations))]
-
     # ------------------------------------------------------------ integration
     def __call__(self, model, compile: bool | None = None):
         """Context manager applying this press to ``model`` (see :mod:`kvpress_ada.integration`).
 
         ``compile``: compiled decode steps over the compressed cache (default: on CUDA, off on CPU;
         ``$KVPRESS_ADA_COMPILE=0`` turns the default off; see :mod:`kvpress_ada.integration.compiled`)."""
-        from .integration import apply_press
-
         return apply_press(self, model, compile=compile)

@@ -151,7 +151,7 @@ def test_fit_to_valid_totals_caps_and_best_entries(B, H, L, seed):
     valid = torch.rand(B, H, L, generator=g) > 0.4
     scores = torch.randn(B, H, L, generator=g).masked_fill(~valid, float("-inf"))  # padding, as callers pass it
     counts = torch.randint(0, L + 3, (B, H), generator=g)
-    fitted = fit_to_valid(scores, counts, valid)
+    fitted = fit_to_valid(scores, counts, valid, topk_mask)
     cap = valid.sum(-1)
     assert bool((fitted <= cap).all()) and bool((fitted >= torch.minimum(counts, cap)).all())
     assert fitted.sum(-1).tolist() == torch.minimum(counts.sum(-1), cap.sum(-1)).tolist()

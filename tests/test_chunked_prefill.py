@@ -57,7 +57,7 @@ def test_chunk_at_least_context_equals_unchunked(llama, name):
         ref_out, ref_cache = _prefill(llama, plain, ids)
         assert torch.equal(out.logits, ref_out.logits)
         for layer in range(len(cache.layers)):
-            assert torch.equal(cache.layers[layer].entries()[0], ref_cache.layers[layer].entries()[0])
+            assert torch.equal(cache.layers[layer].view().keys, ref_cache.layers[layer].view().keys)
             assert torch.equal(cache.head_lengths(layer), ref_cache.head_lengths(layer))
 
 
@@ -200,7 +200,7 @@ def test_context_independent_scores_keep_the_one_shot_set(llama, scorer):
     _, ref = _prefill(llama, press.model_copy(update={"prefill_chunk": None}), ids)
     for layer in range(len(cache.layers)):
         assert torch.equal(cache.head_lengths(layer), ref.head_lengths(layer))
-    torch.testing.assert_close(cache.layers[0].entries()[0], ref.layers[0].entries()[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(cache.layers[0].view().keys, ref.layers[0].view().keys, atol=1e-6, rtol=0)
 
 
 def test_refusals():

@@ -45,7 +45,7 @@ def _assert_same(model, ids, attention_mask=None, new_tokens=24, **kwargs):
     torch.testing.assert_close(logits_r, logits_m, atol=1e-4, rtol=0)
     for i in range(len(cache_r.layers)):
         assert torch.equal(cache_r.head_lengths(i), cache_m.head_lengths(i))
-    assert min(cache_r.decode_state.compactions) >= new_tokens // kwargs.get("decode_interval", 4) - 1
+    assert min(cache_r.state.compactions) >= new_tokens // kwargs.get("decode_interval", 4) - 1
     return cache_r
 
 
@@ -93,7 +93,7 @@ def test_budget_above_held_keeps_everything_and_positions(llama):
     tokens_b, logits_b, cache = _generate(llama, relaid, ids, 20)
     assert torch.equal(tokens_a, tokens_b)
     torch.testing.assert_close(logits_a, logits_b, atol=1e-4, rtol=0)
-    assert cache.decode_state.compactions == [6, 6, 6]
+    assert cache.state.compactions == [6, 6, 6]
 
 
 def _check_bound(model, press, ids, steps):
@@ -111,7 +111,7 @@ def _check_bound(model, press, ids, steps):
         previous = [cache.head_lengths(i).sum(-1) for i in range(n_layers)]
         for step in range(1, steps + 1):
             out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
-            state = cache.decode_state
+            state = cache.state
             full = True
             for layer in range(n_layers):
                 totals = cache.head_lengths(layer).sum(-1)  # [batch]: entries of the layer per batch row

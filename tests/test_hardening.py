@@ -28,10 +28,14 @@ from kvpress_ada import (
     TopK,
     preset,
 )
-from kvpress_ada.integration import PrefillHandler, PressCache, PressRun, RaggedLayer
+from kvpress_ada.integration import Handler, HeldEntries, PressCache, RaggedLayer
+from kvpress_ada.integration.attention import layer_view
+from kvpress_ada.integration.chunked_prefill import ChunkedPrefill
+from kvpress_ada.integration.decode_compression import DecodeRun
 from kvpress_ada.integration.fanout import CaptureRun, capture_prefill
 from kvpress_ada.integration.hf import cache_kwarg, output_cache
-from kvpress_ada.integration.press_context import observation_for
+from kvpress_ada.integration.model_pass import PassRun
+from kvpress_ada.integration.prefill import PrefillRun
 from kvpress_ada.kernels.reference import CHUNK
 from kvpress_ada.presets import portable_preset_names
 
@@ -45,9 +49,11 @@ def test_window_longer_than_context_takes_every_query(llama):
     L, D = 100, 16
     query = torch.randn(1, 4, L, D)
     key = torch.randn(1, 2, L, D)
-    obs = observation_for(ExpectedAttention(window=128), llama, 0, 3, query, key, key, None, 0.25, torch.zeros(1))
+    held = HeldEntries(key, key, torch.ones(1, 2, L, dtype=torch.bool), torch.arange(L).expand(1, 2, L))
+    module = llama.model.layers[0].self_attn
+    obs = layer_view(ExpectedAttention(window=128), llama, module, 3, held, query, 0.25)
     assert torch.equal(obs.queries, query)  # all 100 (the negative slice gave the last 28)
-    obs = observation_for(SnapKV(window=8), llama, 0, 3, query, key, key, None, 0.25, torch.zeros(1))
+    obs = layer_view(SnapKV(window=8), llama, module, 3, held, query, 0.25)
     assert torch.equal(obs.queries, query[:, :, -8:])
 
 
@@ -231,8 +237,8 @@ def test_the_evictor_builds_its_cache(llama):
 
 def test_prefill_handlers_follow_the_protocol():
     handler_methods = {"handles_prefill", "after_prefill", "attend"}
-    assert handler_methods <= set(dir(PrefillHandler))
-    for cls in (PressRun, CaptureRun):
+    assert handler_methods <= set(dir(Handler))
+    for cls in (PrefillRun, ChunkedPrefill, DecodeRun, CaptureRun, PassRun):
         assert handler_methods <= set(dir(cls)), cls
 
 

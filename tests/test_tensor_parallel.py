@@ -20,7 +20,7 @@ from conftest import build_model, build_tokenizer
 
 from kvpress_ada import preset
 from kvpress_ada.integration.tensor_parallel import HeadShard, head_shard, local_weight
-from kvpress_ada.observation import Observation
+from kvpress_ada.observation import LayerView, Observation
 from kvpress_ada.presets import portable_preset_names
 from kvpress_ada.presses import RandomScorer
 
@@ -82,7 +82,7 @@ def test_rank_counts_are_its_heads_of_the_global_allocation(name):
     keys[:, 0] *= 3  # heads with very different attention spreads: Ada moves budget between them
     press = preset(name, compression_ratio=0.6)
     whole = press.select(_obs(keys, queries, output_weight=w_o))
-    scores = press.scores(_obs(keys, queries, output_weight=w_o))
+    scores = press._scores(LayerView.of(_obs(keys, queries, output_weight=w_o)))
     assert name.startswith("ada") == (whole.sum(-1).unique().numel() > 1)
     for rank in range(2):  # rank r: kv heads 2r, 2r+1 with their query groups and o_proj columns (colwise plan)
         shard = FakeShard(rank, 2, H // 2, scores)

@@ -70,24 +70,24 @@ def main() -> int:
     ids[1, :24] = 0
 
     captured: list = []
-    original = PressCache.compress_layer
+    original = PressCache.retain
 
-    def recording(self, layer_idx, keep):
+    def recording(self, layer_idx, keep, held=None, spare=None):
         captured.append((layer_idx, keep.clone()))
-        return original(self, layer_idx, keep)
+        return original(self, layer_idx, keep, held, spare)
 
-    PressCache.compress_layer = recording  # type: ignore[method-assign]
+    PressCache.retain = recording  # type: ignore[method-assign]
     from kvpress_ada.pipeline import Pipeline
 
     scored: dict = {}
-    original_scores = Pipeline.scores
+    original_scores = Pipeline._scores
 
-    def recording_scores(self, obs):
-        out = original_scores(self, obs)
-        scored[obs.layer_idx] = out
+    def recording_scores(self, view):
+        out = original_scores(self, view)
+        scored[view.layer_idx] = out
         return out
 
-    Pipeline.scores = recording_scores  # type: ignore[method-assign]
+    Pipeline._scores = recording_scores  # type: ignore[method-assign]
 
     def run(model, press):
         captured.clear()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Callable, ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -87,22 +87,20 @@ def flat_topk_counts(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return counts.scatter_add_(1, head_of, selected.long())
 
 
-def fit_to_valid(scores: torch.Tensor, counts: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def fit_to_valid(scores: torch.Tensor, counts: torch.Tensor, valid: torch.Tensor,
+                 select: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Counts ``[B, H]`` that every head can fill: each head's count clipped to its ``valid [B, H, L]``
-    entries, the excess handed to the best valid entries not yet selected in the row's other heads.
-    A row's total stays ``min(counts.sum(-1), valid.sum((-1, -2)))``. Used wherever a budget meets
-    heads that hold fewer entries than it grants (chunked prefill's early chunks, decode compaction)."""
-    from ..evictors.base import topk_mask
-
+    entries, the excess handed to the best valid entries not yet selected in the row's other heads
+    (``select(scores, counts) -> keep``: the selection the counts will be used with). A row's total
+    stays ``min(counts.sum(-1), valid.sum((-1, -2)))``. Counts that fit are returned unchanged.
+    No host sync (it runs inside compiled steps)."""
     cap = valid.sum(-1)
     clipped = torch.minimum(counts.long(), cap)
     room = (cap.sum(-1) - clipped.sum(-1)).clamp(min=0)
     excess = torch.minimum((counts.long() - clipped).sum(-1), room)
-    if not bool((excess > 0).any()):
-        return clipped
     floor = torch.finfo(scores.dtype).min  # a valid entry scored -inf still beats padding
     ranked = torch.where(valid, scores.clamp(min=floor), torch.full_like(scores, float("-inf")))
-    chosen = topk_mask(ranked, clipped)
+    chosen = select(ranked, clipped)
     rest = torch.where(valid & ~chosen, ranked, torch.full_like(scores, float("-inf")))
     return clipped + flat_topk_counts(rest, excess)
 

@@ -25,35 +25,39 @@ excess goes to the best remaining entries of the other heads of the row, so tota
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from ..allocators.heads import fit_to_valid
-from .entries import left_pad_index
+from .attention import RUN_KWARG, layer_view
 from .hf import check_left_padded, prefill_key_mask
-from .press_context import RUN_KWARG, PressRun, _output_weight, observation_for
+from .press_cache import PressCache
 
 if TYPE_CHECKING:
     from ..pipeline import Pipeline
-    from .press_cache import PressCache
 
 
 @dataclass
-class ChunkedPrefill(PressRun):
-    """The prefill handler of every chunk forward of one chunked prefill (see the module docstring)."""
+class ChunkedPrefill:
+    """The handler of every chunk forward of one chunked prefill (see the module docstring)."""
 
+    press: Pipeline
+    cache: PressCache
+    model: torch.nn.Module
+    key_mask: torch.Tensor  # [B, L] real tokens of the whole context
     chunks: list[tuple[int, int]] = field(default_factory=list)
     index: int = 0  # chunk being run
-    budgets: torch.Tensor | None = None  # [B, n_layers] final per-head budget of every layer
-    positions: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> kept positions [B, H, n], -1 pad
     logits_wanted: list[int] = field(default_factory=list)  # logits of each chunk the caller asked for
     logits: list[torch.Tensor] = field(default_factory=list)
 
     def handles_prefill(self, layer_idx: int) -> bool:
         return False  # every chunk goes through attend()
+
+    def after_prefill(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scaling: float) -> None:  # pragma: no cover - handles_prefill is False
+        raise RuntimeError("ChunkedPrefill attends through attend()")
 
     @property
     def last(self) -> bool:
@@ -62,7 +66,6 @@ class ChunkedPrefill(PressRun):
     def after_forward(self, output: Any) -> Any:
         if not self.last:
             return output  # a nested chunk forward: the pre-hook collects its logits
-        self.cache.routed = False
         if output is not None and self.logits:
             wanted = self.logits_wanted[-1]
             parts = self.logits + ([output.logits[:, -wanted:]] if wanted else [])
@@ -74,73 +77,20 @@ class ChunkedPrefill(PressRun):
                attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:
         """Attention of the chunk's queries over the layer's kept entries plus the chunk, then
         compression of the layer back to its budget."""
-        assert self.press is not None and self.key_mask is not None and self.budgets is not None
         layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
-        layer = self.cache._layer(layer_idx)
-        keys, values, _ = layer.entries()
-        B, H, width, _ = keys.shape
         start, stop = self.chunks[self.index]
-        C = stop - start
-        device = keys.device
-        chunk_pos = torch.arange(start, stop, device=device)
-        kept = self.positions.get(layer_idx, torch.empty(B, H, 0, dtype=torch.long, device=device))
-        if kept.shape[-1] + C != width or query.shape[2] != C:
-            raise RuntimeError(f"chunked prefill lost track of layer {layer_idx}: {kept.shape[-1]} kept + {C} "
-                               f"chunk entries, the cache holds rows of up to {width}")
-        pos = torch.cat([kept, chunk_pos.expand(B, H, C)], dim=-1)  # [B, H, Lv] true positions
-        key_mask = self.key_mask.to(device)
-        valid = (pos >= 0) & key_mask.gather(1, pos.clamp(min=0).view(B, -1)).view(B, H, width)
+        held = self.cache.view(layer_idx)
+        if query.shape[2] != stop - start or held.keys.shape[2] < stop - start:
+            raise RuntimeError(f"chunked prefill lost track of layer {layer_idx}: chunk {start}:{stop}, the cache "
+                               f"holds rows of up to {held.keys.shape[2]}")
         with torch.no_grad():
-            out = _chunk_attention(query, keys, values, pos, valid, chunk_pos, scaling)
-            keep = self._select(module, layer_idx, query, keys, values, valid, int(stop))
-            layer.keep_entries(keep, (keys, values))
-            n = keep.sum(-1)
-            kept_width = int(n.max()) if n.numel() else 0
-            order = torch.argsort(keep.to(torch.uint8), dim=-1, stable=True)[..., width - kept_width:]
-            _, present = left_pad_index(n, kept_width)
-            self.positions[layer_idx] = torch.where(present, pos.gather(-1, order), torch.full_like(order, -1))
+            out = _chunk_attention(query, held.keys, held.values, held.positions, held.valid,
+                                   torch.arange(start, stop, device=query.device), scaling)
+            view = layer_view(self.press.scorer, self.model, module, len(self.cache.layers), held, query, scaling)
+            seen = self.key_mask[:, :stop].sum(-1)
+            keep = self.press.keep([view], self.press.prefill_budget(self.key_mask.sum(-1), seen=seen))[0]
+            self.cache.retain(layer_idx, keep, held)
         return out.transpose(1, 2).contiguous(), None
-
-    def _select(self, module: torch.nn.Module, layer_idx: int, query: torch.Tensor, keys: torch.Tensor,
-                values: torch.Tensor, valid: torch.Tensor, stop: int) -> torch.Tensor:
-        """Keep mask ``[B, H, Lv]`` bringing each row back to ``H * min(budget, seen)`` entries."""
-        assert self.press is not None and self.key_mask is not None and self.budgets is not None
-        H = keys.shape[1]
-        seen = self.key_mask[:, :stop].sum(-1).to(keys.device)
-        target = torch.minimum(self.budgets[:, layer_idx].to(keys.device), seen)
-        n_valid = valid.sum(-1)
-        evict = n_valid.sum(-1) > H * target
-        keep = valid.clone()
-        if not bool(evict.any()):  # one host sync per layer and chunk
-            return keep
-        rows = evict.nonzero()[:, 0]
-        scores = self._scores(module, layer_idx, query[rows], keys[rows], values[rows], valid[rows])
-        counts = fit_to_valid(scores, self.press._allocate(scores, target[rows], layer_idx), valid[rows])
-        keep[rows] = self.press.evictor.select(scores, counts) & valid[rows]
-        return keep
-
-    def _scores(self, module: torch.nn.Module, layer_idx: int, query: torch.Tensor, keys: torch.Tensor,
-                values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """The pipeline's checked ``[B, H, Lv]`` scores (``-inf`` where not valid): the whole layer at
-        once when its heads hold the same entries, else one kv head at a time."""
-        assert self.press is not None
-        press, scorer = self.press, self.press.scorer
-        n_layers = len(self.cache.layers)
-        weight = _output_weight(module)
-        scaling = float(module.scaling)  # type: ignore[arg-type]
-        if bool((valid == valid[:, :1]).all()):
-            obs = observation_for(scorer, self.model, layer_idx, n_layers, query, keys, values, valid[:, 0], scaling,
-                                  weight)
-            return press.scores(obs).masked_fill(~valid, float("-inf"))
-        H = keys.shape[1]
-        G, D = query.shape[1] // H, query.shape[-1]
-        heads = []
-        for h in range(H):
-            obs = observation_for(scorer, self.model, layer_idx, n_layers, query[:, h * G:(h + 1) * G],
-                                  keys[:, h:h + 1], values[:, h:h + 1], valid[:, h], scaling,
-                                  weight[:, h * G * D:(h + 1) * G * D])
-            heads.append(press.scores(replace(obs, head_offset=h)))
-        return torch.cat(heads, dim=1).masked_fill(~valid, float("-inf"))
 
 
 def _chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
@@ -184,14 +134,10 @@ def start_chunked_prefill(model: Any, press: Pipeline, cache: PressCache, args: 
     for stale in ("past_key_values", cache_key, "use_cache", "cache_position"):
         kwargs.pop(stale, None)
     length = int(source.shape[1])
-    lengths = key_mask.sum(-1)
-    n_layers = len(cache.layers)
-    budgets = press.layers.budgets(press.average_budget(lengths), n_layers, lengths)
     wanted = length if wanted == 0 else min(wanted, length)
     chunks = press.chunks(length)
-    run = ChunkedPrefill(press=press, cache=cache, model=model, compress=True, key_mask=key_mask, chunks=chunks,
-                         budgets=budgets, logits_wanted=[max(0, stop - max(start, length - wanted))
-                                                         for start, stop in chunks])
+    run = ChunkedPrefill(press=press, cache=cache, model=model, key_mask=key_mask, chunks=chunks,
+                         logits_wanted=[max(0, stop - max(start, length - wanted)) for start, stop in chunks])
 
     def chunk_kwargs(i: int) -> dict:
         start, stop = chunks[i]

@@ -1,157 +1,78 @@
-"""Decode-phase compression: ``Pipeline(..., decode_budget=B, decode_interval=K)``.
+"""Decode handler: attention over a press cache after its prefill, and, for a press with
+``decode_budget=B, decode_interval=K``, compaction of each layer while generating.
 
-While generating inside ``with press(model)``, every layer counts the tokens appended to it since
-its last compaction. In the forward where that count reaches ``K`` (right after the layer's
-attention, as prefill compression does), the layer is re-scored, re-split across heads and
-compacted in place:
-
-1. **View.** The layer's entries are read as a left-padded dense view ``[B, H_kv, L_max, D]``
-   with a per-(batch, kv head) validity mask (:meth:`decode_view` of the cache layer: the ragged
-   rows of a :class:`RaggedLayer`, the visible entries of a :class:`MaskedLayer`, the dense
-   prefill of a layer not compressed yet), entries in position order.
-2. **Score.** Rows are ragged, and a scorer's ``key_mask`` is per batch row, so each kv head is
-   scored as its own :class:`Observation` (``H_kv = 1``: its keys and values, the queries of its
-   GQA group, the matching columns of ``o_proj``); the queries are the scorer's
-   ``query_window()`` most recent *generated* queries of that layer (a rolling window captured
-   in the attention hook; fewer right after the prefill, and never more than the row holds).
-   As at prefill, window attention treats the last ``w`` entries of a row as the window's own
-   keys; that is exact while those tokens are held (always when ``w <= K``, and for SnapKV-like
-   scorers that protect their window when ``w <= B``). Keys already carry RoPE, so kept keys
-   keep their true positions, and tokens appended later continue from ``get_seq_length()``.
-3. **Allocate.** The layer schedule gives this layer's per-head budget ``b_l`` for an average of
-   ``B`` (``UniformLayer``: ``b_l = B``), the head allocator (uniform or Ada) splits ``H_kv * b_l``
-   across heads; counts are then fitted to what each head holds (a head never keeps more than
-   it has; the excess goes to heads with room), so each batch row keeps exactly
-   ``min(H_kv * b_l, entries it held)`` entries.
-4. **Compact.** The evictor's keep mask goes back to the layer (:meth:`decode_compact`): the
-   ragged layer re-lays its rows out through the same ``compress`` path as prefill, with a spare
-   of exactly ``K`` slots per row, so the next ``K`` single-token steps append without ever
-   growing the layout; the masked reference just updates its keep mask.
-
-**Bound** (what ``tests/test_decode_compression.py`` asserts). Single-token decode steps, per
-layer ``l`` and batch row: right after a compaction the layer holds exactly
-``min(H_kv * b_l, held)`` entries; after any forward from the first compaction on it holds at
-most ``H_kv * (b_l + K - 1)`` (``H_kv * (b_l + K)`` inside the compacting step, before its
-compaction). A :class:`RaggedCache` layer compacted in the decode phase lays each row out with
-room for its kept entries plus ``K``, rounded up to whole :data:`~kvpress_ada.kernels.reference.CHUNK`
-(32-slot) chunks, so from the first compaction of every layer on,
-``cache.nbytes() <= n_layers * B * H_kv * (decode_budget + K + CHUNK - 1) * D * 2 * itemsize``
-for schedules whose ``b_l`` average ``decode_budget`` (and at least the bound without the
-``CHUNK - 1`` when every layer held enough entries). Before its first compaction a layer holds
-what the prefill left (the whole prompt in a decode-only pipeline) plus the generated tokens.
-Forwards of several tokens (a question appended
-after the context) count all their tokens; they may grow the ragged layout past the bound for
-that one step.
-
-**Scorers.** Every scorer reading a window of queries (SnapKV, TOVA, CriticalKV,
-ExpectedAttention with a ``window``) or none (StreamingLLM, KNorm, KeyDiff, LagKV, Random) re-scores
-in decode; ``RandomScorer`` sees each head as head 0, so its draws are identical across the heads
-of a layer. Refused at ``Pipeline`` construction, with one line: scorers that read every query
-since the start (``query_window() is None``: H2O, ``ExpectedAttention(window=None)``), scorers
-with a model pass of their own (KVzip), and model-scope layer schedules (``AdaLayer``, which needs
-every layer's scores at once).
+Every layer counts the tokens appended to it since its last compaction; in the forward where that
+count reaches ``K``, right after the layer's attention, the layer's view (what each kv head holds,
+left-padded) and its ``query_window()`` most recent generated queries go through
+:meth:`Pipeline.keep <kvpress_ada.Pipeline.keep>` with the budget ``B`` and the layer keeps what it
+selects, with ``K`` free slots per row for the next steps. See ``docs/design.md`` for the bound on
+the bytes held.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..allocators.heads import fit_to_valid
+from .attention import dense_attention, layer_view
+from .press_cache import PressCache
 
 if TYPE_CHECKING:
     from ..pipeline import Pipeline
 
 
-def check_decode_support(press: Pipeline) -> None:
-    """Raise a one-line ``ValueError`` when ``press`` cannot re-score the cache while generating."""
-    name = type(press.scorer).__name__
-    if type(press.scorer).needs_model_pass:
-        raise ValueError(f"{name} scores from a model pass over the prefill and cannot re-score the cache while "
-                         "generating: drop decode_budget/decode_interval or use a windowed scorer (e.g. snapkv)")
-    if press.scorer.query_window() is None:
-        raise ValueError(f"{name} reads every query since the start (query_window None) but decode compression "
-                         "keeps only a window of recent queries: use a scorer with a finite window")
-    if type(press.layers).needs_all_layers:
-        raise ValueError(f"the layer schedule {type(press.layers).__name__} needs every layer's scores at once; "
-                         "decode compression compacts layer by layer: use a uniform or pyramid layer schedule")
-
-
 @dataclass
-class DecodeState:
-    """Per-cache decode state: each layer's rolling window of generated queries and the tokens
-    appended since its last compaction. Lives on the cache (``cache.decode_state``), so it follows
-    the cache across forwards and copies (``copy.deepcopy``)."""
+class DecodeRun:
+    """The handler of a forward on a cache that is not a prefill under a press (decode steps, a
+    question appended to a compressed context, a cache used after :func:`~kvpress_ada.attach`).
+    ``press``: the press whose decode compression runs in this forward (``None``: attend only)."""
 
-    n_layers: int
-    key_mask: torch.Tensor | None = None  # [B, L_prefill] real tokens of the prefill (left padding)
-    queries: list[torch.Tensor | None] = field(default_factory=list)
-    since: list[int] = field(default_factory=list)
-    compactions: list[int] = field(default_factory=list)
+    cache: PressCache
+    model: torch.nn.Module
+    press: Pipeline | None = None
 
-    def __post_init__(self) -> None:
-        self.queries = [None] * self.n_layers
-        self.since = [0] * self.n_layers
-        self.compactions = [0] * self.n_layers
+    def handles_prefill(self, layer_idx: int) -> bool:
+        return False
 
+    def after_prefill(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scaling: float) -> None:  # pragma: no cover - handles_prefill is False
+        raise RuntimeError("DecodeRun attends through the cache")
 
-def start_decode(cache: Any, key_mask: torch.Tensor) -> DecodeState:
-    """Fresh decode state for a cache whose prefill has ``key_mask [B, L]`` real tokens."""
-    state = DecodeState(n_layers=len(cache.layers), key_mask=key_mask)
-    cache.decode_state = state
-    return state
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
+        out = self.cache.attend(layer_idx, query, key, value, attention_mask, scaling, dense_attention, module,
+                                **kwargs)
+        if self.press is not None:
+            self._after_attention(module, query, scaling)
+        return out
 
+    def after_forward(self, output: Any) -> Any:
+        return output
 
-def after_decode_attention(press: Pipeline, cache: Any, model: Any, layer_idx: int, query: torch.Tensor,
-                           scaling: float, output_weight: torch.Tensor) -> None:
-    """Called after a decode forward's attention of one layer: record its queries and compact the
-    layer when ``decode_interval`` tokens were appended since its last compaction."""
-    assert press.decode_interval is not None
-    state: DecodeState | None = getattr(cache, "decode_state", None)
-    if state is None:  # a cache prefilled outside this press: start counting now
-        state = DecodeState(n_layers=len(cache.layers))
-        cache.decode_state = state
-    window = press.scorer.query_window()
-    assert window is not None  # refused at Pipeline construction
-    held = state.queries[layer_idx]
-    recent = query.detach() if held is None else torch.cat([held, query.detach()], dim=2)
-    state.queries[layer_idx] = recent[:, :, recent.shape[2] - min(window, recent.shape[2]):]
-    state.since[layer_idx] += query.shape[2]
-    if state.since[layer_idx] < press.decode_interval:
-        return
-    layer = cache.layers[layer_idx]
-    with torch.no_grad():
-        keys, values, valid = layer.decode_view(state.key_mask)
-        keep = decode_keep(press, model, layer_idx, len(cache.layers), keys, values, valid,
-                           state.queries[layer_idx], scaling, output_weight, layer.get_seq_length())
-        layer.decode_compact(keep, spare=press.decode_interval, key_mask=state.key_mask)
-    state.since[layer_idx] = 0
-    state.compactions[layer_idx] += 1
-
-
-def decode_keep(press: Pipeline, model: Any, layer_idx: int, n_layers: int, keys: torch.Tensor,
-                values: torch.Tensor, valid: torch.Tensor, queries: torch.Tensor | None, scaling: float,
-                output_weight: torch.Tensor, seen: int) -> torch.Tensor:
-    """Keep mask ``[B, H_kv, L_max]`` over a layer's left-padded view (see the module docstring)."""
-    from .press_context import observation_for
-
-    assert press.decode_budget is not None
-    B, H, L, D = keys.shape
-    if queries is None:
-        queries = keys.new_zeros(B, H, 0, D)
-    queries = queries[:, :, queries.shape[2] - min(queries.shape[2], L):]  # never more queries than entries
-    G = queries.shape[1] // H
-    scores = torch.empty(B, H, L, dtype=torch.float32, device=keys.device)
-    for h in range(H):
-        heads = slice(h * G, (h + 1) * G)
-        obs = observation_for(press.scorer, model, layer_idx, n_layers, queries[:, heads], keys[:, h:h + 1],
-                              values[:, h:h + 1], valid[:, h], scaling, output_weight[:, h * G * D:(h + 1) * G * D])
-        scores[:, h] = press.scores(obs)[:, 0]
-    lengths = torch.full((B,), seen, dtype=torch.long, device=keys.device)
-    avg = torch.full((B,), press.decode_budget, dtype=torch.long, device=keys.device)
-    budget = press.layers.layer_budget(avg, layer_idx, n_layers, lengths)
-    counts = press._allocate(scores, budget, layer_idx)
-    counts = fit_to_valid(scores, counts, valid)
-    return press.evictor.select(scores, counts) & valid
+    def _after_attention(self, module: torch.nn.Module, query: torch.Tensor, scaling: float) -> None:
+        """Record the layer's queries and compact it when ``decode_interval`` tokens arrived since its
+        last compaction."""
+        press, state = self.press, self.cache.state
+        assert press is not None and press.decode_interval is not None
+        layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
+        window = press.scorer.query_window()
+        assert window is not None  # refused at Pipeline construction
+        held = state.queries[layer_idx]
+        recent = query.detach() if held is None else torch.cat([held, query.detach()], dim=2)
+        recent = recent[:, :, recent.shape[2] - min(window, recent.shape[2]):]
+        state.queries[layer_idx] = recent
+        state.since[layer_idx] += query.shape[2]
+        if state.since[layer_idx] < press.decode_interval:
+            return
+        with torch.no_grad():
+            entries = self.cache.view(layer_idx)
+            view = layer_view(press.scorer, self.model, module, len(self.cache.layers), entries, recent, scaling)
+            B = entries.keys.shape[0]
+            seen = torch.full((B,), self.cache.get_seq_length(layer_idx), dtype=torch.long, device=entries.keys.device)
+            keep = press.keep([view], press.decode_budget_for(seen))[0]
+            self.cache.retain(layer_idx, keep, entries, spare=press.decode_interval)
+        state.since[layer_idx] = 0
+        state.compactions[layer_idx] += 1

@@ -8,16 +8,18 @@ that running the press on its own would have built, without another prefill.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
+from .attention import RUN_KWARG, attention_routed, layer_view
 from .hf import cache_kwarg, check_left_padded, check_supported, prefill_key_mask
 from .model_pass import model_pass_scores
-from .press_context import RUN_KWARG, _output_weight, attention_routed, next_positions, observation_for
+from .press_cache import HeldEntries
 from .ragged_cache import RaggedCache
+from .routing import next_positions
 from .tensor_parallel import head_shard
 
 
@@ -27,7 +29,7 @@ class LayerCapture:
     values: torch.Tensor
     queries: torch.Tensor
     scaling: float
-    output_weight: torch.Tensor
+    module: torch.nn.Module  # the attention module (its o_proj weight, its layer index)
 
 
 @dataclass
@@ -42,8 +44,7 @@ class CaptureRun:
 
     def after_prefill(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       scaling: float) -> None:
-        self.layers[int(module.layer_idx)] = LayerCapture(key, value, query, scaling,  # type: ignore[arg-type]
-                                                          _output_weight(module))
+        self.layers[int(module.layer_idx)] = LayerCapture(key, value, query, scaling, module)  # type: ignore[arg-type]
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:
@@ -66,25 +67,25 @@ class Prefill:
     def seq_len(self) -> int:
         return self.key_mask.shape[-1]
 
-    def observation(self, scorer, layer_idx: int):
+    def view(self, scorer, layer_idx: int, pass_scores: torch.Tensor | None = None):
+        """The :class:`~kvpress_ada.observation.LayerView` of layer ``layer_idx``'s dense prefill."""
         c = self.layers[layer_idx]
-        return observation_for(scorer, self.model, layer_idx, len(self.layers), c.queries, c.keys, c.values,
-                               self.key_mask, c.scaling, c.output_weight, shard=head_shard(self.model))
+        B, H, L, _ = c.keys.shape
+        valid = self.key_mask[:, None, :].expand(B, H, L)
+        held = HeldEntries(c.keys, c.values, valid, torch.arange(L, device=c.keys.device).expand(B, H, L))
+        return layer_view(scorer, self.model, c.module, len(self.layers), held, c.queries, c.scaling,
+                          head_shard(self.model), pass_scores)
 
     def keep_masks(self, press) -> list[torch.Tensor]:
         """The keep mask ``[B, H_kv, L]`` the press selects in every layer."""
         if press.is_noop:
             return [torch.ones(c.keys.shape[:3], dtype=torch.bool, device=c.keys.device) for c in self.layers]
-        if press.prefill_chunk is not None and self.seq_len > press.prefill_chunk:
-            raise ValueError(f"fan-out derives caches from one dense prefill, but this press prefills in chunks of "
-                             f"{press.prefill_chunk} tokens ({self.seq_len} here): run it with `with press(model)`")
+        press.check_fan_out(self.seq_len)
         press.check_context(int(self.key_mask.sum(-1).min()))
         press.check_model(self.model)
-        observations = [self.observation(press.scorer, i) for i in range(len(self.layers))]
-        if type(press.scorer).needs_model_pass:
-            maps = self._pass_scores(press.scorer)
-            observations = [replace(obs, pass_scores=m) for obs, m in zip(observations, maps)]
-        return press.select_all(observations)
+        maps = self._pass_scores(press.scorer) if type(press.scorer).needs_model_pass else [None] * len(self.layers)
+        views = [self.view(press.scorer, i, m) for i, m in enumerate(maps)]
+        return press.keep(views, press.prefill_budget(self.key_mask.sum(-1)))
 
     def _pass_scores(self, scorer) -> list[torch.Tensor]:
         """The scorer's model pass over the full cache, once per scorer configuration."""
@@ -106,7 +107,7 @@ class Prefill:
         E = len(presses)
         for i, c in enumerate(self.layers):
             cache.update(c.keys.expand(E, -1, -1, -1), c.values.expand(E, -1, -1, -1), i)
-            cache.compress_layer(i, torch.cat([masks[i] for masks in keep_masks], dim=0))
+            cache.retain(i, torch.cat([masks[i] for masks in keep_masks], dim=0))
         return cache
 
     def compressed_cache(self, press, keep_masks: list[torch.Tensor] | None = None):
@@ -118,9 +119,10 @@ class Prefill:
             return cache
         keep_masks = self.keep_masks(press) if keep_masks is None else keep_masks
         cache = press.evictor.new_cache(self.model.config)
+        cache.state.key_mask = self.key_mask
         for i, (c, keep) in enumerate(zip(self.layers, keep_masks)):
             cache.update(c.keys, c.values, i)
-            cache.compress_layer(i, keep)
+            cache.retain(i, keep)
         return cache
 
 

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
-from .entries import masked_view, prefill_visible, visible_view
-from .press_cache import DenseAttention, PressCache
+from .entries import gather_slots, pack_left, real_entries
+from .press_cache import DenseAttention, HeldEntries, PressCache, layer_count
 
 
 class MaskedLayer(DynamicLayer):
@@ -31,37 +31,33 @@ class MaskedLayer(DynamicLayer):
             raise ValueError("this layer holds no tokens yet")
         return self.keys, self.values
 
-    def compress(self, keep: torch.Tensor) -> None:
-        keys, _ = self._dense()
-        if keep.shape != keys.shape[:3]:
-            raise ValueError(f"keep mask of shape {tuple(keep.shape)} does not match the layer's cache "
-                             f"{tuple(keys.shape[:3])}")
-        self.keep = keep
-
     def reset(self) -> None:
         super().reset()
         self.keep = None
 
-    def _visible(self, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        keys, _ = self._dense()
+    def view(self, key_mask: torch.Tensor | None = None) -> HeldEntries:
+        """The visible entries (kept prefix entries and everything appended since), left-padded; the
+        dense layer itself before compression (``key_mask``: the prefill's real tokens)."""
+        keys, values = self._dense()
+        B, H, L, _ = keys.shape
         if self.keep is None:
-            return prefill_visible(key_mask, tuple(keys.shape[:3]), keys.device)
-        return F.pad(self.keep, (0, keys.shape[2] - self.keep.shape[-1]), value=True)
+            positions = torch.arange(L, device=keys.device).expand(B, H, L)
+            return HeldEntries(keys, values, real_entries(key_mask, positions), positions)
+        index, present = pack_left(F.pad(self.keep, (0, L - self.keep.shape[-1]), value=True))
+        positions = torch.where(present, index, -1)
+        return HeldEntries(gather_slots(keys, index, present), gather_slots(values, index, present),
+                           present & real_entries(key_mask, positions), positions)
 
-    def decode_view(self, key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The visible entries as a left-padded view ``(keys, values, valid)`` (see ``decode_compression``)."""
-        keys, values = self._dense()
-        view_keys, view_values, valid, _ = visible_view(keys, values, self._visible(key_mask))
-        return view_keys, view_values, valid
-
-    def decode_compact(self, keep: torch.Tensor, spare: int, key_mask: torch.Tensor | None = None) -> None:
-        """Hide every entry whose :meth:`decode_view` slot ``keep`` drops (nothing is freed; ``spare``
-        is unused). ``key_mask`` as given to :meth:`decode_view`."""
-        keys, values = self._dense()
-        visible = self._visible(key_mask)
-        _, _, _, index = visible_view(keys[..., :1], values[..., :1], visible)
-        padded = F.pad(keep, (0, 1), value=False)
-        self.keep = padded.gather(2, index) & visible
+    def retain(self, keep: torch.Tensor, held: HeldEntries, spare: int | None = None) -> None:
+        """Hide every entry of ``held`` (this layer's view) that ``keep`` drops; nothing is freed
+        (``spare`` is unused)."""
+        keys, _ = self._dense()
+        if keep.shape != held.valid.shape:
+            raise ValueError(f"keep mask of shape {tuple(keep.shape)} does not match the layer's view "
+                             f"{tuple(held.valid.shape)}")
+        kept = (keep & held.valid).to(torch.int32)
+        full = torch.zeros(keys.shape[:3], dtype=torch.int32, device=keys.device)
+        self.keep = full.scatter_add_(-1, held.positions.clamp(min=0).expand_as(kept), kept) > 0
 
     def head_lengths(self) -> torch.Tensor:
         """Visible entries per (batch, kv head), ``[B, H_kv]``."""
@@ -69,30 +65,6 @@ class MaskedLayer(DynamicLayer):
         if self.keep is None:
             return torch.full(keys.shape[:2], keys.shape[2], dtype=torch.long, device=keys.device)
         return self.keep.sum(-1) + (keys.shape[2] - self.keep.shape[2])
-
-    def _held(self) -> torch.Tensor:
-        keys, _ = self._dense()
-        if self.keep is None:
-            return torch.ones(keys.shape[:3], dtype=torch.bool, device=keys.device)
-        return F.pad(self.keep, (0, keys.shape[2] - self.keep.shape[-1]), value=True)
-
-    def entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Left-padded per-head view ``(keys, values [B, H, Lv, D], lengths [B, H])`` of the visible
-        entries (kept prefix entries and everything appended since), in position order."""
-        keys, values = self._dense()
-        view_k, view_v, lengths, _ = masked_view(keys, values, self._held())
-        return view_k, view_v, lengths
-
-    def keep_entries(self, keep: torch.Tensor, view: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Keep the entries of :meth:`entries`'s view where ``keep [B, H, Lv]`` is True; the others
-        are hidden from now on (chunked prefill). ``view`` is accepted for the ragged layer's
-        signature and not needed here."""
-        keys, values = self._dense()
-        _, _, _, source = masked_view(keys, values, self._held())
-        full = torch.zeros(keys.shape[:3], dtype=torch.bool, device=keys.device)
-        full.scatter_(-1, source.clamp(min=0), keep & (source >= 0))
-        self.keep = None
-        self.compress(full)
 
     def nbytes(self) -> int:
         """Bytes held for keys and values: the full dense cache (masking frees nothing)."""
@@ -118,15 +90,8 @@ class MaskedCache(PressCache):
     or where a dense cache is required. ``head_lengths``/``nbytes`` as for the ragged cache."""
 
     def __init__(self, config: Any = None, num_layers: int | None = None):
-        super().__init__(layers=[MaskedLayer() for _ in range(_num_layers(config, num_layers))])
+        super().__init__(layers=[MaskedLayer() for _ in range(layer_count(config, num_layers))])
 
-
-def _num_layers(config: Any, num_layers: int | None) -> int:
-    if num_layers is not None:
-        return num_layers
-    if config is None:
-        raise ValueError("a press cache needs a model config or num_layers")
-    return int(config.get_text_config(decoder=True).num_hidden_layers)
 
 
 def _allowed(attention_mask: Any, batch: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:

@@ -26,6 +26,7 @@ from weakref import WeakKeyDictionary
 import torch
 
 from ..kernels.lse_attention import attention_with_lse, full_prefix_then_causal, prefix_then_causal_parts
+from .attention import RUN_KWARG, attention_routed, output_weight
 from .hf import cache_kwarg
 
 _TOKENIZERS: WeakKeyDictionary[torch.nn.Module, Any] = WeakKeyDictionary()
@@ -82,8 +83,6 @@ class PassRun:
                attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:
         """The pass's attention (one fused kernel giving output and log-sum-exp), then the scores,
         which reuse that log-sum-exp when the scorer's softmax spans what the model attends to."""
-        from .press_context import _output_weight
-
         layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
         shape = (query.shape[2], key.shape[2])
         if self._mask is None or self._mask[0] is not attention_mask or self._mask[1] != shape:
@@ -100,7 +99,7 @@ class PassRun:
             parts = (*attention_with_lse(query, key, value, allowed, scaling), None)
         out, lse, lse_own = parts
         self.scores[layer_idx] = self.scorer.pass_scores(
-            query, key, self.chunk, scaling, value=value, output_weight=_output_weight(module),
+            query, key, self.chunk, scaling, value=value, output_weight=output_weight(module),
             hidden_norm=self.hidden_norms.pop(layer_idx, None), lse=lse if self.chunk.whole_context else None,
             lse_own=lse_own)
         return out.transpose(1, 2).contiguous(), None
@@ -123,8 +122,6 @@ def model_pass_scores(model: Any, scorer: Any, cache: Any, context_ids: torch.Te
 
     ``next_position [B]``: the RoPE position of the first token after each row's context.
     """
-    from .press_context import RUN_KWARG, attention_routed
-
     if context_ids is None:
         raise ValueError(f"{type(scorer).__name__} re-reads the context's token ids; call the model with "
                          "input_ids, not inputs_embeds")

@@ -1,8 +1,9 @@
 """The contract every cache a press compresses into follows, and the one base class they share.
 
 An :class:`~kvpress_ada.evictors.Evictor` builds its cache with ``new_cache(config)``; the cache is
-a transformers ``Cache`` made of :class:`PressLayer` objects. A layer is dense while its prefill
-is in flight, then :meth:`PressLayer.compress` drops (or hides) the unselected entries, and
+a transformers ``Cache`` made of :class:`PressLayer` objects. A layer gives one view of what it
+holds (:meth:`PressLayer.view`, dense while its prefill is in flight) and takes back one keep mask
+over that view (:meth:`PressLayer.retain`, which drops or hides the rest);
 :meth:`PressLayer.attend` computes attention over what is left. A new cache kind (quantized,
 paged, offloaded) is one layer class, one cache class and one registered evictor.
 
@@ -15,6 +16,7 @@ entries.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
@@ -23,32 +25,37 @@ from transformers.cache_utils import Cache
 DenseAttention = Callable[..., tuple[torch.Tensor, Any]]
 
 
+@dataclass(frozen=True)
+class HeldEntries:
+    """What one layer holds, as a dense left-padded view: ``keys``/``values`` ``[B, H_kv, L, D]``,
+    row ``(b, h)``'s entries in position order at the end of its row; ``valid`` ``[B, H_kv, L]``
+    (False on padding); ``positions`` ``[B, H_kv, L]`` each entry's index in the sequence fed to the
+    cache (-1 on slots that hold nothing)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+    positions: torch.Tensor
+
+
 class PressLayer(Protocol):
-    """One layer of a press cache."""
+    """One layer of a press cache: one view of what it holds, one way to keep part of it."""
 
     compressed: bool
 
-    def compress(self, keep: torch.Tensor) -> None:
-        """Keep the entries where ``keep [B, H_kv, L]`` is True (the layer's dense prefill)."""
+    def view(self, key_mask: torch.Tensor | None = None) -> HeldEntries:
+        """What the layer holds. ``key_mask [B, L0]``: the real tokens of the prefill (a layer not
+        compressed yet holds its padding too; tokens appended after ``L0`` are real)."""
+
+    def retain(self, keep: torch.Tensor, held: HeldEntries, spare: int | None = None) -> None:
+        """Keep the entries of ``held`` (this layer's :meth:`view`) where ``keep [B, H_kv, L]`` is True;
+        the rest leave the layer. ``spare``: free slots per row for the tokens appended next."""
 
     def head_lengths(self) -> torch.Tensor:
         """Entries each (batch, kv head) attends to, ``LongTensor[B, H_kv]``."""
 
-    def entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Left-padded per-head view ``(keys, values [B, H_kv, Lv, D], lengths [B, H_kv])`` of the
-        entries each row attends to, in position order (chunked prefill re-scores them)."""
-
-    def keep_entries(self, keep: torch.Tensor, view: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Keep the entries of :meth:`entries`'s view where ``keep [B, H_kv, Lv]`` is True."""
-
     def nbytes(self) -> int:
         """Bytes held for keys and values."""
-
-    def decode_view(self, key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Left-padded ``(keys, values, valid)`` view of the entries attended to (decode compression)."""
-
-    def decode_compact(self, keep: torch.Tensor, spare: int, key_mask: torch.Tensor | None = None) -> None:
-        """Keep the :meth:`decode_view` entries where ``keep`` is True (decode compression)."""
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                scaling: float, dense_fn: DenseAttention, module: torch.nn.Module,
@@ -56,47 +63,68 @@ class PressLayer(Protocol):
         """Attention output ``[B, Q, H_q, D]`` of ``query`` over this layer (after ``update``)."""
 
 
+@dataclass
+class SequenceState:
+    """What the press routing records about the sequence a cache holds, with the cache (so it
+    follows it across forwards and ``copy.deepcopy``): the prefill's real tokens, and per layer the
+    most recent queries, the tokens appended since the last compaction, and the compactions run."""
+
+    n_layers: int
+    key_mask: torch.Tensor | None = None  # [B, L_prefill] real tokens of the prefill (left padding)
+    queries: list[torch.Tensor | None] = field(default_factory=list)
+    since: list[int] = field(default_factory=list)
+    compactions: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.queries = [None] * self.n_layers
+        self.since = [0] * self.n_layers
+        self.compactions = [0] * self.n_layers
+
+
 class PressCache(Cache):
-    """A ``Cache`` of :class:`PressLayer` objects; see the module docstring."""
+    """A ``Cache`` of :class:`PressLayer` objects; see the module docstring.
+
+    ``routed``: set by the press routing for the duration of one forward (a compressed layer is
+    only updated under it); ``state``: the :class:`SequenceState` of the sequence held."""
 
     def __init__(self, layers: list[Any]):
         super().__init__(layers=layers)
-        self.routed = False  # set by the press routing for the duration of one forward
-        self.decode_state: Any = None  # decode compression's per-cache state (decode_compression.py)
+        self.routed = False
+        self.state = SequenceState(n_layers=len(layers))
 
-    def _layer(self, layer_idx: int) -> PressLayer:
+    def layer(self, layer_idx: int) -> PressLayer:
+        """Layer ``layer_idx``, checked."""
         if not 0 <= layer_idx < len(self.layers):
             raise ValueError(f"layer_idx {layer_idx} out of range: this cache has layers 0..{len(self.layers) - 1}")
         layer: PressLayer = self.layers[layer_idx]  # type: ignore[assignment]
         return layer
 
     def is_compressed(self, layer_idx: int) -> bool:
-        return self._layer(layer_idx).compressed
+        return self.layer(layer_idx).compressed
 
-    def compress_layer(self, layer_idx: int, keep: torch.Tensor) -> None:
-        self._layer(layer_idx).compress(keep)
+    def view(self, layer_idx: int) -> HeldEntries:
+        """What layer ``layer_idx`` holds (see :meth:`PressLayer.view`)."""
+        return self.layer(layer_idx).view(self.state.key_mask)
 
-    def dense(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The dense keys and values ``[B, H_kv, L, D]`` of a layer not compressed yet."""
-        layer = self.layers[layer_idx]
-        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if self.is_compressed(layer_idx) or keys is None or values is None:
-            raise ValueError(f"layer {layer_idx} holds no dense prefill (already compressed or empty)")
-        return keys, values
+    def retain(self, layer_idx: int, keep: torch.Tensor, held: HeldEntries | None = None,
+               spare: int | None = None) -> None:
+        """Keep the entries of layer ``layer_idx``'s view where ``keep`` is True."""
+        layer = self.layer(layer_idx)
+        layer.retain(keep, layer.view(self.state.key_mask) if held is None else held, spare)
 
     def head_lengths(self, layer_idx: int) -> torch.Tensor:
         """Entries each (batch, kv head) of layer ``layer_idx`` attends to, ``LongTensor[B, H_kv]``."""
-        return self._layer(layer_idx).head_lengths()
+        return self.layer(layer_idx).head_lengths()
 
     def nbytes(self) -> int:
         """Bytes held for keys and values of all layers."""
-        return sum(self._layer(i).nbytes() for i in range(len(self.layers)))
+        return sum(self.layer(i).nbytes() for i in range(len(self.layers)))
 
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float, dense_fn: DenseAttention, module: torch.nn.Module,
                **kwargs: Any) -> tuple[torch.Tensor, Any]:
         """Attention of ``query`` over layer ``layer_idx`` (dense until the layer is compressed)."""
-        return self._layer(layer_idx).attend(query, key, value, attention_mask, scaling, dense_fn, module, **kwargs)
+        return self.layer(layer_idx).attend(query, key, value, attention_mask, scaling, dense_fn, module, **kwargs)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,3 +133,12 @@ class PressCache(Cache):
                 f"this {type(self).__name__} was compressed by a kvpress_ada press and needs its attention: call "
                 "the model with it inside `with press(model):`, or once `kvpress_ada.attach(model)` has run")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def layer_count(config: Any, n: int | None) -> int:
+    """Layers of a press cache: ``n`` when given, else the model config's decoder layer count."""
+    if n is not None:
+        return n
+    if config is None:
+        raise ValueError("a press cache needs a model config or num_layers")
+    return int(config.get_text_config(decoder=True).num_hidden_layers)

@@ -35,9 +35,8 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .. import kernels
 from ..kernels.reference import CHUNK
-from .entries import prefill_visible, ragged_view
-from .masked_cache import _num_layers
-from .press_cache import DenseAttention, PressCache
+from .entries import gather_slots, left_pad_index, ragged_index, real_entries
+from .press_cache import DenseAttention, HeldEntries, PressCache, layer_count
 
 
 class RaggedLayer(CacheLayerMixin):
@@ -67,6 +66,8 @@ class RaggedLayer(CacheLayerMixin):
         self._appended = 0  # tokens appended to every row since compression
         self._spare = 0  # free slots left in the fullest row
         self._reserved = 0  # tokens :meth:`reserve` made room for (and counted) ahead of the next update
+        self._kept_positions = torch.empty(0, dtype=torch.int32)  # sequence index of each compressed entry, row order
+        self._compressed_at = 0  # tokens seen when the layer was last compressed (appended ones follow)
         self.shape = (0, 0, 0)  # (B, H_kv, D)
 
     # ------------------------------------------------------------------ HF API
@@ -141,9 +142,10 @@ class RaggedLayer(CacheLayerMixin):
             raise ValueError("cannot compress a layer that holds no tokens")
         return self.keys, self.values
 
-    def compress(self, keep: torch.Tensor, spare: int | None = None) -> None:
-        """Compact the dense prefill cache to the entries where ``keep [B, H_kv, L]`` is True,
-        leaving ``spare`` free slots per row (default ``decode_reserve``)."""
+    def compress(self, keep: torch.Tensor, spare: int | None = None, positions: torch.Tensor | None = None) -> None:
+        """Compact the dense cache to the entries where ``keep [B, H_kv, L]`` is True, leaving ``spare``
+        free slots per row (default ``decode_reserve``). ``positions [B, H_kv, L]``: each dense entry's
+        index in the sequence (default: its index in the dense cache)."""
         keys, values = self._dense()
         B, H, L, D = keys.shape
         if keep.shape != (B, H, L):
@@ -152,6 +154,10 @@ class RaggedLayer(CacheLayerMixin):
         self._base = counts.tolist()  # one host sync per layer, at compression time only
         self.shape = (B, H, D)
         self._appended = 0
+        if positions is None:
+            positions = torch.arange(L, device=keys.device).expand(B, H, L)
+        self._kept_positions = positions.expand(B, H, L)[keep].to(torch.int32)
+        self._compressed_at = self.seen
         self._layout(self.decode_reserve if spare is None else spare, counts)
         kernels.compact(keys, values, keep, self.row_offsets, self.k_flat, self.v_flat)
         self.keys = self.values = None
@@ -192,27 +198,42 @@ class RaggedLayer(CacheLayerMixin):
         self.k_flat[dst] = old_k[src]
         self.v_flat[dst] = old_v[src]
 
-    def entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Left-padded per-head view ``(keys, values [B, H, Lv, D], lengths [B, H])`` of what each row
-        holds (the dense prefill as it is before compression)."""
+    def view(self, key_mask: torch.Tensor | None = None) -> HeldEntries:
+        """What each row holds, left-padded (the dense prefill itself before compression, ``key_mask``
+        its real tokens). One host sync (the longest row)."""
         if not self.compressed:
             keys, values = self._dense()
             B, H, L, _ = keys.shape
-            return keys, values, torch.full((B, H), L, dtype=torch.long, device=keys.device)
-        return ragged_view(self.k_flat, self.v_flat, self.row_offsets, self.row_lengths, self.shape)
+            positions = torch.arange(L, device=keys.device).expand(B, H, L)
+            return HeldEntries(keys, values, real_entries(key_mask, positions), positions)
+        B, H, _ = self.shape
+        index, present = ragged_index(self.row_offsets, self.row_lengths, (B, H))
+        positions = torch.where(present, self._view_positions(present.shape[-1]), -1)
+        return HeldEntries(gather_slots(self.k_flat, index, present), gather_slots(self.v_flat, index, present),
+                           present & real_entries(key_mask, positions), positions)
 
-    def keep_entries(self, keep: torch.Tensor,
-                     view: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Keep the entries of :meth:`entries`'s view where ``keep [B, H, Lv]`` is True (False on its
-        padding) and re-lay the layer out (chunked prefill). ``view``: its keys and values, when
-        the caller already has them."""
-        if self.compressed:
-            if view is None:
-                keys, values, _ = self.entries()
-                view = (keys, values)
-            self.keys, self.values = view
-            self.compressed = False
-        self.compress(keep)
+    def _view_positions(self, width: int) -> torch.Tensor:
+        """``[B, H, width]`` sequence index of each slot of :meth:`view`: the compressed entries' recorded
+        positions, then the tokens appended since (``_compressed_at``, ``_compressed_at + 1``, ...)."""
+        B, H, _ = self.shape
+        device = self.row_lengths.device
+        base = torch.tensor(self._base, dtype=torch.long, device=device).view(B, H)
+        index, _ = left_pad_index(base + self._appended, width)  # rank of each slot within its row
+        first = (torch.cumsum(base.reshape(-1), 0) - base.reshape(-1)).view(B, H, 1)
+        kept = self._kept_positions.to(device).long()
+        from_kept = kept[(first + index.clamp(max=(base - 1).clamp(min=0)[..., None])).clamp(
+            max=max(kept.numel() - 1, 0))] if kept.numel() else torch.zeros_like(index)
+        return torch.where(index < base[..., None], from_kept, self._compressed_at + index - base[..., None])
+
+    def retain(self, keep: torch.Tensor, held: HeldEntries, spare: int | None = None) -> None:
+        """Keep the entries of ``held`` (this layer's :meth:`view`) where ``keep`` is True, re-laying the
+        layer out with ``spare`` free slots per row (default ``decode_reserve``); padding is never kept."""
+        if keep.shape != held.valid.shape:
+            raise ValueError(f"keep mask of shape {tuple(keep.shape)} does not match the layer's view "
+                             f"{tuple(held.valid.shape)}")
+        self.keys, self.values = held.keys, held.values
+        self.compressed = False
+        self.compress(keep & held.valid, spare=spare, positions=held.positions)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                scaling: float, dense_fn: DenseAttention, module: torch.nn.Module,
@@ -240,27 +261,6 @@ class RaggedLayer(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
             raise NotImplementedError("selecting batch rows of a filled RaggedCache is not supported")
-
-    # ----------------------------------------------------- decode compression
-    def decode_view(self, key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Left-padded dense view of the layer for decode re-scoring: ``(keys, values, valid)``,
-        ``[B, H_kv, L_max, D]`` twice and ``[B, H_kv, L_max]`` (see ``decode_compression``);
-        ``key_mask``: the prefill's real tokens, for a layer not compressed yet."""
-        if not self.compressed:
-            keys, values = self._dense()
-            return keys, values, prefill_visible(key_mask, tuple(keys.shape[:3]), keys.device)
-        keys, values, lengths = self.entries()  # the same left-padded view chunked prefill reads
-        width = keys.shape[2]
-        valid = torch.arange(width, device=keys.device) >= (width - lengths)[..., None]
-        return keys, values, valid
-
-    def decode_compact(self, keep: torch.Tensor, spare: int, key_mask: torch.Tensor | None = None) -> None:
-        """Keep the entries of :meth:`decode_view` where ``keep`` is True, in place of the layer's
-        rows, through the prefill's ``compress`` path; each row gets ``spare`` free slots
-        (``key_mask`` as given to :meth:`decode_view`; padding is never kept)."""
-        if self.compressed:
-            self.keys, self.values, _ = self.decode_view()
-        self.compress(keep, spare=spare)
 
     # ------------------------------------------------------------ inspection
     def nbytes(self) -> int:
@@ -323,7 +323,7 @@ class RaggedCache(PressCache):
     """
 
     def __init__(self, config: Any = None, num_layers: int | None = None, decode_reserve: int = 8):
-        super().__init__(layers=[RaggedLayer(decode_reserve) for _ in range(_num_layers(config, num_layers))])
+        super().__init__(layers=[RaggedLayer(decode_reserve) for _ in range(layer_count(config, num_layers))])
 
     @property
     def compressed(self) -> bool:

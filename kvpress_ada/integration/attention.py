@@ -1,0 +1,107 @@
+"""The ``"kvpress_ada"`` attention function and the few helpers every mode handler shares.
+
+A forward routed through kvpress_ada carries one :class:`Handler` in the model's ``**kwargs``
+(:data:`RUN_KWARG`); the attention function hands each layer's post-RoPE tensors to it. Without a
+handler the function is transformers' dense SDPA. Nothing here knows which mode is running.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Protocol
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..observation import LayerView
+from .press_cache import HeldEntries
+from .tensor_parallel import HeadShard, local_weight
+
+ATTENTION_NAME = "kvpress_ada"
+RUN_KWARG = "kvpress_ada_run"
+
+
+class Handler(Protocol):
+    """What the ``"kvpress_ada"`` attention function needs for one forward pass (one per mode:
+    prefill, chunked prefill, decode, fan-out capture, a scorer's model pass)."""
+
+    def handles_prefill(self, layer_idx: int) -> bool:
+        """Whether this forward is the prefill of ``layer_idx`` that :meth:`after_prefill` handles."""
+
+    def after_prefill(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scaling: float) -> None:
+        """Called right after the layer's dense prefill attention with its post-RoPE tensors."""
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        """Attention for every other call (decode steps, chunks, layers already compressed)."""
+
+
+def press_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
+                    **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """Attention function registered as ``"kvpress_ada"``; dense SDPA when no handler is passed."""
+    run: Handler | None = kwargs.pop(RUN_KWARG, None)
+    scaling = float(module.scaling) if scaling is None else scaling  # type: ignore[arg-type]
+    if run is None or run.handles_prefill(int(module.layer_idx)):  # type: ignore[arg-type]
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                     **kwargs)
+        if run is not None:
+            run.after_prefill(module, query, key, value, scaling)
+        return out
+    return run.attend(module, query, key, value, attention_mask, scaling, dropout=dropout, **kwargs)
+
+
+AttentionInterface.register(ATTENTION_NAME, press_attention)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+@contextmanager
+def attention_routed(model: Any) -> Iterator[Any]:
+    """Switch ``model`` to the ``"kvpress_ada"`` attention implementation inside the block."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def dense_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """transformers' SDPA attention (what a layer not compressed yet attends with)."""
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+def output_weight(module: torch.nn.Module) -> torch.Tensor:
+    """The attention module's ``o_proj.weight`` ``[hidden, H_q * D]`` (this rank's columns under
+    tensor parallelism)."""
+    weight = local_weight(getattr(module, "o_proj").weight)
+    assert isinstance(weight, torch.Tensor)
+    return weight
+
+
+def rope_inv_freq(model: Any) -> torch.Tensor:
+    """The model's RoPE inverse frequencies ``[D // 2]``."""
+    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    if rotary is None or not hasattr(rotary, "inv_freq"):
+        raise ValueError(f"{type(model).__name__} exposes no rotary_emb.inv_freq, which this scorer needs")
+    return rotary.inv_freq
+
+
+def layer_view(scorer: Any, model: Any, module: torch.nn.Module, n_layers: int, held: HeldEntries,
+               queries: torch.Tensor, scaling: float, shard: HeadShard | None = None,
+               pass_scores: torch.Tensor | None = None) -> LayerView:
+    """The :class:`LayerView` of one layer holding ``held``, with only what ``scorer`` declares it reads:
+    the last ``min(w, queries, entries)`` of ``queries`` for a window of ``w``, and the ``o_proj``
+    weight or RoPE frequencies when asked for."""
+    window = scorer.query_window()
+    n = queries.shape[2] if window is None else min(window, queries.shape[2], held.keys.shape[2])
+    return LayerView(
+        keys=held.keys, values=held.values, valid=held.valid, positions=held.positions,
+        queries=queries[:, :, queries.shape[2] - n:], layer_idx=int(module.layer_idx),  # type: ignore[arg-type]
+        n_layers=n_layers, scaling=scaling,
+        output_weight=output_weight(module).detach() if scorer.needs_output_weight else None,
+        rope_inv_freq=rope_inv_freq(model) if scorer.needs_rope else None, shard=shard, pass_scores=pass_scores)

@@ -1,0 +1,73 @@
+"""Prefill handler: compress each layer right after its dense prefill attention, or, when the
+press evicts at the end of prefill (a model-scope layer schedule, a scorer with its own model pass),
+keep every layer's view and evict all layers at once when the forward ends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..observation import LayerView
+from .attention import dense_attention, layer_view
+from .model_pass import model_pass_scores
+from .press_cache import PressCache
+from .tensor_parallel import HeadShard
+
+if TYPE_CHECKING:
+    from ..pipeline import Pipeline
+
+
+@dataclass
+class PrefillRun:
+    """The handler of one prefill forward under ``press`` (``key_mask [B, L]``: its real tokens)."""
+
+    press: Pipeline
+    cache: PressCache
+    model: torch.nn.Module
+    key_mask: torch.Tensor
+    input_ids: torch.Tensor | None = None
+    next_position: torch.Tensor | None = None  # [B] RoPE position after the prefill (model passes)
+    shard: HeadShard | None = None  # tensor parallelism: this rank's kv heads
+    pending: dict[int, LayerView] = field(default_factory=dict)
+
+    def handles_prefill(self, layer_idx: int) -> bool:
+        return not self.cache.is_compressed(layer_idx)
+
+    def after_prefill(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scaling: float) -> None:
+        layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
+        held = self.cache.view(layer_idx)
+        view = layer_view(self.press.scorer, self.model, module, len(self.cache.layers), held, query, scaling,
+                          self.shard)
+        if self.press.evicts_at_end:
+            self.pending[layer_idx] = view
+        else:
+            keep = self.press.keep([view], self.press.prefill_budget(self.key_mask.sum(-1)))[0]
+            self.cache.retain(layer_idx, keep, held)
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        return self.cache.attend(int(module.layer_idx), query, key, value, attention_mask,  # type: ignore[arg-type]
+                                 scaling, dense_attention, module, **kwargs)
+
+    def after_forward(self, output: Any) -> Any:
+        """End of the forward (``output`` is ``None`` when it raised): evict every layer at once when
+        the press waited for all of them."""
+        pending, self.pending = self.pending, {}
+        if output is None or len(pending) != len(self.cache.layers):
+            return output  # nothing waited, or the forward failed part-way (the error is already raised)
+        views = [pending[i] for i in range(len(pending))]
+        if type(self.press.scorer).needs_model_pass:
+            assert self.next_position is not None
+            # let go of the prefill tensors while the pass grows the cache: they are re-read after it
+            empty = torch.empty(0)
+            views = [replace(v, keys=empty, values=empty) for v in views]
+            maps = model_pass_scores(self.model, self.press.scorer, self.cache, self.input_ids, self.key_mask,
+                                     self.next_position)
+            views = [replace(v, keys=h.keys, values=h.values, pass_scores=m)
+                     for v, h, m in zip(views, (self.cache.view(i) for i in range(len(views))), maps)]
+        for i, keep in enumerate(self.press.keep(views, self.press.prefill_budget(self.key_mask.sum(-1)))):
+            self.cache.retain(i, keep)
+        return output

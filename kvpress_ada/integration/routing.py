@@ -1,0 +1,200 @@
+"""The one place that routes a transformers model through kvpress_ada: attention, prefill hook.
+
+``with press(model):`` installs a forward pre-hook on the model and switches it to the
+``"kvpress_ada"`` attention implementation (registered through transformers' public
+``AttentionInterface``). At prefill the hook swaps in a fresh cache built by the press's evictor
+(:class:`RaggedCache` for ``TopK``, :class:`MaskedCache` for ``Mask``). The pre-hook then picks the
+mode of the forward in one place (:meth:`_Route._handler`; chunked prefill when the press chunks a
+prompt this long) and passes its handler down to the attention function through the model's
+``**kwargs``: :class:`~.prefill.PrefillRun` (compress each layer after its prefill, or all layers at
+the end of it), :class:`~.chunked_prefill.ChunkedPrefill`, :class:`~.decode_compression.DecodeRun`
+(attention through the cache, with decode compaction when the press asks for it). Every handler that
+evicts calls :meth:`Pipeline.keep <kvpress_ada.Pipeline.keep>`.
+
+A compressed cache outlives the block: :func:`attach` keeps the routing installed (without a
+press) so ``model(..., past_key_values=cache)`` and ``model.generate(past_key_values=cache)``
+keep working on it; :func:`detach` removes it. Presses do not nest on one model.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator
+from weakref import WeakKeyDictionary
+
+import torch
+from transformers import DynamicCache
+
+from . import compiled
+from .attention import ATTENTION_NAME, RUN_KWARG, Handler
+from .chunked_prefill import ChunkedPrefill as ChunkedPrefillRun
+from .chunked_prefill import start_chunked_prefill
+from .decode_compression import DecodeRun
+from .hf import cache_kwarg, check_left_padded, check_supported, input_shape, prefill_key_mask
+from .prefill import PrefillRun
+from .press_cache import PressCache, SequenceState
+from .tensor_parallel import head_shard
+
+if TYPE_CHECKING:
+    from ..pipeline import Pipeline
+
+
+def next_positions(position_ids: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
+    """``[B]`` RoPE position following a prefill of ``shape`` (its ``position_ids`` when given)."""
+    if isinstance(position_ids, torch.Tensor):
+        return position_ids[:, -1].expand(shape[0]) + 1
+    return torch.full((shape[0],), shape[1], dtype=torch.long)
+
+
+def _check_sliding_window(model: Any, length: int) -> None:
+    """Refuse a forward that would bring a press cache past the model's sliding window."""
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    uses = config.model_type == "mistral" or getattr(config, "use_sliding_window", False)
+    if window is not None and uses and length > window:
+        raise ValueError(f"this forward brings the compressed cache to {length} tokens, past the model's sliding "
+                         f"window ({window}); kvpress_ada presses do not support sliding-window attention: keep "
+                         f"context + generated tokens <= {window}")
+
+
+# ---------------------------------------------------------------------------------- routing
+class _Route:
+    """The hooks and attention implementation that route one model through kvpress_ada."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.press: Pipeline | None = None
+        self.attached = False
+        self.cache_key = cache_kwarg(model)
+        self.previous = model.config._attn_implementation
+        self.handles = [model.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
+                        model.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)]
+        model.set_attn_implementation(ATTENTION_NAME)
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.model.set_attn_implementation(self.previous)
+
+    def _pre_hook(self, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if RUN_KWARG in kwargs:  # a handler already owns this forward (a chunk, fan-out capture, a model pass)
+            return args, kwargs
+        press = self.press
+        if press is not None and kwargs.get("use_cache") is False:
+            raise ValueError("a press compresses the KV cache, but this forward runs with use_cache=False; "
+                             "call the model with use_cache=True (the default of generate) or outside the press")
+        given_key = "past_key_values" if "past_key_values" in kwargs else self.cache_key
+        cache = kwargs.get(given_key)
+        if not isinstance(cache, PressCache):
+            fresh = cache is None or (type(cache) is DynamicCache and cache.get_seq_length() == 0)
+            if press is None:
+                return args, kwargs
+            if not fresh:
+                assert cache is not None
+                warnings.warn(f"{type(cache).__name__} already holds {cache.get_seq_length()} tokens that were "
+                              "not compressed by this press; the forward runs uncompressed", stacklevel=3)
+                return args, kwargs
+            cache = press.evictor.new_cache(self.model.config)
+        shape, _ = input_shape(args, kwargs)
+        _check_sliding_window(self.model, cache.get_seq_length() + shape[1])
+        kwargs.pop("past_key_values", None)
+        if press is not None and cache.get_seq_length() == 0:  # a prefill under the press
+            key_mask = prefill_key_mask(args, kwargs)
+            check_left_padded(key_mask)
+            cache.state = SequenceState(n_layers=len(cache.layers), key_mask=key_mask)
+            if press.chunks_prompt(shape[1]):
+                return start_chunked_prefill(self.model, press, cache, args, kwargs, self.cache_key)
+        run = self._handler(press, cache, args, kwargs, shape)
+        kwargs[self.cache_key] = cache
+        kwargs[RUN_KWARG] = run
+        cache.routed = True
+        return args, kwargs
+
+    def _handler(self, press: Pipeline | None, cache: PressCache, args: tuple, kwargs: dict,
+                 shape: torch.Size) -> Handler:
+        """The mode of this forward: a compressed prefill, or attention through the cache (with decode
+        compaction when the press compacts while generating; never during the prefill itself)."""
+        prefill = cache.get_seq_length() == 0
+        if press is not None and prefill and press.compresses_prefill:
+            key_mask = cache.state.key_mask
+            assert key_mask is not None
+            press.check_context(int(key_mask.sum(-1).min()))
+            return PrefillRun(press=press, cache=cache, model=self.model, key_mask=key_mask,
+                              input_ids=kwargs.get("input_ids", args[0] if args else None),
+                              next_position=next_positions(kwargs.get("position_ids"), shape),
+                              shard=head_shard(self.model))
+        compacting = press is not None and press.compresses_decode and not prefill
+        return DecodeRun(cache=cache, model=self.model, press=press if compacting else None)
+
+    def _post_hook(self, module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+        run = kwargs.get(RUN_KWARG)
+        if not isinstance(run, (PrefillRun, DecodeRun, ChunkedPrefillRun)):
+            return None  # another handler (fan-out capture, a model pass) owns this forward
+        if not (isinstance(run, ChunkedPrefillRun) and not run.last):
+            run.cache.routed = False
+        return run.after_forward(output)
+
+
+_ROUTES: WeakKeyDictionary[torch.nn.Module, _Route] = WeakKeyDictionary()
+
+
+def _route(model: Any) -> _Route:
+    route = _ROUTES.get(model)
+    if route is None:
+        route = _ROUTES[model] = _Route(model)
+    return route
+
+
+def _release(model: Any) -> None:
+    route = _ROUTES.get(model)
+    if route is not None and route.press is None and not route.attached:
+        route.close()
+        del _ROUTES[model]
+
+
+def attach(model: Any) -> Any:
+    """Keep ``model`` routed through kvpress_ada outside any ``with press(model)`` block, so a cache a
+    press compressed can be used with ``model(...)`` and ``model.generate(past_key_values=cache)``.
+    Forwards with any other cache run exactly as before. Idempotent; undo with :func:`detach`."""
+    check_supported(model)
+    _route(model).attached = True
+    return model
+
+
+def detach(model: Any) -> Any:
+    """Undo :func:`attach` (a running ``with press(model)`` block keeps its routing until it ends)."""
+    route = _ROUTES.get(model)
+    if route is not None:
+        route.attached = False
+        _release(model)
+    return model
+
+
+@contextmanager
+def apply_press(press: Pipeline, model: Any, compile: bool | None = None) -> Iterator[Any]:
+    """Apply ``press`` to ``model`` inside the ``with`` block (see the module docstring).
+
+    ``compile``: run decode steps over the compressed cache through a compiled forward
+    (:mod:`.compiled`; ``None``: on CUDA, off on CPU, ``$KVPRESS_ADA_COMPILE`` overrides)."""
+    check_supported(model)
+    active = _ROUTES.get(model)
+    if active is not None and active.press is not None:
+        raise RuntimeError(f"a press ({type(active.press.scorer).__name__}) is already applied to this model; "
+                           "`with press(model)` blocks do not nest: exit the outer block first")
+    if press.is_noop:
+        yield model
+        return
+    press.check_model(model)
+    route = _route(model)
+    route.press = press
+    device = next(model.parameters()).device
+    step = compiled.install(model, route.cache_key, compiled.default_mode(device)) \
+        if compiled.compile_enabled(compile, device) else None
+    try:
+        yield model
+    finally:
+        if step is not None:
+            compiled.uninstall(model)
+        route.press = None
+        _release(model)

@@ -32,7 +32,7 @@ from kvpress_ada.presses import SCORERS
 
 
 def _fake_snapkv():
-    """A class from 'another module' with SnapKV's qualname and name (the hijack of the issue)."""
+    """A class from 'another module' with SnapKV's qualname and name (a registry hijack)."""
 
     class SnapKV(Scorer):  # noqa: F811 - same qualname on purpose
         name: Literal["snapkv"] = "snapkv"

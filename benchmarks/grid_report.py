@@ -1,13 +1,13 @@
-"""Issue 10 report: accuracy of the new presets (question-agnostic or question-aware, as the inputs
+"""Grid report: accuracy per preset and ratio (question-agnostic or question-aware, as the inputs
 were run), paired comparisons and KV bytes.
 
 Reads one or more ``quality_<setting>.json`` files written by ``benchmarks/quality.py`` (runs over the
 same samples, e.g. a second run adding presets; records pair by task and sample index), and writes
-``report.json`` with the accuracy table, the paired 95% CIs the issue asks for and the targets'
+``report.json`` with the accuracy table, the paired 95% CIs of ``--pairs`` and the targets'
 verdicts, next to an accuracy plot.
 
-    python benchmarks/issue10_report.py benchmarks/results/issue10_grid/quality_agnostic.json [more.json] \
-        --out benchmarks/results/issue10_grid
+    python benchmarks/grid_report.py benchmarks/results/grid_kvzip/quality_agnostic.json [more.json] \
+        --out benchmarks/results/grid_report_agnostic
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The command line under hostile input (issue 9, defects 9-12): one-line errors, exit codes, Ctrl-C and --resume.
+"""The command line under hostile input: one-line errors, exit codes, Ctrl-C and --resume.
 
 The model loader is replaced by a tiny random Llama and the char tokenizer; ``loads`` records every
 load, so a test can check that bad input is refused before the model is loaded.
@@ -51,7 +51,7 @@ def one_line(err: str) -> str:
     return lines[0]
 
 
-# ----------------------------------------------------------------- defect 9: config errors
+# ----------------------------------------------------------------- config errors
 
 
 @pytest.mark.parametrize("name, text, message", [
@@ -73,7 +73,7 @@ def test_bad_config_one_line_exit_2(tmp_path, loads, capsys, name, text, message
     assert loads == []
 
 
-# ----------------------------------------------------------------- defect 10: --out checked first
+# ----------------------------------------------------------------- --out checked first
 
 
 def test_out_under_a_file_refused_before_any_work(tmp_path, loads, capsys):
@@ -105,7 +105,7 @@ def test_out_created_before_the_model_loads(tmp_path, tiny, monkeypatch, capsys)
     assert [p.name for p in out.iterdir() if p.name.startswith(".write-probe")] == []
 
 
-# ----------------------------------------------------------------- defect 11: consistency
+# ----------------------------------------------------------------- consistency
 
 
 def test_demo_unknown_preset_exit_2(loads, capsys):
@@ -181,7 +181,7 @@ def test_eval_help_lists_tasks_with_descriptions(capsys):
         assert any(line.split() == [spec.name, *spec.description.split()] for line in lines), spec.name
 
 
-# ----------------------------------------------------------------- defect 12: Ctrl-C and --resume
+# ----------------------------------------------------------------- Ctrl-C and --resume
 
 
 def interrupt_at(monkeypatch, index, partial, seen):

@@ -1,9 +1,8 @@
-"""Regression tests of issue 9 (hardening): each one failed on the code before the fix.
-
-Integration defects: query window shorter than the context, sliding window crossed during
-decode, right padding, NaN or mis-shaped scores, nested presses, constant-score heads under
-scale-free Ada, and a compressed cache used after its ``with press(model)`` block. Plus the
-contracts settled there: the evictor builds its cache, the attention function's handler protocol.
+"""A press at the edges of its input: a query window longer than the context, a sliding window
+crossed during decode, right padding, NaN or mis-shaped scores, nested presses, constant-score heads
+under scale-free Ada, a compressed cache used after its ``with press(model)`` block, and left padding
+that never changes a row. Plus two contracts: the evictor builds its cache, and the attention
+function's handler protocol. Each test failed on the code before its fix.
 """
 
 from typing import Literal
@@ -40,7 +39,7 @@ def _ids(n, batch=1, seed=0):
     return torch.randint(5, 100, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-# ---------------------------------------------------------------- defect 1: query window
+# ------------------------------------------------------------------------ query window
 def test_window_longer_than_context_takes_every_query(llama):
     L, D = 100, 16
     query = torch.randn(1, 4, L, D)
@@ -63,7 +62,7 @@ def test_expected_attention_window_beyond_context_equals_all_queries(llama):
         assert torch.allclose(sa, sb, rtol=1e-5, atol=1e-7)
 
 
-# ------------------------------------------------------ defect 3: sliding window in decode
+# --------------------------------------------------------------- sliding window in decode
 def test_decoding_past_the_sliding_window_is_refused():
     model = build_model("mistral", sliding_window=32)
     ids = _ids(24)
@@ -76,7 +75,7 @@ def test_decoding_past_the_sliding_window_is_refused():
     assert model.config._attn_implementation != kvpress_ada.integration.ATTENTION_NAME
 
 
-# ------------------------------------------------------------- defect 4: right padding
+# ----------------------------------------------------------------------- right padding
 @pytest.mark.parametrize("evictor", [TopK(), Mask()])
 def test_right_padding_is_refused(llama, evictor):
     ids = _ids(80, batch=2)
@@ -98,7 +97,7 @@ def test_left_padding_still_accepted(llama):
     assert torch.isfinite(out.logits).all()
 
 
-# ------------------------------------------------------ defects 5 and 6: scorer output
+# ----------------------------------------------------------------------- scorer output
 class _Broken(Scorer):
     """Test scorer returning whatever ``mode`` asks for."""
 
@@ -131,7 +130,7 @@ def test_bad_scores_name_the_scorer_and_layer(llama, mode, match, allocator):
         llama(input_ids=_ids(40, batch=2))  # B == H_kv == 2: a [B, L] tensor would broadcast
 
 
-# ------------------------------------------------------------- defect 8: nested presses
+# ---------------------------------------------------------------------- nested presses
 def test_nested_presses_are_refused_and_outer_survives(llama):
     ids = _ids(80)
     outer = preset("snapkv", compression_ratio=0.5)
@@ -150,7 +149,7 @@ def test_nested_presses_are_refused_and_outer_survives(llama):
     assert llama.config._attn_implementation == previous
 
 
-# ----------------------------------------------- defect 13: constant-score heads under Ada
+# ---------------------------------------------------------- constant-score heads under Ada
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), B=st.integers(1, 3), H=st.integers(2, 6), L=st.integers(4, 40))
 def test_constant_head_keeps_its_uniform_share(data, B, H, L):
@@ -175,7 +174,7 @@ def test_constant_head_with_protected_tokens_gets_uniform_share():
     assert counts[0, 1] == 10 and counts.sum() == 30
 
 
-# ------------------------------------------- defect 14: the cache after the with block
+# ------------------------------------------------------------ the cache after the with block
 @pytest.mark.parametrize("evictor", [TopK(), Mask()])
 def test_compressed_cache_after_the_block(llama, evictor):
     ids, nxt = _ids(80), _ids(1, seed=1)
@@ -236,7 +235,7 @@ def test_prefill_handlers_follow_the_protocol():
         assert handler_methods <= set(dir(cls)), cls
 
 
-# ------------------------------------------------ defect 2: padding never changes a row
+# ------------------------------------------------------------ padding never changes a row
 @pytest.mark.parametrize("name", portable_preset_names())  # calibrated: test_calibrated.py
 def test_padded_batch_row_equals_the_row_alone(llama, name):
     """A row's kept set and logits do not depend on how much left padding the batch gave it."""

@@ -16,7 +16,7 @@ Each timed run is ``--steps`` decode forwards (one token each) from the same fir
 Repeats are interleaved (rep -> thread setting -> config, config order rotated every repeat) and
 ratios between configs are taken within a repeat, then the median over repeats, so the machine's
 noise (other processes) hits every config alike. Targets at r=0.75 and the longest context:
-``ada_snapkv >= 1.5x full`` and ``ada_snapkv >= 0.97x snapkv`` tokens/s, eager and compiled (issue 11).
+``ada_snapkv >= 1.5x full`` and ``ada_snapkv >= 0.97x snapkv`` tokens/s, eager and compiled.
 
     python benchmarks/decode.py                # 2k and 4k, r in {0.5, 0.75, 0.9}, threads 1 and 2
     python benchmarks/decode.py --quick        # smoke run on a tiny random model (< 1 min)
@@ -59,7 +59,7 @@ class Config:
     tokens: list | None = None
     forward: Callable | None = None  # a torch.compile'd model.forward (full cache), or None
     compile: bool = False  # press configs: decode through the library's compiled step (press(model, compile=True))
-    row_loop: bool = False  # eager reference attention with one matmul pair per row (the pre-issue-11 path)
+    row_loop: bool = False  # eager reference attention with one matmul pair per row (for the comparison row)
 
     @property
     def label(self) -> str:

@@ -26,13 +26,13 @@ What it does
        ``--no-kept-sets`` skips them (they cost one more prefill per sample on our side).
 
 Run from the repository root: ``python benchmarks/kvpress_compare.py --quick`` (smoke test, a few
-minutes), ``python benchmarks/kvpress_compare.py`` (default run; about an hour on 2 CPU cores). Issue 10's
-question-agnostic comparison (KVzip, LagKV, KeyDiff; ``--methods issue10`` adds ada_kvzip, ada_lagkv and
+minutes), ``python benchmarks/kvpress_compare.py`` (default run; about an hour on 2 CPU cores). The
+question-agnostic comparison (KVzip, LagKV, KeyDiff; ``--methods question_agnostic`` adds ada_kvzip, ada_lagkv and
 streamingllm on our side)::
 
     python benchmarks/kvpress_compare.py --methods kvzip,kvzip_layerwise,lagkv,keydiff \
         --tasks passkey,multikey,multivalue,multiquery --n 16 --ratios 0.25,0.5,0.75,0.9 --settings agnostic \
-        --no-decode --no-diagnostics --no-kept-sets --out benchmarks/results/kvpress_compare_issue10_n16.json --resume
+        --no-decode --no-diagnostics --no-kept-sets --out benchmarks/results/kvpress_compare_agnostic.json --resume
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ DEFAULT_OUT = HERE / "results" / "kvpress_compare.json"
 DEFAULT_VENV = Path(os.environ.get("KVPRESS_ADA_CACHE") or Path.home() / ".cache" / "kvpress_ada") / "kvpress-venv"
 KVPRESS_REQUIREMENTS = ("torch==2.13.0", "kvpress==0.5.5")
 METHODS = ("snapkv", "ada_snapkv", "pyramidkv", "expected_attention", "ada_expected_attention")  # default run
-# issue 10 section 5: question-agnostic presses (KVzip's context reconstruction, LagKV, KeyDiff) + baselines
-ISSUE10_METHODS = ("kvzip", "kvzip_layerwise", "ada_kvzip", "lagkv", "ada_lagkv", "keydiff", "streamingllm")
-ALL_METHODS = METHODS + ISSUE10_METHODS
+# question-agnostic presses (KVzip's context reconstruction, LagKV, KeyDiff) + baselines
+AGNOSTIC_METHODS = ("kvzip", "kvzip_layerwise", "ada_kvzip", "lagkv", "ada_lagkv", "keydiff", "streamingllm")
+ALL_METHODS = METHODS + AGNOSTIC_METHODS
 # kvpress_ada preset -> the kvpress press run for it (benchmarks/kvpress_worker.py PRESSES builds them)
 KVPRESS_NAMES = {
     "full": "no press",
@@ -116,7 +116,7 @@ def parse_args(argv=None):
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma-separated kvpress_ada presets from " + ",".join(ALL_METHODS) + "; kvpress runs its "
                         "press for each one it has (" + ",".join(m for m in KVPRESS_NAMES if m != "full") + "); "
-                        "'issue10' stands for " + ",".join(ISSUE10_METHODS))
+                        "'question_agnostic' stands for " + ",".join(AGNOSTIC_METHODS))
     p.add_argument("--settings", default="agnostic,aware",
                    help="agnostic: compress the context, then ask (the question is unknown when compressing); "
                         "aware: compress context + question together")
@@ -164,7 +164,8 @@ def parse_args(argv=None):
     args.settings = [x for x in args.settings.split(",") if x]
     if not args.settings or set(args.settings) - {"agnostic", "aware"}:
         p.error("--settings takes agnostic, aware or both (comma-separated)")
-    args.methods = list(dict.fromkeys(m for x in args.methods for m in (ISSUE10_METHODS if x == "issue10" else [x])))
+    groups = {"question_agnostic": AGNOSTIC_METHODS}
+    args.methods = list(dict.fromkeys(m for x in args.methods for m in groups.get(x, [x])))
     unknown = sorted(set(args.methods) - set(ALL_METHODS))
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")

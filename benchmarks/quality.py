@@ -3,7 +3,7 @@
 Runs the fan-out evaluator (one prefill per sample, every preset x ratio derived from it) on
 the default model and the synthetic task suite, and writes per setting:
 ``benchmarks/results/quality_<setting>.json`` and ``quality_<setting>.png`` (accuracy with a
-95% CI vs ratio, one line per preset), plus the Ada-vs-uniform comparison the issue asks for.
+95% CI vs ratio, one line per preset), plus the Ada-vs-uniform comparison.
 
     python benchmarks/quality.py                       # full grid (hours on 2 CPU cores)
     python benchmarks/quality.py --quick                # smoke run (2 short samples)

@@ -1,4 +1,4 @@
-"""Compiled decode steps (issue 11): ``fullgraph=True``, no graph breaks, a documented number of
+"""Compiled decode steps: ``fullgraph=True``, no graph breaks, a documented number of
 graphs over many decode steps, context lengths and re-layouts, and the same tokens as eager.
 
 The compiled step uses the ``aot_eager`` backend here (dynamo tracing and functionalisation of the

@@ -1,4 +1,4 @@
-"""Multi-device models (issue 12, part 3): with ``device_map="auto"`` (accelerate) each layer's cache lives on that
+"""Multi-device models: with ``device_map="auto"`` (accelerate) each layer's cache lives on that
 layer's device. On CPU every layer is on ``cpu``; the test pins the contract (no ``model.device`` for cache tensors)."""
 
 import torch

@@ -1,4 +1,4 @@
-"""Data-parallel ``kvpress-ada eval`` (issue 12, part 2): samples sharded over torchrun processes, one results.json
+"""Data-parallel ``kvpress-ada eval``: samples sharded over torchrun processes, one results.json
 equal to the single-process run's (all but the wall-clock ``seconds``), per-rank checkpoints, resume across
 process counts."""
 

@@ -1,7 +1,7 @@
 """KVzip+ (``KVzip(plus=True)``, preset ``kvzip_plus``): the pass scores against the formula recomputed
 from the model's weights in plain torch, the option off leaves KVzip unchanged, and the preset runs.
 Ragged (TopK) against the Mask reference and a padded batch against single rows run for every preset,
-``kvzip_plus`` included, in test_matrix.py and test_hardening.py."""
+``kvzip_plus`` included, in test_matrix.py and test_press_edge_cases.py."""
 
 import pytest
 import torch

@@ -102,7 +102,7 @@ def test_context_shorter_than_window_is_refused(llama):
             llama.generate(ids, max_new_tokens=2, do_sample=False)
 
 
-def test_presets_cover_the_issue_list():
+def test_presets_cover_the_published_methods():
     expected = {"snapkv", "pyramidkv", "ada_snapkv", "ada_pyramidkv", "streamingllm", "h2o", "tova", "knorm",
                 "expected_attention", "ada_expected_attention", "criticalkv", "ada_criticalkv", "random"}
     assert expected <= set(preset_names())

@@ -32,7 +32,7 @@ from kvpress_ada.presses import SCORERS
 
 
 def _fake_snapkv():
-    """A class from 'another module' with SnapKV's qualname and name (the hijack of the issue)."""
+    """A class from 'another module' with SnapKV's qualname and name (a registry hijack)."""
 
     class SnapKV(Scorer):  # noqa: F811 - same qualname on purpose
         name: Literal["snapkv"] = "snapkv"
@@ -162,20 +162,20 @@ def test_registry_names_do_not_list_aliases_and_unknown_lists_canonical():
     assert EVICTORS.get("topk") is TopK
 
 
-def test_readme_register_example_runs():
-    """The README's 'Register your own scorer' block works as written (then is unregistered)."""
+def test_usage_guide_register_example_runs():
+    """The usage guide's 'Register your own scorer' block works as written (then is unregistered)."""
     import re
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme[readme.index("## Register your own scorer"):]
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+    section = guide[guide.index("## Register your own scorer"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     namespace: dict = {}
     try:
-        exec(compile(code, "README.md", "exec", dont_inherit=True), namespace)
+        exec(compile(code, "docs/usage.md", "exec", dont_inherit=True), namespace)
         press = namespace["press"]
         assert press.scorer.name == "value_norm" and isinstance(press.scorer, SCORERS.get("value_norm"))
         assert Pipeline.model_validate_json(press.model_dump_json()) == press
         with pytest.raises(ValueError, match="already registered"):
-            exec(compile(code, "README.md", "exec", dont_inherit=True), {})
+            exec(compile(code, "docs/usage.md", "exec", dont_inherit=True), {})
     finally:
         SCORERS.unregister("value_norm")

@@ -33,7 +33,7 @@ def _observation(scorer, keys, values, queries, key_mask, w_o, layer_idx):
                        layer_idx=layer_idx, n_layers=4, scaling=D**-0.5, output_weight=w_o,
                        rope_inv_freq=_inv_freq(D),
                        # a model pass (KVzip) measures something per entry; its own padding-invariance is
-                       # tested end to end (test_hardening, test_kvzip): here any per-token value will do
+                       # tested end to end (test_press_edge_cases, test_kvzip): here any per-token value will do
                        pass_scores=values.float().norm(dim=-1) if type(scorer).needs_model_pass else None)
 
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism (issue 12, part 1): presses on a model loaded with ``tp_plan="auto"`` under torchrun.
+"""Tensor parallelism: presses on a model loaded with ``tp_plan="auto"`` under torchrun.
 
 The end-to-end test launches ONE ``torchrun --nproc-per-node 2`` (gloo, CPU) running ``tests/tp_worker.py``: every
 preset, batch 2 with left padding, kept sets / tokens / bytes per rank against the single-process model. The rest

@@ -1,11 +1,8 @@
 """Calibrated budgets: split a pipeline's budget by per-(layer, kv head) shares measured offline.
 
-Head importance is largely a property of the model, not of the input (DuoAttention, Xiao et al.
-2024; HeadKV, Fu et al. 2024; KVzip's head-level variant, Kim et al. 2025). ``kvpress-ada calibrate``
-records which share of KVzip's kept entries falls in each (layer, kv head) of a model
-(:mod:`kvpress_ada.calibration`); these two components reuse those shares with any scorer, so a
-one-pass scorer (StreamingLLM, SnapKV, KNorm, ...) gets KVzip-informed budgets at no extra prefill
-cost. Within each head the scorer's own top-k still picks the tokens.
+The shares ``s[l, h]`` come from a calibration file (:mod:`kvpress_ada.calibration`: which share of
+KVzip's kept entries falls in each (layer, kv head) of a model); any scorer's own top-k still picks
+the tokens within each head. Why and how: ``docs/design.md`` (calibrated budgets).
 
 - ``CalibratedLayer(path)``: layer ``l`` keeps a per-head budget proportional to its share
   ``sum_h s[l, h]`` (layer-local: no scores needed, each layer is still evicted right after its

@@ -2,15 +2,11 @@
 from the scores of every layer (Ada-KV's top-k, lifted from the heads of a layer to all layers).
 
 ``AdaLayer(alpha)`` needs every layer's scores before any eviction, so a pipeline using it evicts
-once, at the end of prefill (the full cache of every layer is held until then); the plain
-``budgets(avg, n_layers, lengths)`` of a layer schedule cannot answer for it and raises.
-
-Composition with the head allocators (``UniformHead``/``AdaHead``) inside each layer:
-``AdaLayer(alpha=0)`` then ``AdaHead(alpha=0)`` *is* one global top-k over all layers and heads
-(KVzip's default, :func:`model_topk_counts`) whenever every layer's share of the global top-k is a
-whole number of tokens per head; otherwise each layer's total differs from the global top-k's by
-less than ``H`` entries (the layer budget is per head, so it rounds to a multiple of ``H``), plus
-whatever the floor below moves.
+once, at the end of prefill; the plain ``budgets(avg, n_layers, lengths)`` of a layer schedule
+raises for it. ``AdaLayer(alpha=0)`` then ``AdaHead(alpha=0)`` is one global top-k over all layers
+and heads (:func:`model_topk_counts`) whenever every layer's share is a whole number of tokens per
+head; otherwise a layer's total differs from it by less than ``H`` entries, plus what the floor
+moves (``docs/design.md``, end of prefill).
 """
 
 from __future__ import annotations

@@ -256,8 +256,8 @@ def _(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths):
 # Thin wrappers: validate (cheap shape/dtype/device checks; traced away under
 # torch.compile) with clear errors, then call the op. ``torch.ops.kvpress_ada.*`` are the
 # raw ops: their fake kernels validate too, their eager kernels do not. In plain eager mode
-# on plain tensors the wrappers call the implementation directly, skipping the ~20 us of
-# custom-op dispatch (per layer and step); under torch.compile / export (or with tensor
+# on plain tensors the wrappers call the implementation directly, skipping the custom-op
+# dispatch (per layer and step); under torch.compile / export (or with tensor
 # subclasses such as FakeTensor) they go through the op.
 
 

@@ -1,20 +1,13 @@
 """Plain torch reference implementations of the ragged-cache kernels (Ada-KV layout).
 
-These are the ground truth for the Triton kernels *and* the production CPU path, so they
-are written to be fast for CPU decode, with no padded copies of the cache:
+The ground truth for the Triton kernels and the production CPU path (no padded copies of the cache):
 
-* every row has the same length and a regular stride (uniform presses): one batched no-copy view;
-* rows of different lengths: one ``[G*Q, D] @ [D, n]`` matmul per kv row (the whole GQA group
-  reads the row once); this is the ground truth the other two are tested against;
-* unless the rows are many and short, in a chunk-aligned layout (what ``RaggedLayer`` builds): then
-  the loop-free split-K pass :func:`ragged_attention_chunked`, one ``bmm`` over all rows' chunks.
-
-Which of the last two is cheaper was measured on the development CPU (1 thread, fp32, decode,
-GQA 3; ``benchmarks/README.md``): a row of the loop costs about 100 us of fixed overhead plus its
-length, a 32-slot chunk of the loop-free pass about 10 us. So the loop-free pass wins only when
-rows average under ~300 entries (48 rows of ~100 entries: 1.4 ms vs 5.0 ms), and loses when they
-are long (3 rows of ~1,000, the default model at 4k and r = 0.75: 1.5 ms vs 0.5 ms per layer).
-:data:`LOOP_FREE_BELOW` encodes that crossover.
+* rows of equal length and regular stride (uniform presses): one batched no-copy view;
+* rows of different lengths: one ``[G*Q, D] @ [D, n]`` matmul per kv row (the GQA group reads the
+  row once); the ground truth the other two are tested against;
+* many short rows in a chunk-aligned layout (what ``RaggedLayer`` builds, mean length under
+  :data:`LOOP_FREE_BELOW`): the loop-free split-K pass :func:`ragged_attention_chunked`. The
+  crossover is measured in ``benchmarks/README.md`` (the compiled decode step).
 
 Layout (see ``kvpress_ada.kernels``): row ``r = b * H_kv + h`` of one layer lives in
 ``k_flat[row_offsets[r] : row_offsets[r] + row_lengths[r]]``.
@@ -36,7 +29,7 @@ aligned and the rows are short, see :data:`LOOP_FREE_BELOW`); ``False`` forces o
 row (a switch for measurements, ``benchmarks/decode.py --row-loop``)."""
 LOOP_FREE_BELOW = 256
 """Mean row length under which the loop-free pass is used (a loop row's fixed cost, in entries of
-the loop-free pass; see the module docstring), for at least 4 rows."""
+the loop-free pass), for at least 4 rows."""
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, n: int, out: Tensor) -> None:

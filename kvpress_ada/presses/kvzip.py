@@ -2,37 +2,26 @@
 Reconstruction"): after the prefill, the model is asked to repeat its context; a context entry
 matters by the largest attention it receives from the reconstruction's queries.
 
-Facts taken from the paper and its public implementations (the authors' repository and NVIDIA
-kvpress's ``KVzipPress``): the context is reconstructed in chunks of 2,048 tokens, each pass fed
+As in the paper and its public implementations (the authors' repository, NVIDIA kvpress's
+``KVzipPress``): chunks of ``chunk`` context tokens, each pass fed
 ``"\\n\\nRepeat the previous context exactly."`` (later chunks: ``"...the part of the previous
-context exactly, starting with"`` and the last 8 tokens of the previous chunk), the chat template's
-end-of-user/start-of-assistant text, then the chunk itself. A pass's queries attend (softmax) over
-the first ``sinks`` context tokens (from the second chunk on), the chunk's own context entries and
-the pass's tokens (causal); an entry's score is the maximum of that attention over the pass's
-queries and the query heads of its kv group. The first ``sinks`` tokens are always kept. The
-selection is one top-k over all layers and heads (presets ``kvzip``, ``kvzip_plus``, ``ada_kvzip``), or per layer
-(``kvzip_layerwise``).
+context exactly, starting with"`` and the last ``overlap`` tokens of the previous chunk) in the chat
+format, then the chunk. A pass's queries attend over the first ``sinks`` context tokens (from the
+second chunk on), the chunk's own entries and the pass's tokens (causal); an entry's score is the
+maximum of that attention over the pass's queries and the query heads of its kv group; the sinks are
+always kept. The whole prefill is the repeated context, and each row of a left-padded batch is
+chunked by its own valid tokens. Design notes: ``docs/design.md`` (KVzip's model pass).
 
-Here the whole prefill is the context that is repeated (the chat prefix included), and rows of a
-left-padded batch are chunked by their own valid tokens, so a row scores exactly as it would alone.
-
-KVzip+ (``plus=True``, preset ``kvzip_plus``): the normalisation introduced with KVzap (Jégou and
-Jeblick, NVIDIA 2026, "KVzap: Fast, Adaptive, and Faithful KV Cache Pruning", arXiv 2601.07891) on
-top of KVzip's scoring, as NVIDIA kvpress computes it (``KVzipPress(kvzip_plus_normalization=True)``,
-kvpress 0.5.x). Each attention weight is turned into the size of what the entry writes into the
-query token's output, relative to that token's hidden state::
+KVzip+ (``plus=True``): the normalisation of KVzap (Jégou and Jeblick, NVIDIA 2026, arXiv
+2601.07891) as kvpress computes it (``KVzipPress(kvzip_plus_normalization=True)``)::
 
     s_i = max over pass tokens j and query heads g of the kv group of
           a_g(j, i) * ||W_O^g v_i|| / ||h_j||
 
-``a_g(j, i)``: KVzip's softmax attention of query head ``g`` at pass token ``j`` on entry ``i``;
-``v_i``: the entry's value (the kv head's, shared by the group); ``W_O^g``: the ``head_dim`` columns
-of ``o_proj.weight`` that head ``g`` feeds (``[:, g * D:(g + 1) * D]``, query heads numbered
-``kv_head * group + g``), so each query head of a GQA group weighs the shared value with its own
-slice; ``h_j``: pass token ``j``'s hidden state as the attention module receives it, i.e. after the
-decoder layer's input RMSNorm (kvpress reads the attention module's ``hidden_states`` argument),
-not the raw residual stream. The scores remain one scale for every head and layer (a contribution
-relative to the hidden state it is added to), so the global top-k of the presets stays meaningful.
+``a_g(j, i)``: KVzip's attention of query head ``g`` at pass token ``j`` on entry ``i``; ``v_i``: the
+entry's value; ``W_O^g``: the ``head_dim`` columns of ``o_proj.weight`` that query head ``g`` feeds
+(``[:, g * D:(g + 1) * D]``, query heads numbered ``kv_head * group + g``); ``h_j``: pass token
+``j``'s hidden state entering the attention module (after the input RMSNorm).
 """
 
 from __future__ import annotations

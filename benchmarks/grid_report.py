@@ -1,0 +1,89 @@
+"""Grid report: accuracy per preset and ratio (question-agnostic or question-aware, as the inputs
+were run), paired comparisons and KV bytes.
+
+Reads one or more ``quality_<setting>.json`` files written by ``benchmarks/quality.py`` (runs over the
+same samples, e.g. a second run adding presets; records pair by task and sample index), and writes
+``report.json`` with the accuracy table, the paired 95% CIs of ``--pairs`` and the targets'
+verdicts, next to an accuracy plot.
+
+    python benchmarks/grid_report.py benchmarks/results/grid_kvzip/quality_agnostic.json [more.json] \
+        --out benchmarks/results/grid_report_agnostic
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+PAIRS = ("kvzip:streamingllm,ada_kvzip:streamingllm,kvzip:kvzip_layerwise,ada_kvzip:kvzip,"
+         "ada_kvzip:kvzip_layerwise,kvzip_plus:kvzip,calibrated_streamingllm:streamingllm,ada_lagkv:lagkv,"
+         "lagkv:streamingllm,full:kvzip,full:ada_kvzip")
+
+
+def merge(paths: list[Path]) -> tuple[list[dict], list[dict]]:
+    """Records of every file (a later file's record replaces an earlier one for the same cell) and sources."""
+    cells: dict[tuple, dict] = {}
+    sources = []
+    for path in paths:
+        data = json.loads(path.read_text())
+        sources.append({"path": str(path), "complete": data.get("complete"), "samples_done": data.get("samples_done"),
+                        "presets": data.get("presets"), "ratios": data.get("ratios"), "tasks": data.get("tasks"),
+                        "context": data.get("context"), "setting": data.get("setting"),
+                        "machine": data.get("machine", {}).get("cpu")})
+        for r in data["records"]:
+            cells[(r["label"], r["ratio"], r["task"], r["sample"])] = r
+    return list(cells.values()), sources
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("inputs", nargs="+", type=Path)
+    parser.add_argument("--pairs", default=PAIRS, help="comma-separated a:b (accuracy of a minus b, paired)")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    from kvpress_ada.eval.report import format_table, paired_difference, plot_accuracy
+    from kvpress_ada.eval.runner import EvalResult, Record
+
+    records, sources = merge(args.inputs)
+    summary = EvalResult([Record(**r) for r in records], 0.0, False).summary()
+    ratios = sorted({r["ratio"] for r in records if r["label"] != "full"})
+    pairs = []
+    for pair in args.pairs.split(","):
+        a, b = pair.split(":")
+        pairs += [d for d in (paired_difference(records, a, b, ratio) for ratio in ratios) if d is not None]
+    # our best composition per ratio (highest accuracy; ties: fewer bytes), against StreamingLLM and the full cache
+    best = []
+    for ratio in ratios:
+        rows = [s for s in summary if s["ratio"] == ratio and s["label"] != "full"]
+        if not rows:
+            continue
+        top = max(rows, key=lambda s: (s["accuracy"], -s["kv_fraction"]))
+        best.append({"ratio": ratio, "label": top["label"], "accuracy": top["accuracy"],
+                     "kv_fraction": top["kv_fraction"], "bytes_bound": (1 - ratio) + 0.03,
+                     "vs_streamingllm": paired_difference(records, top["label"], "streamingllm", ratio),
+                     "vs_full": paired_difference(records, top["label"], "full", ratio)})
+    args.out.mkdir(parents=True, exist_ok=True)
+    common.write_json(args.out / "report.json", {"date": common.now_iso(), "sources": sources, "summary": summary,
+                                                 "paired": pairs, "best": best})
+    plot_accuracy(summary, args.out / "report.png",
+                  title=f"question-{sources[0].get('setting') or 'agnostic'}, {', '.join(sources[0]['tasks'] or [])},\n"
+                        f"{sources[0]['context']} tokens (merged: {len(sources)} runs)")
+    print(format_table(summary))
+    print("\npaired (a - b, 95% CI):")
+    for p in pairs:
+        print(f"  {p['a']:>24} - {p['b']:<24} r={p['ratio']:.2f} n={p['n']:>3} {p['delta']:+.3f} ± {p['ci95']:.3f}"
+              f"  {p['verdict']}")
+    for b in best:
+        print(f"best at r={b['ratio']:.2f}: {b['label']} {b['accuracy']:.3f}, KV {b['kv_fraction']:.3f} of full "
+              f"(bound {b['bytes_bound']:.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -39,7 +39,7 @@ def _tiny_model(path: Path) -> None:
 
 def _run(argv: list[str], env: dict) -> float:
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "kvpress_ada.cli", *argv], cwd=common.ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "kvpress_ada.harness.cli", *argv], cwd=common.ROOT, env=env,
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"failed ({proc.returncode}): {' '.join(argv)}\n{proc.stderr[-3000:]}")

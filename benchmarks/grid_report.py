@@ -47,8 +47,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
-    from kvpress_ada.eval.report import format_table, paired_difference, plot_accuracy
-    from kvpress_ada.eval.runner import EvalResult, Record
+    from kvpress_ada.harness.eval.report import format_table, paired_difference, plot_accuracy
+    from kvpress_ada.harness.eval.runner import EvalResult, Record
 
     records, sources = merge(args.inputs)
     summary = EvalResult([Record(**r) for r in records], 0.0, False).summary()

@@ -106,7 +106,7 @@ def parse_args(argv=None):
                "temp dir unless --out is given) and prints a table.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a local model dir")
-    p.add_argument("--tasks", default="passkey,multikey", help="comma-separated kvpress_ada.eval tasks")
+    p.add_argument("--tasks", default="passkey,multikey", help="comma-separated kvpress_ada.harness.eval tasks")
     p.add_argument("--n", type=int, default=12, help="samples per task (cell n = n x tasks)")
     p.add_argument("--context", type=int, default=1000, help="context tokens per sample (before the chat template)")
     p.add_argument("--seed", type=int, default=0)
@@ -428,7 +428,7 @@ DIAGNOSTICS.update(EA_ABLATION)
 
 def diagnostic_entries(ratios, methods, ea_ablation=False):
     from kvpress_ada import AdaHead, ExpectedAttention, Pipeline, SnapKV, UniformHead
-    from kvpress_ada.eval.runner import Entry
+    from kvpress_ada.harness.eval.runner import Entry
     from kvpress_ada.presets import ADA_ALPHA
 
     SnapKVKvpress, EAKvpress, EAKvpressShares, EARaw, AdaKvpress, KvpressBudget = _register_diagnostics()
@@ -507,9 +507,9 @@ def main(argv=None):
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the worker before torch loads
 
     import kvpress_ada
-    from kvpress_ada.eval.runner import evaluate_sample, grid
-    from kvpress_ada.eval.scoring import score_sample
-    from kvpress_ada.eval.tasks import make_samples
+    from kvpress_ada.harness.eval.runner import evaluate_sample, grid
+    from kvpress_ada.harness.eval.scoring import score_sample
+    from kvpress_ada.harness.eval.tasks import make_samples
     from kvpress_ada.integration.fanout import capture_prefill
     from kvpress_ada.integration.generation import encode, greedy_decode, split_prompt
     from kvpress_ada.integration.hf import cache_kwarg as _cache_key

@@ -16,7 +16,7 @@ over the loaded, warmed-up model (glibc with a fixed mmap threshold so freed ten
 OS; see ``benchmarks/memory.py``). Results are checkpointed to the JSON after every config; a rerun
 with ``--resume`` skips the configs already there.
 
-Quality part (``--quality``): on the synthetic task suite (``kvpress_ada.eval.tasks``) at the given
+Quality part (``--quality``): on the synthetic task suite (``kvpress_ada.harness.eval.tasks``) at the given
 contexts, each sample is answered with the full cache, the one-shot press and the chunked press at
 the same budget (question-agnostic unless ``--question-aware``), through the eval's fan-out
 (``evaluate_sample``): accuracy, and KL / top-1 against the full cache on its teacher-forced
@@ -221,8 +221,8 @@ def bootstrap_ci(diffs: list[float], reps: int = 10000, seed: int = 0) -> tuple[
 def run_quality(args, out: Path) -> int:
 
     from kvpress_ada import preset
-    from kvpress_ada.eval.runner import Entry, evaluate_sample
-    from kvpress_ada.eval.tasks import make_samples
+    from kvpress_ada.harness.eval.runner import Entry, evaluate_sample
+    from kvpress_ada.harness.eval.tasks import make_samples
 
     common.set_threads(args.threads)
     model, tok = common.load_model(args.model)

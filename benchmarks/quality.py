@@ -44,7 +44,7 @@ def _write(path: Path, machine: dict, config: dict, setting: str, records: list,
     """Write the setting's JSON (a checkpoint while ``complete`` is false) and return its summary."""
     from dataclasses import asdict
 
-    from kvpress_ada.eval.runner import EvalResult
+    from kvpress_ada.harness.eval.runner import EvalResult
 
     summary = EvalResult(records, seconds, setting == "aware").summary()
     payload = {"machine": machine, "date": common.now_iso(), **config, "setting": setting,
@@ -91,10 +91,10 @@ def main(argv=None) -> int:
                         help="keep the samples already in an incomplete JSON of the same configuration")
     args = parser.parse_args(argv)
 
-    from kvpress_ada.cli import UsageError, _config_label, _load_config
-    from kvpress_ada.eval.report import format_table, plot_accuracy
-    from kvpress_ada.eval.runner import Record, evaluate, grid
-    from kvpress_ada.eval.tasks import make_samples
+    from kvpress_ada.harness.cli import UsageError, _config_label, _load_config
+    from kvpress_ada.harness.eval.report import format_table, plot_accuracy
+    from kvpress_ada.harness.eval.runner import Record, evaluate, grid
+    from kvpress_ada.harness.eval.tasks import make_samples
 
     # pipeline files are checked before the model loads, so a bad one fails at once
     presets = "snapkv,ada_snapkv" if args.quick else args.presets

@@ -28,8 +28,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(common.RESULTS / "throughput.json"))
     args = parser.parse_args(argv)
 
-    from kvpress_ada.eval.runner import evaluate, evaluate_separately, grid
-    from kvpress_ada.eval.tasks import make_samples
+    from kvpress_ada.harness.eval.runner import evaluate, evaluate_separately, grid
+    from kvpress_ada.harness.eval.tasks import make_samples
 
     common.set_threads(args.threads)
     model, tok = common.load_model("default")

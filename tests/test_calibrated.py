@@ -13,8 +13,8 @@ from transformers import LlamaConfig
 
 from kvpress_ada import Calibrated, CalibratedLayer, Mask, Pipeline, SnapKV, StreamingLLM, preset
 from kvpress_ada import calibration as cal
-from kvpress_ada.calibration.measure import calibrate, calibration_samples
-from kvpress_ada.cli import main
+from kvpress_ada.harness.calibrate import calibrate, calibration_samples
+from kvpress_ada.harness.cli import main
 
 CONTEXT = 300  # the char tokenizer's passkey fits in 300 tokens
 
@@ -59,7 +59,7 @@ def test_calibration_never_uses_evaluation_seeds():
     tok = build_tokenizer()
     with pytest.raises(ValueError, match="calibration seeds start at 10000"):
         calibration_samples(tok, ["passkey"], 2, CONTEXT, seed=0)
-    from kvpress_ada.eval.tasks import make_samples
+    from kvpress_ada.harness.eval.tasks import make_samples
 
     evaluation = make_samples("passkey", tok, 4, CONTEXT, seed=0)
     calibration = calibration_samples(tok, ["passkey"], 4, CONTEXT)

@@ -253,7 +253,7 @@ def test_kvpress_generate_and_fanout_refusal(llama, tokenizer):
 
 
 def test_cli_refuses_unsupported_press(capsys, tmp_path):
-    from kvpress_ada.cli import main
+    from kvpress_ada.harness.cli import main
 
     code = main(["eval", "--presets", "ada_snapkv,kvzip", "--prefill-chunk", "64", "--out", str(tmp_path / "o")])
     assert code != 0

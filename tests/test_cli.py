@@ -5,7 +5,7 @@ import json
 import pytest
 from conftest import build_model, build_tokenizer
 
-from kvpress_ada.cli import main
+from kvpress_ada.harness.cli import main
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ import os
 import pytest
 from conftest import build_model, build_tokenizer
 
-import kvpress_ada.cli as cli
-from kvpress_ada.cli import main
-from kvpress_ada.eval import runner
-from kvpress_ada.eval.tasks import TASKS
+import kvpress_ada.harness.cli as cli
+from kvpress_ada.harness.cli import main
+from kvpress_ada.harness.eval import runner
+from kvpress_ada.harness.eval.tasks import TASKS
 
 SMALL = ["--presets", "snapkv", "--ratios", "0.5", "--tasks", "passkey", "--n", "1", "--context", "300",
          "--max-new-tokens", "2", "--no-progress"]

@@ -200,7 +200,7 @@ def tiny_model_dir(tmp_path_factory):
 def test_cli_eval_and_demo_with_decode_compression(tiny_model_dir, tmp_path, capsys):
     import json
 
-    from kvpress_ada.cli import main
+    from kvpress_ada.harness.cli import main
 
     out = tmp_path / "run"
     assert main(["eval", "--model", tiny_model_dir, "--presets", "snapkv", "--ratios", "0.0,0.5", "--tasks", "passkey",
@@ -221,7 +221,7 @@ def test_cli_eval_and_demo_with_decode_compression(tiny_model_dir, tmp_path, cap
     (["--decode-budget", "0", "--decode-interval", "4"], "must be >= 1"),
 ])
 def test_cli_decode_options_refused(extra, message, capsys):
-    from kvpress_ada.cli import main
+    from kvpress_ada.harness.cli import main
 
     code = main(["demo", "--model", "nowhere", "--preset", "snapkv", *extra])
     assert code == 2
@@ -229,7 +229,7 @@ def test_cli_decode_options_refused(extra, message, capsys):
 
 
 def test_cli_decode_refused_for_h2o(capsys):
-    from kvpress_ada.cli import main
+    from kvpress_ada.harness.cli import main
 
     assert main(["demo", "--model", "nowhere", "--preset", "h2o", "--decode-budget", "8",
                  "--decode-interval", "4"]) == 2

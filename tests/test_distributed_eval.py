@@ -14,9 +14,9 @@ import torch.distributed as dist
 from conftest import build_model, build_tokenizer
 
 from kvpress_ada import cli
-from kvpress_ada.distributed import World
-from kvpress_ada.eval import parallel
-from kvpress_ada.eval.runner import Record
+from kvpress_ada.harness.distributed import World
+from kvpress_ada.harness.eval import parallel
+from kvpress_ada.harness.eval.runner import Record
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--presets", "snapkv,ada_snapkv", "--ratios", "0.5,0.75", "--tasks", "passkey", "--n", "4", "--context", "300",
@@ -45,7 +45,7 @@ def single(tiny_dir, tmp_path_factory):
 def _settings(argv):
     args = cli.build_parser().parse_args(argv)
     presets, tasks, ratios, configs = cli._eval_inputs(args)
-    from kvpress_ada.eval.runner import grid
+    from kvpress_ada.harness.eval.runner import grid
 
     return cli._settings(args, tasks, grid(presets, ratios) + grid(configs, ratios))
 
@@ -72,7 +72,7 @@ def test_resume_from_per_rank_checkpoints_in_one_process(tiny_dir, single, tmp_p
         (tmp_path / f"partial.rank{rank}.json").write_text(json.dumps(
             {"settings": settings, "samples_done": 2, "samples": 4, "seconds": 1.0 + rank, "records": recs}))
     ran = []
-    from kvpress_ada.eval import runner
+    from kvpress_ada.harness.eval import runner
 
     monkeypatch.setattr(runner, "evaluate_sample", lambda *a, **k: ran.append(a) or [])
     assert cli.main([*argv, "--resume"]) == 0, capsys.readouterr().err
@@ -101,7 +101,7 @@ def test_two_processes_equal_one(tiny_dir, single, tmp_path):
     (tmp_path / "partial.json").write_text(json.dumps(
         {"settings": _settings(argv), "samples_done": 1, "samples": 4, "seconds": 2.0, "records": done}))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "kvpress_ada.cli", *argv, "--resume", "--workers", "2"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "kvpress_ada.harness.cli", *argv, "--resume", "--workers", "2"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "on 2 processes" in proc.stdout

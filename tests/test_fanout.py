@@ -5,9 +5,9 @@ import torch
 from conftest import build_model
 
 from kvpress_ada import AdaHead, Pipeline, SnapKV
-from kvpress_ada.eval import Sample
-from kvpress_ada.eval.runner import evaluate, evaluate_separately, grid
-from kvpress_ada.eval.signals import eviction_loss
+from kvpress_ada.harness.eval import Sample
+from kvpress_ada.harness.eval.runner import evaluate, evaluate_separately, grid
+from kvpress_ada.harness.eval.signals import eviction_loss
 from kvpress_ada.integration.fanout import capture_prefill
 
 SAMPLES = [
@@ -68,7 +68,7 @@ def test_batched_entries_equal_one_at_a_time(tokenizer, question_aware):
     """Entries decoded as rows of one batch (compressed_batch) give the records of batch-1 runs:
     answers, bytes held (each row's own layout), signals; Mask and chunked entries stay batch 1."""
     from kvpress_ada import Mask, preset
-    from kvpress_ada.eval.runner import Entry, evaluate_sample
+    from kvpress_ada.harness.eval.runner import Entry, evaluate_sample
 
     model = build_model("llama", seed=5)
     entries = grid(["snapkv", "ada_snapkv", "streamingllm", "knorm"], [0.3, 0.6, 0.8])

@@ -2,7 +2,7 @@
 
 import math
 
-from kvpress_ada.eval.report import paired_difference
+from kvpress_ada.harness.eval.report import paired_difference
 
 
 def _rec(label, ratio, sample, score, task="passkey"):

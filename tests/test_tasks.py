@@ -1,4 +1,4 @@
-"""kvpress_ada.eval: synthetic tasks, scoring rules, RULER/LongBench loaders.
+"""kvpress_ada.harness.eval: synthetic tasks, scoring rules, RULER/LongBench loaders.
 
 Runs offline with a small BPE tokenizer trained here on the Python manual; the SmolLM2
 tokenizer is used too when the default model is already converted in the cache.
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpress_ada.eval import (
+from kvpress_ada.harness.eval import (
     TASKS,
     ContextTooSmall,
     Sample,
@@ -29,7 +29,7 @@ from kvpress_ada.eval import (
     string_match_all,
     string_match_part,
 )
-from kvpress_ada.eval.tasks import count_tokens, haystack_sentences
+from kvpress_ada.harness.eval.tasks import count_tokens, haystack_sentences
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HYPO = settings(max_examples=8, deadline=None,
@@ -270,7 +270,7 @@ def test_longbench_metrics():
 
 
 def test_every_longbench_subset_has_a_metric_and_prompt():
-    from kvpress_ada.eval import datasets
+    from kvpress_ada.harness.eval import datasets
 
     assert set(datasets._LONGBENCH_PROMPTS) == set(scoring.LONGBENCH_METRICS)
     assert set(scoring.LONGBENCH_METRICS.values()) <= set(scoring.METRICS)

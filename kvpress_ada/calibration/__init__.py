@@ -2,7 +2,7 @@
 
 Head importance is largely a property of the model rather than of the input (DuoAttention, Xiao et
 al. 2024; HeadKV, Fu et al. 2024; KVzip's head-level variant, Kim et al. 2025). ``kvpress-ada
-calibrate`` (:func:`kvpress_ada.calibration.measure.calibrate`) runs an expensive scorer (KVzip's
+calibrate`` (:func:`kvpress_ada.harness.calibrate.calibrate`) runs an expensive scorer (KVzip's
 context reconstruction) on calibration samples and records which share of the model's kept entries
 falls in each (layer, kv head); the ``Calibrated`` allocator and ``CalibratedLayer`` schedule
 (:mod:`kvpress_ada.allocators.calibrated`) then split any pipeline's budget by those shares, so a

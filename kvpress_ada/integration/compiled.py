@@ -32,6 +32,7 @@ from weakref import WeakKeyDictionary
 import torch
 
 from .hf import input_shape
+from .ragged_cache import RaggedCache
 
 ENV_VAR = "KVPRESS_ADA_COMPILE"
 BACKEND = "inductor"
@@ -81,8 +82,6 @@ class DecodeForward:
         self.calls = 0  # compiled steps run (for tests and benchmarks)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from .ragged_cache import RaggedCache
-
         cache = kwargs.get(self.cache_key)
         if not isinstance(cache, RaggedCache) or not cache.compressed or args or kwargs.get("input_ids") is None:
             return self.eager(*args, **kwargs)

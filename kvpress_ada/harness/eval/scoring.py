@@ -289,7 +289,7 @@ def _base_subset(name: str) -> str:
 
 
 def score_sample(sample: Any, pred: str) -> float:
-    """Score ``pred`` for a :class:`~kvpress_ada.eval.tasks.Sample` with its metric."""
+    """Score ``pred`` for a :class:`~kvpress_ada.harness.eval.tasks.Sample` with its metric."""
     meta = dict(getattr(sample, "meta", {}) or {})
     subset = meta.get("subset") if meta.get("benchmark") == "longbench" else None
     extra = {"all_classes": meta["all_classes"]} if meta.get("all_classes") else {}

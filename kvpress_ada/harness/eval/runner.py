@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from ..evictors import TopK
-from ..integration.fanout import capture_prefill
-from ..integration.generation import (
+from kvpress_ada.evictors import TopK
+from kvpress_ada.integration.fanout import capture_prefill
+from kvpress_ada.integration.generation import (
     continue_rows,
     decode_rows,
     encode,
@@ -27,11 +27,11 @@ from ..integration.generation import (
     generate,
     split_prompt,
 )
-from ..integration.hf import cache_kwarg, output_cache
-from ..pipeline import Pipeline
-from ..presets import preset
-from .scoring import score_sample
-from .signals import eviction_loss, fidelity
+from kvpress_ada.integration.hf import cache_kwarg, output_cache
+from kvpress_ada.pipeline import Pipeline
+from kvpress_ada.presets import preset
+from kvpress_ada.harness.eval.scoring import score_sample
+from kvpress_ada.harness.eval.signals import eviction_loss, fidelity
 
 ENTRY_BATCH = 16  # entries decoded together in one batch (memory: 16 compressed caches of a sample)
 

@@ -1,6 +1,6 @@
 """Data-parallel evaluation: the samples of one ``kvpress-ada eval`` shared among ``torchrun`` processes.
 
-``torchrun --nproc-per-node N -m kvpress_ada.cli eval ...`` (or ``kvpress-ada eval --workers N``,
+``torchrun --nproc-per-node N -m kvpress_ada.harness.cli eval ...`` (or ``kvpress-ada eval --workers N``,
 which launches exactly that) runs one evaluator per process. Rank ``r`` of ``W`` evaluates the
 samples ``r, r + W, r + 2W, ...`` (round robin: every rank gets a mix of the tasks), checkpoints
 them after each sample to ``OUT/partial.rank<r>.json``, and at the end rank 0 gathers every rank's
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..distributed import World
+from kvpress_ada.harness.distributed import World
 
 PARTIAL = "partial.json"
 
@@ -74,7 +74,7 @@ def launch(workers: int, argv: Sequence[str]) -> int:
     returns its exit code. The workers' command line is ``argv`` itself (without ``--workers``), so the
     ``command`` recorded in ``results.json`` is the single-process one."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
-           "-m", "kvpress_ada.cli", "--", *argv]  # "--": torchrun would take "--n" for its own "--nnodes"
+           "-m", "kvpress_ada.harness.cli", "--", *argv]  # "--": torchrun would take "--n" for its own "--nnodes"
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     # its own session: Ctrl-C reaches torchrun once (from here), and torchrun hands it to each worker once

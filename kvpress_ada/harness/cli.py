@@ -78,7 +78,7 @@ def _config_error(err: Exception) -> str:
 def _load_config(path: str):
     import yaml
 
-    from .pipeline import Pipeline
+    from kvpress_ada.pipeline import Pipeline
 
     file = Path(path)
     if not file.is_file():
@@ -124,7 +124,7 @@ def _check_context(model, context: int) -> None:
 
 
 def _samples(task: str, tok, n: int, context: int, seed: int) -> list:
-    from .eval.tasks import ContextTooSmall, make_samples
+    from kvpress_ada.harness.eval.tasks import ContextTooSmall, make_samples
 
     try:
         return make_samples(task, tok, n, context, seed=seed)
@@ -155,7 +155,7 @@ def _with_decode(press, args):
         return press
     from pydantic import ValidationError
 
-    from .pipeline import Pipeline
+    from kvpress_ada.pipeline import Pipeline
 
     try:
         return Pipeline.model_validate({**press.model_dump(), "decode_budget": args.decode_budget,
@@ -174,7 +174,7 @@ def _check_press_model(label: str, press, model) -> None:
 
 
 def _load_model(name: str):
-    from .models import load
+    from kvpress_ada.models import load
 
     print(f"loading model {name!r} ...", file=sys.stderr)
     return load(name)
@@ -184,9 +184,9 @@ def _load_model(name: str):
 def cmd_demo(args) -> int:
     import torch
 
-    from .integration.fanout import capture_prefill
-    from .integration.generation import encode, eos_ids, greedy_continue, greedy_decode, split_prompt
-    from .presets import preset, preset_names
+    from kvpress_ada.integration.fanout import capture_prefill
+    from kvpress_ada.integration.generation import encode, eos_ids, greedy_continue, greedy_decode, split_prompt
+    from kvpress_ada.presets import preset, preset_names
 
     names = [args.preset, *_unique("--compare", _split(args.compare or ""))]
     for name in names:
@@ -261,8 +261,8 @@ def cmd_demo(args) -> int:
 # --------------------------------------------------------------------------- eval
 def _eval_inputs(args) -> tuple[list[str], list[str], list[float], dict]:
     """Presets, tasks, ratios and ``{label: Pipeline}`` configs, all checked; nothing loaded yet."""
-    from .eval.tasks import TASKS
-    from .presets import preset_names
+    from kvpress_ada.harness.eval.tasks import TASKS
+    from kvpress_ada.presets import preset_names
 
     presets = _unique("--presets", _split(args.presets) if args.presets else [])
     unknown = [p for p in presets if p not in preset_names()]
@@ -292,7 +292,7 @@ def _with_prefill_chunk(entries: list, chunk: int | None) -> list:
         raise UsageError(f"--prefill-chunk must be >= 1 token, got {chunk}")
     from dataclasses import replace
 
-    from .pipeline import Pipeline
+    from kvpress_ada.pipeline import Pipeline
 
     out = []
     for e in entries:
@@ -321,7 +321,7 @@ def _write_json(path: Path, payload: dict) -> None:
 
 def _resumed(partial: Path, settings: dict) -> tuple[list, float]:
     """Records and seconds of the interrupted run in ``partial``; its settings must equal ``settings``."""
-    from .eval.runner import Record
+    from kvpress_ada.harness.eval.runner import Record
 
     if not partial.is_file():
         print(f"kvpress-ada eval: note: nothing to resume ({partial} does not exist); starting from the first "
@@ -347,10 +347,10 @@ def _resume_hint(args) -> str:
 
 
 def cmd_eval(args) -> int:
-    from .distributed import init, launched
-    from .eval import parallel
-    from .eval.report import format_table, plot_accuracy
-    from .eval.runner import EvalResult, evaluate, grid
+    from kvpress_ada.harness.distributed import init, launched
+    from kvpress_ada.harness.eval import parallel
+    from kvpress_ada.harness.eval.report import format_table, plot_accuracy
+    from kvpress_ada.harness.eval.runner import EvalResult, evaluate, grid
 
     presets, tasks, ratios, configs = _eval_inputs(args)
     if args.workers is not None:
@@ -445,9 +445,9 @@ def cmd_eval(args) -> int:
 # --------------------------------------------------------------------------- calibrate
 def _calibrate_inputs(args) -> tuple[list[str], list[float], Any]:
     """Tasks, reference ratios and the scorer, all checked; nothing loaded yet."""
-    from .calibration import CALIBRATION_SEED
-    from .eval.tasks import TASKS
-    from .presses import SCORERS
+    from kvpress_ada.calibration import CALIBRATION_SEED
+    from kvpress_ada.harness.eval.tasks import TASKS
+    from kvpress_ada.presses import SCORERS
 
     tasks = _unique("--tasks", _split(args.tasks)) if args.tasks else list(TASKS)
     unknown = [t for t in tasks if t not in TASKS]
@@ -471,7 +471,7 @@ def _calibrate_inputs(args) -> tuple[list[str], list[float], Any]:
 
 
 def cmd_calibrate(args) -> int:
-    from .calibration.measure import calibrate
+    from kvpress_ada.harness.calibrate import calibrate
 
     tasks, ratios, scorer = _calibrate_inputs(args)
     out = Path(args.out)
@@ -497,7 +497,7 @@ def cmd_calibrate(args) -> int:
 
 
 def _tasks_epilog() -> str:
-    from .eval.tasks import TASKS
+    from kvpress_ada.harness.eval.tasks import TASKS
 
     width = max(map(len, TASKS))
     return "tasks (--tasks):\n" + "\n".join(f"  {t.name:<{width}}  {t.description}" for t in TASKS.values())
@@ -584,7 +584,7 @@ def _run(args) -> int:
     try:
         return args.func(args)
     finally:  # under torchrun: leave the process group cleanly (a no-op in one process)
-        from .distributed import finish
+        from kvpress_ada.harness.distributed import finish
 
         finish()
 
@@ -605,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return fail("interrupted", 130)
     except Exception as err:  # model loading and other runtime failures: one line, no traceback
-        from .models import ModelLoadError
+        from kvpress_ada.models import ModelLoadError
 
         if isinstance(err, (ModelLoadError, ValueError)):
             return fail(f"error: {' '.join(str(err).split())}", 1)

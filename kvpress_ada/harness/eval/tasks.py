@@ -43,7 +43,7 @@ class Sample:
     """One evaluation example.
 
     ``answers`` are the reference strings scored by ``metric`` (a name in
-    :data:`kvpress_ada.eval.scoring.METRICS`); ``meta`` holds extras a metric may need
+    :data:`kvpress_ada.harness.eval.scoring.METRICS`); ``meta`` holds extras a metric may need
     (e.g. LongBench's ``all_classes``) and provenance, and is ignored by ``==``.
     """
 

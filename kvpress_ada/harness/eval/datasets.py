@@ -1,7 +1,7 @@
 """Loaders for the public RULER (Hsieh et al. 2024) and LongBench (Bai et al. 2023) data.
 
-Both yield :class:`~kvpress_ada.eval.tasks.Sample` objects, so the same evaluation loop
-runs synthetic tasks (:mod:`kvpress_ada.eval.tasks`) and published benchmarks.
+Both yield :class:`~kvpress_ada.harness.eval.tasks.Sample` objects, so the same evaluation loop
+runs synthetic tasks (:mod:`kvpress_ada.harness.eval.tasks`) and published benchmarks.
 
 LongBench
     Rows of ``THUDM/LongBench`` (the jsonl files of its ``data.zip``, one per subset):
@@ -10,7 +10,7 @@ LongBench
     is a short task instruction followed by ``context``; its question is ``input`` wrapped
     in a short instruction (our own wording, in the spirit of LongBench's per-subset
     prompts; published numbers use LongBench's exact prompts). The metric comes from
-    :data:`~kvpress_ada.eval.scoring.LONGBENCH_METRICS`; ``meta`` keeps ``subset``,
+    :data:`~kvpress_ada.harness.eval.scoring.LONGBENCH_METRICS`; ``meta`` keeps ``subset``,
     ``all_classes``, ``length``, ``_id`` and ``language``.
 
 RULER
@@ -40,8 +40,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
-from .scoring import LONGBENCH_METRICS
-from .tasks import Sample
+from kvpress_ada.harness.eval.scoring import LONGBENCH_METRICS
+from kvpress_ada.harness.eval.tasks import Sample
 
 __all__ = ["load_longbench", "load_ruler", "read_jsonl", "split_ruler_input",
            "LONGBENCH_SUBSETS", "RULER_TASKS"]

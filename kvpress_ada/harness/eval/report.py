@@ -51,7 +51,7 @@ def plot_accuracy(summary: list[dict], path: str | Path, title: str = "") -> Pat
 def paired_difference(records: list[dict], a: str, b: str, ratio: float) -> dict | None:
     """Accuracy of ``a`` minus ``b`` at ``ratio`` on the samples both ran, with a paired 95% CI.
 
-    ``records`` are :class:`~kvpress_ada.eval.runner.Record` dicts; samples pair by (task, sample). The
+    ``records`` are :class:`~kvpress_ada.harness.eval.runner.Record` dicts; samples pair by (task, sample). The
     full cache (label ``"full"``) pairs at any ratio. ``None`` when no sample has both."""
     def cell(label: str) -> dict[tuple[str, int], float]:
         return {(r["task"], r["sample"]): r["score"] for r in records

@@ -16,12 +16,12 @@ from typing import Any, Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ..allocators import AdaHead, AdaLayer
-from ..integration.fanout import capture_prefill
-from ..integration.generation import encode, split_prompt
-from ..pipeline import Pipeline
-from ..presses import SCORERS, Scorer
-from . import CALIBRATION_SEED, Calibration, model_identity
+from kvpress_ada.allocators import AdaHead, AdaLayer
+from kvpress_ada.integration.fanout import capture_prefill
+from kvpress_ada.integration.generation import encode, split_prompt
+from kvpress_ada.pipeline import Pipeline
+from kvpress_ada.presses import SCORERS, Scorer
+from kvpress_ada.calibration import CALIBRATION_SEED, Calibration, model_identity
 
 DEFAULT_RATIOS = (0.5, 0.75)
 
@@ -30,7 +30,7 @@ def calibration_samples(tokenizer: Any, tasks: Sequence[str], n: int, context: i
                         seed: int = CALIBRATION_SEED) -> list:
     """``n`` samples in all, spread round-robin over ``tasks`` (the first tasks get one more when
     ``n`` does not divide evenly), from seed ``seed`` (``>= CALIBRATION_SEED``: never evaluation's)."""
-    from ..eval.tasks import make_samples
+    from kvpress_ada.harness.eval.tasks import make_samples
 
     if seed < CALIBRATION_SEED:
         raise ValueError(f"calibration seeds start at {CALIBRATION_SEED} (evaluation uses seed 0); got seed={seed}")
@@ -51,8 +51,8 @@ def calibrate(model: Any, tokenizer: Any, scorer: Scorer | str = "kvzip", n: int
               on_sample: Callable[[int], None] | None = None) -> Calibration:
     """Measure ``scorer``'s per-(layer, kv head) shares on ``n`` calibration samples of ``tasks``
     (default: every task of the suite) at ``context`` tokens; see the module docstring."""
-    from .. import __version__
-    from ..eval.tasks import TASKS
+    from kvpress_ada import __version__
+    from kvpress_ada.harness.eval.tasks import TASKS
 
     scorer = SCORERS.build(scorer)  # type: ignore[assignment]
     assert isinstance(scorer, Scorer)

@@ -511,10 +511,11 @@ def main(argv=None):
     from kvpress_ada.harness.eval.scoring import score_sample
     from kvpress_ada.harness.eval.tasks import make_samples
     from kvpress_ada.integration.fanout import capture_prefill
-    from kvpress_ada.integration.generation import encode, greedy_decode, split_prompt
+    from kvpress_ada.integration.generation import decode_rows, split_prompt
     from kvpress_ada.integration.hf import cache_kwarg as _cache_key
     from kvpress_ada.models import ensure_default_model, load
     from kvpress_ada.presets import preset
+    from kvpress_ada.tokens import encode
 
     model_dir = str(ensure_default_model()) if args.model == "default" else args.model
     model, tok = load(args.model)
@@ -637,7 +638,7 @@ def main(argv=None):
 
         # ---- decode speed at a long context
         decode = None if args.no_decode else decode_benchmark(
-            args, worker, model, tok, make_samples, split_prompt, encode, capture_prefill, greedy_decode, _cache_key,
+            args, worker, model, tok, make_samples, split_prompt, encode, capture_prefill, decode_rows, _cache_key,
             preset, torch, tqdm)
     finally:
         worker.close()
@@ -771,7 +772,7 @@ def aggregate_overlap(sample_rows: list[dict]) -> list[dict]:
     return rows
 
 
-def decode_benchmark(args, worker, model, tok, make_samples, split_prompt, encode, capture_prefill, greedy_decode,
+def decode_benchmark(args, worker, model, tok, make_samples, split_prompt, encode, capture_prefill, decode_rows,
                      cache_key, preset, torch, tqdm):
     """Decode tokens/s for full + every (method, ratio) in both libraries, interleaved rounds."""
     start = time.perf_counter()
@@ -811,7 +812,7 @@ def decode_benchmark(args, worker, model, tok, make_samples, split_prompt, encod
             crop(cache)
             out = model(input_ids=tail_ids, use_cache=True, **{cache_key(model): cache})
             t0 = time.perf_counter()
-            _, cache = greedy_decode(model, out.logits[:, -1], cache, steps + 1, set())  # `steps` forwards
+            _, cache = decode_rows(model, out.logits[:, -1], cache, steps + 1, set())  # `steps` forwards
             seconds = time.perf_counter() - t0
             crop(cache)
         return seconds

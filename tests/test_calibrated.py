@@ -69,7 +69,8 @@ def test_calibration_never_uses_evaluation_seeds():
 def test_shares_measure_the_reference_allocation(tiny):
     """One sample, one ratio: the shares are the kvzip preset's kept counts over their total."""
     from kvpress_ada.integration.fanout import capture_prefill
-    from kvpress_ada.integration.generation import encode, split_prompt
+    from kvpress_ada.integration.generation import split_prompt
+    from kvpress_ada.tokens import encode
 
     tok = build_tokenizer()
     result = calibrate(tiny, tok, "kvzip", n=1, tasks=["passkey"], context=CONTEXT, ratios=[0.5], progress=False)

@@ -101,8 +101,8 @@ def test_two_processes_equal_one(tiny_dir, single, tmp_path):
     (tmp_path / "partial.json").write_text(json.dumps(
         {"settings": _settings(argv), "samples_done": 1, "samples": 4, "seconds": 2.0, "records": done}))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "kvpress_ada.harness.cli", *argv, "--resume", "--workers", "2"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, "-m", "kvpress_ada.harness.cli", *argv, "--resume", "--workers", "2"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "on 2 processes" in proc.stdout
     data = json.loads((tmp_path / "results.json").read_text())

@@ -100,8 +100,8 @@ def test_kvzip_needs_a_tokenizer_and_says_how():
 def test_kvzip_scores_need_the_pass():
     model = build_model("llama")
     prefill = capture_prefill(model, torch.randint(5, 100, (1, 20)))
-    obs = prefill.observation(KVzip(), 0)
-    with pytest.raises(ValueError, match="reconstruction pass"):
+    obs = prefill.view(KVzip(), 0).observations()[0]
+    with pytest.raises(ValueError, match="model pass"):
         KVzip().score(obs)
 
 

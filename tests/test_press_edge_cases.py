@@ -63,8 +63,8 @@ def test_expected_attention_window_beyond_context_equals_all_queries(llama):
     for layer in range(3):
         a = preset("expected_attention", compression_ratio=0.5, scorer=ExpectedAttention(window=128))
         b = preset("expected_attention", compression_ratio=0.5, scorer=ExpectedAttention(window=None))
-        sa = a.scorer.score(prefill.observation(a.scorer, layer))
-        sb = b.scorer.score(prefill.observation(b.scorer, layer))
+        sa = a.scorer.score(prefill.view(a.scorer, layer).observations()[0])
+        sb = b.scorer.score(prefill.view(b.scorer, layer).observations()[0])
         assert torch.allclose(sa, sb, rtol=1e-5, atol=1e-7)
 
 

@@ -17,11 +17,12 @@ import torch
 from tqdm.auto import tqdm
 
 from kvpress_ada.allocators import AdaHead, AdaLayer
+from kvpress_ada.calibration import CALIBRATION_SEED, Calibration, model_identity
 from kvpress_ada.integration.fanout import capture_prefill
-from kvpress_ada.integration.generation import encode, split_prompt
+from kvpress_ada.integration.generation import split_prompt
 from kvpress_ada.pipeline import Pipeline
 from kvpress_ada.presses import SCORERS, Scorer
-from kvpress_ada.calibration import CALIBRATION_SEED, Calibration, model_identity
+from kvpress_ada.tokens import encode
 
 DEFAULT_RATIOS = (0.5, 0.75)
 

@@ -185,8 +185,9 @@ def cmd_demo(args) -> int:
     import torch
 
     from kvpress_ada.integration.fanout import capture_prefill
-    from kvpress_ada.integration.generation import encode, eos_ids, greedy_continue, greedy_decode, split_prompt
+    from kvpress_ada.integration.generation import continue_rows, decode_rows, eos_ids, split_prompt
     from kvpress_ada.presets import preset, preset_names
+    from kvpress_ada.tokens import encode
 
     names = [args.preset, *_unique("--compare", _split(args.compare or ""))]
     for name in names:
@@ -221,9 +222,11 @@ def cmd_demo(args) -> int:
     def answer(cache, pressing):
         with pressing:
             if args.question_aware:
-                tokens, cache = greedy_decode(model, prefill.logits, cache, args.max_new_tokens, eos)
+                rows, cache = decode_rows(model, prefill.logits, cache, args.max_new_tokens, eos)
+                tokens = rows[0]
             else:
-                tokens, cache = greedy_continue(model, tail_ids, cache, args.max_new_tokens, eos)
+                rows, cache = continue_rows(model, tail_ids, cache, args.max_new_tokens, eos)
+                tokens = rows[0]
         decoded_bytes.append(cache.nbytes() if hasattr(cache, "nbytes") else 0)
         return tok.decode(tokens, skip_special_tokens=True).strip()
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from ..presses.base import PassScorer
 from .attention import RUN_KWARG, attention_routed, layer_view
 from .hf import cache_kwarg, check_left_padded, check_supported, prefill_key_mask
 from .model_pass import model_pass_scores
@@ -83,11 +84,12 @@ class Prefill:
         press.check_fan_out(self.seq_len)
         press.check_context(int(self.key_mask.sum(-1).min()))
         press.check_model(self.model)
-        maps = self._pass_scores(press.scorer) if type(press.scorer).needs_model_pass else [None] * len(self.layers)
+        scorer = press.scorer
+        maps = self._pass_scores(scorer) if isinstance(scorer, PassScorer) else [None] * len(self.layers)
         views = [self.view(press.scorer, i, m) for i, m in enumerate(maps)]
         return press.keep(views, press.prefill_budget(self.key_mask.sum(-1)))
 
-    def _pass_scores(self, scorer) -> list[torch.Tensor]:
+    def _pass_scores(self, scorer: PassScorer) -> list[torch.Tensor]:
         """The scorer's model pass over the full cache, once per scorer configuration."""
         key = scorer.model_dump_json()
         if key not in self.pass_cache:

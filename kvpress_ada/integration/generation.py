@@ -7,6 +7,7 @@ from contextlib import nullcontext
 
 import torch
 
+from ..tokens import encode, left_pad
 from .hf import cache_kwarg, output_cache
 from .model_pass import use_tokenizer
 
@@ -23,11 +24,6 @@ def split_prompt(tokenizer, context: str, question: str) -> tuple[str, str]:
     return context, "\n\nQuestion: " + question + "\nAnswer:"
 
 
-def encode(tokenizer, text: str, device) -> torch.Tensor:
-    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    return ids.to(device)
-
-
 def eos_ids(model, tokenizer) -> set[int]:
     eos = model.generation_config.eos_token_id
     ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
@@ -37,28 +33,23 @@ def eos_ids(model, tokenizer) -> set[int]:
 
 
 @torch.inference_mode()
-def greedy_continue(model, input_ids: torch.Tensor, cache, max_new_tokens: int, eos: set[int]):
-    """Feed ``input_ids`` through ``model`` with ``cache``, then decode greedily; returns (token ids, cache)."""
-    rows, cache = continue_rows(model, input_ids, cache, max_new_tokens, eos)
-    return rows[0], cache
+def continue_rows(model, input_ids: torch.Tensor, cache, max_new_tokens: int, eos: set[int],
+                  mask: torch.Tensor | None = None):
+    """Feed ``input_ids [B, T]`` through ``model`` with ``cache``, then decode every row greedily
+    (:func:`decode_rows`). ``mask [B, past + T]`` (left-padded batches) covers cache and ids; positions
+    then follow it (``cumsum - 1``), so padded rows keep their true RoPE positions."""
+    extra = {}
+    if mask is not None:
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
+        extra = {"attention_mask": mask, "position_ids": positions}
+    out = model(input_ids=input_ids, use_cache=True, **{cache_kwarg(model): cache}, **extra)
+    return decode_rows(model, out.logits[:, -1], output_cache(out), max_new_tokens, eos, mask=mask)
 
 
 @torch.inference_mode()
-def continue_rows(model, input_ids: torch.Tensor, cache, max_new_tokens: int, eos: set[int]):
-    """:func:`greedy_continue` for every batch row of ``input_ids [B, T]``: (one token list per row, cache)."""
-    out = model(input_ids=input_ids, use_cache=True, **{cache_kwarg(model): cache})
-    return decode_rows(model, out.logits[:, -1], output_cache(out), max_new_tokens, eos)
-
-
-@torch.inference_mode()
-def greedy_decode(model, logits: torch.Tensor, cache, max_new_tokens: int, eos: set[int]):
-    """Greedy decoding (batch 1) from next-token ``logits [1, V]``; stops at an ``eos`` id (not returned)."""
-    rows, cache = decode_rows(model, logits, cache, max_new_tokens, eos)
-    return rows[0], cache
-
-
 def decode_rows(model, logits: torch.Tensor, cache, max_new_tokens: int, eos: set[int], mask=None):
-    """Greedy decoding of every batch row from ``logits [B, V]``; each row stops at its first eos.
+    """Greedy decoding of every batch row from next-token ``logits [B, V]``: ``(one token list per row,
+    cache)``; each row stops at its first ``eos`` id (not returned).
 
     With ``mask [B, past]`` (left-padded batches) the mask grows by one per step and positions
     follow it, so padded rows keep their true RoPE positions.
@@ -84,31 +75,6 @@ def decode_rows(model, logits: torch.Tensor, cache, max_new_tokens: int, eos: se
         cache = output_cache(out)
         next_id = out.logits[:, -1].argmax(-1)
     return rows, cache
-
-
-
-def _left_pad(rows: list[torch.Tensor], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack 1-D id tensors with left padding: ``(ids [B, L], attention mask [B, L])``."""
-    length = max(r.numel() for r in rows)
-    ids = torch.full((len(rows), length), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros(len(rows), length, dtype=torch.long, device=device)
-    for b, row in enumerate(rows):
-        ids[b, length - row.numel():] = row
-        mask[b, length - row.numel():] = 1
-    return ids, mask
-
-
-@torch.inference_mode()
-def batched_answer(model, ids: torch.Tensor, mask: torch.Tensor, cache, max_new_tokens: int, eos: set[int]):
-    """Feed ``ids [B, T]`` (``mask [B, past + T]`` covers cache and ids), then decode greedily per row.
-
-    Positions follow the mask (``cumsum - 1``), so left-padded rows keep their true RoPE
-    positions. Returns ``(token lists per row, cache)``; a row stops at its first eos id.
-    """
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                **{cache_kwarg(model): cache})
-    return decode_rows(model, out.logits[:, -1], output_cache(out), max_new_tokens, eos, mask=mask)
 
 
 @torch.inference_mode()
@@ -155,12 +121,14 @@ def generate(model, tokenizer, context: str | list[str], questions: list[str] | 
             for question in questions:
                 rows = [torch.cat([encode(tokenizer, h, device), encode(tokenizer, t, device)], 1)[0]
                         for h, t in parts(question)]
-                ids, mask = _left_pad(rows, pad_id, device)
-                token_rows, _ = batched_answer(model, ids, mask, None, max_new_tokens, eos)
+                ids, mask = left_pad(rows, pad_id)
+                mask = mask.long()
+                token_rows, _ = continue_rows(model, ids, None, max_new_tokens, eos, mask=mask)
                 decode_rows(token_rows)
         elif questions:
             heads = [encode(tokenizer, h, device)[0] for h, _ in parts(questions[0])]
-            ids, context_mask = _left_pad(heads, pad_id, device)
+            ids, context_mask = left_pad(heads, pad_id)
+            context_mask = context_mask.long()
             positions = (context_mask.cumsum(-1) - 1).clamp(min=0)
             out = model(input_ids=ids, attention_mask=context_mask, position_ids=positions, use_cache=True,
                         **{cache_kwarg(model): None})
@@ -176,7 +144,7 @@ def generate(model, tokenizer, context: str | list[str], questions: list[str] | 
                 mask = torch.cat([context_mask, context_mask.new_ones(tail.shape)], dim=1)
                 last = i + 1 == len(questions)
                 work = copy.deepcopy(cache) if decoding and not last else cache
-                token_rows, work = batched_answer(model, tail, mask, work, max_new_tokens, eos)
+                token_rows, work = continue_rows(model, tail, work, max_new_tokens, eos, mask=mask)
                 decode_rows(token_rows)
                 if not decoding:
                     cache = work

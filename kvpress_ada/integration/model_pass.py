@@ -1,6 +1,6 @@
 """A scorer's own model pass (KVzip's context reconstruction), run over a dense prefill cache.
 
-After the prefill, every pass the scorer asks for (:meth:`KVzip.pass_chunks`) runs through the
+After the prefill, every pass a :class:`~kvpress_ada.presses.PassScorer` asks for (``pass_chunks``) runs through the
 model with the cache; a :class:`PassRun` runs each layer's attention with
 :func:`~kvpress_ada.kernels.lse_attention.attention_with_lse` (output and log-sum-exp from one
 kernel; for an unpadded pass :func:`~kvpress_ada.kernels.lse_attention.prefix_then_causal_parts`,
@@ -26,6 +26,7 @@ from weakref import WeakKeyDictionary
 import torch
 
 from ..kernels.lse_attention import attention_with_lse, full_prefix_then_causal, prefix_then_causal_parts
+from ..presses.base import PassChunk, PassScorer
 from .attention import RUN_KWARG, attention_routed, output_weight
 from .hf import cache_kwarg
 
@@ -60,8 +61,8 @@ def tokenizer_for(model: Any) -> Any:
 class PassRun:
     """The prefill handler of one pass: every layer's forward hands its queries to the scorer."""
 
-    scorer: Any
-    chunk: Any
+    scorer: PassScorer
+    chunk: PassChunk
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
     hidden_norms: dict[int, torch.Tensor] = field(default_factory=dict)  # [B, T] per layer, when recorded
     _mask: tuple[Any, tuple[int, int], torch.Tensor, int | None] | None = None  # (model mask, shape, allowed, prefix)
@@ -115,8 +116,8 @@ def _allowed(attention_mask: Any, T: int, S: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def model_pass_scores(model: Any, scorer: Any, cache: Any, context_ids: torch.Tensor | None, key_mask: torch.Tensor,
-                      next_position: torch.Tensor) -> list[torch.Tensor]:
+def model_pass_scores(model: Any, scorer: PassScorer, cache: Any, context_ids: torch.Tensor | None,
+                      key_mask: torch.Tensor, next_position: torch.Tensor) -> list[torch.Tensor]:
     """Run ``scorer``'s passes over the dense ``cache`` of ``context_ids`` and return one
     ``[B, H_kv, L]`` map per layer; the cache is left as it was (the passes are cropped off).
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..observation import LayerView
+from ..presses.base import PassScorer
 from .attention import dense_attention, layer_view
 from .model_pass import model_pass_scores
 from .press_cache import PressCache
@@ -59,12 +60,13 @@ class PrefillRun:
         if output is None or len(pending) != len(self.cache.layers):
             return output  # nothing waited, or the forward failed part-way (the error is already raised)
         views = [pending[i] for i in range(len(pending))]
-        if type(self.press.scorer).needs_model_pass:
+        scorer = self.press.scorer
+        if isinstance(scorer, PassScorer):
             assert self.next_position is not None
             # let go of the prefill tensors while the pass grows the cache: they are re-read after it
             empty = torch.empty(0)
             views = [replace(v, keys=empty, values=empty) for v in views]
-            maps = model_pass_scores(self.model, self.press.scorer, self.cache, self.input_ids, self.key_mask,
+            maps = model_pass_scores(self.model, scorer, self.cache, self.input_ids, self.key_mask,
                                      self.next_position)
             views = [replace(v, keys=h.keys, values=h.values, pass_scores=m)
                      for v, h, m in zip(views, (self.cache.view(i) for i in range(len(views))), maps)]

@@ -3,7 +3,7 @@
 The file, the registry name and the preset name of a scorer are the same word (``snapkv.py`` is
 ``snapkv``, ``h2o.py`` is ``h2o``, ...); older registry names load as aliases."""
 
-from .base import SCORERS, Scorer, register_scorer
+from .base import SCORERS, PassChunk, PassScorer, Scorer, register_scorer
 from .criticalkv import CriticalKV
 from .expected_attention import ExpectedAttention
 from .h2o import H2O, ObservedAttention
@@ -16,5 +16,6 @@ from .snapkv import SnapKV
 from .streamingllm import StreamingLLM
 from .tova import TOVA
 
-__all__ = ["SCORERS", "Scorer", "register_scorer", "CriticalKV", "ExpectedAttention", "H2O", "KeyDiff", "KNorm",
-           "KVzip", "LagKV", "ObservedAttention", "RandomScorer", "SnapKV", "StreamingLLM", "TOVA"]
+__all__ = ["SCORERS", "PassChunk", "PassScorer", "Scorer", "register_scorer", "CriticalKV", "ExpectedAttention",
+           "H2O", "KeyDiff", "KNorm", "KVzip", "LagKV", "ObservedAttention", "RandomScorer", "SnapKV", "StreamingLLM",
+           "TOVA"]

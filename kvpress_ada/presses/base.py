@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterable
 
 import torch
 
@@ -48,6 +49,68 @@ class Scorer(Component):
 
     def score(self, obs: Observation) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__} must implement score(obs)")
+
+
+@dataclass(frozen=True)
+class PassChunk:
+    """One model pass over a left-padded batch (what a :class:`PassScorer` asks the model to read).
+
+    ``ids``/``mask``: ``[B, T]`` the pass's input (left padding False); ``scored``: ``[B, L]`` the
+    context entries this pass scores; ``visible``: ``[B, L]`` the context entries its scoring
+    softmax spans; ``whole_context``: whether ``visible`` is every valid context entry (the softmax is
+    then the model's own attention's).
+    """
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    scored: torch.Tensor
+    visible: torch.Tensor
+    whole_context: bool = False
+
+
+class PassScorer(Scorer):
+    """A scorer that runs inputs of its own through the model after the prefill (a model pass, e.g.
+    KVzip's context reconstruction) and scores each context entry from what the pass measured.
+
+    The integration runs :meth:`pass_chunks` through the model over the dense prefill cache; in each
+    pass every layer's attention hands its post-RoPE queries and keys (and, when asked, values, the
+    ``o_proj`` weight, the pass tokens' hidden-state norms and log-sum-exps) to :meth:`pass_scores`;
+    the per-layer maxima over the passes come back as ``obs.pass_scores``. Eviction then waits for the
+    end of prefill. No prefill query is read (``query_window() == 0``); chunked prefill and decode
+    compression are refused (the pass reads the whole context at once)."""
+
+    needs_model_pass: ClassVar[bool] = True
+    supports_chunked_prefill: ClassVar[bool] = False
+
+    def query_window(self) -> int:
+        return 0
+
+    def measured(self, obs: Observation) -> torch.Tensor:
+        """``obs.pass_scores``, or a clear error when the pass did not run."""
+        if obs.pass_scores is None:
+            raise ValueError(f"{type(self).__name__} scores come from its model pass (obs.pass_scores); run the "
+                             "press through `with press(model)` or fan-out, which run that pass")
+        return obs.pass_scores
+
+    def pass_chunks(self, context_ids: torch.Tensor, key_mask: torch.Tensor,
+                    tokenizer: Any) -> list[PassChunk]:  # pragma: no cover - abstract
+        """The passes to run for a left-padded context ``context_ids [B, L]`` (``key_mask``: real tokens)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement pass_chunks")
+
+    def pass_reads_hidden_states(self) -> bool:
+        """Whether :meth:`pass_scores` reads ``hidden_norm`` (recording it costs a hook per layer)."""
+        return False
+
+    def pass_scores(self, query: torch.Tensor, key: torch.Tensor, chunk: PassChunk, scaling: float,
+                    value: torch.Tensor | None = None, output_weight: torch.Tensor | None = None,
+                    hidden_norm: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                    lse_own: torch.Tensor | None = None) -> torch.Tensor:  # pragma: no cover - abstract
+        """``[B, H_kv, L]`` scores of one layer from one pass: ``query [B, H_q, T, D]`` the pass's
+        queries, ``key``/``value`` ``[B, H_kv, L + T, D]`` (context then the pass's tokens),
+        ``output_weight`` the layer's ``o_proj.weight``, ``hidden_norm [B, T]``, ``lse [B, H_q, T]`` the
+        pass attention's log-sum-exp when it spans exactly ``chunk.visible`` (else None), ``lse_own``
+        the log-sum-exp over the pass's own tokens when the caller has it."""
+        raise NotImplementedError(f"{type(self).__name__} must implement pass_scores")
 
 
 SCORERS = Registry("scorer", Scorer)

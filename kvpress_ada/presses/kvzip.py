@@ -26,40 +26,23 @@ entry's value; ``W_O^g``: the ``head_dim`` columns of ``o_proj.weight`` that que
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
 
-from ..kernels.lse_attention import attention_with_lse
+from ..kernels.pass_attention import max_received_attention
 from ..observation import Observation
-from .base import Scorer, protect_first_valid, register_scorer
+from ..tokens import encode, left_pad
+from .base import PassChunk, PassScorer, protect_first_valid, register_scorer
 
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 NEXT_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
 _SEPARATOR = "\n####kvpress_ada####"
 
 
-@dataclass(frozen=True)
-class PassChunk:
-    """One reconstruction pass over a left-padded batch.
-
-    ``ids``/``mask``: ``[B, T]`` the pass's input (left padding False); ``scored``: ``[B, L]`` the
-    context entries this pass scores; ``visible``: ``[B, L]`` the context entries its scoring
-    softmax spans (``scored`` plus the sinks); ``whole_context``: whether ``visible`` is every valid
-    context entry (one pass covers the context), so the softmax is the model's own attention's.
-    """
-
-    ids: torch.Tensor
-    mask: torch.Tensor
-    scored: torch.Tensor
-    visible: torch.Tensor
-    whole_context: bool = False
-
-
 @register_scorer("kvzip")
-class KVzip(Scorer):
+class KVzip(PassScorer):
     """Max attention received while the model reconstructs the context (see the module docstring);
     ``plus=True`` is KVzip+ (attention times ``||W_O v|| / ||h||``)."""
 
@@ -68,25 +51,16 @@ class KVzip(Scorer):
     sinks: int = Field(4, ge=0, description="initial tokens always kept")
     overlap: int = Field(8, ge=0, description="tokens of the previous chunk quoted in a later pass's prompt")
     plus: bool = Field(False, description="KVzip+: weigh each attention by ||W_O v|| / ||h|| (module docstring)")
-    needs_model_pass: ClassVar[bool] = True
-    supports_chunked_prefill: ClassVar[bool] = False  # the reconstruction repeats the whole context
-    _QUERY_BLOCK: ClassVar[int] = 64
-
-    def query_window(self) -> int:
-        return 0
 
     def score(self, obs: Observation) -> torch.Tensor:
-        if obs.pass_scores is None:
-            raise ValueError("KVzip scores come from its reconstruction pass (obs.pass_scores); run the press "
-                             "through `with press(model)` or fan-out, which run that pass")
-        return protect_first_valid(obs.pass_scores.float(), obs.key_mask, self.sinks)
+        return protect_first_valid(self.measured(obs).float(), obs.key_mask, self.sinks)
 
     # ------------------------------------------------------------ the model pass
     def pass_chunks(self, context_ids: torch.Tensor, key_mask: torch.Tensor, tokenizer: Any) -> list[PassChunk]:
         """The reconstruction passes for a left-padded ``context_ids [B, L]``."""
-        first = _encode(tokenizer, FIRST_PROMPT)
-        later = _encode(tokenizer, NEXT_PROMPT)
-        suffix = _encode(tokenizer, _assistant_suffix(tokenizer))
+        first = encode(tokenizer, FIRST_PROMPT)[0]
+        later = encode(tokenizer, NEXT_PROMPT)[0]
+        suffix = encode(tokenizer, _assistant_suffix(tokenizer))[0]
         B, L = context_ids.shape
         rank = key_mask.long().cumsum(-1) - 1  # index among valid tokens, [B, L]
         n_chunks = int((key_mask.sum(-1).max() + self.chunk - 1) // self.chunk)
@@ -103,7 +77,7 @@ class KVzip(Scorer):
                     previous = context_ids[b][key_mask[b] & (rank[b] < c * self.chunk)]
                     head = torch.cat([later, previous[previous.numel() - min(self.overlap, previous.numel()):]])
                 rows.append(torch.cat([head.to(context_ids.device), suffix.to(context_ids.device), part]))
-            ids, mask = _left_pad(rows)
+            ids, mask = left_pad(rows)
             visible = scored | (sink if c > 0 else torch.zeros_like(sink))
             chunks.append(PassChunk(ids=ids, mask=mask, scored=scored, visible=visible,
                                     whole_context=bool(torch.equal(visible, key_mask))))
@@ -117,81 +91,24 @@ class KVzip(Scorer):
                     value: torch.Tensor | None = None, output_weight: torch.Tensor | None = None,
                     hidden_norm: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                     lse_own: torch.Tensor | None = None) -> torch.Tensor:
-        """``[B, H_kv, L]``: the largest attention each scored context entry gets from this pass.
-
-        ``query [B, H_q, T, D]`` are the pass's post-RoPE queries; ``key [B, H_kv, L + T, D]`` the
-        layer's keys (context then the pass's own tokens). KVzip+ also reads ``value`` (same shape
-        as ``key``), the layer's ``output_weight`` (``o_proj.weight``, ``[hidden, H_q * D]``) and
-        ``hidden_norm [B, T]``, the norm of each pass token's hidden state entering the attention.
-        ``lse [B, H_q, T]``: the log-sum-exp of each query's logits over :meth:`pass_mask` when the
-        caller already has it (the pass's own attention, when it sees exactly that). Otherwise it is
-        computed here from the same query-key products as the scores, plus ``lse_own [B, H_q, T]``,
-        the log-sum-exp over the pass's own tokens (causal), taken from the caller when it has it.
-
-        Only the context entries some row's softmax spans (``chunk.visible``) are multiplied. Since
-        ``exp`` is monotonic, ``max_j exp(s_ji - lse_j) = exp(max_j (s_ji - lse_j))``: the logits
-        are shifted by each query's ``lse`` (plus ``log ||h_j||`` for KVzip+) and reduced by a max
-        over the pass's queries before a single ``exp`` per entry.
-        """
-        B, Hq, T, D = query.shape
-        Hkv, L = key.shape[1], key.shape[2] - T
-        G = Hq // Hkv
+        """``[B, H_kv, L]``: the largest attention each scored context entry gets from this pass
+        (:func:`~kvpress_ada.kernels.pass_attention.max_received_attention` over the pass's queries and
+        the query heads of the kv group; KVzip+ weighs it by ``||W_O^g v_i|| / ||h_j||``)."""
+        L = key.shape[2] - query.shape[2]
         if self.plus and (value is None or output_weight is None or hidden_norm is None):
             raise ValueError("KVzip+ (plus=True) needs the pass's values, the layer's o_proj weight and the "
                              "hidden-state norms of the pass's tokens")
-        columns = chunk.visible.any(0).nonzero().flatten()  # the context entries some row's softmax spans
-        V = columns.numel()
-        whole = V == L
-        visible = chunk.visible if whole else chunk.visible[:, columns]  # [B, V]
-        if lse is None and lse_own is None:
-            own = key[:, :, L:].float()
-            lse_own = attention_with_lse(query.float(), own, own, self.pass_mask(chunk)[..., L:], scaling)[1]
-        extra = torch.zeros(B, 1, T, device=key.device)
-        if self.plus:
-            assert hidden_norm is not None
-            extra = extra + hidden_norm.float().log()[:, None, :]  # dividing by ||h_j||
-        voting = chunk.mask[:, None, :].expand(B, Hkv, T).reshape(B * Hkv, 1, T)  # padded queries do not vote
-        extra = extra.expand(B, Hq, T).reshape(B * Hkv, G, T)
-        known = None if lse is None else (lse.float().reshape(B * Hkv, G, T) + extra).masked_fill(~voting, float("inf"))
-        own_lse = None if lse_own is None else lse_own.float().reshape(B * Hkv, G, T)
-        hidden_out = None  # [B * H_kv, 1, V]: columns a row's softmax does not span, when some do not
-        if not bool(visible.all()):
-            hidden_out = ~visible[:, None, None, :].expand(B, Hkv, 1, V).reshape(B * Hkv, 1, V)
-        queries = query.float().reshape(B * Hkv, G, T, D)
-        keys = key[:, :, :L] if whole else key[:, :, columns]
-        keys_t = keys.float().transpose(-1, -2).reshape(B * Hkv, D, V)
-        best = torch.full((B * Hkv, G, V), float("-inf"), device=key.device)
-        # query blocks bound memory to G x block x V; one buffer serves every block (a fresh
-        # multi-MB tensor per block costs more in page faults than the product itself on CPU)
-        buffer = torch.empty(B * Hkv * G * min(self._QUERY_BLOCK, T) * V, device=key.device)
-        block_max = torch.empty_like(best)
-        for start in range(0, T, self._QUERY_BLOCK):
-            stop = min(start + self._QUERY_BLOCK, T)
-            n = stop - start
-            block = buffer[:B * Hkv * G * n * V].view(B * Hkv, G * n, V)
-            rows = queries[:, :, start:stop].reshape(B * Hkv, G * n, D)
-            if known is not None:
-                torch.baddbmm(-known[:, :, start:stop].reshape(B * Hkv, G * n, 1), rows, keys_t, alpha=scaling,
-                              out=block)
-            else:
-                assert own_lse is not None
-                torch.bmm(rows, keys_t, out=block).mul_(scaling)
-                if hidden_out is not None:
-                    block.masked_fill_(hidden_out, float("-inf"))
-                context_lse = torch.logsumexp(block.view(B * Hkv, G, n, V), dim=-1)
-                shift = torch.logaddexp(context_lse, own_lse[:, :, start:stop]) + extra[:, :, start:stop]
-                shift = shift.masked_fill(~voting[:, :, start:stop], float("inf"))
-                block.view(B * Hkv, G, n, V).sub_(shift[..., None])
-            torch.amax(block.view(B * Hkv, G, n, V), dim=2, out=block_max)
-            torch.maximum(best, block_max, out=best)
-        best = best.view(B, Hkv, G, V).exp_()
+        log_weight = hidden_norm.float().log() if self.plus and hidden_norm is not None else None  # dividing by ||h_j||
+        best, columns = max_received_attention(query, key, chunk.mask, chunk.visible, scaling, lse=lse,
+                                               lse_own=lse_own, log_weight=log_weight)
+        whole = columns.numel() == L
         if self.plus:
             assert value is not None and output_weight is not None
             values = value[:, :, :L] if whole else value[:, :, columns]
             best = best * output_norms(values, output_weight)  # ||W_O^g v_i|| does not depend on j
         scores = best.amax(dim=2)
         if not whole:
-            scores = torch.zeros(B, Hkv, L, device=key.device).index_copy_(2, columns, scores)
+            scores = torch.zeros(*scores.shape[:2], L, device=key.device).index_copy_(2, columns, scores)
         return scores.masked_fill(~chunk.scored[:, None, :], 0.0)
 
     @staticmethod
@@ -219,11 +136,6 @@ def output_norms(values: torch.Tensor, output_weight: torch.Tensor) -> torch.Ten
     squared = (projected * v[:, :, None]).sum(-1)
     return squared.clamp_min(0.0).sqrt()
 
-def _encode(tokenizer: Any, text: str) -> torch.Tensor:
-    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    return ids[0].long()
-
-
 def _assistant_suffix(tokenizer: Any) -> str:
     """The chat template's text between a user message's content and the assistant's reply."""
     if not getattr(tokenizer, "chat_template", None):
@@ -231,13 +143,3 @@ def _assistant_suffix(tokenizer: Any) -> str:
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "x" + _SEPARATOR}], tokenize=False,
                                              add_generation_prompt=True)
     return str(rendered).split(_SEPARATOR, 1)[1]
-
-
-def _left_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    T = max(r.numel() for r in rows)
-    ids = torch.zeros(len(rows), T, dtype=torch.long, device=rows[0].device)
-    mask = torch.zeros(len(rows), T, dtype=torch.bool, device=rows[0].device)
-    for b, row in enumerate(rows):
-        ids[b, T - row.numel():] = row
-        mask[b, T - row.numel():] = True
-    return ids, mask

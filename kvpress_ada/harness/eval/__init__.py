@@ -7,7 +7,14 @@ published RULER and LongBench datasets, and their scoring rules.
 """
 
 from kvpress_ada.harness.eval.datasets import load_longbench, load_ruler, split_ruler_input
-from kvpress_ada.harness.eval.scoring import LONGBENCH_METRICS, METRICS, score, score_sample, string_match_all, string_match_part
+from kvpress_ada.harness.eval.scoring import (
+    LONGBENCH_METRICS,
+    METRICS,
+    score,
+    score_sample,
+    string_match_all,
+    string_match_part,
+)
 from kvpress_ada.harness.eval.tasks import TASKS, ContextTooSmall, Sample, TaskSpec, make_samples
 
 __all__ = [

@@ -18,11 +18,12 @@ import torch
 from tqdm.auto import tqdm
 
 from kvpress_ada.evictors import TopK
+from kvpress_ada.harness.eval.scoring import score_sample
+from kvpress_ada.harness.eval.signals import eviction_loss, fidelity
 from kvpress_ada.integration.fanout import capture_prefill
 from kvpress_ada.integration.generation import (
     continue_rows,
     decode_rows,
-    encode,
     eos_ids,
     generate,
     split_prompt,
@@ -30,8 +31,7 @@ from kvpress_ada.integration.generation import (
 from kvpress_ada.integration.hf import cache_kwarg, output_cache
 from kvpress_ada.pipeline import Pipeline
 from kvpress_ada.presets import preset
-from kvpress_ada.harness.eval.scoring import score_sample
-from kvpress_ada.harness.eval.signals import eviction_loss, fidelity
+from kvpress_ada.tokens import encode
 
 ENTRY_BATCH = 16  # entries decoded together in one batch (memory: 16 compressed caches of a sample)
 

@@ -110,3 +110,42 @@ def test_cache_built_outside_inference_mode_decodes_inside_without_recompiles(mo
     assert not any(layer.k_flat.is_inference() for layer in cache.layers)
     assert counters["graph_break"] == {}, dict(counters["graph_break"])
     assert 1 <= counters["stats"]["unique_graphs"] <= MAX_GRAPHS, dict(counters["stats"])
+
+
+def test_decode_compression_under_compiled_decoding(model):
+    """``decode_budget`` with ``compile=True``: the compactions, and the steps whose queries they read,
+    run eagerly; every other step runs compiled. Same tokens and kept rows as eager, the bytes bound of
+    decode compression held, one graph for every compaction and re-layout, no graph break."""
+    from kvpress_ada import SnapKV
+    from kvpress_ada.kernels.reference import CHUNK
+
+    K, budget, window = 16, 24, 4
+    press = preset("snapkv", compression_ratio=0.5, scorer=SnapKV(window=window, kernel=3), decode_budget=budget,
+                   decode_interval=K)
+    ids = torch.randint(5, 100, (1, 90), generator=torch.Generator().manual_seed(7))
+
+    def run(compile):
+        with press(model, compile=compile):
+            step = model.__dict__.get("forward")
+            out = model.generate(ids, max_new_tokens=STEPS + 1, min_new_tokens=STEPS + 1, do_sample=False,
+                                 return_dict_in_generate=True)
+        return out, step
+
+    counters.clear()
+    eager, _ = run(False)
+    got, step = run(True)
+    assert torch.equal(got.sequences, eager.sequences)
+    cache, ref = got.past_key_values, eager.past_key_values
+    for i in range(len(cache.layers)):
+        assert torch.equal(cache.head_lengths(i), ref.head_lengths(i))
+        assert torch.equal(cache.layers[i].view().keys, ref.layers[i].view().keys)
+    # decode forward n (1-based) has counted ((n - 1) % K) + 1 tokens: eager when within the last
+    # `window` before a compaction (its queries are read) or compacting, compiled otherwise
+    eager_steps = sum(1 for n in range(1, STEPS + 1) if K - (((n - 1) % K) + 1) < window)
+    assert step.calls == STEPS - eager_steps and cache.state.compactions == [STEPS // K] * len(cache.layers)
+    config = model.config
+    D = config.hidden_size // config.num_attention_heads
+    bound = config.num_hidden_layers * config.num_key_value_heads * (budget + K + CHUNK - 1) * D * 2 * 4
+    assert cache.nbytes() <= bound
+    assert counters["graph_break"] == {}, dict(counters["graph_break"])
+    assert 1 <= counters["stats"]["unique_graphs"] <= MAX_GRAPHS, dict(counters["stats"])

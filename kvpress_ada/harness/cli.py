@@ -231,7 +231,7 @@ def cmd_demo(args) -> int:
         return tok.decode(tokens, skip_special_tokens=True).strip()
 
     t0 = time.perf_counter()
-    full_bytes = sum(t.numel() * t.element_size() for c in prefill.layers for t in (c.keys, c.values))
+    full_bytes = prefill.nbytes
     rows = [("full cache", answer(prefill.compressed_cache(None), torch.inference_mode()), full_bytes,
              time.perf_counter() - t0)]
     middle = model.config.num_hidden_layers // 2

@@ -31,6 +31,8 @@ from weakref import WeakKeyDictionary
 
 import torch
 
+from .attention import RUN_KWARG
+from .decode_compression import DecodeRun
 from .hf import input_shape
 from .ragged_cache import RaggedCache
 
@@ -86,6 +88,9 @@ class DecodeForward:
         if not isinstance(cache, RaggedCache) or not cache.compressed or args or kwargs.get("input_ids") is None:
             return self.eager(*args, **kwargs)
         if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+            return self.eager(*args, **kwargs)
+        run = kwargs.get(RUN_KWARG)
+        if isinstance(run, DecodeRun) and not run.traceable:  # a decode compaction (or its window): eager
             return self.eager(*args, **kwargs)
         (B, q), device = input_shape(args, kwargs)
         if q != 1:

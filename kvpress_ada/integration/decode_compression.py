@@ -33,6 +33,22 @@ class DecodeRun:
     model: torch.nn.Module
     press: Pipeline | None = None
 
+    @classmethod
+    def for_step(cls, cache: PressCache, model: torch.nn.Module, press: Pipeline, tokens: int) -> "DecodeRun":
+        """The handler of a decode forward of ``tokens`` tokens under a press that compacts while
+        generating. The tokens are counted here (eagerly, before the forward); the forward records its
+        queries only when they will be among the ``query_window()`` last ones at the next compaction,
+        and compacts when ``decode_interval`` tokens have arrived. A forward that does neither attends
+        only (``press=None``), so a compiled step can run it (see :mod:`.compiled`)."""
+        assert press.decode_interval is not None
+        window = press.scorer.query_window()
+        assert window is not None  # refused at Pipeline construction
+        state = cache.state
+        state.since = [n + tokens for n in state.since]
+        compacts = max(state.since) >= press.decode_interval
+        records = press.decode_interval - min(state.since) < window
+        return cls(cache=cache, model=model, press=press if compacts or records else None)
+
     def handles_prefill(self, layer_idx: int) -> bool:
         return False
 
@@ -49,12 +65,17 @@ class DecodeRun:
             self._after_attention(module, query, scaling)
         return out
 
+    @property
+    def traceable(self) -> bool:
+        """Whether this forward only attends (no host-side work: a compiled step may run it)."""
+        return self.press is None
+
     def after_forward(self, output: Any) -> Any:
         return output
 
     def _after_attention(self, module: torch.nn.Module, query: torch.Tensor, scaling: float) -> None:
         """Record the layer's queries and compact it when ``decode_interval`` tokens arrived since its
-        last compaction."""
+        last compaction (counted by :meth:`for_step`)."""
         press, state = self.press, self.cache.state
         assert press is not None and press.decode_interval is not None
         layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
@@ -64,7 +85,6 @@ class DecodeRun:
         recent = query.detach() if held is None else torch.cat([held, query.detach()], dim=2)
         recent = recent[:, :, recent.shape[2] - min(window, recent.shape[2]):]
         state.queries[layer_idx] = recent
-        state.since[layer_idx] += query.shape[2]
         if state.since[layer_idx] < press.decode_interval:
             return
         with torch.no_grad():

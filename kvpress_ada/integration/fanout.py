@@ -68,6 +68,11 @@ class Prefill:
     def seq_len(self) -> int:
         return self.key_mask.shape[-1]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of keys and values of the full (uncompressed) cache of this prefill."""
+        return sum(t.numel() * t.element_size() for c in self.layers for t in (c.keys, c.values))
+
     def view(self, scorer, layer_idx: int, pass_scores: torch.Tensor | None = None):
         """The :class:`~kvpress_ada.observation.LayerView` of layer ``layer_idx``'s dense prefill."""
         c = self.layers[layer_idx]

@@ -18,6 +18,7 @@ keep working on it; :func:`detach` removes it. Presses do not nest on one model.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator
@@ -64,7 +65,8 @@ class _Route:
 
     def __init__(self, model: Any):
         self.model = model
-        self.press: Pipeline | None = None
+        self.presses: dict[int, Pipeline] = {}  # thread id -> the press that thread's open block applies
+        self.compiled_blocks = 0  # open blocks that asked for compiled decoding
         self.attached = False
         self.cache_key = cache_kwarg(model)
         self.previous = model.config._attn_implementation
@@ -80,7 +82,7 @@ class _Route:
     def _pre_hook(self, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if RUN_KWARG in kwargs:  # a handler already owns this forward (a chunk, fan-out capture, a model pass)
             return args, kwargs
-        press = self.press
+        press = self.presses.get(threading.get_ident())
         if press is not None and kwargs.get("use_cache") is False:
             raise ValueError("a press compresses the KV cache, but this forward runs with use_cache=False; "
                              "call the model with use_cache=True (the default of generate) or outside the press")
@@ -124,8 +126,9 @@ class _Route:
                               input_ids=kwargs.get("input_ids", args[0] if args else None),
                               next_position=next_positions(kwargs.get("position_ids"), shape),
                               shard=head_shard(self.model))
-        compacting = press is not None and press.compresses_decode and not prefill
-        return DecodeRun(cache=cache, model=self.model, press=press if compacting else None)
+        if press is not None and press.compresses_decode and not prefill:
+            return DecodeRun.for_step(cache, self.model, press, int(shape[1]))
+        return DecodeRun(cache=cache, model=self.model)
 
     def _post_hook(self, module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
         run = kwargs.get(RUN_KWARG)
@@ -137,6 +140,7 @@ class _Route:
 
 
 _ROUTES: WeakKeyDictionary[torch.nn.Module, _Route] = WeakKeyDictionary()
+_LOCK = threading.RLock()  # guards _ROUTES and every route's hooks, presses and compiled forward
 
 
 def _route(model: Any) -> _Route:
@@ -148,7 +152,7 @@ def _route(model: Any) -> _Route:
 
 def _release(model: Any) -> None:
     route = _ROUTES.get(model)
-    if route is not None and route.press is None and not route.attached:
+    if route is not None and not route.presses and not route.attached:
         route.close()
         del _ROUTES[model]
 
@@ -158,16 +162,18 @@ def attach(model: Any) -> Any:
     press compressed can be used with ``model(...)`` and ``model.generate(past_key_values=cache)``.
     Forwards with any other cache run exactly as before. Idempotent; undo with :func:`detach`."""
     check_supported(model)
-    _route(model).attached = True
+    with _LOCK:
+        _route(model).attached = True
     return model
 
 
 def detach(model: Any) -> Any:
     """Undo :func:`attach` (a running ``with press(model)`` block keeps its routing until it ends)."""
-    route = _ROUTES.get(model)
-    if route is not None:
-        route.attached = False
-        _release(model)
+    with _LOCK:
+        route = _ROUTES.get(model)
+        if route is not None:
+            route.attached = False
+            _release(model)
     return model
 
 
@@ -175,26 +181,38 @@ def detach(model: Any) -> Any:
 def apply_press(press: Pipeline, model: Any, compile: bool | None = None) -> Iterator[Any]:
     """Apply ``press`` to ``model`` inside the ``with`` block (see the module docstring).
 
-    ``compile``: run decode steps over the compressed cache through a compiled forward
-    (:mod:`.compiled`; ``None``: on CUDA, off on CPU, ``$KVPRESS_ADA_COMPILE`` overrides)."""
+    Threads: a block applies to the forwards of the thread that opened it; forwards of other threads
+    run as if no press were open (dense attention, their own caches), each thread may hold its own
+    block on the same model, and one thread's blocks do not nest. ``compile``: run decode steps over
+    the compressed cache through a compiled forward (:mod:`.compiled`; ``None``: on CUDA, off on CPU,
+    ``$KVPRESS_ADA_COMPILE`` overrides)."""
     check_supported(model)
-    active = _ROUTES.get(model)
-    if active is not None and active.press is not None:
-        raise RuntimeError(f"a press ({type(active.press.scorer).__name__}) is already applied to this model; "
-                           "`with press(model)` blocks do not nest: exit the outer block first")
+    me = threading.get_ident()
+    with _LOCK:
+        active = _ROUTES.get(model)
+        if active is not None and me in active.presses:
+            raise RuntimeError(f"a press ({type(active.presses[me].scorer).__name__}) is already applied to this "
+                               "model in this thread; `with press(model)` blocks do not nest: exit the outer block "
+                               "first")
     if press.is_noop:
         yield model
         return
     press.check_model(model)
-    route = _route(model)
-    route.press = press
     device = next(model.parameters()).device
-    step = compiled.install(model, route.cache_key, compiled.default_mode(device)) \
-        if compiled.compile_enabled(compile, device) else None
+    compiling = compiled.compile_enabled(compile, device)
+    with _LOCK:
+        route = _route(model)
+        route.presses[me] = press
+        if compiling:
+            compiled.install(model, route.cache_key, compiled.default_mode(device))
+            route.compiled_blocks += 1
     try:
         yield model
     finally:
-        if step is not None:
-            compiled.uninstall(model)
-        route.press = None
-        _release(model)
+        with _LOCK:
+            route.presses.pop(me, None)
+            if compiling:
+                route.compiled_blocks -= 1
+                if route.compiled_blocks == 0:
+                    compiled.uninstall(model)
+            _release(model)

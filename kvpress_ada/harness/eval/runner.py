@@ -143,7 +143,7 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
         return tokens
 
     full_cache = prefill.full_cache
-    full_bytes = sum(t.numel() * t.element_size() for c in prefill.layers for t in (c.keys, c.values))
+    full_bytes = prefill.nbytes
     full_tokens = answer(None, full_cache)[0]
     first = [int(prefill.logits.argmax(-1))]
     continuation = (full_tokens or first) if question_aware else full_tokens
@@ -186,7 +186,7 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
         if i in results:
             continue
         keep: list[torch.Tensor] | None = None
-        if entry.press is not None and _prefills_in_chunks(entry.press, length):
+        if entry.press is not None and entry.press.chunks_prompt(length):
             # fan-out cannot derive it from the dense prefill: run the press on the prompt
             cache, next_logits = _chunked_prefill(model, entry.press, prompt)
         else:
@@ -204,11 +204,7 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
 def _batchable(press: Pipeline | None, length: int) -> bool:
     """Whether the entry's cache can be a row of :meth:`Prefill.compressed_batch`."""
     return (press is not None and not press.is_noop and type(press.evictor) is TopK and not _decoding(press)
-            and not _prefills_in_chunks(press, length))
-
-
-def _prefills_in_chunks(press: Pipeline, length: int) -> bool:
-    return press.prefill_chunk is not None and length > press.prefill_chunk
+            and not press.chunks_prompt(length))
 
 
 @torch.inference_mode()

@@ -148,4 +148,5 @@ def test_decode_compression_under_compiled_decoding(model):
     bound = config.num_hidden_layers * config.num_key_value_heads * (budget + K + CHUNK - 1) * D * 2 * 4
     assert cache.nbytes() <= bound
     assert counters["graph_break"] == {}, dict(counters["graph_break"])
-    assert 1 <= counters["stats"]["unique_graphs"] <= MAX_GRAPHS, dict(counters["stats"])
+    # the model's compiled forward is shared across tests: at most one graph, whatever ran before
+    assert counters["stats"]["unique_graphs"] <= MAX_GRAPHS, dict(counters["stats"])

@@ -234,3 +234,19 @@ def test_cli_decode_refused_for_h2o(capsys):
     assert main(["demo", "--model", "nowhere", "--preset", "h2o", "--decode-budget", "8",
                  "--decode-interval", "4"]) == 2
     assert "query_window None" in capsys.readouterr().err
+
+
+def test_decode_compaction_scores_each_kv_head_with_its_index(llama):
+    """A decode compaction hands every kv head its own index (``RandomScorer`` draws per head): on a
+    decode-only press, where every head holds the same entries, the heads keep different entries."""
+    from kvpress_ada.presses import RandomScorer
+
+    press = Pipeline(scorer=RandomScorer(seed=1), decode_budget=8, decode_interval=4)
+    ids = torch.randint(5, 100, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), press(llama):
+        out = llama.generate(ids, max_new_tokens=9, min_new_tokens=9, do_sample=False, return_dict_in_generate=True)
+    cache = out.past_key_values
+    assert cache.state.compactions == [2] * len(cache.layers)
+    for i in range(len(cache.layers)):
+        positions = cache.layers[i].view().positions[0]  # [H_kv, n]
+        assert not all(torch.equal(positions[0], p) for p in positions[1:]), f"layer {i}: every head kept the same"

@@ -21,38 +21,13 @@ _REGISTRIES = {"scorer": SCORERS, "allocator": ALLOCATORS, "layers": LAYER_SCHED
 class Pipeline(BaseModel):
     """A press: ``Pipeline(scorer=SnapKV(), allocator=AdaHead(alpha=0.2), compression_ratio=0.5)``.
 
-    Prefill compression: at most one of ``compression_ratio`` (fraction of the context's KV entries
-    evicted, ``0 <= r < 1``) or ``budget`` (average tokens kept per kv head). ``with press(model): ...``
-    compresses every layer right after its prefill attention, so the full cache of all layers is
-    never held.
-
-    Decode compression: ``decode_budget=B, decode_interval=K`` (both or neither): while generating,
-    every ``K`` appended tokens each layer is re-scored (window = the most recent generated queries),
-    re-split across heads by the allocator and compacted in place back to ``B`` tokens per kv head
-    on average (see :mod:`kvpress_ada.integration.decode_compression` for the exact bound). Prefill
-    and decode compression compose; either may be given alone (a decode-only pipeline keeps the
-    whole prompt until its first compaction).
-
-    ``prefill_chunk=N`` (chunked prefill, :mod:`kvpress_ada.integration.chunked_prefill`): a forward
-    that brings a context of ``L > N`` tokens into an empty cache under the press runs the model
-    chunk by chunk instead of in one pass. Chunks are aligned on the *end* of the context (the last
-    chunk always holds ``N`` tokens, the first ``L - (k - 1) N``), so every row of a left-padded
-    batch is cut exactly as it would be alone. Each chunk's queries attend to the layer's
-    compressed cache plus the chunk itself (causal, true RoPE positions: positions continue from the
-    tokens seen, never from the compressed length), then that layer is compressed back to its
-    *final* budget: the budget the one-shot press keeps for the whole context (``compression_ratio``
-    is relative to the whole context's length, known when the model is called with it), clipped to
-    the tokens seen so far. The cache thus never holds more than ``budget + N`` entries per kv head
-    on average over the heads of a layer (per head with a uniform allocator), and the final cache
-    holds exactly what the one-shot press would keep in total per layer and row. Entries kept
-    earlier are re-scored with every chunk (the scorer sees the kept entries plus the chunk, with the
-    chunk's queries: see each scorer's docstring). The forward returns the logits the caller asked
-    for (``logits_to_keep``, all positions by default, gathered over the chunks), so ``model(ids)``,
-    ``model.generate(ids)`` and :func:`kvpress_ada.generate` work unchanged. A context of ``L <= N``
-    tokens runs exactly as without ``prefill_chunk``. Refused (one-line error at construction):
-    presses that evict at the end of prefill (model-scope layer schedules such as ``AdaLayer``,
-    scorers with their own model pass such as ``KVzip``) and scorers declaring
-    ``supports_chunked_prefill = False``.
+    Prefill compression: at most one of ``compression_ratio`` (fraction of the context's entries
+    evicted, ``0 <= r < 1``) or ``budget`` (average tokens kept per kv head). ``prefill_chunk=N``:
+    a longer prompt is prefilled and compressed chunk by chunk (end-aligned chunks; the final cache
+    holds the one-shot totals). ``decode_budget=B, decode_interval=K`` (both or neither): every ``K``
+    generated tokens each layer is compacted back to ``B`` tokens per kv head on average.
+    :meth:`keep` is the whole selection policy; ``with press(model):`` applies it (modes and their
+    semantics: ``docs/design.md``). Impossible combinations are refused at construction, in one line.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

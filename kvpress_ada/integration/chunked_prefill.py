@@ -1,26 +1,12 @@
 """Chunked prefill: ``Pipeline(prefill_chunk=N)`` compresses after every chunk of ``N`` tokens.
 
-When ``model(ids)`` (or ``model.generate(ids)``) brings a context of ``L > N`` tokens into an empty
-cache under such a press, the routing's forward pre-hook runs the model itself on every chunk but
-the last (each a nested forward of the same model), then lets the caller's forward run on the last
-chunk; the post-hook hands back the logits the caller asked for, gathered over the chunks.
-
-Chunks are aligned on the *end* of the context (:meth:`Pipeline.chunks`): the last chunk always
-holds ``N`` tokens, so every row of a left-padded batch is cut exactly as it would be alone, and the
-last compression sees a full chunk of queries.
-
-In every layer, a chunk's queries attend to the layer's compressed cache plus the chunk itself:
-keys are read as a left-padded per-head view of the cache (:meth:`PressLayer.entries`), the mask
-allows an entry when it is a real token (left padding never is) and its position is at most the
-query's (kept entries always are; causal inside the chunk), and RoPE positions are the tokens'
-true positions (the model's own ``position_ids``, continuing from the tokens seen, never from the
-compressed length). The layer is then compressed back to its *final* budget, the per-head budget
-the one-shot press gives this layer for the whole context, clipped to the (non-padding) tokens
-seen so far: ``H_kv * min(b_layer, seen)`` entries per row, exactly. The scorer sees the kept
-entries followed by the chunk; when the heads of a layer hold different numbers of entries (Ada),
-each kv head is scored on its own (see :class:`~kvpress_ada.presses.Scorer`). A head allocator
-may ask a head for more entries than it holds (Ada's uniform share after an uneven step); the
-excess goes to the best remaining entries of the other heads of the row, so totals stay exact.
+When a forward brings a context of ``L > N`` tokens into an empty cache under such a press, the
+routing's pre-hook runs the model itself on every chunk but the last (nested forwards), then lets
+the caller's forward run the last chunk; the caller gets the logits it asked for, gathered over the
+chunks. Chunks are aligned on the end of the context (:meth:`Pipeline.chunks`). In every layer a
+chunk's queries attend to the layer's view (kept entries, then the chunk; causal by position, true
+RoPE positions), then :meth:`Pipeline.keep` brings each row back to ``H_kv * min(b_layer, seen)``
+entries, ``b_layer`` the one-shot press's budget for the layer. Design notes: ``docs/design.md``.
 """
 
 from __future__ import annotations

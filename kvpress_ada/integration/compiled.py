@@ -1,26 +1,13 @@
 """Compiled decode steps for press caches: where ``torch.compile`` enters, and when.
 
-``with press(model)`` (and :func:`kvpress_ada.generate`) run every decode step over a compressed
-:class:`RaggedCache` through one ``torch.compile(model.forward, fullgraph=True)``; the prefill, the
-compression and any forward on another cache stay eager. The step is split in two:
-
-* eager, before the compiled call (:meth:`RaggedCache.reserve`): room for the new token in every
-  row (a re-layout, rarely), the host-side token counter, and the inputs made shape-stable (explicit
-  ``position_ids``; no 2-D ``attention_mask``, which grows every step and which ragged attention
-  does not read);
-* compiled: the model forward, whose cache update is one in-place append op and whose attention is
-  one ragged attention op (``torch.library`` custom ops with fake kernels): device tensors only.
-
-When it runs (``compile=None``): on CUDA by default (``mode="reduce-overhead"``: the step is
-captured as a CUDA graph); on CPU only when asked (``compile=True``; inductor's C++ code, default
-mode), because compiling the default model costs minutes there for a few % per token. Escape hatch:
-``compile=False``, or ``KVPRESS_ADA_COMPILE=0`` in the environment (``=1`` turns it on everywhere;
-an explicit ``compile=`` argument wins over the variable).
-
-One compiled function per (model, mode) is kept for the model's lifetime and shared by every press
-block and ``generate`` call. Recompiles: the buffers' lengths are dynamic (marked at each layout), so
-new context lengths, ratios and re-layouts reuse the graph; see ``tests/test_compiled_decode.py`` for
-the documented bound.
+Inside ``with press(model, compile=...)`` (and :func:`kvpress_ada.generate`) the model's forward is an
+instance-level :class:`DecodeForward`: single-token decode steps over a compressed
+:class:`~.ragged_cache.RaggedCache` whose handler only attends go to one shared
+``torch.compile(model.forward, fullgraph=True)``; everything else (prefill, compression, decode
+compactions and the steps whose queries they read, other caches) runs eagerly. Before each compiled
+call the cache reserves room for the token (:meth:`RaggedCache.reserve`) and the inputs are made
+shape-stable. When (``compile=None``): on CUDA (``mode="reduce-overhead"``), not on CPU unless asked;
+``$KVPRESS_ADA_COMPILE`` (``0``/``1``) overrides the default, an explicit argument wins over it.
 """
 
 from __future__ import annotations

@@ -1,28 +1,16 @@
 """RaggedCache: a transformers ``Cache`` whose rows are (batch, kv head) pairs of different lengths.
 
-Evicted entries really leave memory: after compression each layer holds one flat ``[N, D]``
-buffer for keys and one for values, with int32 ``row_offsets``/``row_lengths`` on the device.
+Evicted entries really leave memory: a compressed layer holds one flat ``[N, D]`` buffer for keys
+and one for values, with int32 ``row_offsets``/``row_lengths`` on the device, every row starting on
+a :data:`~kvpress_ada.kernels.reference.CHUNK` boundary. Reserve: each row gets at least
+``decode_reserve`` free slots (default 8) after compression; when rows run out the layer is re-laid
+out once with a spare of ``max(decode_reserve, ceil(growth * mean row length))`` (amortised O(1)
+appends, never a copy per token). Right after compression ``kept bytes + rows * decode_reserve * D
+* 2 * itemsize <= nbytes() < kept bytes + rows * (decode_reserve + CHUNK) * D * 2 * itemsize``.
 
-Reserve policy (the only slack beyond kept tokens): every row gets at least ``decode_reserve``
-spare slots (default 8) for tokens appended after compression, and its capacity is rounded up to
-a whole number of :data:`~kvpress_ada.kernels.reference.CHUNK` (32) slots, so every row starts on
-a chunk boundary (the loop-free CPU attention views the buffer as chunks without a copy). Since
-every row appends exactly one token per step, all rows run out together; the layer is then re-laid
-out once with a spare of ``max(decode_reserve, ceil(growth * mean row length))`` per row
-(``growth=0.125``). Appends thus cost amortised O(1) (one copy of the layer every
-``growth * length`` steps, never one per token) and the slack stays within
-``max(decode_reserve, 12.5%) + CHUNK`` slots of each row. Right after compression,
-``kept bytes + rows * decode_reserve * D * 2 * itemsize <= nbytes() <
-kept bytes + rows * (decode_reserve + CHUNK) * D * 2 * itemsize``. The default of 8 keeps that
-slack (8 plus on average 15.5 rounding slots per row) under 3% of a 1k-token full cache; it costs
-one re-layout within the first 8 decode steps, after which the 12.5% growth sets the spare.
-
-Compiled decoding (``is_compileable = True``): the host-side bookkeeping of a step (room for the
-new tokens, re-layout, the token counter) runs in :meth:`RaggedCache.reserve`, eagerly, before the
-compiled forward; inside it ``update`` is one in-place append op and attention one ragged
-attention op, on device tensors only (no Python counter, no host sync). The flat buffers only
-change size at a re-layout (every ~12.5% of growth), and their length is marked dynamic, so the
-compiled step sees a small, fixed set of shapes.
+Compiled decoding: the host-side half of an append (room, re-layout, counters) runs in
+:meth:`RaggedCache.reserve`, eagerly, before the compiled forward; inside it ``update`` is one
+in-place append op and attention one ragged attention op. Design notes: ``docs/design.md``.
 """
 
 from __future__ import annotations

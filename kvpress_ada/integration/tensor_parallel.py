@@ -1,22 +1,12 @@
-"""Tensor parallelism: a press on a model loaded with ``from_pretrained(path, tp_plan="auto")`` under ``torchrun``.
+"""Tensor parallelism: a press on a model loaded with ``from_pretrained(path, tp_plan="auto")`` under
+``torchrun``.
 
-transformers' tensor-parallel plan for the supported architectures shards ``q_proj``/``k_proj``/
-``v_proj`` column-wise and ``o_proj`` row-wise, in contiguous blocks: rank ``r`` of ``W`` computes
-attention for kv heads ``r * H_kv / W ... (r + 1) * H_kv / W - 1`` and for their query heads. The
-query heads of one kv head (its GQA group, ``G = H_q / H_kv`` consecutive heads) stay together on
-the rank of their kv head exactly when ``W`` divides ``H_kv`` (then ``H_q / W = G * H_kv / W``); any
-other world size is refused (:func:`head_shard`). So every scorer, which reads only its kv head's
-keys, values and query group, computes on each rank exactly the scores of the single-process run
-for that rank's heads, and each rank's :class:`~kvpress_ada.integration.ragged_cache.RaggedCache`
-holds only its own rows (memory per rank = its share of the kept entries).
-
-What spans heads is made on global information through one small collective per layer:
-``Pipeline`` all-gathers (:meth:`HeadShard.gather`) the layer's ``[B, H_kv / W, L]`` *scores* (``1 / (2 D)`` of the
-layer's dense K/V, never the cache itself) so that every rank runs the head allocator (``AdaHead``)
-and a model-scope layer schedule (``AdaLayer``) on the same ``[B, H_kv, L]`` tensor as one process,
-with the same tie-breaking, and keeps its own heads' counts. ``UniformHead`` (declared
-``head_local``) needs no collective. Scorers that depend on a head's global index read
-``Observation.global_head_offset`` (the random scorer's per-head stream).
+Rank ``r`` of ``W`` holds a contiguous block of ``H_kv / W`` kv heads with their query groups
+(:func:`head_shard` refuses world sizes that do not divide the kv heads, or plans that do not shard
+``q/k/v_proj`` column-wise), scores them and keeps only their ragged rows. Decisions that span
+heads (Ada's head allocation, a model-scope schedule) run on every head's scores, all-gathered per
+layer (:meth:`HeadShard.gather`, ``[B, H_kv, L]`` scores, never the cache), so each rank takes its
+heads' part of the single-process decision. Design notes: ``docs/design.md`` (Scaling out).
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def parse_args(argv=None):
 def presses(args):
     from kvpress_ada import Pipeline
     from kvpress_ada.allocators import AdaHead
-    from kvpress_ada.presses import KNorm, SnapKV, StreamingLLM
+    from kvpress_ada.scorers import KNorm, SnapKV, StreamingLLM
 
     common_fields = dict(decode_budget=args.budget, decode_interval=args.interval)
     return {

@@ -261,8 +261,8 @@ def _register_diagnostics():
     )
     from kvpress_ada.allocators.heads import flat_topk_counts
     from kvpress_ada.allocators.layers import register_layer_schedule
-    from kvpress_ada.presses.attention import window_attention
-    from kvpress_ada.presses.expected_attention import _rotate
+    from kvpress_ada.scorers.attention import window_attention
+    from kvpress_ada.scorers.expected_attention import _rotate
 
     @register_scorer("snapkv_kvpress")
     class SnapKVKvpress(Scorer):

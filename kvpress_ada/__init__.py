@@ -20,7 +20,7 @@ from .integration.model_pass import use_tokenizer
 from .observation import Observation
 from .pipeline import Pipeline
 from .presets import preset, preset_names, register_preset
-from .presses import (
+from .scorers import (
                       H2O,
                       TOVA,
                       CriticalKV,

@@ -13,7 +13,7 @@ from .evictors import EVICTORS, Evictor, TopK
 from .integration import apply_press
 from .integration.tensor_parallel import head_shard
 from .observation import Budget, LayerView, Observation
-from .presses import SCORERS, Scorer
+from .scorers import SCORERS, Scorer
 
 _REGISTRIES = {"scorer": SCORERS, "allocator": ALLOCATORS, "layers": LAYER_SCHEDULES, "evictor": EVICTORS}
 

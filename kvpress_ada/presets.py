@@ -6,7 +6,7 @@ from typing import Callable
 
 from .allocators import AdaHead, AdaLayer, Calibrated, CalibratedLayer, PyramidLayer, UniformHead, UniformLayer
 from .pipeline import Pipeline
-from .presses import (
+from .scorers import (
     H2O,
     TOVA,
     CriticalKV,
@@ -22,7 +22,7 @@ from .presses import (
 
 ADA_ALPHA = 0.2  # the paper's safeguard default
 
-# preset name == scorer registry name == file in presses/ for the single-scorer presets
+# preset name == scorer registry name == file in scorers/ for the single-scorer presets
 _PRESETS: dict[str, Callable[[], dict]] = {
     "snapkv": lambda: dict(scorer=SnapKV()),
     "pyramidkv": lambda: dict(scorer=SnapKV(), layers=PyramidLayer()),

@@ -159,3 +159,12 @@ def test_no_private_name_crosses_modules():
 @pytest.mark.parametrize("module", ["kvpress_ada.harness.cli", "kvpress_ada.harness.eval.runner"])
 def test_the_harness_is_where_the_listing_says(module):
     assert module in MODULES
+
+
+def test_the_former_scorer_import_path_still_works():
+    from kvpress_ada.presses.kvzip import KVzip
+
+    import kvpress_ada.scorers.kvzip as current
+    from kvpress_ada.presses import SnapKV
+
+    assert KVzip is current.KVzip and SnapKV is __import__("kvpress_ada").SnapKV

@@ -18,7 +18,7 @@ from kvpress_ada import Pipeline, generate
 from kvpress_ada.allocators import AdaHead, UniformHead
 from kvpress_ada.evictors import Mask, TopK
 from kvpress_ada.kernels.reference import CHUNK
-from kvpress_ada.presses import SCORERS, SnapKV, StreamingLLM
+from kvpress_ada.scorers import SCORERS, SnapKV, StreamingLLM
 
 torch.set_num_threads(1)
 
@@ -239,7 +239,7 @@ def test_cli_decode_refused_for_h2o(capsys):
 def test_decode_compaction_scores_each_kv_head_with_its_index(llama):
     """A decode compaction hands every kv head its own index (``RandomScorer`` draws per head): on a
     decode-only press, where every head holds the same entries, the heads keep different entries."""
-    from kvpress_ada.presses import RandomScorer
+    from kvpress_ada.scorers import RandomScorer
 
     press = Pipeline(scorer=RandomScorer(seed=1), decode_budget=8, decode_interval=4)
     ids = torch.randint(5, 100, (1, 40), generator=torch.Generator().manual_seed(3))

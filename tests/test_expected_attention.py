@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpress_ada import ExpectedAttention, Observation, Pipeline
-from kvpress_ada.presses.expected_attention import _rotate_to_future
+from kvpress_ada.scorers.expected_attention import _rotate_to_future
 
 
 def _inv_freq(D, base=10000.0):

@@ -10,7 +10,7 @@ from conftest import build_model, build_tokenizer
 from kvpress_ada import KVzip, preset
 from kvpress_ada.integration.fanout import capture_prefill
 from kvpress_ada.integration.hf import output_cache
-from kvpress_ada.presses.kvzip import FIRST_PROMPT, NEXT_PROMPT, PassChunk
+from kvpress_ada.scorers.kvzip import FIRST_PROMPT, NEXT_PROMPT, PassChunk
 
 
 def _enc(tok, text):

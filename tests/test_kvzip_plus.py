@@ -12,7 +12,7 @@ from kvpress_ada import KVzip, Pipeline, preset
 from kvpress_ada.integration.fanout import capture_prefill
 from kvpress_ada.integration.hf import cache_kwarg, output_cache
 from kvpress_ada.integration.model_pass import model_pass_scores, tokenizer_for
-from kvpress_ada.presses.kvzip import PassChunk, output_norms
+from kvpress_ada.scorers.kvzip import PassChunk, output_norms
 
 
 def _rotate_half(x):

@@ -7,7 +7,7 @@ from test_scorer_registry import scorer_names
 
 from kvpress_ada import Mask, Pipeline, RaggedCache, generate, preset
 from kvpress_ada.presets import portable_preset_names
-from kvpress_ada.presses import SCORERS
+from kvpress_ada.scorers import SCORERS
 
 CONTEXT = "In 1947 the pass key was 4821. The garden had seven doors and a blue gate. " * 2
 QUESTIONS = ["What is the pass key?", "How many doors?"]

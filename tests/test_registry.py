@@ -28,7 +28,7 @@ from kvpress_ada import (
 from kvpress_ada.allocators import ALLOCATORS, LAYER_SCHEDULES, register_layer_schedule
 from kvpress_ada.evictors import EVICTORS, TopK
 from kvpress_ada.presets import unregister_preset
-from kvpress_ada.presses import SCORERS
+from kvpress_ada.scorers import SCORERS
 
 
 def _fake_snapkv():
@@ -121,14 +121,14 @@ CANONICAL = {"snapkv", "streamingllm", "h2o", "tova", "knorm", "expected_attenti
 
 
 def test_file_registry_and_preset_names_agree():
-    files = {p.stem for p in Path(kvpress_ada.presses.__file__).parent.glob("*.py")} - {"__init__", "base",
+    files = {p.stem for p in Path(kvpress_ada.scorers.__file__).parent.glob("*.py")} - {"__init__", "base",
                                                                                          "attention"}
     assert CANONICAL <= set(SCORERS.names())
     builtin = [n for n in SCORERS.names() if SCORERS.get(n).__module__.startswith("kvpress_ada.")]
     assert set(builtin) == CANONICAL  # a new built-in scorer: add it here, with its file and preset
     for name in builtin:
         cls = SCORERS.get(name)
-        assert cls.__module__ == f"kvpress_ada.presses.{name}", (name, cls.__module__)
+        assert cls.__module__ == f"kvpress_ada.scorers.{name}", (name, cls.__module__)
         assert name in files
         assert name in preset_names() and type(preset(name, compression_ratio=0.5).scorer) is cls
 

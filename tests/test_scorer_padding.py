@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from test_scorer_registry import scorer_names, scorer_strategy
 
 from kvpress_ada import Observation, SnapKV, StreamingLLM
-from kvpress_ada.presses import SCORERS
-from kvpress_ada.presses.attention import pool_scores
+from kvpress_ada.scorers import SCORERS
+from kvpress_ada.scorers.attention import pool_scores
 
 D = 8
 
@@ -114,6 +114,6 @@ def test_window_attention_reads_only_the_observation():
     """Dead parameter removed: the window's queries come from ``obs`` alone."""
     import inspect
 
-    from kvpress_ada.presses.attention import window_attention
+    from kvpress_ada.scorers.attention import window_attention
 
     assert list(inspect.signature(window_attention).parameters) == ["obs", "window"]

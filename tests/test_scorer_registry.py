@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpress_ada import Scorer, SnapKV, register_scorer
-from kvpress_ada.presses import SCORERS
+from kvpress_ada.scorers import SCORERS
 
 SMALL = 8  # integer fields range over [lower bound, lower bound + SMALL]
 

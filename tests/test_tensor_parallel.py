@@ -22,7 +22,7 @@ from kvpress_ada import preset
 from kvpress_ada.integration.tensor_parallel import HeadShard, head_shard, local_weight
 from kvpress_ada.observation import LayerView, Observation
 from kvpress_ada.presets import portable_preset_names
-from kvpress_ada.presses import RandomScorer
+from kvpress_ada.scorers import RandomScorer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,7 +21,7 @@ from kvpress_ada.calibration import CALIBRATION_SEED, Calibration, model_identit
 from kvpress_ada.integration.fanout import capture_prefill
 from kvpress_ada.integration.generation import split_prompt
 from kvpress_ada.pipeline import Pipeline
-from kvpress_ada.presses import SCORERS, Scorer
+from kvpress_ada.scorers import SCORERS, Scorer
 from kvpress_ada.tokens import encode
 
 DEFAULT_RATIOS = (0.5, 0.75)

@@ -450,7 +450,7 @@ def _calibrate_inputs(args) -> tuple[list[str], list[float], Any]:
     """Tasks, reference ratios and the scorer, all checked; nothing loaded yet."""
     from kvpress_ada.calibration import CALIBRATION_SEED
     from kvpress_ada.harness.eval.tasks import TASKS
-    from kvpress_ada.presses import SCORERS
+    from kvpress_ada.scorers import SCORERS
 
     tasks = _unique("--tasks", _split(args.tasks)) if args.tasks else list(TASKS)
     unknown = [t for t in tasks if t not in TASKS]

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from ..presses.base import PassScorer
+from ..scorers.base import PassScorer
 from .attention import RUN_KWARG, attention_routed, layer_view
 from .hf import cache_kwarg, check_left_padded, check_supported, prefill_key_mask
 from .model_pass import model_pass_scores

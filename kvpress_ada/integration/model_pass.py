@@ -1,6 +1,6 @@
 """A scorer's own model pass (KVzip's context reconstruction), run over a dense prefill cache.
 
-After the prefill, every pass a :class:`~kvpress_ada.presses.PassScorer` asks for (``pass_chunks``) runs through the
+After the prefill, every pass a :class:`~kvpress_ada.scorers.PassScorer` asks for (``pass_chunks``) runs through the
 model with the cache; a :class:`PassRun` runs each layer's attention with
 :func:`~kvpress_ada.kernels.lse_attention.attention_with_lse` (output and log-sum-exp from one
 kernel; for an unpadded pass :func:`~kvpress_ada.kernels.lse_attention.prefix_then_causal_parts`,
@@ -26,7 +26,7 @@ from weakref import WeakKeyDictionary
 import torch
 
 from ..kernels.lse_attention import attention_with_lse, full_prefix_then_causal, prefix_then_causal_parts
-from ..presses.base import PassChunk, PassScorer
+from ..scorers.base import PassChunk, PassScorer
 from .attention import RUN_KWARG, attention_routed, output_weight
 from .hf import cache_kwarg
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..observation import LayerView
-from ..presses.base import PassScorer
+from ..scorers.base import PassScorer
 from .attention import dense_attention, layer_view
 from .model_pass import model_pass_scores
 from .press_cache import PressCache

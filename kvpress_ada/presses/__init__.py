@@ -1,21 +1,14 @@
-"""Scorers, one per file: each returns ``[B, H_kv, L]`` importance (higher = keep).
+"""``kvpress_ada.presses``: the import path the scorers had before they moved to
+:mod:`kvpress_ada.scorers`, kept so existing imports (``from kvpress_ada.presses import SnapKV``,
+``from kvpress_ada.presses.kvzip import KVzip``) keep working. New code imports
+:mod:`kvpress_ada.scorers`."""
 
-The file, the registry name and the preset name of a scorer are the same word (``snapkv.py`` is
-``snapkv``, ``h2o.py`` is ``h2o``, ...); older registry names load as aliases."""
+import importlib
+import sys
 
-from .base import SCORERS, PassChunk, PassScorer, Scorer, register_scorer
-from .criticalkv import CriticalKV
-from .expected_attention import ExpectedAttention
-from .h2o import H2O, ObservedAttention
-from .keydiff import KeyDiff
-from .knorm import KNorm
-from .kvzip import KVzip
-from .lagkv import LagKV
-from .random import RandomScorer
-from .snapkv import SnapKV
-from .streamingllm import StreamingLLM
-from .tova import TOVA
+from kvpress_ada.scorers import *  # noqa: F403
+from kvpress_ada.scorers import __all__  # noqa: F401
 
-__all__ = ["SCORERS", "PassChunk", "PassScorer", "Scorer", "register_scorer", "CriticalKV", "ExpectedAttention",
-           "H2O", "KeyDiff", "KNorm", "KVzip", "LagKV", "ObservedAttention", "RandomScorer", "SnapKV", "StreamingLLM",
-           "TOVA"]
+for _module in ("base", "criticalkv", "expected_attention", "h2o", "keydiff", "knorm", "kvzip", "lagkv", "random",
+                "snapkv", "streamingllm", "tova", "attention"):
+    sys.modules[f"{__name__}.{_module}"] = importlib.import_module(f"kvpress_ada.scorers.{_module}")

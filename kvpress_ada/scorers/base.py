@@ -19,7 +19,7 @@ class Scorer(Component):
     ``+inf`` and count toward the budget. ``comparable_across_heads`` says whether raw scores of
     different heads share a scale (attention probabilities do); Ada allocation makes the comparison
     scale-free when they do not. ``needs_model_pass``: the scorer runs inputs of its own through the
-    model after the prefill (:class:`~kvpress_ada.presses.kvzip.KVzip`); the integration runs that
+    model after the prefill (:class:`~kvpress_ada.scorers.kvzip.KVzip`); the integration runs that
     pass and hands what it measured back as ``obs.pass_scores``, and eviction waits for the end of
     prefill.
 

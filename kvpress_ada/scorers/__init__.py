@@ -1,0 +1,21 @@
+"""Scorers, one per file: each returns ``[B, H_kv, L]`` importance (higher = keep).
+
+The file, the registry name and the preset name of a scorer are the same word (``snapkv.py`` is
+``snapkv``, ``h2o.py`` is ``h2o``, ...); older registry names load as aliases."""
+
+from .base import SCORERS, PassChunk, PassScorer, Scorer, register_scorer
+from .criticalkv import CriticalKV
+from .expected_attention import ExpectedAttention
+from .h2o import H2O, ObservedAttention
+from .keydiff import KeyDiff
+from .knorm import KNorm
+from .kvzip import KVzip
+from .lagkv import LagKV
+from .random import RandomScorer
+from .snapkv import SnapKV
+from .streamingllm import StreamingLLM
+from .tova import TOVA
+
+__all__ = ["SCORERS", "PassChunk", "PassScorer", "Scorer", "register_scorer", "CriticalKV", "ExpectedAttention",
+           "H2O", "KeyDiff", "KNorm", "KVzip", "LagKV", "ObservedAttention", "RandomScorer", "SnapKV", "StreamingLLM",
+           "TOVA"]

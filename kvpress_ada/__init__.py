@@ -17,7 +17,7 @@ from .evictors import Evictor, Mask, TopK, register_evictor
 from .integration import SUPPORTED_MODEL_TYPES, MaskedCache, PressCache, RaggedCache, attach, detach
 from .integration.generation import generate
 from .integration.model_pass import use_tokenizer
-from .observation import Observation
+from .observation import Budget, LayerView, Observation
 from .pipeline import Pipeline
 from .presets import preset, preset_names, register_preset
 from .scorers import (
@@ -45,7 +45,7 @@ __all__ = [
     "RandomScorer", "KVzip", "use_tokenizer", "LagKV", "KeyDiff",
     "UniformHead", "AdaHead", "UniformLayer", "PyramidLayer", "AdaLayer", "Calibrated", "CalibratedLayer",
     "TopK", "Mask",
-    "Scorer", "HeadAllocator", "LayerSchedule", "Evictor", "Observation",
+    "Scorer", "HeadAllocator", "LayerSchedule", "Evictor", "Observation", "LayerView", "Budget",
     "register_scorer", "register_allocator", "register_evictor",
     "RaggedCache", "MaskedCache", "SUPPORTED_MODEL_TYPES",
     "PressCache", "attach", "detach",

@@ -86,6 +86,7 @@ class LayerView:
     pass_scores: torch.Tensor | None = None
     shard: Any = None
     positions: torch.Tensor | None = None
+    uniform: bool | None = None  # every kv head of a row holds the same entries (None: not known, checked)
 
     @classmethod
     def of(cls, obs: Observation) -> "LayerView":
@@ -94,7 +95,7 @@ class LayerView:
         return cls(keys=obs.keys, values=obs.values, valid=obs.key_mask[:, None, :].expand(B, H, L),
                    queries=obs.queries, layer_idx=obs.layer_idx, n_layers=obs.n_layers, scaling=obs.scaling,
                    output_weight=obs.output_weight, rope_inv_freq=obs.rope_inv_freq, pass_scores=obs.pass_scores,
-                   shard=obs.shard)
+                   shard=obs.shard, uniform=True)
 
     def rows(self, index: torch.Tensor) -> "LayerView":
         """The view of the batch rows ``index``."""
@@ -107,11 +108,12 @@ class LayerView:
     def observations(self) -> list[Observation]:
         """What the scorer reads: one :class:`Observation` of the whole layer when every kv head of a
         row holds the same entries, else one per kv head (``H_kv = 1``, its query group, its columns
-        of ``output_weight``, ``head_offset`` = its index). One host sync."""
+        of ``output_weight``, ``head_offset`` = its index). One host sync unless ``uniform`` is known."""
         H = self.keys.shape[1]
         common = dict(layer_idx=self.layer_idx, n_layers=self.n_layers, scaling=self.scaling,
                       rope_inv_freq=self.rope_inv_freq, shard=self.shard)
-        if bool((self.valid == self.valid[:, :1]).all()):
+        uniform = self.uniform if self.uniform is not None else bool((self.valid == self.valid[:, :1]).all())
+        if uniform:
             return [Observation(keys=self.keys, values=self.values, queries=self.queries, key_mask=self.valid[:, 0],
                                 output_weight=self.output_weight, pass_scores=self.pass_scores, **common)]
         G = self.queries.shape[1] // H

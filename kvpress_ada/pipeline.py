@@ -210,13 +210,16 @@ class Pipeline(BaseModel):
 
     def _keep_layer(self, view: LayerView, budget: torch.Tensor) -> torch.Tensor:
         """Keep mask of one layer with per-head budget ``budget [B]``. Rows whose valid entries all fit
-        keep them without being scored (a chunked prefill's first chunks may hold only padding)."""
+        keep them without being scored (a chunked prefill's first chunks may hold only padding); while
+        torch.compile traces, every row is scored (no host sync: the same masks for rows with entries)."""
         H = view.keys.shape[1]
-        evict = view.valid.sum((-1, -2)) > H * budget
         keep = view.valid.clone()
-        if not bool(evict.any()):  # one host sync per layer
-            return keep
-        rows = None if bool(evict.all()) else evict.nonzero()[:, 0]
+        rows = None
+        if not torch.compiler.is_compiling():
+            evict = view.valid.sum((-1, -2)) > H * budget
+            if not bool(evict.any()):  # one host sync per layer
+                return keep
+            rows = None if bool(evict.all()) else evict.nonzero()[:, 0]
         part = view if rows is None else view.rows(rows)
         scores = self._scores(part)
         everyone = scores

@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 from conftest import build_model, build_tokenizer
 
-from kvpress_ada import cli
+from kvpress_ada.harness import cli
 from kvpress_ada.harness.distributed import World
 from kvpress_ada.harness.eval import parallel
 from kvpress_ada.harness.eval.runner import Record

@@ -104,4 +104,5 @@ def layer_view(scorer: Any, model: Any, module: torch.nn.Module, n_layers: int, 
         queries=queries[:, :, queries.shape[2] - n:], layer_idx=int(module.layer_idx),  # type: ignore[arg-type]
         n_layers=n_layers, scaling=scaling,
         output_weight=output_weight(module).detach() if scorer.needs_output_weight else None,
-        rope_inv_freq=rope_inv_freq(model) if scorer.needs_rope else None, shard=shard, pass_scores=pass_scores)
+        rope_inv_freq=rope_inv_freq(model) if scorer.needs_rope else None, shard=shard, pass_scores=pass_scores,
+        uniform=held.uniform)

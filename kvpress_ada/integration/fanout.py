@@ -78,7 +78,7 @@ class Prefill:
         c = self.layers[layer_idx]
         B, H, L, _ = c.keys.shape
         valid = self.key_mask[:, None, :].expand(B, H, L)
-        held = HeldEntries(c.keys, c.values, valid, torch.arange(L, device=c.keys.device).expand(B, H, L))
+        held = HeldEntries(c.keys, c.values, valid, torch.arange(L, device=c.keys.device).expand(B, H, L), uniform=True)
         return layer_view(scorer, self.model, c.module, len(self.layers), held, c.queries, c.scaling,
                           head_shard(self.model), pass_scores)
 

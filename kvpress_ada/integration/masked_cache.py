@@ -42,7 +42,7 @@ class MaskedLayer(DynamicLayer):
         B, H, L, _ = keys.shape
         if self.keep is None:
             positions = torch.arange(L, device=keys.device).expand(B, H, L)
-            return HeldEntries(keys, values, real_entries(key_mask, positions), positions)
+            return HeldEntries(keys, values, real_entries(key_mask, positions), positions, uniform=True)
         index, present = pack_left(F.pad(self.keep, (0, L - self.keep.shape[-1]), value=True))
         positions = torch.where(present, index, -1)
         return HeldEntries(gather_slots(keys, index, present), gather_slots(values, index, present),

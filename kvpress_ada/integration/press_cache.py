@@ -36,6 +36,7 @@ class HeldEntries:
     values: torch.Tensor
     valid: torch.Tensor
     positions: torch.Tensor
+    uniform: bool | None = None  # every kv head of a row holds the same entries (None: not known)
 
 
 class PressLayer(Protocol):

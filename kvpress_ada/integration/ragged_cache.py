@@ -193,7 +193,7 @@ class RaggedLayer(CacheLayerMixin):
             keys, values = self._dense()
             B, H, L, _ = keys.shape
             positions = torch.arange(L, device=keys.device).expand(B, H, L)
-            return HeldEntries(keys, values, real_entries(key_mask, positions), positions)
+            return HeldEntries(keys, values, real_entries(key_mask, positions), positions, uniform=True)
         B, H, _ = self.shape
         index, present = ragged_index(self.row_offsets, self.row_lengths, (B, H))
         positions = torch.where(present, self._view_positions(present.shape[-1]), -1)

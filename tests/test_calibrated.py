@@ -198,6 +198,32 @@ def test_shipped_calibration_fits_the_default_model():
     assert int(budgets.sum()) == 30 * 250
 
 
+def test_shipped_calibration_fits_qwen_coder_0_5b():
+    """The 0.5B model's shipped file and the benchmark config using it fit that architecture only."""
+    from pathlib import Path
+
+    import yaml
+    from transformers import Qwen2Config
+
+    shipped = cal.load("builtin:qwen2_5_coder_0_5b_kvzip")
+    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                         rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"}, tie_word_embeddings=False)
+    shipped.check_model(config)
+    assert shipped.scorer["name"] == "kvzip" and shipped.seeds["seed"] >= cal.CALIBRATION_SEED
+    assert shipped.n == 16 and len(shipped.shares) == 24 and all(len(row) == 2 for row in shipped.shares)
+    assert abs(sum(map(sum, shipped.shares)) - 1.0) < 1e-6
+    path = Path(__file__).resolve().parents[1] / "benchmarks/configs/qwen2.5-coder-0.5b/calibrated_streamingllm.yaml"
+    press = Pipeline.model_validate(yaml.safe_load(path.read_text()))
+    press.layers.check_model(config)
+    press.allocator.check_model(config)
+    default = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                          rope_parameters={"rope_theta": 100000.0, "rope_type": "default"}, tie_word_embeddings=True)
+    with pytest.raises(cal.CalibrationError, match="qwen2.5-coder-0.5b-instruct"):
+        press.allocator.check_model(default)
+
+
 @pytest.mark.parametrize("scorer", [StreamingLLM(), SnapKV(window=8)])
 def test_ragged_equals_mask_and_batch_equals_rows(tiny, tiny_calibration, scorer):
     def press(**kw):

@@ -94,3 +94,30 @@ def test_demo_compare_shows_each_preset_once(tiny_model_dir, capsys):
 def test_bad_threads(capsys):
     assert main(["eval", "--threads", "0"]) == 2
     assert "--threads must be >= 1" in capsys.readouterr().err
+
+
+def test_eval_interleaves_the_tasks(tiny_model_dir, tmp_path):
+    """Sample i is task i % len(tasks), so a run cut short (its checkpoint) covers every task alike."""
+    out = tmp_path / "run"
+    assert main(["eval", "--model", tiny_model_dir, "--presets", "streamingllm", "--ratios", "0.5",
+                 "--tasks", "passkey,multikey", "--n", "2", "--context", "600", "--max-new-tokens", "2",
+                 "--out", str(out), "--no-progress"]) == 0
+    records = json.loads((out / "results.json").read_text())["records"]
+    order = [(r["sample"], r["task"]) for r in records if r["label"] == "full"]
+    assert order == [(0, "passkey"), (1, "multikey"), (2, "passkey"), (3, "multikey")]
+
+
+def test_resume_refuses_a_checkpoint_of_the_task_by_task_order(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    args = ["eval", "--model", tiny_model_dir, "--presets", "streamingllm", "--ratios", "0.5", "--tasks",
+            "passkey,multikey", "--n", "2", "--context", "600", "--max-new-tokens", "2", "--out", str(out),
+            "--no-progress", "--resume"]
+    from kvpress_ada.cli import _settings, build_parser
+    from kvpress_ada.eval.runner import grid
+
+    settings = _settings(build_parser().parse_args(args), ["passkey", "multikey"], grid(["streamingllm"], [0.5]))
+    del settings["sample_order"]  # what a checkpoint of the task-by-task order holds
+    (out / "partial.json").write_text(json.dumps({"settings": settings, "seconds": 1.0, "records": []}))
+    assert main(args) == 2
+    assert "was written with another sample_order;" in capsys.readouterr().err

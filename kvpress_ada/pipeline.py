@@ -189,9 +189,14 @@ class Pipeline(BaseModel):
 
     def check_model(self, model: Any) -> None:
         """Raise ``ValueError`` when a component cannot serve ``model`` (a calibration made for another
-        model); called once when the press meets the model (``with press(model)``, fan-out)."""
+        model, no tokenizer for a model pass); called once when the press meets the model (``with press(model)``,
+        fan-out)."""
         for component in (self.scorer, self.layers, self.allocator, self.evictor):
             component.check_model(model.config)
+        if type(self.scorer).needs_model_pass:  # its tokenizer, before any prefill
+            from .integration.model_pass import check_pass_inputs
+
+            check_pass_inputs(model, self.scorer)
 
     def _check_scores(self, scores: torch.Tensor, obs: Observation) -> None:
         """The scorer's output contract: a ``[B, H_kv, L]`` tensor without NaN (checked eagerly;

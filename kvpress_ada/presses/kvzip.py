@@ -93,11 +93,16 @@ class KVzip(Scorer):
         return protect_first_valid(obs.pass_scores.float(), obs.key_mask, self.sinks)
 
     # ------------------------------------------------------------ the model pass
+    def pass_prompt_ids(self, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token ids of the text every pass adds to the context: the first pass's prompt, a later
+        pass's prompt, the chat template's assistant prefix (checked against the model's vocabulary
+        when the press meets the model)."""
+        return (_encode(tokenizer, FIRST_PROMPT), _encode(tokenizer, NEXT_PROMPT),
+                _encode(tokenizer, _assistant_suffix(tokenizer)))
+
     def pass_chunks(self, context_ids: torch.Tensor, key_mask: torch.Tensor, tokenizer: Any) -> list[PassChunk]:
         """The reconstruction passes for a left-padded ``context_ids [B, L]``."""
-        first = _encode(tokenizer, FIRST_PROMPT)
-        later = _encode(tokenizer, NEXT_PROMPT)
-        suffix = _encode(tokenizer, _assistant_suffix(tokenizer))
+        first, later, suffix = self.pass_prompt_ids(tokenizer)
         B, L = context_ids.shape
         rank = key_mask.long().cumsum(-1) - 1  # index among valid tokens, [B, L]
         n_chunks = int((key_mask.sum(-1).max() + self.chunk - 1) // self.chunk)

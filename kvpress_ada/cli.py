@@ -67,7 +67,7 @@ def _config_error(err: Exception) -> str:
         more = f" (and {err.error_count() - 1} more errors)" if err.error_count() > 1 else ""
         if first["type"] == "json_invalid":
             return f"not valid JSON: {first['ctx'].get('error', first['msg'])}"
-        return f"invalid pipeline: {where}: {first['msg']}{more}"
+        return f"invalid pipeline: {where}: {first['msg'].removeprefix('Value error, ')}{more}"
     mark = getattr(err, "problem_mark", None)  # yaml.MarkedYAMLError
     if mark is not None:
         problem = getattr(err, "problem", None) or err
@@ -161,7 +161,8 @@ def _with_decode(press, args):
         return Pipeline.model_validate({**press.model_dump(), "decode_budget": args.decode_budget,
                                         "decode_interval": args.decode_interval})
     except ValidationError as err:
-        raise UsageError("decode compression: " + "; ".join(e["msg"] for e in err.errors())) from None
+        raise UsageError("decode compression: " + "; ".join(e["msg"].removeprefix("Value error, ")
+                                                           for e in err.errors())) from None
 
 
 def _check_press_model(label: str, press, model) -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
 from .allocators import ALLOCATORS, LAYER_SCHEDULES, HeadAllocator, LayerSchedule, UniformHead, UniformLayer
 from .allocators.layers import protected_per_head
+from .components import OneLineErrors
 from .evictors import EVICTORS, Evictor, TopK
 from .observation import Observation
 from .presses import SCORERS, Scorer
@@ -16,7 +17,7 @@ from .presses import SCORERS, Scorer
 _REGISTRIES = {"scorer": SCORERS, "allocator": ALLOCATORS, "layers": LAYER_SCHEDULES, "evictor": EVICTORS}
 
 
-class Pipeline(BaseModel):
+class Pipeline(OneLineErrors):
     """A press: ``Pipeline(scorer=SnapKV(), allocator=AdaHead(alpha=0.2), compression_ratio=0.5)``.
 
     Prefill compression: at most one of ``compression_ratio`` (fraction of the context's KV entries

@@ -360,7 +360,10 @@ def cmd_eval(args) -> int:
         if launched():
             raise UsageError("--workers launches torchrun itself; under torchrun leave it out")
         if args.workers > 1:
-            return parallel.launch(args.workers, parallel.strip_workers(args.argv))
+            code = parallel.launch(args.workers, parallel.strip_workers(args.argv))
+            if code == 130:  # the workers' own notes were dropped: one line for the run
+                print(parallel.interrupted_note(Path(args.out), _resume_hint(args)), file=sys.stderr)
+            return code
     _check_decode(args)
     entries = _with_prefill_chunk(grid(presets, ratios) + grid(configs, ratios), args.prefill_chunk)
     entries = [replace(e, press=_with_decode(e.press, args)) for e in entries]

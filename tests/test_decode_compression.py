@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from kvpress_ada import Pipeline, generate
 from kvpress_ada.allocators import AdaHead, UniformHead
 from kvpress_ada.evictors import Mask, TopK
+from kvpress_ada.integration.hf import cache_kwarg, output_cache
 from kvpress_ada.kernels.reference import CHUNK
 from kvpress_ada.presses import SCORERS, KeyDiff, SnapKV, StreamingLLM
 
@@ -35,7 +36,7 @@ def _generate(model, press, ids, new_tokens, attention_mask=None):
     with torch.inference_mode(), press(model):
         out = model.generate(ids, attention_mask=attention_mask, max_new_tokens=new_tokens, do_sample=False,
                              output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1), out.past_key_values
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1), output_cache(out)
 
 
 def _assert_same(model, ids, attention_mask=None, new_tokens=24, **kwargs):
@@ -107,10 +108,10 @@ def _check_bound(model, press, ids, steps):
     needed_bytes = slot_bytes * (B_dec + K)
     with torch.inference_mode(), press(model):
         out = model(ids, use_cache=True)
-        cache = out.past_key_values
+        cache = output_cache(out)
         previous = [cache.head_lengths(i).sum(-1) for i in range(n_layers)]
         for step in range(1, steps + 1):
-            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+            out = model(out.logits[:, -1:].argmax(-1), use_cache=True, **{cache_kwarg(model): cache})
             state = cache.decode_state
             full = True
             for layer in range(n_layers):

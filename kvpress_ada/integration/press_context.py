@@ -9,8 +9,8 @@ function runs dense attention for the prefill of each layer, then scores, alloca
 compacts that layer before the next one runs.
 
 A compressed cache outlives the block: :func:`attach` keeps the routing installed (without a
-press) so ``model(..., past_key_values=cache)`` and ``model.generate(past_key_values=cache)``
-keep working on it; :func:`detach` removes it. Presses do not nest on one model.
+press) so ``model(..., cache=cache)`` and ``model.generate(cache=cache)`` (``past_key_values=``
+before transformers 5.24) keep working on it; :func:`detach` removes it. Presses do not nest on one model.
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ def _release(model: Any) -> None:
 
 def attach(model: Any) -> Any:
     """Keep ``model`` routed through kvpress_ada outside any ``with press(model)`` block, so a cache a
-    press compressed can be used with ``model(...)`` and ``model.generate(past_key_values=cache)``.
+    press compressed can be used with ``model(...)`` and ``model.generate(cache=cache)``.
     Forwards with any other cache run exactly as before. Idempotent; undo with :func:`detach`."""
     check_supported(model)
     _route(model).attached = True

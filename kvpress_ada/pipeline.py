@@ -8,7 +8,6 @@ import torch
 from pydantic import ConfigDict, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
 from .allocators import ALLOCATORS, LAYER_SCHEDULES, HeadAllocator, LayerSchedule, UniformHead, UniformLayer
-from .allocators.layers import protected_per_head
 from .components import OneLineErrors
 from .evictors import EVICTORS, Evictor, TopK
 from .observation import Observation
@@ -175,7 +174,7 @@ class Pipeline(OneLineErrors):
         scores = self.scores(obs)
         lengths = obs.valid_lengths()
         budget = self.layers.layer_budget(self.average_budget(lengths), obs.layer_idx, obs.n_layers, lengths,
-                                          protected_per_head(scores))
+                                          self.scorer.protected(lengths))
         return scores, self._allocate(scores, budget, obs.layer_idx, obs.shard)
 
     def _allocate(self, scores: torch.Tensor, budget: torch.Tensor, layer_idx: int, shard: Any = None,
@@ -237,8 +236,7 @@ class Pipeline(OneLineErrors):
                 budgets = self.layers.layer_budgets(  # type: ignore[attr-defined]
                     everyone, avg, lengths, comparable=type(self.scorer).comparable_across_heads)
             else:
-                protected = torch.stack([protected_per_head(s) for s in everyone]).amax(0)
-                budgets = self.layers.floored_budgets(avg, len(scores), lengths, protected)
+                budgets = self.layers.floored_budgets(avg, len(scores), lengths, self.scorer.protected(lengths))
             return [self.evictor.select(s, self._allocate(s, budgets[:, i], obs.layer_idx, shard,
                                                           everyone[i] if across else None))
                     for i, (s, obs) in enumerate(zip(scores, observations))]

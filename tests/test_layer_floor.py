@@ -11,9 +11,10 @@ from conftest import build_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpress_ada import Pipeline, PyramidLayer, SnapKV, StreamingLLM, UniformHead, UniformLayer
+from kvpress_ada import AdaHead, Pipeline, PyramidLayer, SnapKV, StreamingLLM, UniformHead, UniformLayer
 from kvpress_ada.allocators.layers import LayerSchedule
 from kvpress_ada.integration.hf import output_cache
+from kvpress_ada.presses import SCORERS
 
 
 class FrontLoaded(LayerSchedule):
@@ -66,3 +67,32 @@ def test_pyramid_never_empties_a_layer(scorer, budget, floor):
     kept = torch.stack([cache.head_lengths(i) for i in range(4)])  # [layers, B, H]
     assert bool((kept >= floor).all()), kept[..., 0]
     assert torch.equal(kept.sum((0, 2)), torch.full((2,), 4 * 2 * budget))  # exact totals
+
+
+@pytest.mark.parametrize("name", sorted(SCORERS.names()))
+def test_declared_protected_count_is_what_the_scores_protect(name):
+    """``Scorer.protected`` (what the floor reads) equals the ``+inf`` entries of every head."""
+    from test_scorer_padding import _observation, _rows
+
+    scorer = SCORERS.build(name)
+    n = max(scorer.min_context(), 1) + 70
+    g = torch.Generator().manual_seed(0)
+    keys, values, queries = _rows(g, 2, 2, n)
+    obs = _observation(scorer, keys, values, queries, torch.ones(1, n, dtype=torch.bool), torch.randn(16, 64), 1)
+    scores = scorer.score(obs)
+    assert torch.equal(torch.isposinf(scores).sum(-1), scorer.protected(torch.tensor([n]))[:, None].expand(1, 2))
+
+
+def test_chunked_prefill_floors_like_one_shot():
+    """The floor comes from the scorer's declaration, so chunked prefill (budgets fixed before any
+    score) and the one-shot press give every layer the same budget."""
+    model = build_model("llama")
+    ids = torch.randint(5, 100, (1, 20), generator=torch.Generator().manual_seed(3))
+    press = Pipeline(scorer=SnapKV(window=4, kernel=3), allocator=AdaHead(alpha=0.0), layers=PyramidLayer(), budget=2,
+                     prefill_chunk=3)
+    kept = []
+    for p in (press, press.model_copy(update={"prefill_chunk": None})):
+        with torch.no_grad(), p(model):
+            cache = output_cache(model(input_ids=ids))
+        kept.append([int(cache.head_lengths(i).sum()) for i in range(3)])
+    assert kept[0] == kept[1] == [4, 4, 4]  # window 4 > budget 2: every layer keeps the uniform 2 per head

@@ -29,10 +29,10 @@ class LayerSchedule(Component):
     def floored_budgets(self, avg: torch.Tensor, n_layers: int, lengths: torch.Tensor,
                         protected: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`budgets` with each row's total kept exactly and every layer at least
-        ``min(max(1, protected), avg, lengths)`` per head; ``protected [B]``: the most ``+inf``
-        entries a head of a layer holds (taken as the same in every layer, as for every built-in
-        scorer; ``None`` floors at 1). Layers below the floor are lifted to it, paid by the layers
-        above it in proportion to their surplus; budgets the floor does not touch are unchanged."""
+        ``min(max(1, protected), avg, lengths)`` per head; ``protected [B]``: the entries per head the
+        scorer always protects (``Scorer.protected``; ``None`` floors at 1). Layers below the floor
+        are lifted to it, paid by the layers above it in proportion to their surplus; budgets the
+        floor does not touch are unchanged."""
         raw = self.budgets(avg, n_layers, lengths).long()
         total = raw.sum(-1)
         need = torch.ones_like(total) if protected is None else protected.long().clamp(min=1)
@@ -44,11 +44,6 @@ class LayerSchedule(Component):
                      protected: torch.Tensor | None = None) -> torch.Tensor:
         """Per-head budget of one layer, ``[B]`` long (from :meth:`floored_budgets`)."""
         return self.floored_budgets(avg, n_layers, lengths, protected)[:, layer_idx]
-
-
-def protected_per_head(scores: torch.Tensor) -> torch.Tensor:
-    """``[B]`` long: the most protected (``+inf``) entries any head of ``scores [B, H, L]`` holds."""
-    return torch.isposinf(scores).sum(-1).amax(-1)
 
 
 def lift_to_floor(values: torch.Tensor, floor: torch.Tensor, total: torch.Tensor) -> torch.Tensor:

@@ -186,7 +186,8 @@ def start_chunked_prefill(model: Any, press: Pipeline, cache: PressCache, args: 
     length = int(source.shape[1])
     lengths = key_mask.sum(-1)
     n_layers = len(cache.layers)
-    budgets = press.layers.floored_budgets(press.average_budget(lengths), n_layers, lengths)
+    budgets = press.layers.floored_budgets(press.average_budget(lengths), n_layers, lengths,
+                                           press.scorer.protected(lengths))
     wanted = length if wanted == 0 else min(wanted, length)
     chunks = press.chunks(length)
     run = ChunkedPrefill(press=press, cache=cache, model=model, compress=True, key_mask=key_mask, chunks=chunks,

@@ -60,7 +60,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..allocators.heads import fit_to_valid
-from ..allocators.layers import protected_per_head
 
 if TYPE_CHECKING:
     from ..pipeline import Pipeline
@@ -152,7 +151,7 @@ def decode_keep(press: Pipeline, model: Any, layer_idx: int, n_layers: int, keys
         scores[:, h] = press.scores(obs)[:, 0]
     lengths = torch.full((B,), seen, dtype=torch.long, device=keys.device)
     avg = torch.full((B,), press.decode_budget, dtype=torch.long, device=keys.device)
-    budget = press.layers.layer_budget(avg, layer_idx, n_layers, lengths, protected_per_head(scores))
+    budget = press.layers.layer_budget(avg, layer_idx, n_layers, lengths, press.scorer.protected(lengths))
     counts = press._allocate(scores, budget, layer_idx)
     counts = fit_to_valid(scores, counts, valid)
     return press.evictor.select(scores, counts) & valid

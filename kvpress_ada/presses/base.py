@@ -46,6 +46,13 @@ class Scorer(Component):
         """Shortest context (non-padding tokens) this scorer accepts."""
         return 1
 
+    def protected(self, lengths: torch.Tensor) -> torch.Tensor:
+        """``[B]`` long: entries per kv head this scorer always protects (``+inf``) on rows of
+        ``lengths [B]`` valid tokens (its window, its sinks; 0 by default). Declared, not read from
+        scores, so every path (one layer, end of prefill, chunked prefill, decode) floors the layer
+        budgets alike: a layer schedule keeps at least this many per head in every layer when it fits."""
+        return torch.zeros_like(lengths, dtype=torch.long)
+
     def score(self, obs: Observation) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__} must implement score(obs)")
 

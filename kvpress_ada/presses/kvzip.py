@@ -83,6 +83,9 @@ class KVzip(Scorer):
     supports_chunked_prefill: ClassVar[bool] = False  # the reconstruction repeats the whole context
     _QUERY_BLOCK: ClassVar[int] = 64
 
+    def protected(self, lengths: torch.Tensor) -> torch.Tensor:
+        return lengths.long().clamp(max=self.sinks)
+
     def query_window(self) -> int:
         return 0
 

@@ -117,9 +117,6 @@ class RaggedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def get_max_cache_shape(self) -> int:  # get_max_length's name in older transformers 5.x (abstract there)
-        return -1
-
     def reset(self) -> None:
         self._clear()
 

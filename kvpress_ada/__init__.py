@@ -13,6 +13,7 @@ from .allocators import (
                       UniformLayer,
                       register_allocator,
 )
+from .components import ConfigError
 from .evictors import Evictor, Mask, TopK, register_evictor
 from .integration import SUPPORTED_MODEL_TYPES, MaskedCache, PressCache, RaggedCache, attach, detach
 from .integration.generation import generate
@@ -48,5 +49,5 @@ __all__ = [
     "Scorer", "HeadAllocator", "LayerSchedule", "Evictor", "Observation", "LayerView", "Budget",
     "register_scorer", "register_allocator", "register_evictor",
     "RaggedCache", "MaskedCache", "SUPPORTED_MODEL_TYPES",
-    "PressCache", "attach", "detach",
+    "PressCache", "attach", "detach", "ConfigError",
 ]

@@ -12,12 +12,63 @@ carry the canonical name.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Iterable, TypeVar
+from contextlib import contextmanager
+from typing import Any, Callable, ClassVar, Iterable, Iterator, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 
-class Component(BaseModel):
+class ConfigError(ValidationError):
+    """A refused configuration, as pydantic's ``ValidationError`` (``except ValidationError`` and
+    ``except ValueError`` both catch it, ``errors()`` lists every error), printed as one line: the
+    model, where, the first error's message and how many more there are."""
+
+    def __str__(self) -> str:
+        return describe_validation_error(self)
+
+
+def describe_validation_error(err: ValidationError) -> str:
+    """One line for a ``ValidationError``: ``Model: field.path: message (and N more errors)``."""
+    errors = err.errors()
+    if not errors:
+        return err.title
+    first = errors[0]
+    where = ".".join(str(part) for part in first["loc"])
+    message = first["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return f"{err.title}: {where + ': ' if where else ''}{' '.join(message.split())}{more}"
+
+
+@contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Re-raise a pydantic ``ValidationError`` as :class:`ConfigError` (same errors, one-line message)."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValidationError as err:
+        raise ConfigError.from_exception_data(err.title, err.errors()) from None  # type: ignore[arg-type]
+
+
+class OneLineErrors(BaseModel):
+    """A pydantic model whose construction and ``model_validate*`` raise :class:`ConfigError`."""
+
+    def __init__(self, /, **data: Any) -> None:
+        with one_line_errors():
+            super().__init__(**data)
+
+    @classmethod
+    def model_validate(cls, obj: Any, *args: Any, **kwargs: Any) -> Any:
+        with one_line_errors():
+            return super().model_validate(obj, *args, **kwargs)
+
+    @classmethod
+    def model_validate_json(cls, json_data: Any, *args: Any, **kwargs: Any) -> Any:
+        with one_line_errors():
+            return super().model_validate_json(json_data, *args, **kwargs)
+
+
+class Component(OneLineErrors):
     """A frozen, validated config object; subclasses set ``name`` as a ``Literal`` default."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -5,20 +5,22 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
 from .allocators import ALLOCATORS, LAYER_SCHEDULES, HeadAllocator, LayerSchedule, UniformHead, UniformLayer
 from .allocators.heads import fit_to_valid
+from .components import OneLineErrors
 from .evictors import EVICTORS, Evictor, TopK
 from .integration import apply_press
+from .integration.model_pass import check_pass_inputs
 from .integration.tensor_parallel import head_shard
 from .observation import Budget, LayerView, Observation
-from .scorers import SCORERS, Scorer
+from .scorers import SCORERS, PassScorer, Scorer
 
 _REGISTRIES = {"scorer": SCORERS, "allocator": ALLOCATORS, "layers": LAYER_SCHEDULES, "evictor": EVICTORS}
 
 
-class Pipeline(BaseModel):
+class Pipeline(OneLineErrors):
     """A press: ``Pipeline(scorer=SnapKV(), allocator=AdaHead(alpha=0.2), compression_ratio=0.5)``.
 
     Prefill compression: at most one of ``compression_ratio`` (fraction of the context's entries
@@ -145,10 +147,12 @@ class Pipeline(BaseModel):
 
     def check_model(self, model: Any) -> None:
         """Raise ``ValueError`` when this press cannot serve ``model`` (a calibration made for another
-        model, a tensor-parallel layout it cannot follow); called once when the press meets the model
-        (``with press(model)``, fan-out)."""
+        model, no usable tokenizer for a model pass, a tensor-parallel layout it cannot follow); called
+        once when the press meets the model (``with press(model)``, fan-out)."""
         for component in (self.scorer, self.layers, self.allocator, self.evictor):
             component.check_model(model.config)
+        if isinstance(self.scorer, PassScorer):  # its tokenizer, before any prefill
+            check_pass_inputs(model, self.scorer)
         if head_shard(model) is not None and (self.compresses_decode or self.prefill_chunk is not None):
             raise ValueError("decode compression (decode_budget) and chunked prefill (prefill_chunk) are not "
                              "supported on a tensor-parallel model yet; use a press without them")
@@ -205,8 +209,9 @@ class Pipeline(BaseModel):
         with torch.no_grad():
             if type(self.layers).needs_all_layers:
                 return self._keep_model_scope(views, budget)
+            protected = self.scorer.protected(budget.lengths)
             return [self._keep_layer(v, self._cap(self.layers.layer_budget(
-                budget.average, v.layer_idx, v.n_layers, budget.lengths), budget)) for v in views]
+                budget.average, v.layer_idx, v.n_layers, budget.lengths, protected), budget)) for v in views]
 
     def _keep_layer(self, view: LayerView, budget: torch.Tensor) -> torch.Tensor:
         """Keep mask of one layer with per-head budget ``budget [B]``. Rows whose valid entries all fit

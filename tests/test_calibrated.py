@@ -15,6 +15,7 @@ from kvpress_ada import Calibrated, CalibratedLayer, Mask, Pipeline, SnapKV, Str
 from kvpress_ada import calibration as cal
 from kvpress_ada.harness.calibrate import calibrate, calibration_samples
 from kvpress_ada.harness.cli import main
+from kvpress_ada.integration.hf import output_cache
 
 CONTEXT = 300  # the char tokenizer's passkey fits in 300 tokens
 
@@ -250,7 +251,7 @@ def test_kept_counts_follow_the_calibration(tiny, tiny_calibration):
                      allocator=Calibrated(path=tiny_calibration), compression_ratio=0.5)
     with press(tiny):
         out = tiny(ids, attention_mask=mask, use_cache=True)
-    cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+    cache = output_cache(out)
     kept = torch.stack([cache.head_lengths(i)[0] for i in range(3)]).double()
     shares = torch.tensor(cal.load(tiny_calibration).shares, dtype=torch.float64)
     assert int(kept.sum()) == 3 * 2 * 45

@@ -6,6 +6,7 @@ from conftest import build_model, build_tokenizer
 from transformers import AutoModelForCausalLM
 
 from kvpress_ada import preset
+from kvpress_ada.integration.hf import output_cache
 
 
 def test_cache_tensors_sit_on_their_layers_device(tmp_path):
@@ -16,7 +17,7 @@ def test_cache_tensors_sit_on_their_layers_device(tmp_path):
     with torch.no_grad(), preset("ada_snapkv", compression_ratio=0.5)(model):
         out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
                              pad_token_id=0)
-    cache = getattr(out, "past_key_values", None) or out.cache
+    cache = output_cache(out)
     for layer, attn in zip(cache.layers, (block.self_attn for block in model.model.layers)):
         device = attn.k_proj.weight.device
         assert layer.compressed

@@ -93,7 +93,7 @@ def test_kvzip_needs_a_tokenizer_and_says_how():
     from kvpress_ada.integration import model_pass
 
     model_pass._TOKENIZERS.pop(model, None)
-    with preset("kvzip", compression_ratio=0.5)(model), pytest.raises(ValueError, match="use_tokenizer"):
+    with pytest.raises(ValueError, match="use_tokenizer"), preset("kvzip", compression_ratio=0.5)(model):
         model(input_ids=torch.randint(5, 100, (1, 20)))
 
 

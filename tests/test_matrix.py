@@ -6,6 +6,7 @@ import torch
 from test_scorer_registry import scorer_names
 
 from kvpress_ada import Mask, Pipeline, RaggedCache, generate, preset
+from kvpress_ada.integration.hf import output_cache
 from kvpress_ada.presets import portable_preset_names
 from kvpress_ada.scorers import SCORERS
 
@@ -81,7 +82,7 @@ def test_padding_never_kept_nor_counted(llama):
     ids, mask = _batch(seed=2, lengths=lengths)
     with preset("ada_snapkv", compression_ratio=0.5)(llama):
         out = llama(ids, attention_mask=mask, use_cache=True)
-    cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+    cache = output_cache(out)
     assert isinstance(cache, RaggedCache)
     for layer in range(len(cache.layers)):
         per_row = cache.head_lengths(layer).sum(-1)  # total kept per batch row

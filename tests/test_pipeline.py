@@ -26,6 +26,7 @@ from kvpress_ada import (
     preset_names,
     register_scorer,
 )
+from kvpress_ada.integration.hf import output_cache
 
 # every registered scorer (looked up lazily, so scorers registered by tests or plugins are drawn too),
 # fields drawn inside their pydantic constraints
@@ -138,7 +139,7 @@ def test_registered_scorer_works_end_to_end_by_name(tokenizer):
     with press(model) as m:
         ids = torch.randint(5, 100, (1, 40))
         out = m(ids, use_cache=True)
-    cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+    cache = output_cache(out)
     lengths = cache.head_lengths(0)
     assert int(lengths.sum()) == 20 * lengths.shape[1]
 

@@ -199,7 +199,7 @@ def test_compressed_cache_after_the_block(llama, evictor):
         after = llama(input_ids=nxt, **{key: cache}).logits
         assert torch.allclose(after, ref, atol=1e-5, rtol=0)
         prompt = torch.cat([ids, nxt, _ids(1, seed=2)], 1)  # the cache holds all but the last token
-        more = llama.generate(prompt, past_key_values=cache, max_new_tokens=3, do_sample=False)
+        more = llama.generate(prompt, **{key: cache}, max_new_tokens=3, do_sample=False)
         assert more.shape[1] == 85 and cache.get_seq_length() == 84
         dense = llama(input_ids=ids)  # other caches run as before
         assert type(output_cache(dense)).__name__ == "DynamicCache"

@@ -5,11 +5,12 @@ import torch
 
 from kvpress_ada import Pipeline, RaggedCache, SnapKV, generate, preset
 from kvpress_ada.integration import RaggedLayer
+from kvpress_ada.integration.hf import output_cache
 from kvpress_ada.kernels.reference import CHUNK
 
 
 def _cache_of(out):
-    return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+    return output_cache(out)
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0.75, 0.9])

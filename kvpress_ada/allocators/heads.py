@@ -8,6 +8,7 @@ import torch
 from pydantic import Field
 
 from ..components import Component, Registry
+from ..ranking import TIE_RTOL, top_k
 from .rounding import round_preserving_sum
 
 
@@ -77,14 +78,11 @@ class AdaHead(HeadAllocator):
 
 
 def flat_topk_counts(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """How many of the top ``k[b]`` entries of the flattened ``[H * L]`` scores fall in each head."""
+    """How many of the top ``k[b]`` entries of the flattened ``[H * L]`` scores fall in each head;
+    ties (exact, or within the float noise ``kvpress_ada.ranking`` defines) go to the lower
+    (head, position) index."""
     B, H, L = scores.shape
-    flat = scores.reshape(B, H * L)
-    order = flat.argsort(dim=-1, descending=True, stable=True)
-    selected = torch.arange(H * L, device=scores.device)[None, :] < k[:, None]
-    head_of = torch.div(order, L, rounding_mode="floor")
-    counts = torch.zeros(B, H, device=scores.device, dtype=torch.long)
-    return counts.scatter_add_(1, head_of, selected.long())
+    return top_k(scores.reshape(B, H * L), k, recent_first=False).view(B, H, L).sum(-1)
 
 
 def fit_to_valid(scores: torch.Tensor, counts: torch.Tensor, valid: torch.Tensor,
@@ -106,11 +104,13 @@ def fit_to_valid(scores: torch.Tensor, counts: torch.Tensor, valid: torch.Tensor
 
 
 def constant_heads(scores: torch.Tensor) -> torch.Tensor:
-    """``[B, H]`` bool: heads whose finite scores are all equal (``+inf``/``-inf`` entries aside)."""
+    """``[B, H]`` bool: heads whose finite scores are all equal (``+inf``/``-inf`` entries aside),
+    to the relative precision ``TIE_RTOL`` of ``kvpress_ada.ranking`` (float noise is no preference)."""
     finite = torch.isfinite(scores)
     high = torch.where(finite, scores, torch.full_like(scores, float("-inf"))).amax(-1)
     low = torch.where(finite, scores, torch.full_like(scores, float("inf"))).amin(-1)
-    return ~(high > low)
+    spread = torch.where(high > low, high - low, torch.zeros_like(high))  # no finite entry: 0, not NaN
+    return ~(spread > TIE_RTOL * torch.maximum(high.abs(), low.abs()))
 
 
 def head_shares(scores: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from pydantic import Field
 
 from .heads import constant_heads, flat_topk_counts, head_shares
-from .layers import LayerSchedule, register_layer_schedule
+from .layers import LayerSchedule, lift_to_floor, register_layer_schedule
 from .rounding import round_preserving_sum
 
 
@@ -92,7 +92,7 @@ class AdaLayer(LayerSchedule):
         mixed = self.alpha * avg.double()[:, None] + (1.0 - self.alpha) * adaptive
         total = n * avg
         floor = layer_floors(stacked, avg, lengths)
-        lifted = _lift_to_floor(mixed, floor.double(), total.double())
+        lifted = lift_to_floor(mixed, floor.double(), total.double())
         return round_preserving_sum(lifted, total=total, upper=lengths, tie_break=won)
 
 
@@ -106,12 +106,3 @@ def layer_floors(stacked: torch.Tensor, avg: torch.Tensor, lengths: torch.Tensor
     need = torch.minimum(protected.clamp(min=1), lengths[:, None])
     fits = need.sum(-1) <= n * avg
     return torch.where(fits[:, None], need, torch.minimum(need, avg[:, None]))
-
-
-def _lift_to_floor(values: torch.Tensor, floor: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """Raise ``values [B, n]`` to ``floor``, taking the difference from the surplus above the floor
-    in proportion, so each row still sums to ``total`` (assumes ``floor.sum(-1) <= total``)."""
-    surplus = (values - floor).clamp(min=0)
-    spare = (total - floor.sum(-1)).clamp(min=0)
-    scale = spare / surplus.sum(-1).clamp(min=torch.finfo(values.dtype).tiny)
-    return floor + surplus * scale.clamp(max=1.0)[:, None]

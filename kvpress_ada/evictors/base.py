@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ..components import Component, Registry
+from ..ranking import top_k
 
 if TYPE_CHECKING:
     from ..integration.press_cache import PressCache
@@ -34,11 +35,9 @@ def register_evictor(name: str, override: bool = False):
 
 
 def topk_mask(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Keep the ``counts[b, h]`` best tokens of each head; ties go to the more recent token.
+    """Keep the ``counts[b, h]`` best tokens of each head; ties (exact, or within the float noise
+    ``kvpress_ada.ranking`` defines) go to the more recent token.
 
     Returns a bool mask ``[B, H, L]``; in position order it is the sorted, unique kept index set.
     """
-    reversed_scores = scores.flip(-1)
-    order = reversed_scores.argsort(dim=-1, descending=True, stable=True)
-    rank = order.argsort(dim=-1).flip(-1)  # rank of each original position
-    return rank < counts[..., None]
+    return top_k(scores, counts, recent_first=True)

@@ -26,6 +26,14 @@ class MaskedLayer(DynamicLayer):
     def compressed(self) -> bool:
         return self.keep is not None
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``DynamicLayer.update``, storing detached tensors (same storage): the cache never pins the
+        forward's autograd graph."""
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        self.keys, self.values = keys.detach(), values.detach()
+        return keys, values
+
     def _dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.keys is None or self.values is None or self.keys.numel() == 0:
             raise ValueError("this layer holds no tokens yet")

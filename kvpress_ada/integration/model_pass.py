@@ -13,7 +13,9 @@ is one ``[B, H_kv, L]`` map per layer, handed back to the scorer as ``Observatio
 
 The pass needs the model's tokenizer (its prompt is text): :func:`use_tokenizer` registers one for
 a model (``kvpress_ada.models.load`` and ``generate`` do it), otherwise it is loaded from the
-model's ``name_or_path`` when that is a local directory or a cached hub id.
+model's ``name_or_path`` when that is a local directory or a cached hub id. Both the tokenizer and
+the ids of the pass's prompts (``scorer.pass_prompt_ids``) are checked when the press meets the
+model (:func:`check_pass_inputs`), so a missing or foreign tokenizer is one line before any prefill.
 """
 
 from __future__ import annotations
@@ -55,6 +57,20 @@ def tokenizer_for(model: Any) -> Any:
                          "kvpress_ada.use_tokenizer(model, tokenizer) once") from None
     _TOKENIZERS[model] = tokenizer
     return tokenizer
+
+
+def check_pass_inputs(model: Any, scorer: PassScorer) -> None:
+    """Raise a one-line ``ValueError`` when ``scorer``'s model pass could not run on ``model``: no
+    tokenizer to be found, or one whose prompt ids lie beyond the model's vocabulary."""
+    tokenizer = tokenizer_for(model)
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    parts = [t.reshape(-1) for t in scorer.pass_prompt_ids(tokenizer)]
+    ids = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    if ids.numel() and int(ids.max()) >= vocab:
+        raise ValueError(f"the tokenizer used with this model ({len(tokenizer)} tokens) encodes "
+                         f"{type(scorer).__name__}'s prompt with id {int(ids.max())}, beyond the model's vocabulary of "
+                         f"{vocab} embeddings: register the model's own tokenizer with "
+                         "kvpress_ada.use_tokenizer(model, tokenizer)")
 
 
 @dataclass

@@ -28,7 +28,8 @@ from .press_cache import DenseAttention, HeldEntries, PressCache, layer_count
 
 
 class RaggedLayer(CacheLayerMixin):
-    """One layer: dense while prefill is in flight, ragged once :meth:`compress` ran."""
+    """One layer: dense while prefill is in flight, ragged once :meth:`compress` ran. Stored tensors
+    are detached: with grad mode on, the cache holds ``nbytes()`` and no autograd graph."""
 
     is_compileable = True
     is_sliding = False
@@ -70,13 +71,16 @@ class RaggedLayer(CacheLayerMixin):
         q = key_states.shape[-2]
         if not self.compressed:
             self.seen += q
-            self.keys = key_states if self.keys is None else torch.cat([self.keys, key_states], dim=-2)
-            self.values = value_states if self.values is None else torch.cat([self.values, value_states], dim=-2)
-            return self.keys, self.values
+            keys = key_states if self.keys is None else torch.cat([self.keys, key_states], dim=-2)
+            values = value_states if self.values is None else torch.cat([self.values, value_states], dim=-2)
+            # stored detached (same storage): the cache never pins the forward's autograd graph
+            self.keys, self.values = keys.detach(), values.detach()
+            return keys, values
         if not torch.compiler.is_compiling() and self._reserved != q:
             self.reserve(q)  # eager callers need not reserve; a compiled step was reserved by its caller
         self._reserved = 0
-        kernels.append(key_states, value_states, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths)
+        kernels.append(key_states.detach(), value_states.detach(), self.k_flat, self.v_flat, self.row_offsets,
+                       self.row_lengths)
         return self.k_flat, self.v_flat
 
     def reserve(self, q: int) -> None:

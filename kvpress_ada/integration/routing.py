@@ -12,8 +12,8 @@ the end of it), :class:`~.chunked_prefill.ChunkedPrefill`, :class:`~.decode_comp
 evicts calls :meth:`Pipeline.keep <kvpress_ada.Pipeline.keep>`.
 
 A compressed cache outlives the block: :func:`attach` keeps the routing installed (without a
-press) so ``model(..., past_key_values=cache)`` and ``model.generate(past_key_values=cache)``
-keep working on it; :func:`detach` removes it. Presses do not nest on one model.
+press) so ``model(..., cache=cache)`` and ``model.generate(cache=cache)`` (``past_key_values=``
+before transformers 5.24) keep working on it; :func:`detach` removes it.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def _release(model: Any) -> None:
 
 def attach(model: Any) -> Any:
     """Keep ``model`` routed through kvpress_ada outside any ``with press(model)`` block, so a cache a
-    press compressed can be used with ``model(...)`` and ``model.generate(past_key_values=cache)``.
+    press compressed can be used with ``model(...)`` and ``model.generate(cache=cache)``.
     Forwards with any other cache run exactly as before. Idempotent; undo with :func:`detach`."""
     check_supported(model)
     with _LOCK:

@@ -47,6 +47,13 @@ class Scorer(Component):
         """Shortest context (non-padding tokens) this scorer accepts."""
         return 1
 
+    def protected(self, lengths: torch.Tensor) -> torch.Tensor:
+        """``[B]`` long: entries per kv head this scorer always protects (``+inf``) on rows of
+        ``lengths [B]`` valid tokens (its window, its sinks; 0 by default). Declared, not read from
+        scores, so every path (one layer, end of prefill, chunked prefill, decode) floors the layer
+        budgets alike: a layer schedule keeps at least this many per head in every layer when it fits."""
+        return torch.zeros_like(lengths, dtype=torch.long)
+
     def score(self, obs: Observation) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__} must implement score(obs)")
 
@@ -96,6 +103,11 @@ class PassScorer(Scorer):
                     tokenizer: Any) -> list[PassChunk]:  # pragma: no cover - abstract
         """The passes to run for a left-padded context ``context_ids [B, L]`` (``key_mask``: real tokens)."""
         raise NotImplementedError(f"{type(self).__name__} must implement pass_chunks")
+
+    def pass_prompt_ids(self, tokenizer: Any) -> tuple[torch.Tensor, ...]:
+        """Token ids of the text the passes add to the context (checked against the model's vocabulary
+        when the press meets the model); none by default."""
+        return ()
 
     def pass_reads_hidden_states(self) -> bool:
         """Whether :meth:`pass_scores` reads ``hidden_norm`` (recording it costs a hook per layer)."""

@@ -33,6 +33,9 @@ class CriticalKV(Scorer):
     def min_context(self) -> int:
         return self.window
 
+    def protected(self, lengths: torch.Tensor) -> torch.Tensor:
+        return lengths.long().clamp(max=self.window)
+
     def score(self, obs: Observation) -> torch.Tensor:
         if obs.output_weight is None:
             raise ValueError("CriticalKV needs the layer's output projection (obs.output_weight)")

@@ -33,6 +33,9 @@ class ExpectedAttention(Scorer):
     comparable_across_heads: ClassVar[bool] = False
     needs_rope: ClassVar[bool] = True
 
+    def protected(self, lengths: torch.Tensor) -> torch.Tensor:
+        return lengths.long().clamp(max=self.sinks)
+
     def query_window(self) -> int | None:
         return self.window
 

@@ -33,6 +33,9 @@ class ObservedAttention(Scorer):
     def min_context(self) -> int:
         return max(self.recent, 1)
 
+    def protected(self, lengths: torch.Tensor) -> torch.Tensor:
+        return lengths.long().clamp(max=self.recent)
+
     def score(self, obs: Observation) -> torch.Tensor:
         L, Q = obs.seq_len, obs.queries.shape[2]
         B, Hkv = obs.keys.shape[:2]

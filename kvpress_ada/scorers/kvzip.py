@@ -52,15 +52,23 @@ class KVzip(PassScorer):
     overlap: int = Field(8, ge=0, description="tokens of the previous chunk quoted in a later pass's prompt")
     plus: bool = Field(False, description="KVzip+: weigh each attention by ||W_O v|| / ||h|| (module docstring)")
 
+    def protected(self, lengths: torch.Tensor) -> torch.Tensor:
+        return lengths.long().clamp(max=self.sinks)
+
     def score(self, obs: Observation) -> torch.Tensor:
         return protect_first_valid(self.measured(obs).float(), obs.key_mask, self.sinks)
 
     # ------------------------------------------------------------ the model pass
+    def pass_prompt_ids(self, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token ids of the text every pass adds to the context: the first pass's prompt, a later
+        pass's prompt, the chat template's assistant prefix (checked against the model's vocabulary
+        when the press meets the model)."""
+        return (encode(tokenizer, FIRST_PROMPT)[0], encode(tokenizer, NEXT_PROMPT)[0],
+                encode(tokenizer, _assistant_suffix(tokenizer))[0])
+
     def pass_chunks(self, context_ids: torch.Tensor, key_mask: torch.Tensor, tokenizer: Any) -> list[PassChunk]:
         """The reconstruction passes for a left-padded ``context_ids [B, L]``."""
-        first = encode(tokenizer, FIRST_PROMPT)[0]
-        later = encode(tokenizer, NEXT_PROMPT)[0]
-        suffix = encode(tokenizer, _assistant_suffix(tokenizer))[0]
+        first, later, suffix = self.pass_prompt_ids(tokenizer)
         B, L = context_ids.shape
         rank = key_mask.long().cumsum(-1) - 1  # index among valid tokens, [B, L]
         n_chunks = int((key_mask.sum(-1).max() + self.chunk - 1) // self.chunk)

@@ -56,6 +56,9 @@ class LagKV(Scorer):
     sinks: int = Field(4, ge=0, description="initial tokens always kept (kvpress n_sink)")
     cross_scoring: bool = Field(False, description="keep the softmax shares instead of ranks within partitions")
 
+    def protected(self, lengths: torch.Tensor) -> torch.Tensor:
+        return lengths.long().clamp(max=self.sinks)
+
     def query_window(self) -> int:
         return 0
 

@@ -32,6 +32,9 @@ class SnapKV(Scorer):
     def min_context(self) -> int:
         return self.window
 
+    def protected(self, lengths: torch.Tensor) -> torch.Tensor:
+        return lengths.long().clamp(max=self.window)
+
     def score(self, obs: Observation) -> torch.Tensor:
         attn = window_attention(obs, self.window)  # [B, Hkv, G, w, L]
         scores = pool_scores(mean_over_queries(attn, obs.key_mask), self.kernel, obs.key_mask).mean(dim=2)

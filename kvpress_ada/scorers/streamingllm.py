@@ -23,6 +23,9 @@ class StreamingLLM(Scorer):
     name: Literal["streamingllm"] = "streamingllm"
     sinks: int = Field(4, ge=0, description="number of initial tokens always kept")
 
+    def protected(self, lengths: torch.Tensor) -> torch.Tensor:
+        return lengths.long().clamp(max=self.sinks)
+
     def query_window(self) -> int:
         return 0
 

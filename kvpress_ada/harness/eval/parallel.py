@@ -16,12 +16,14 @@ another process count; each rank takes over the finished samples it owns in the 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import IO, Callable, Sequence
 
 from kvpress_ada.harness.distributed import World
 
@@ -77,17 +79,66 @@ def launch(workers: int, argv: Sequence[str]) -> int:
            "-m", "kvpress_ada.harness.cli", "--", *argv]  # "--": torchrun would take "--n" for its own "--nnodes"
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    return supervise(cmd, env)
+
+
+def supervise(cmd: Sequence[str], env: dict[str, str] | None = None) -> int:
+    """Run ``cmd`` (torchrun) to its end and return its exit code, or 130 once interrupted.
+
+    Its stderr is relayed as it comes (progress bars included) until Ctrl-C; then ``cmd`` gets one
+    SIGINT (the workers checkpoint and exit) and whatever it prints from then on (torchrun's
+    ``SignalException`` traceback, each worker's own note) is dropped: the caller says in one line
+    what was kept, as a one-process run does."""
     # its own session: Ctrl-C reaches torchrun once (from here), and torchrun hands it to each worker once
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    interrupted = False
+    proc = subprocess.Popen(list(cmd), env=env, start_new_session=True, stderr=subprocess.PIPE)
+    interrupted = threading.Event()
+    relay = threading.Thread(target=_relay, args=(proc.stderr, interrupted), daemon=True)
+    relay.start()
     while True:
         try:
             code = proc.wait()
-            return 130 if interrupted else code
+            break
         except KeyboardInterrupt:  # the workers checkpoint and exit; wait for them
-            if not interrupted:
+            if not interrupted.is_set():
+                interrupted.set()
                 proc.send_signal(signal.SIGINT)
-            interrupted = True
+    relay.join(timeout=5)
+    return 130 if interrupted.is_set() else code
+
+
+def _relay(stream: IO[bytes] | None, stop: threading.Event) -> None:
+    """Copy ``stream`` to this process's stderr as bytes arrive, dropping everything once ``stop`` is set."""
+    if stream is None:
+        return
+    out = getattr(sys.stderr, "buffer", None)
+    while chunk := os.read(stream.fileno(), 65536):
+        if stop.is_set():
+            continue  # keep draining, so the child never blocks on a full pipe
+        if out is not None:
+            out.write(chunk)
+            out.flush()
+        else:
+            sys.stderr.write(chunk.decode(errors="replace"))
+            sys.stderr.flush()
+    stream.close()
+
+
+def interrupted_note(out: Path, resume_hint: str) -> str:
+    """The one line a ``--workers`` run prints on Ctrl-C: what the ranks' checkpoints in ``out`` keep."""
+    done = total = 0
+    files = [p for p in partial_files(out) if p.name != PARTIAL]
+    for file in files:
+        try:
+            data = json.loads(file.read_text())
+        except (OSError, ValueError):
+            continue
+        done += int(data.get("samples_done", 0))
+        total = max(total, int(data.get("samples", 0)))
+    if done == 0:
+        return "kvpress-ada eval: interrupted before the first sample finished; nothing to keep"
+    kept = ", ".join(p.name for p in files)
+    return (f"kvpress-ada eval: interrupted after {done} of {total} samples, kept in {out} ({kept}); "
+            f"continue with: {resume_hint}")
 
 
 def strip_workers(argv: Sequence[str]) -> list[str]:

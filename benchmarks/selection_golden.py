@@ -157,17 +157,20 @@ def _run(model, name: str, mode: str, ids, mask, ratio: float, chunk: int, new_t
     return {"tokens": tokens, "kept": _digest(_positions(cache))}
 
 
-def _tiny_models() -> dict[str, Any]:
+def _tiny_models(archs: tuple[str, ...] | None = None) -> dict[str, Any]:
     from conftest import ARCHITECTURES, build_model
 
-    return {arch: build_model(arch) for arch in ARCHITECTURES}
+    return {arch: build_model(arch) for arch in (archs or ARCHITECTURES)}
 
 
-def collect(default_model: bool, tiny: bool = True, names: list[str] | None = None) -> dict:
+def collect(default_model: bool, tiny: bool = True, names: list[str] | None = None,
+            archs: tuple[str, ...] | None = None) -> dict:
+    """Records of every preset (or ``names``) in every mode, on the tiny models (or ``archs``) and,
+    with ``default_model``, the embedded default model."""
     results: dict[str, Any] = {"versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
     models: dict[str, tuple[Any, tuple[int, int], float, int, int]] = {}
     if tiny:
-        for arch, model in _tiny_models().items():
+        for arch, model in _tiny_models(archs).items():
             models[arch] = (model, (160, 121), 0.5, 48, 6)
     if default_model:
         from kvpress_ada.models import load
@@ -183,7 +186,8 @@ def collect(default_model: bool, tiny: bool = True, names: list[str] | None = No
                 results[f"{key}/{name}/{mode}"] = _run(model, name, mode, ids, mask, ratio, chunk, new_tokens, False)
             results[f"{key}/{name}/one_shot_mask"] = _run(model, name, "one_shot", ids, mask, ratio, chunk,
                                                           new_tokens, True)
-            print(key, name, flush=True, file=sys.stderr)
+            if __name__ == "__main__":
+                print(key, name, flush=True, file=sys.stderr)
     return results
 
 

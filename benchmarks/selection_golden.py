@@ -21,8 +21,9 @@ import json
 import os
 import sys
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -52,7 +53,14 @@ def _logged_update(self, key_states, value_states, layer_idx, *args, **kwargs):
     return _update(self, key_states, value_states, layer_idx, *args, **kwargs)
 
 
-PressCache.update = _logged_update  # type: ignore[method-assign]
+@contextmanager
+def _logging_updates() -> Iterator[None]:
+    """Log every key entering a press cache while inside (restored on exit: nothing else is patched)."""
+    PressCache.update = _logged_update  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        PressCache.update = _update  # type: ignore[method-assign]
 
 
 def _held(layer: Any) -> list[list[torch.Tensor]]:
@@ -178,6 +186,12 @@ def collect(default_model: bool, tiny: bool = True, names: list[str] | None = No
         model, _ = load("default")
         models["default"] = (model, (300, 233), 0.6, 128, 8)
     names = names or preset_names()
+    with _logging_updates():
+        _collect_into(results, models, names)
+    return results
+
+
+def _collect_into(results: dict, models: dict, names: list[str]) -> None:
     for key, (model, lengths, ratio, chunk, new_tokens) in models.items():
         vocab = int(model.config.vocab_size)
         ids, mask = _inputs(min(vocab, 5000), lengths, seed=0)
@@ -188,7 +202,6 @@ def collect(default_model: bool, tiny: bool = True, names: list[str] | None = No
                                                           new_tokens, True)
             if __name__ == "__main__":
                 print(key, name, flush=True, file=sys.stderr)
-    return results
 
 
 def compare(golden: dict, now: dict) -> list[str]:

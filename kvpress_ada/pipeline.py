@@ -226,15 +226,7 @@ class Pipeline(OneLineErrors):
                 return keep
             rows = None if bool(evict.all()) else evict.nonzero()[:, 0]
         part = view if rows is None else view.rows(rows)
-        scores = self._scores(part)
-        everyone = scores
-        across = not type(self.allocator).head_local
-        if part.shard is not None and across:
-            everyone = part.shard.gather(scores)
-        counts = self._allocate(scores, budget if rows is None else budget[rows], view.layer_idx, part.shard,
-                                everyone if across else None)
-        counts = fit_to_valid(scores, counts, part.valid, self.evictor.select)
-        selected = self.evictor.select(scores, counts) & part.valid
+        selected = self._select(self._scores(part), budget if rows is None else budget[rows], part)
         if rows is None:
             return selected
         keep[rows] = selected
@@ -247,12 +239,16 @@ class Pipeline(OneLineErrors):
         everyone = [shard.gather(s) for s in scores] if shard is not None else scores
         table = self.layers.layer_budgets(  # type: ignore[attr-defined]
             everyone, budget.average, budget.lengths, comparable=type(self.scorer).comparable_across_heads)
-        masks = []
-        for i, (s, v, full) in enumerate(zip(scores, views, everyone)):
-            counts = self._allocate(s, self._cap(table[:, i], budget), v.layer_idx, shard, full)
-            counts = fit_to_valid(s, counts, v.valid, self.evictor.select)
-            masks.append(self.evictor.select(s, counts) & v.valid)
-        return masks
+        return [self._select(s, self._cap(table[:, i], budget), v, full)
+                for i, (s, v, full) in enumerate(zip(scores, views, everyone))]
+
+    def _select(self, scores: torch.Tensor, budget: torch.Tensor, view: LayerView,
+                all_heads: torch.Tensor | None = None) -> torch.Tensor:
+        """Allocate ``budget [B]`` per head across the view's heads, fit the counts to what each head
+        holds, select: the keep mask of one layer (never padding)."""
+        counts = self._allocate(scores, budget, view.layer_idx, view.shard, all_heads)
+        counts = fit_to_valid(scores, counts, view.valid, self.evictor.select)
+        return self.evictor.select(scores, counts) & view.valid
 
     @staticmethod
     def _cap(layer_budget: torch.Tensor, budget: Budget) -> torch.Tensor:

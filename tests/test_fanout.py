@@ -86,3 +86,18 @@ def test_batched_entries_equal_one_at_a_time(tokenizer, question_aware):
             assert a.eviction_loss == pytest.approx(b.eviction_loss, abs=1e-6, nan_ok=True)  # NaN: chunked
             assert a.hidden_error == pytest.approx(b.hidden_error, abs=1e-4)
         assert len({r.kv_bytes for r in many}) > 3  # the ratios really hold different bytes
+
+
+def test_captured_hidden_states_are_each_attention_input(llama):
+    """capture_prefill(hidden_states=True) records what enters every attention module: the layer's
+    input norm applied to the residual stream before the layer."""
+    ids = torch.randint(5, 100, (2, 12))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[0, :3] = False
+    prefill = capture_prefill(llama, ids, mask, hidden_states=True)
+    with torch.no_grad():
+        residual = llama(input_ids=ids, attention_mask=mask.long(), output_hidden_states=True).hidden_states
+    for i, (layer, c) in enumerate(zip(llama.model.layers, prefill.layers)):
+        assert c.hidden is not None and c.hidden.shape == (2, 12, llama.config.hidden_size)
+        torch.testing.assert_close(c.hidden, layer.input_layernorm(residual[i]))
+    assert all(c.hidden is None for c in capture_prefill(llama, ids, mask).layers)

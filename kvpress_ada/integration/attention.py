@@ -8,7 +8,7 @@ handler the function is transformers' dense SDPA. Nothing here knows which mode 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from transformers import AttentionInterface
@@ -67,6 +67,36 @@ def attention_routed(model: Any) -> Iterator[Any]:
         yield model
     finally:
         model.set_attn_implementation(previous)
+
+
+def attention_modules(model: Any) -> list[torch.nn.Module]:
+    """The decoder's attention modules, in layer order (``layer.self_attn``)."""
+    return [layer.self_attn for layer in model.get_decoder().layers]
+
+
+def attention_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The hidden states ``[B, T, hidden]`` an attention module's forward receives (after the layer's
+    input norm), from the arguments a forward pre-hook sees."""
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    if not isinstance(hidden, torch.Tensor):
+        raise RuntimeError("the attention module was called without hidden_states")
+    return hidden
+
+
+@contextmanager
+def recording_attention_inputs(model: Any, record: Callable[[int, torch.Tensor], None],
+                               enabled: bool = True) -> Iterator[None]:
+    """While enabled, ``record(layer_idx, hidden [B, T, hidden])`` receives the hidden states entering
+    every attention module, before its forward (a forward pre-hook per layer)."""
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        record(int(module.layer_idx), attention_input(args, kwargs))  # type: ignore[arg-type]
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in attention_modules(model)] if enabled else []
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def dense_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from ..scorers.base import PassScorer
-from .attention import RUN_KWARG, attention_routed, layer_view
+from .attention import RUN_KWARG, attention_routed, layer_view, recording_attention_inputs
 from .hf import cache_kwarg, check_left_padded, check_supported, prefill_key_mask
 from .model_pass import model_pass_scores
 from .press_cache import HeldEntries
@@ -31,6 +31,7 @@ class LayerCapture:
     queries: torch.Tensor
     scaling: float
     module: torch.nn.Module  # the attention module (its o_proj weight, its layer index)
+    hidden: torch.Tensor | None = None  # [B, L, hidden] entering the attention (capture_prefill(hidden_states=True))
 
 
 @dataclass
@@ -39,13 +40,18 @@ class CaptureRun:
     prefill instead of compressing it (every layer's forward is its prefill)."""
 
     layers: dict[int, LayerCapture] = field(default_factory=dict)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def record_hidden(self, layer_idx: int, hidden: torch.Tensor) -> None:
+        self.hidden[layer_idx] = hidden
 
     def handles_prefill(self, layer_idx: int) -> bool:
         return True
 
     def after_prefill(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       scaling: float) -> None:
-        self.layers[int(module.layer_idx)] = LayerCapture(key, value, query, scaling, module)  # type: ignore[arg-type]
+        layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
+        self.layers[layer_idx] = LayerCapture(key, value, query, scaling, module, self.hidden.pop(layer_idx, None))
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:
@@ -90,12 +96,13 @@ class Prefill:
         press.check_context(int(self.key_mask.sum(-1).min()))
         press.check_model(self.model)
         scorer = press.scorer
-        maps = self._pass_scores(scorer) if isinstance(scorer, PassScorer) else [None] * len(self.layers)
+        maps = self.pass_scores(scorer) if isinstance(scorer, PassScorer) else [None] * len(self.layers)
         views = [self.view(press.scorer, i, m) for i, m in enumerate(maps)]
         return press.keep(views, press.prefill_budget(self.key_mask.sum(-1)))
 
-    def _pass_scores(self, scorer: PassScorer) -> list[torch.Tensor]:
-        """The scorer's model pass over the full cache, once per scorer configuration."""
+    def pass_scores(self, scorer: PassScorer) -> list[torch.Tensor]:
+        """``[B, H_kv, L]`` per layer: what ``scorer``'s model pass measured over the full cache (run
+        once per scorer configuration, then cached)."""
         key = scorer.model_dump_json()
         if key not in self.pass_cache:
             self.pass_cache[key] = model_pass_scores(self.model, scorer, self.full_cache, self.input_ids,
@@ -134,8 +141,11 @@ class Prefill:
 
 
 @torch.inference_mode()
-def capture_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Prefill:
-    """Prefill ``input_ids`` once with dense attention and record what every press needs."""
+def capture_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    hidden_states: bool = False) -> Prefill:
+    """Prefill ``input_ids`` once with dense attention and record what every press needs;
+    ``hidden_states=True`` also records each layer's attention input ``[B, L, hidden]``
+    (:attr:`LayerCapture.hidden`: what scorers reading hidden states need)."""
     check_supported(model)
     key_mask = prefill_key_mask((), {"input_ids": input_ids, "attention_mask": attention_mask})
     check_left_padded(key_mask)
@@ -144,7 +154,7 @@ def capture_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     kwargs = {"input_ids": input_ids, "use_cache": True, cache_kwarg(model): cache, RUN_KWARG: run}
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
-    with attention_routed(model):
+    with attention_routed(model), recording_attention_inputs(model, run.record_hidden, hidden_states):
         out = model(**kwargs)
     layers = [run.layers[i] for i in range(len(run.layers))]
     return Prefill(model=model, layers=layers, key_mask=key_mask, full_cache=cache, logits=out.logits[:, -1],

@@ -20,16 +20,15 @@ model (:func:`check_pass_inputs`), so a missing or foreign tokenizer is one line
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 from weakref import WeakKeyDictionary
 
 import torch
 
 from ..kernels.lse_attention import attention_with_lse, full_prefix_then_causal, prefix_then_causal_parts
 from ..scorers.base import PassChunk, PassScorer
-from .attention import RUN_KWARG, attention_routed, output_weight
+from .attention import RUN_KWARG, attention_routed, output_weight, recording_attention_inputs
 from .hf import cache_kwarg
 
 _TOKENIZERS: WeakKeyDictionary[torch.nn.Module, Any] = WeakKeyDictionary()
@@ -90,11 +89,9 @@ class PassRun:
                       scaling: float) -> None:
         raise RuntimeError("PassRun runs every layer's attention itself")  # pragma: no cover
 
-    def record_hidden_norm(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        """Forward pre-hook of an attention module: the norm of each token's input hidden state."""
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
-        assert isinstance(hidden, torch.Tensor)
-        self.hidden_norms[int(module.layer_idx)] = torch.linalg.vector_norm(hidden.float(), dim=-1)  # type: ignore[arg-type]
+    def record_hidden_norm(self, layer_idx: int, hidden: torch.Tensor) -> None:
+        """The norm of each pass token's hidden state entering layer ``layer_idx``'s attention."""
+        self.hidden_norms[layer_idx] = torch.linalg.vector_norm(hidden.float(), dim=-1)
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:
@@ -149,7 +146,8 @@ def model_pass_scores(model: Any, scorer: PassScorer, cache: Any, context_ids: t
         positions = next_position[:, None] + (chunk.mask.long().cumsum(-1) - 1).clamp(min=0)
         mask = torch.cat([key_mask, chunk.mask], dim=1).long()
         run = PassRun(scorer=scorer, chunk=chunk)
-        with attention_routed(model), _recording_hidden_norms(model, run, scorer.pass_reads_hidden_states()):
+        recording = recording_attention_inputs(model, run.record_hidden_norm, scorer.pass_reads_hidden_states())
+        with attention_routed(model), recording:
             model(input_ids=chunk.ids, attention_mask=mask, position_ids=positions, use_cache=True,
                   logits_to_keep=1, **{cache_kwarg(model): cache, RUN_KWARG: run})
         cache.crop(-T)
@@ -159,13 +157,3 @@ def model_pass_scores(model: Any, scorer: PassScorer, cache: Any, context_ids: t
     return total
 
 
-@contextmanager
-def _recording_hidden_norms(model: Any, run: PassRun, enabled: bool) -> Iterator[None]:
-    """While enabled, every attention module's input hidden state norms go to ``run``."""
-    handles = [layer.self_attn.register_forward_pre_hook(run.record_hidden_norm, with_kwargs=True)
-               for layer in model.get_decoder().layers] if enabled else []
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()

@@ -19,6 +19,9 @@ class Observation:
     ``rope_inv_freq``: RoPE inverse frequencies ``[D // 2]`` (only for scorers that declare it).
     ``pass_scores``: ``[B, H_kv, L]`` what the scorer's own model pass measured for each entry
     (only for scorers that declare ``needs_model_pass``, e.g. KVzip's context reconstruction).
+    ``entry_scores``: ``[B, H_kv, L]`` what the scorer's ``entry_scores`` gave each entry from the
+    hidden state that entered the attention with its token (only for scorers that declare
+    ``reads_hidden_states``, e.g. KVzap's surrogate).
     ``head_offset``: index among this process's kv heads of the observation's first kv head
     (non-zero when chunked prefill scores the kv heads of a layer one at a time). ``shard``: under
     tensor parallelism, this rank's block of kv heads
@@ -39,6 +42,7 @@ class Observation:
     pass_scores: torch.Tensor | None = None
     head_offset: int = 0
     shard: Any = None
+    entry_scores: torch.Tensor | None = None
 
     @property
     def global_head_offset(self) -> int:
@@ -86,6 +90,7 @@ class LayerView:
     pass_scores: torch.Tensor | None = None
     shard: Any = None
     positions: torch.Tensor | None = None
+    entry_scores: torch.Tensor | None = None
     uniform: bool | None = None  # every kv head of a row holds the same entries (None: not known, checked)
 
     @classmethod
@@ -95,7 +100,7 @@ class LayerView:
         return cls(keys=obs.keys, values=obs.values, valid=obs.key_mask[:, None, :].expand(B, H, L),
                    queries=obs.queries, layer_idx=obs.layer_idx, n_layers=obs.n_layers, scaling=obs.scaling,
                    output_weight=obs.output_weight, rope_inv_freq=obs.rope_inv_freq, pass_scores=obs.pass_scores,
-                   shard=obs.shard, uniform=True)
+                   shard=obs.shard, uniform=True, entry_scores=obs.entry_scores)
 
     def rows(self, index: torch.Tensor) -> "LayerView":
         """The view of the batch rows ``index``."""
@@ -103,7 +108,8 @@ class LayerView:
             return None if t is None else t[index]
 
         return replace(self, keys=self.keys[index], values=self.values[index], valid=self.valid[index],
-                       queries=self.queries[index], pass_scores=pick(self.pass_scores), positions=pick(self.positions))
+                       queries=self.queries[index], pass_scores=pick(self.pass_scores), positions=pick(self.positions),
+                       entry_scores=pick(self.entry_scores))
 
     def observations(self) -> list[Observation]:
         """What the scorer reads: one :class:`Observation` of the whole layer when every kv head of a
@@ -115,16 +121,21 @@ class LayerView:
         uniform = self.uniform if self.uniform is not None else bool((self.valid == self.valid[:, :1]).all())
         if uniform:
             return [Observation(keys=self.keys, values=self.values, queries=self.queries, key_mask=self.valid[:, 0],
-                                output_weight=self.output_weight, pass_scores=self.pass_scores, **common)]
+                                output_weight=self.output_weight, pass_scores=self.pass_scores,
+                                entry_scores=self.entry_scores, **common)]
         G = self.queries.shape[1] // H
         D = self.queries.shape[-1]
         heads = []
+
+        def head(t: torch.Tensor | None, h: int) -> torch.Tensor | None:
+            return None if t is None else t[:, h:h + 1]
+
         for h in range(H):
             weight = None if self.output_weight is None else self.output_weight[:, h * G * D:(h + 1) * G * D]
             heads.append(Observation(
                 keys=self.keys[:, h:h + 1], values=self.values[:, h:h + 1], queries=self.queries[:, h * G:(h + 1) * G],
                 key_mask=self.valid[:, h], output_weight=weight, head_offset=h,
-                pass_scores=None if self.pass_scores is None else self.pass_scores[:, h:h + 1], **common))
+                pass_scores=head(self.pass_scores, h), entry_scores=head(self.entry_scores, h), **common))
         return heads
 
 

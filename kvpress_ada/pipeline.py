@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+import torch.nn.functional as F
 from pydantic import ConfigDict, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
 from .allocators import ALLOCATORS, LAYER_SCHEDULES, HeadAllocator, LayerSchedule, UniformHead, UniformLayer
@@ -27,7 +28,8 @@ class Pipeline(OneLineErrors):
     evicted, ``0 <= r < 1``) or ``budget`` (average tokens kept per kv head). ``prefill_chunk=N``:
     a longer prompt is prefilled and compressed chunk by chunk (end-aligned chunks; the final cache
     holds the one-shot totals). ``decode_budget=B, decode_interval=K`` (both or neither): every ``K``
-    generated tokens each layer is compacted back to ``B`` tokens per kv head on average.
+    generated tokens each layer is compacted back to ``B`` tokens per kv head on average. An
+    allocator that sets its own budget (``Threshold``) needs none of these: a budget then caps each head.
     :meth:`keep` is the whole selection policy; ``with press(model):`` applies it (modes and their
     semantics: ``docs/design.md``). Impossible combinations are refused at construction, in one line.
     """
@@ -54,7 +56,9 @@ class Pipeline(OneLineErrors):
     @model_validator(mode="after")
     def _exactly_one_budget(self) -> "Pipeline":
         both = self.compression_ratio is not None and self.budget is not None
-        if both or (self.compression_ratio is None and self.budget is None and self.decode_budget is None):
+        thresholded = type(self.allocator).sets_budget
+        if both or (self.compression_ratio is None and self.budget is None and self.decode_budget is None
+                    and not thresholded):
             raise ValueError(
                 "give exactly one of compression_ratio (0 <= r < 1, fraction evicted) or budget "
                 "(>= 1 tokens kept per kv head) for prefill compression, or neither with decode_budget and "
@@ -66,6 +70,10 @@ class Pipeline(OneLineErrors):
                              f"decode_budget={self.decode_budget}, decode_interval={self.decode_interval}")
         if self.decode_budget is not None:
             self._check_decode_support()
+        if thresholded and type(self.layers).needs_all_layers:
+            raise ValueError(f"the allocator {type(self.allocator).__name__} keeps what clears its threshold, so the "
+                             f"layer schedule {type(self.layers).__name__} has no budget to split across layers: use "
+                             "the uniform layer schedule (a compression_ratio or budget then caps each head)")
         return self
 
     def _check_decode_support(self) -> None:
@@ -77,9 +85,6 @@ class Pipeline(OneLineErrors):
         if self.scorer.query_window() is None:
             raise ValueError(f"{name} reads every query since the start (query_window None) but decode compression "
                              "keeps only a window of recent queries: use a scorer with a finite window")
-        if type(self.layers).needs_all_layers:
-            raise ValueError(f"the layer schedule {type(self.layers).__name__} needs every layer's scores at once; "
-                             "decode compression compacts layer by layer: use a uniform or pyramid layer schedule")
 
     @model_validator(mode="after")
     def _chunked_prefill_supported(self) -> "Pipeline":
@@ -88,9 +93,6 @@ class Pipeline(OneLineErrors):
         scorer = type(self.scorer)
         if scorer.needs_model_pass:
             reason = f"scorer {scorer.__name__} scores with its own model pass over the whole context"
-        elif type(self.layers).needs_all_layers:
-            reason = (f"layer schedule {type(self.layers).__name__} splits the budget across layers from every "
-                      "layer's scores of the whole context")
         elif not scorer.supports_chunked_prefill:
             reason = f"scorer {scorer.__name__} does not support chunked prefill"
         else:
@@ -103,12 +105,13 @@ class Pipeline(OneLineErrors):
     def is_noop(self) -> bool:
         """Ratio 0 without chunked prefill or decode compression keeps every entry: the press leaves the
         model untouched. (With ``prefill_chunk`` the press still runs the prefill chunk by chunk.)"""
-        return self.compression_ratio == 0.0 and self.prefill_chunk is None and self.decode_budget is None
+        return not self.compresses_prefill and self.prefill_chunk is None and self.decode_budget is None
 
     @property
     def compresses_prefill(self) -> bool:
-        """Whether the prefill is compressed (a ``budget``, or a ``compression_ratio`` above 0)."""
-        return self.budget is not None or bool(self.compression_ratio)
+        """Whether the prefill is compressed (a ``budget``, a ``compression_ratio`` above 0, or an
+        allocator that keeps what clears a threshold)."""
+        return self.budget is not None or bool(self.compression_ratio) or type(self.allocator).sets_budget
 
     @property
     def compresses_decode(self) -> bool:
@@ -176,7 +179,10 @@ class Pipeline(OneLineErrors):
 
     def prefill_budget(self, lengths: torch.Tensor, seen: torch.Tensor | None = None) -> Budget:
         """The budget of a prefill whose rows hold ``lengths [B]`` real tokens; ``seen [B]``: the
-        tokens a chunked prefill has brought so far (each layer then keeps at most that many per head)."""
+        tokens a chunked prefill has brought so far (each layer then keeps at most that many per head;
+        a model-scope schedule splits ``n_layers * min(average, seen)`` across the layers)."""
+        if seen is not None and type(self.layers).needs_all_layers:
+            return Budget(average=self.average_budget(lengths), lengths=seen, cap=seen)
         return Budget(average=self.average_budget(lengths), lengths=lengths, cap=seen)
 
     def decode_budget_for(self, seen: torch.Tensor) -> Budget:
@@ -220,7 +226,7 @@ class Pipeline(OneLineErrors):
         H = view.keys.shape[1]
         keep = view.valid.clone()
         rows = None
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and not type(self.allocator).sets_budget:
             evict = view.valid.sum((-1, -2)) > H * budget
             if not bool(evict.any()):  # one host sync per layer
                 return keep
@@ -237,8 +243,10 @@ class Pipeline(OneLineErrors):
         scores = [self._scores(v) for v in views]
         shard = views[0].shard  # tensor parallelism: decisions across heads see every head's scores
         everyone = [shard.gather(s) for s in scores] if shard is not None else scores
+        width = max(s.shape[-1] for s in everyone)  # layers of a chunked or decoding cache hold different widths
         table = self.layers.layer_budgets(  # type: ignore[attr-defined]
-            everyone, budget.average, budget.lengths, comparable=type(self.scorer).comparable_across_heads)
+            [F.pad(s, (width - s.shape[-1], 0), value=float("-inf")) for s in everyone], budget.average,
+            budget.lengths, comparable=type(self.scorer).comparable_across_heads)
         return [self._select(s, self._cap(table[:, i], budget), v, full)
                 for i, (s, v, full) in enumerate(zip(scores, views, everyone))]
 

@@ -4,7 +4,8 @@ from .calibrated import Calibrated, CalibratedLayer
 from .heads import ALLOCATORS, AdaHead, HeadAllocator, UniformHead, register_allocator
 from .layers import LAYER_SCHEDULES, LayerSchedule, PyramidLayer, UniformLayer, register_layer_schedule
 from .model_scope import AdaLayer, model_topk_counts
+from .threshold import Threshold
 
 __all__ = ["ALLOCATORS", "AdaHead", "HeadAllocator", "UniformHead", "register_allocator",
            "LAYER_SCHEDULES", "LayerSchedule", "PyramidLayer", "UniformLayer", "register_layer_schedule",
-           "AdaLayer", "model_topk_counts", "Calibrated", "CalibratedLayer"]
+           "AdaLayer", "model_topk_counts", "Calibrated", "CalibratedLayer", "Threshold"]

@@ -20,6 +20,9 @@ class HeadAllocator(Component):
     #: counts of a head depend on that head's scores alone (no collective under tensor parallelism); an
     #: allocator that compares heads (the default, the safe assumption) gets every head's scores
     head_local: ClassVar[bool] = False
+    #: the allocator decides from the scores how many entries each head keeps (``Threshold``): a pipeline
+    #: then needs no budget, and one it has only caps the heads
+    sets_budget: ClassVar[bool] = False
 
     def allocate(self, scores: torch.Tensor, budget: torch.Tensor,
                  comparable: bool = True) -> torch.Tensor:  # pragma: no cover - abstract

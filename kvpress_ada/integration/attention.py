@@ -16,7 +16,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..observation import LayerView
-from .press_cache import HeldEntries
+from .press_cache import HeldEntries, SequenceState
 from .tensor_parallel import HeadShard, local_weight
 
 ATTENTION_NAME = "kvpress_ada"
@@ -121,18 +121,32 @@ def rope_inv_freq(model: Any) -> torch.Tensor:
     return rotary.inv_freq
 
 
+def record_entry_scores(state: SequenceState, scorer: Any, layer_idx: int, hidden: torch.Tensor,
+                        shard: HeadShard | None = None) -> None:
+    """Score the entries of the tokens entering layer ``layer_idx`` from their hidden states
+    (``scorer.entry_scores``; this rank's kv heads under tensor parallelism) and append the scores
+    to ``state``."""
+    with torch.no_grad():
+        scores = scorer.entry_scores(hidden, layer_idx).detach().float()
+    state.add_entry_scores(layer_idx, scores if shard is None else shard.local(scores))
+
+
 def layer_view(scorer: Any, model: Any, module: torch.nn.Module, n_layers: int, held: HeldEntries,
                queries: torch.Tensor, scaling: float, shard: HeadShard | None = None,
-               pass_scores: torch.Tensor | None = None) -> LayerView:
+               pass_scores: torch.Tensor | None = None, state: SequenceState | None = None,
+               entry_scores: torch.Tensor | None = None) -> LayerView:
     """The :class:`LayerView` of one layer holding ``held``, with only what ``scorer`` declares it reads:
-    the last ``min(w, queries, entries)`` of ``queries`` for a window of ``w``, and the ``o_proj``
-    weight or RoPE frequencies when asked for."""
+    the last ``min(w, queries, entries)`` of ``queries`` for a window of ``w``, the ``o_proj``
+    weight or RoPE frequencies when asked for, and the held entries' hidden-state scores (``entry_scores``,
+    else looked up in ``state`` by position) for a scorer that reads hidden states."""
+    layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
+    if scorer.reads_hidden_states and entry_scores is None and state is not None:
+        entry_scores = state.entry_scores_at(layer_idx, held.positions)
     window = scorer.query_window()
     n = queries.shape[2] if window is None else min(window, queries.shape[2], held.keys.shape[2])
     return LayerView(
         keys=held.keys, values=held.values, valid=held.valid, positions=held.positions,
-        queries=queries[:, :, queries.shape[2] - n:], layer_idx=int(module.layer_idx),  # type: ignore[arg-type]
-        n_layers=n_layers, scaling=scaling,
+        queries=queries[:, :, queries.shape[2] - n:], layer_idx=layer_idx, n_layers=n_layers, scaling=scaling,
         output_weight=output_weight(module).detach() if scorer.needs_output_weight else None,
         rope_inv_freq=rope_inv_freq(model) if scorer.needs_rope else None, shard=shard, pass_scores=pass_scores,
-        uniform=held.uniform)
+        uniform=held.uniform, entry_scores=entry_scores)

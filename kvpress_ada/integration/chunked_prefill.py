@@ -6,7 +6,10 @@ the caller's forward run the last chunk; the caller gets the logits it asked for
 chunks. Chunks are aligned on the end of the context (:meth:`Pipeline.chunks`). In every layer a
 chunk's queries attend to the layer's view (kept entries, then the chunk; causal by position, true
 RoPE positions), then :meth:`Pipeline.keep` brings each row back to ``H_kv * min(b_layer, seen)``
-entries, ``b_layer`` the one-shot press's budget for the layer. Design notes: ``docs/design.md``.
+entries, ``b_layer`` the one-shot press's budget for the layer. A model-scope layer schedule
+(``AdaLayer``) waits for the end of each chunk's forward and splits ``n_layers * min(b, seen)``
+entries per row across every layer's view at once (peak: every layer's kept entries plus one chunk).
+Design notes: ``docs/design.md``.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from .attention import RUN_KWARG, layer_view
+from ..observation import LayerView
+from .attention import RUN_KWARG, layer_view, record_entry_scores
 from .hf import check_left_padded, prefill_key_mask
-from .press_cache import PressCache
+from .press_cache import HeldEntries, PressCache
 
 if TYPE_CHECKING:
     from ..pipeline import Pipeline
@@ -37,9 +41,15 @@ class ChunkedPrefill:
     index: int = 0  # chunk being run
     logits_wanted: list[int] = field(default_factory=list)  # logits of each chunk the caller asked for
     logits: list[torch.Tensor] = field(default_factory=list)
+    pending: dict[int, tuple[LayerView, HeldEntries]] = field(default_factory=dict)  # model scope: this chunk's
 
     def handles_prefill(self, layer_idx: int) -> bool:
         return False  # every chunk goes through attend()
+
+    def record_hidden(self, layer_idx: int, hidden: torch.Tensor) -> None:
+        """The chunk's hidden states entering layer ``layer_idx``'s attention (a scorer reading them scores here)."""
+        if self.press.scorer.reads_hidden_states:
+            record_entry_scores(self.cache.state, self.press.scorer, layer_idx, hidden)
 
     def after_prefill(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       scaling: float) -> None:  # pragma: no cover - handles_prefill is False
@@ -50,6 +60,14 @@ class ChunkedPrefill:
         return self.index == len(self.chunks) - 1
 
     def after_forward(self, output: Any) -> Any:
+        pending, self.pending = self.pending, {}
+        if output is not None and pending:  # model scope: every layer of this chunk at once
+            if len(pending) != len(self.cache.layers):
+                raise RuntimeError(f"chunked prefill saw {len(pending)} of {len(self.cache.layers)} layers in a chunk")
+            views = [pending[i][0] for i in range(len(pending))]
+            for i, keep in enumerate(self.press.keep(views, self._budget())):
+                self.cache.retain(i, keep, pending[i][1])
+                self._done(i)
         if not self.last:
             return output  # a nested chunk forward: the pre-hook collects its logits
         if output is not None and self.logits:
@@ -72,11 +90,25 @@ class ChunkedPrefill:
         with torch.no_grad():
             out = _chunk_attention(query, held.keys, held.values, held.positions, held.valid,
                                    torch.arange(start, stop, device=query.device), scaling)
-            view = layer_view(self.press.scorer, self.model, module, len(self.cache.layers), held, query, scaling)
-            seen = self.key_mask[:, :stop].sum(-1)
-            keep = self.press.keep([view], self.press.prefill_budget(self.key_mask.sum(-1), seen=seen))[0]
-            self.cache.retain(layer_idx, keep, held)
+            view = layer_view(self.press.scorer, self.model, module, len(self.cache.layers), held, query, scaling,
+                              state=self.cache.state)
+            if self.press.evicts_at_end:
+                self.pending[layer_idx] = (view, held)
+            else:
+                keep = self.press.keep([view], self._budget())[0]
+                self.cache.retain(layer_idx, keep, held)
+                self._done(layer_idx)
         return out.transpose(1, 2).contiguous(), None
+
+    def _budget(self):
+        """The budget after the current chunk: the one-shot press's, capped at the tokens seen so far."""
+        seen = self.key_mask[:, :self.chunks[self.index][1]].sum(-1)
+        return self.press.prefill_budget(self.key_mask.sum(-1), seen=seen)
+
+    def _done(self, layer_idx: int) -> None:
+        """After the last chunk a layer's hidden-state scores serve only later decode compactions."""
+        if self.last and not self.press.compresses_decode:
+            self.cache.state.entry_scores[layer_idx] = None
 
 
 def _chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,

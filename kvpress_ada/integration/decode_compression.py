@@ -5,19 +5,22 @@ Every layer counts the tokens appended to it since its last compaction; in the f
 count reaches ``K``, right after the layer's attention, the layer's view (what each kv head holds,
 left-padded) and its ``query_window()`` most recent generated queries go through
 :meth:`Pipeline.keep <kvpress_ada.Pipeline.keep>` with the budget ``B`` and the layer keeps what it
-selects, with ``K`` free slots per row for the next steps. See ``docs/design.md`` for the bound on
-the bytes held.
+selects, with ``K`` free slots per row for the next steps; under a model-scope layer schedule every
+layer's view goes through one ``keep`` at the end of that forward (``n_layers * B`` entries per row
+at most, split across the layers). A scorer reading hidden states scores every new token as it
+arrives, so those forwards are never traced. See ``docs/design.md`` for the bound on the bytes held.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .attention import dense_attention, layer_view
-from .press_cache import PressCache
+from ..observation import LayerView
+from .attention import dense_attention, layer_view, record_entry_scores
+from .press_cache import HeldEntries, PressCache
 
 if TYPE_CHECKING:
     from ..pipeline import Pipeline
@@ -27,11 +30,14 @@ if TYPE_CHECKING:
 class DecodeRun:
     """The handler of a forward on a cache that is not a prefill under a press (decode steps, a
     question appended to a compressed context, a cache used after :func:`~kvpress_ada.attach`).
-    ``press``: the press whose decode compression runs in this forward (``None``: attend only)."""
+    ``press``: the press whose decode compression runs in this forward (``None``: attend only);
+    ``hidden_scorer``: a scorer reading hidden states that scores this forward's tokens."""
 
     cache: PressCache
     model: torch.nn.Module
     press: Pipeline | None = None
+    hidden_scorer: Any = None
+    pending: dict[int, tuple[LayerView, HeldEntries]] = field(default_factory=dict)  # model scope
 
     @classmethod
     def for_step(cls, cache: PressCache, model: torch.nn.Module, press: Pipeline, tokens: int) -> "DecodeRun":
@@ -47,7 +53,13 @@ class DecodeRun:
         state.since = [n + tokens for n in state.since]
         compacts = max(state.since) >= press.decode_interval
         records = press.decode_interval - min(state.since) < window
-        return cls(cache=cache, model=model, press=press if compacts or records else None)
+        return cls(cache=cache, model=model, press=press if compacts or records else None,
+                   hidden_scorer=hidden_scorer(press))
+
+    def record_hidden(self, layer_idx: int, hidden: torch.Tensor) -> None:
+        """The forward's hidden states entering layer ``layer_idx``'s attention."""
+        if self.hidden_scorer is not None:
+            record_entry_scores(self.cache.state, self.hidden_scorer, layer_idx, hidden)
 
     def handles_prefill(self, layer_idx: int) -> bool:
         return False
@@ -68,9 +80,20 @@ class DecodeRun:
     @property
     def traceable(self) -> bool:
         """Whether this forward only attends (no host-side work: a compiled step may run it)."""
-        return self.press is None
+        return self.press is None and self.hidden_scorer is None
 
     def after_forward(self, output: Any) -> Any:
+        pending, self.pending = self.pending, {}
+        if output is not None and pending:  # model scope: every layer compacts in this forward, at once
+            press = self.press
+            assert press is not None and press.decode_interval is not None
+            if len(pending) != len(self.cache.layers):
+                raise RuntimeError(f"decode compaction saw {len(pending)} of {len(self.cache.layers)} layers")
+            views = [pending[i][0] for i in range(len(pending))]
+            keys = views[0].keys
+            seen = torch.full((keys.shape[0],), self.cache.get_seq_length(0), dtype=torch.long, device=keys.device)
+            for i, keep in enumerate(press.keep(views, press.decode_budget_for(seen))):
+                self.cache.retain(i, keep, pending[i][1], spare=press.decode_interval)
         return output
 
     def _after_attention(self, module: torch.nn.Module, query: torch.Tensor, scaling: float) -> None:
@@ -89,10 +112,23 @@ class DecodeRun:
             return
         with torch.no_grad():
             entries = self.cache.view(layer_idx)
-            view = layer_view(press.scorer, self.model, module, len(self.cache.layers), entries, recent, scaling)
-            B = entries.keys.shape[0]
-            seen = torch.full((B,), self.cache.get_seq_length(layer_idx), dtype=torch.long, device=entries.keys.device)
-            keep = press.keep([view], press.decode_budget_for(seen))[0]
-            self.cache.retain(layer_idx, keep, entries, spare=press.decode_interval)
+            view = layer_view(press.scorer, self.model, module, len(self.cache.layers), entries, recent, scaling,
+                              state=state)
+            if type(press.layers).needs_all_layers:
+                self.pending[layer_idx] = (view, entries)
+            else:
+                B = entries.keys.shape[0]
+                seen = torch.full((B,), self.cache.get_seq_length(layer_idx), dtype=torch.long,
+                                  device=entries.keys.device)
+                keep = press.keep([view], press.decode_budget_for(seen))[0]
+                self.cache.retain(layer_idx, keep, entries, spare=press.decode_interval)
         state.since[layer_idx] = 0
         state.compactions[layer_idx] += 1
+
+
+def hidden_scorer(press: Pipeline | None) -> Any:
+    """The scorer of ``press`` when it reads hidden states and compacts while generating (every token
+    the cache takes then needs its score), else ``None``."""
+    if press is None or not press.compresses_decode or not press.scorer.reads_hidden_states:
+        return None
+    return press.scorer

@@ -42,7 +42,7 @@ class CaptureRun:
     layers: dict[int, LayerCapture] = field(default_factory=dict)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def record_hidden(self, layer_idx: int, hidden: torch.Tensor) -> None:
+    def capture_hidden(self, layer_idx: int, hidden: torch.Tensor) -> None:
         self.hidden[layer_idx] = hidden
 
     def handles_prefill(self, layer_idx: int) -> bool:
@@ -69,6 +69,7 @@ class Prefill:
     logits: torch.Tensor
     input_ids: torch.Tensor | None = None
     pass_cache: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    entry_cache: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
     @property
     def seq_len(self) -> int:
@@ -85,8 +86,23 @@ class Prefill:
         B, H, L, _ = c.keys.shape
         valid = self.key_mask[:, None, :].expand(B, H, L)
         held = HeldEntries(c.keys, c.values, valid, torch.arange(L, device=c.keys.device).expand(B, H, L), uniform=True)
+        entry = self.entry_scores(scorer)[layer_idx] if scorer.reads_hidden_states else None
         return layer_view(scorer, self.model, c.module, len(self.layers), held, c.queries, c.scaling,
-                          head_shard(self.model), pass_scores)
+                          head_shard(self.model), pass_scores, entry_scores=entry)
+
+    def entry_scores(self, scorer) -> list[torch.Tensor]:
+        """``[B, H_kv, L]`` per layer: what a scorer reading hidden states gives every entry (computed
+        once per scorer configuration from the captured hidden states, then cached)."""
+        key = scorer.model_dump_json()
+        if key not in self.entry_cache:
+            if any(c.hidden is None for c in self.layers):
+                raise ValueError(f"{type(scorer).__name__} scores entries from the hidden states entering attention: "
+                                 "capture the prefill with capture_prefill(..., hidden_states=True)")
+            shard = head_shard(self.model)
+            with torch.no_grad():
+                scores = [scorer.entry_scores(c.hidden, i).float() for i, c in enumerate(self.layers)]
+            self.entry_cache[key] = scores if shard is None else [shard.local(s) for s in scores]
+        return self.entry_cache[key]
 
     def keep_masks(self, press) -> list[torch.Tensor]:
         """The keep mask ``[B, H_kv, L]`` the press selects in every layer."""
@@ -154,7 +170,7 @@ def capture_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     kwargs = {"input_ids": input_ids, "use_cache": True, cache_kwarg(model): cache, RUN_KWARG: run}
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
-    with attention_routed(model), recording_attention_inputs(model, run.record_hidden, hidden_states):
+    with attention_routed(model), recording_attention_inputs(model, run.capture_hidden, hidden_states):
         out = model(**kwargs)
     layers = [run.layers[i] for i in range(len(run.layers))]
     return Prefill(model=model, layers=layers, key_mask=key_mask, full_cache=cache, logits=out.logits[:, -1],

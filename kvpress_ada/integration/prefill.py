@@ -11,7 +11,7 @@ import torch
 
 from ..observation import LayerView
 from ..scorers.base import PassScorer
-from .attention import dense_attention, layer_view
+from .attention import dense_attention, layer_view, record_entry_scores
 from .model_pass import model_pass_scores
 from .press_cache import PressCache
 from .tensor_parallel import HeadShard
@@ -36,17 +36,29 @@ class PrefillRun:
     def handles_prefill(self, layer_idx: int) -> bool:
         return not self.cache.is_compressed(layer_idx)
 
+    def record_hidden(self, layer_idx: int, hidden: torch.Tensor) -> None:
+        """The hidden states entering layer ``layer_idx``'s attention (a scorer reading them scores here)."""
+        if self.press.scorer.reads_hidden_states:
+            record_entry_scores(self.cache.state, self.press.scorer, layer_idx, hidden, self.shard)
+
     def after_prefill(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       scaling: float) -> None:
         layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
         held = self.cache.view(layer_idx)
         view = layer_view(self.press.scorer, self.model, module, len(self.cache.layers), held, query, scaling,
-                          self.shard)
+                          self.shard, state=self.cache.state)
         if self.press.evicts_at_end:
             self.pending[layer_idx] = view
         else:
             keep = self.press.keep([view], self.press.prefill_budget(self.key_mask.sum(-1)))[0]
             self.cache.retain(layer_idx, keep, held)
+            self._done(layer_idx)
+
+    def _done(self, layer_idx: int) -> None:
+        """Layer ``layer_idx`` is compressed: its entries' hidden-state scores are needed only by
+        later decode compactions."""
+        if not self.press.compresses_decode:
+            self.cache.state.entry_scores[layer_idx] = None
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:
@@ -72,4 +84,5 @@ class PrefillRun:
                      for v, h, m in zip(views, (self.cache.view(i) for i in range(len(views))), maps)]
         for i, keep in enumerate(self.press.keep(views, self.press.prefill_budget(self.key_mask.sum(-1)))):
             self.cache.retain(i, keep)
+            self._done(i)
         return output

@@ -68,18 +68,39 @@ class PressLayer(Protocol):
 class SequenceState:
     """What the press routing records about the sequence a cache holds, with the cache (so it
     follows it across forwards and ``copy.deepcopy``): the prefill's real tokens, and per layer the
-    most recent queries, the tokens appended since the last compaction, and the compactions run."""
+    most recent queries, the tokens appended since the last compaction, the compactions run, and,
+    for a scorer that reads hidden states, the score each token's entries got when it arrived
+    (``[B, H_kv, T]`` over the ``T`` tokens fed so far, indexed by sequence position: 4 bytes per
+    token and kv head, against ``4 * head_dim`` for its key and value)."""
 
     n_layers: int
     key_mask: torch.Tensor | None = None  # [B, L_prefill] real tokens of the prefill (left padding)
     queries: list[torch.Tensor | None] = field(default_factory=list)
     since: list[int] = field(default_factory=list)
     compactions: list[int] = field(default_factory=list)
+    entry_scores: list[torch.Tensor | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.queries = [None] * self.n_layers
         self.since = [0] * self.n_layers
         self.compactions = [0] * self.n_layers
+        self.entry_scores = [None] * self.n_layers
+
+    def add_entry_scores(self, layer_idx: int, scores: torch.Tensor) -> None:
+        """Append the scores ``[B, H_kv, T]`` of the ``T`` tokens a forward feeds layer ``layer_idx``."""
+        held = self.entry_scores[layer_idx]
+        self.entry_scores[layer_idx] = scores if held is None else torch.cat([held, scores], dim=2)
+
+    def entry_scores_at(self, layer_idx: int, positions: torch.Tensor) -> torch.Tensor:
+        """``[B, H_kv, W]`` the recorded scores of the entries at sequence ``positions [B, H_kv, W]``
+        (0 where a slot holds nothing, ``position < 0``)."""
+        held = self.entry_scores[layer_idx]
+        if held is None or int(positions.max()) >= held.shape[2]:
+            known = 0 if held is None else held.shape[2]
+            raise RuntimeError(f"layer {layer_idx} holds entries whose hidden-state scores were not recorded "
+                               f"({known} recorded): the cache was filled outside the press")
+        picked = held.gather(2, positions.clamp(min=0).long())
+        return picked.masked_fill(positions < 0, 0.0)
 
 
 class PressCache(Cache):

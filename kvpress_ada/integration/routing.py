@@ -28,10 +28,10 @@ import torch
 from transformers import DynamicCache
 
 from . import compiled
-from .attention import ATTENTION_NAME, RUN_KWARG, Handler
+from .attention import ATTENTION_NAME, RUN_KWARG, Handler, attention_input, attention_modules
 from .chunked_prefill import ChunkedPrefill as ChunkedPrefillRun
 from .chunked_prefill import start_chunked_prefill
-from .decode_compression import DecodeRun
+from .decode_compression import DecodeRun, hidden_scorer
 from .hf import cache_kwarg, check_left_padded, check_supported, input_shape, prefill_key_mask
 from .prefill import PrefillRun
 from .press_cache import PressCache, SequenceState
@@ -67,6 +67,8 @@ class _Route:
         self.model = model
         self.presses: dict[int, Pipeline] = {}  # thread id -> the press that thread's open block applies
         self.compiled_blocks = 0  # open blocks that asked for compiled decoding
+        self.hidden_blocks = 0  # open blocks whose scorer reads the hidden states entering attention
+        self.hidden_handles: list[Any] = []
         self.attached = False
         self.cache_key = cache_kwarg(model)
         self.previous = model.config._attn_implementation
@@ -75,9 +77,21 @@ class _Route:
         model.set_attn_implementation(ATTENTION_NAME)
 
     def close(self) -> None:
-        for handle in self.handles:
+        for handle in self.handles + self.hidden_handles:
             handle.remove()
         self.model.set_attn_implementation(self.previous)
+
+    def read_hidden_states(self, on: bool) -> None:
+        """Open (``on``) or close a block whose scorer reads hidden states: while any is open, every
+        attention module hands its input hidden states to the forward's handler (``record_hidden``)."""
+        self.hidden_blocks += 1 if on else -1
+        if self.hidden_blocks == 1 and on:
+            self.hidden_handles = [m.register_forward_pre_hook(_hand_hidden_states, with_kwargs=True)
+                                   for m in attention_modules(self.model)]
+        elif self.hidden_blocks == 0:
+            for handle in self.hidden_handles:
+                handle.remove()
+            self.hidden_handles = []
 
     def _pre_hook(self, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if RUN_KWARG in kwargs:  # a handler already owns this forward (a chunk, fan-out capture, a model pass)
@@ -128,7 +142,7 @@ class _Route:
                               shard=head_shard(self.model))
         if press is not None and press.compresses_decode and not prefill:
             return DecodeRun.for_step(cache, self.model, press, int(shape[1]))
-        return DecodeRun(cache=cache, model=self.model)
+        return DecodeRun(cache=cache, model=self.model, hidden_scorer=hidden_scorer(press) if prefill else None)
 
     def _post_hook(self, module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
         run = kwargs.get(RUN_KWARG)
@@ -137,6 +151,13 @@ class _Route:
         if not (isinstance(run, ChunkedPrefillRun) and not run.last):
             run.cache.routed = False
         return run.after_forward(output)
+
+
+def _hand_hidden_states(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of an attention module: its input hidden states go to the forward's handler."""
+    record = getattr(kwargs.get(RUN_KWARG), "record_hidden", None)
+    if record is not None:
+        record(int(module.layer_idx), attention_input(args, kwargs))  # type: ignore[arg-type]
 
 
 _ROUTES: WeakKeyDictionary[torch.nn.Module, _Route] = WeakKeyDictionary()
@@ -200,9 +221,12 @@ def apply_press(press: Pipeline, model: Any, compile: bool | None = None) -> Ite
     press.check_model(model)
     device = next(model.parameters()).device
     compiling = compiled.compile_enabled(compile, device)
+    hidden = press.scorer.reads_hidden_states
     with _LOCK:
         route = _route(model)
         route.presses[me] = press
+        if hidden:
+            route.read_hidden_states(True)
         if compiling:
             compiled.install(model, route.cache_key, compiled.default_mode(device))
             route.compiled_blocks += 1
@@ -211,6 +235,8 @@ def apply_press(press: Pipeline, model: Any, compile: bool | None = None) -> Ite
     finally:
         with _LOCK:
             route.presses.pop(me, None)
+            if hidden:
+                route.read_hidden_states(False)
             if compiling:
                 route.compiled_blocks -= 1
                 if route.compiled_blocks == 0:

@@ -21,7 +21,10 @@ class Scorer(Component):
     scale-free when they do not. ``needs_model_pass``: the scorer runs inputs of its own through the
     model after the prefill (:class:`~kvpress_ada.scorers.kvzip.KVzip`); the integration runs that
     pass and hands what it measured back as ``obs.pass_scores``, and eviction waits for the end of
-    prefill.
+    prefill. ``reads_hidden_states``: the scorer scores each entry from the hidden state that entered
+    the attention with its token (:meth:`entry_scores`, computed once as the token arrives, in
+    every mode); the integration hands those scores back, aligned with the entries, as
+    ``obs.entry_scores``.
 
     Chunked prefill (``Pipeline(prefill_chunk=N)``): after each chunk the scorer is handed the
     layer's kept entries followed by the chunk, as an ordinary left-padded observation (kept entries
@@ -38,6 +41,7 @@ class Scorer(Component):
     needs_rope: ClassVar[bool] = False
     needs_model_pass: ClassVar[bool] = False
     supports_chunked_prefill: ClassVar[bool] = True
+    reads_hidden_states: ClassVar[bool] = False
 
     def query_window(self) -> int | None:
         """How many trailing prefill queries ``score`` reads (``None`` = all)."""
@@ -56,6 +60,20 @@ class Scorer(Component):
 
     def score(self, obs: Observation) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__} must implement score(obs)")
+
+    def entry_scores(self, hidden: torch.Tensor, layer_idx: int) -> torch.Tensor:  # pragma: no cover - abstract
+        """``[B, H_kv, T]`` (every kv head of the layer) scores of the entries of ``T`` tokens from the
+        hidden states ``[B, T, hidden]`` entering layer ``layer_idx``'s attention (scorers that declare
+        ``reads_hidden_states``)."""
+        raise NotImplementedError(f"{type(self).__name__} declares reads_hidden_states but has no entry_scores")
+
+    def entry_scored(self, obs: Observation) -> torch.Tensor:
+        """``obs.entry_scores``, or a clear error when the integration did not record them."""
+        if obs.entry_scores is None:
+            raise ValueError(f"{type(self).__name__} scores each entry from the hidden state its token brought "
+                             "(obs.entry_scores): run it through `with press(model)`, or fan-out with "
+                             "capture_prefill(..., hidden_states=True)")
+        return obs.entry_scores
 
 
 @dataclass(frozen=True)

@@ -87,3 +87,21 @@ def test_threshold_press_is_ragged_and_mask_agrees():
             with p(model):
                 outs.append(model.generate(ids, max_new_tokens=4, do_sample=False))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_eval_records_the_achieved_ratio(tokenizer):
+    from kvpress_ada.harness.eval import Sample
+    from kvpress_ada.harness.eval.runner import Entry, evaluate
+
+    model = build_model("qwen2", seed=4)
+    sample = Sample(context="The pass key is 4821. " + "Blue doors and seven gates. " * 5, question="Pass key?",
+                    answers=["4821"], task="passkey", metric="string_match_all")
+    prefill = capture_prefill(model, torch.tensor([tokenizer(sample.context)["input_ids"]]))
+    tau = float(-prefill.layers[1].keys.norm(dim=-1).median())
+    entries = [Entry("knorm", 0.5, Pipeline(scorer=KNorm(), compression_ratio=0.5)),
+               Entry("threshold", 0.0, Pipeline(scorer=KNorm(), allocator=Threshold(tau=tau)))]
+    records = {r.label: r for r in evaluate(model, tokenizer, [sample], entries, max_new_tokens=2,
+                                            progress=False).records}
+    assert records["full"].achieved_ratio == 0.0
+    assert abs(records["knorm"].achieved_ratio - 0.5) < 0.02  # rounding per row of a short context
+    assert 0.0 < records["threshold"].achieved_ratio < 1.0 and records["threshold"].achieved_ratio != 0.5

@@ -227,7 +227,7 @@ def cmd_demo(args) -> int:
         answer, KV bytes and the seconds of prefill, compression and answering; the caches; the KV
         bytes after each answer."""
         t0 = time.perf_counter()
-        prefill = capture_prefill(model, ids)
+        prefill = capture_prefill(model, ids, hidden_states=any(p.scorer.reads_hidden_states for p in presses.values()))
         t_prefill = time.perf_counter() - t0
         rows, caches, decoded = [], {}, []
         for name, press in [(None, None), *presses.items()]:
@@ -270,6 +270,10 @@ def cmd_demo(args) -> int:
           "compaction for a press), the answer")
     print(f"{args.preset}: KV bytes {full_bytes:,} -> {kept_bytes:,} ({kept_bytes / full_bytes:.1%} of full, really "
           f"freed: ragged per-head cache)")
+    n_layers, n_kv = model.config.num_hidden_layers, caches[args.preset].head_lengths(0).shape[1]
+    kept = sum(int(caches[args.preset].head_lengths(i).sum()) for i in range(n_layers))
+    print(f"{args.preset}: evicted {1 - kept / (prompt.shape[1] * n_layers * n_kv):.1%} of the document's entries "
+          f"(achieved ratio; --ratio {args.ratio})")
     print(f"tokens kept per kv head in layer {middle}: {lengths} (budgets differ per head and per layer)")
     main = presses[args.preset]
     if main.compresses_decode:

@@ -74,6 +74,7 @@ class Record:
     top1: float | None = None
     hidden_error: list[float] = field(default_factory=list)
     eviction_loss: list[float] = field(default_factory=list)
+    achieved_ratio: float | None = None  # fraction of the context's entries evicted (all layers and kv heads)
 
 
 def _routed(press, model):
@@ -125,7 +126,8 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
     head, tail = split_prompt(tokenizer, sample.context, sample.question)
     head_ids, tail_ids = encode(tokenizer, head, device), encode(tokenizer, tail, device)
     prompt = torch.cat([head_ids, tail_ids], 1) if question_aware else head_ids
-    prefill = capture_prefill(model, prompt)
+    prefill = capture_prefill(model, prompt, hidden_states=any(
+        e.press is not None and e.press.scorer.reads_hidden_states for e in entries))
     length = prefill.seq_len
 
     def answer(press, cache, logits=None, rows: int = 1) -> list[list[int]]:
@@ -153,17 +155,19 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
     full_logits, full_hidden = _row(*_teacher_forced(model, None, full_cache, forced))
     full_text = tokenizer.decode(full_tokens, skip_special_tokens=True).strip()
     records = [Record(index, sample.task, "full", 0.0, full_text, score_sample(sample, full_text), full_bytes,
-                      full_bytes, 0.0, 1.0, [0.0] * len(prefill.layers), [0.0] * len(prefill.layers))]
+                      full_bytes, 0.0, 1.0, [0.0] * len(prefill.layers), [0.0] * len(prefill.layers), 0.0)]
     results: dict[int, Record] = {}
+    entries_in_context = float(prefill.key_mask.sum()) * sum(c.keys.shape[1] for c in prefill.layers)
 
-    def record(i: int, text: str, kv_bytes: int, logits, hidden, keep) -> None:
+    def record(i: int, text: str, kv_bytes: int, logits, hidden, keep, kept: int) -> None:
         entry = entries[i]
         signal = fidelity(full_logits, logits, full_hidden, hidden)
         # eviction loss compares keep masks over the dense prefill: not defined for chunked prefill
         loss = eviction_loss(prefill, keep, window=window).tolist() if keep is not None else [float("nan")] * len(
             prefill.layers)
         results[i] = Record(index, sample.task, entry.label, entry.ratio, text, score_sample(sample, text),
-                            kv_bytes, full_bytes, signal["kl"], signal["top1"], signal["hidden_error"], loss)
+                            kv_bytes, full_bytes, signal["kl"], signal["top1"], signal["hidden_error"], loss,
+                            1.0 - kept / entries_in_context)
         if on_entry is not None:
             on_entry()
 
@@ -180,7 +184,7 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
         for e, i in enumerate(group):
             text = tokenizer.decode(rows[e], skip_special_tokens=True).strip()
             row_logits, row_hidden = _row(logits, hidden, e)
-            record(i, text, row_bytes[e], row_logits, row_hidden, keeps[e])
+            record(i, text, row_bytes[e], row_logits, row_hidden, keeps[e], sum(int(k.sum()) for k in keeps[e]))
         del cache, logits, hidden
     for i, entry in enumerate(entries):
         if i in results:
@@ -193,9 +197,11 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
             keep = prefill.keep_masks(entry.press)
             cache, next_logits = prefill.compressed_cache(entry.press, keep), None
         kv_bytes = cache.nbytes() if hasattr(cache, "nbytes") else full_bytes
+        kept = (sum(int(k.sum()) for k in keep) if keep is not None
+                else sum(int(cache.head_lengths(j).sum()) for j in range(len(prefill.layers))))
         text = tokenizer.decode(answer(entry.press, cache, next_logits)[0], skip_special_tokens=True).strip()
         logits, hidden = _row(*_teacher_forced(model, entry.press, cache, forced))
-        record(i, text, kv_bytes, logits, hidden, keep)
+        record(i, text, kv_bytes, logits, hidden, keep, kept)
         del cache
     records += [results[i] for i in range(len(entries))]
     return records
@@ -266,7 +272,8 @@ class EvalResult:
     question_aware: bool
 
     def summary(self) -> list[dict]:
-        """Per (label, ratio): accuracy with a 95% CI, fidelity, eviction loss, KV bytes."""
+        """Per (label, ratio): accuracy with a 95% CI, fidelity, eviction loss, KV bytes, the fraction of
+        entries evicted (``achieved_ratio``: what a threshold press reached; a fixed ratio's own)."""
         cells: dict[tuple[str, float], list[Record]] = {}
         for r in self.records:
             cells.setdefault((r.label, r.ratio), []).append(r)
@@ -286,6 +293,7 @@ class EvalResult:
                 "hidden_error_per_layer": [_mean([r.hidden_error[i] for r in recs]) for i in range(n_layers)],
                 "kv_bytes": _mean([r.kv_bytes for r in recs]),
                 "kv_fraction": _mean([r.kv_bytes / r.full_kv_bytes for r in recs]),
+                "achieved_ratio": _mean([r.achieved_ratio for r in recs]),
             })
         return rows
 

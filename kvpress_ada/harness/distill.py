@@ -31,6 +31,7 @@ import math
 import random
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -76,9 +77,11 @@ def documentation_paragraphs() -> tuple[str, ...]:
             module = importlib.import_module(name)
         except ImportError:  # pragma: no cover - a Python built without one of them
             continue
-        objects = [module] + [getattr(module, attr) for attr in sorted(vars(module)) if not attr.startswith("_")]
-        for obj in objects:
-            doc = inspect.getdoc(obj) if inspect.ismodule(obj) or inspect.isclass(obj) or callable(obj) else None
+        members = [vars(module)[attr] for attr in sorted(vars(module)) if not attr.startswith("_")]
+        for obj in [module] + [m for m in members if inspect.isclass(m) or inspect.isroutine(m)]:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                doc = inspect.getdoc(obj)
             for para in (doc or "").split("\n\n"):
                 para = para.strip()
                 if len(para) >= 40 and para not in seen:
@@ -88,19 +91,19 @@ def documentation_paragraphs() -> tuple[str, ...]:
 
 
 def documentation_texts(tokenizer: Any, n: int, context: int, seed: int = CALIBRATION_SEED) -> list[str]:
-    """``n`` texts of at most about ``context`` tokens of consecutive documentation paragraphs; text
-    ``i`` starts at a paragraph drawn from ``(seed, i)``."""
+    """``n`` texts of consecutive documentation paragraphs cut to ``context`` tokens; text ``i`` starts
+    at a paragraph drawn from ``(seed, i)``."""
     paras = documentation_paragraphs()
-    counts = [len(ids) for ids in tokenizer(list(paras), add_special_tokens=False)["input_ids"]]
     texts = []
     for i in range(n):
         rng = random.Random(f"kvpress_ada:documentation:{seed}:{i}")
-        at, total, parts = rng.randrange(len(paras)), 0, list[str]()
-        while total + counts[at] + 1 <= context or not parts:
+        at, parts, chars = rng.randrange(len(paras)), list[str](), 0
+        while chars < 8 * context + 200:  # far more characters than ``context`` tokens, then cut
             parts.append(paras[at])
-            total += counts[at] + 1
+            chars += len(paras[at])
             at = (at + 1) % len(paras)
-        texts.append("\n\n".join(parts))
+        ids = tokenizer("\n\n".join(parts), add_special_tokens=False)["input_ids"][:context]
+        texts.append(tokenizer.decode(ids, skip_special_tokens=True))
     return texts
 
 

@@ -664,7 +664,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="whose scores are learned: KVzip() or KVzip(plus=True)")
     dist.add_argument("--kind", default="mlp", choices=["linear", "mlp"],
                       help="linear: ridge in closed form; mlp: gelu(h W1 + b1) W2 + b2 trained with Adam")
-    dist.add_argument("--n", type=int, default=48, help="training texts in all (every fifth held out; a quarter "
+    dist.add_argument("--n", type=int, default=40, help="training texts in all (every fifth held out; a quarter "
                                                         "is documentation text, the rest task samples)")
     dist.add_argument("--tasks", default="", help="comma-separated synthetic tasks (default: all, listed below)")
     dist.add_argument("--context", type=int, default=1000, help="text length in tokens (>= 64)")

@@ -401,7 +401,7 @@ def predict_heldout(surrogate: Surrogate, pairs: Pairs) -> list[list[torch.Tenso
             for layer in range(surrogate.n_layers)]
 
 
-def distill(model: Any, tokenizer: Any, teacher: str | KVzip = "kvzip", kind: str = "linear", n: int = 48,
+def distill(model: Any, tokenizer: Any, teacher: str | KVzip = "kvzip", kind: str = "linear", n: int = 40,
             context: int = 1000, tasks: Sequence[str] | None = None, seed: int = CALIBRATION_SEED,
             width: int = DEFAULT_WIDTH, epochs: int = DEFAULT_EPOCHS, max_tokens: int = DEFAULT_MAX_TOKENS,
             model_name: str | None = None, progress: bool = True) -> Surrogate:

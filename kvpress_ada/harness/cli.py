@@ -1,5 +1,6 @@
-"""``kvpress-ada``: the demo, the quality-vs-compression evaluation and the head-budget calibration
-(``calibrate``) on the default model or another (``--model``: a named model, a path or a hub id).
+"""``kvpress-ada``: the demo, the quality-vs-compression evaluation, the head-budget calibration
+(``calibrate``) and score-surrogate training (``distill``) on the default model or another
+(``--model``: a named model, a path or a hub id).
 
 Exit codes: 0 done; 2 bad input (an argument, a ``--config`` file, an ``--out`` directory that
 cannot be written, a ``--context`` too short for a task, a ``--resume`` that does not match): one
@@ -526,6 +527,63 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- distill
+def _distill_inputs(args) -> list[str]:
+    """Tasks, all checked with the other arguments; nothing loaded yet."""
+    from kvpress_ada.calibration import CALIBRATION_SEED
+    from kvpress_ada.harness.eval.tasks import TASKS
+
+    tasks = _unique("--tasks", _split(args.tasks)) if args.tasks else list(TASKS)
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown or not tasks:
+        raise UsageError(f"unknown task {(unknown or [args.tasks])[0]!r}; valid tasks: {', '.join(TASKS)}")
+    if args.n < 2:
+        raise UsageError(f"--n must be >= 2 texts (every fifth, at least one, is held out), got {args.n}")
+    if args.context < 64:
+        raise UsageError(f"--context must be >= 64 tokens, got {args.context}")
+    if args.seed < CALIBRATION_SEED:
+        raise UsageError(f"--seed must be >= {CALIBRATION_SEED}: training never uses evaluation's seeds "
+                         f"(eval uses --seed 0), got {args.seed}")
+    for option, value in (("--width", args.width), ("--epochs", args.epochs), ("--max-tokens", args.max_tokens)):
+        if value < 1:
+            raise UsageError(f"{option} must be >= 1, got {value}")
+    return tasks
+
+
+def cmd_distill(args) -> int:
+    from kvpress_ada.harness.distill import distill
+    from kvpress_ada.surrogate import save
+
+    tasks = _distill_inputs(args)
+    out = Path(args.out)
+    if out.is_dir():
+        raise UsageError(f"--out {args.out} is a directory; give a file name such as surrogate.safetensors")
+    _prepare_out(str(out.parent if str(out.parent) else "."))
+    model, tok = _load_model(args.model)
+    _check_context(model, args.context)
+    for task in tasks:  # a context too small for a task: exit 2 before any prefill
+        _samples(task, tok, 1, args.context, args.seed)
+    made = distill(model, tok, args.teacher, args.kind, n=args.n, context=args.context, tasks=tasks, seed=args.seed,
+                   width=args.width, epochs=args.epochs, max_tokens=args.max_tokens, progress=not args.no_progress)
+    meta = made.meta.model_copy(update={"command": ["kvpress-ada", *args.argv]})
+    from kvpress_ada.surrogate import Surrogate
+
+    made = Surrogate([made.weights(i) for i in range(made.n_layers)], meta)
+    save(made, out)
+    fit, training = meta.fit, meta.training
+    summary = fit["summary"]
+    print(f"distilled {meta.model.name} ({args.teacher} -> {args.kind}) on {training['n_train']} texts "
+          f"({training['tokens_per_layer']['fit']:,} tokens per layer), {training['n_heldout']} held out, "
+          f"in {meta.seconds:.1f}s (collect {training['seconds_collect']:.1f}s, fit {training['seconds_fit']:.1f}s)")
+    print(f"held-out fit, mean over layers: R^2 {summary['r2']:.3f}, Spearman {summary['spearman']:.3f}, "
+          f"kept-set recall per head {summary['recall@0.5']:.3f} / {summary['recall@0.75']:.3f} and over all "
+          f"layers and heads {summary['global_recall@0.5']:.3f} / {summary['global_recall@0.75']:.3f} "
+          "at r = 0.5 / 0.75")
+    print(f"R^2 per layer: {fit['r2']}")
+    print(f"wrote {out} ({out.stat().st_size:,} bytes)")
+    return 0
+
+
 def _tasks_epilog() -> str:
     from kvpress_ada.harness.eval.tasks import TASKS
 
@@ -602,6 +660,26 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--no-progress", action="store_true")
     cal.add_argument("--threads", type=int, help=threads_help)
     cal.set_defaults(func=cmd_calibrate)
+    dist = sub.add_parser("distill", help="train a score surrogate (KVzap): per layer, a linear map or small MLP "
+                                          "from the attention input to the log of KVzip's score",
+                          epilog=_tasks_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    dist.add_argument("--model", default="default", help=model_help)
+    dist.add_argument("--teacher", default="kvzip", choices=["kvzip", "kvzip_plus"],
+                      help="whose scores are learned: KVzip() or KVzip(plus=True)")
+    dist.add_argument("--kind", default="mlp", choices=["linear", "mlp"],
+                      help="linear: ridge in closed form; mlp: gelu(h W1 + b1) W2 + b2 trained with Adam")
+    dist.add_argument("--n", type=int, default=40, help="training texts in all (every fifth held out; a quarter "
+                                                        "is documentation text, the rest task samples)")
+    dist.add_argument("--tasks", default="", help="comma-separated synthetic tasks (default: all, listed below)")
+    dist.add_argument("--context", type=int, default=1000, help="text length in tokens (>= 64)")
+    dist.add_argument("--seed", type=int, default=10_000, help="first training seed (>= 10000; eval uses 0)")
+    dist.add_argument("--width", type=int, default=64, help="the MLP's hidden width (mlp)")
+    dist.add_argument("--epochs", type=int, default=8, help="passes over the training tokens (mlp)")
+    dist.add_argument("--max-tokens", type=int, default=32_768, help="training tokens per layer, at most (mlp)")
+    dist.add_argument("--out", default="surrogate.safetensors", help="the surrogate file to write (safetensors)")
+    dist.add_argument("--no-progress", action="store_true")
+    dist.add_argument("--threads", type=int, help=threads_help)
+    dist.set_defaults(func=cmd_distill)
     return parser
 
 

@@ -29,6 +29,7 @@ from .scorers import (
                       ExpectedAttention,
                       KeyDiff,
                       KNorm,
+                      KVzap,
                       KVzip,
                       LagKV,
                       ObservedAttention,
@@ -44,7 +45,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Pipeline", "preset", "preset_names", "register_preset", "generate",
     "SnapKV", "StreamingLLM", "ObservedAttention", "H2O", "TOVA", "KNorm", "ExpectedAttention", "CriticalKV",
-    "RandomScorer", "KVzip", "use_tokenizer", "LagKV", "KeyDiff",
+    "RandomScorer", "KVzap", "KVzip", "use_tokenizer", "LagKV", "KeyDiff",
     "UniformHead", "AdaHead", "UniformLayer", "PyramidLayer", "AdaLayer", "Calibrated", "CalibratedLayer", "Threshold",
     "TopK", "Mask",
     "Scorer", "HeadAllocator", "LayerSchedule", "Evictor", "Observation", "LayerView", "Budget",

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .allocators import AdaHead, AdaLayer, Calibrated, CalibratedLayer, PyramidLayer, UniformHead, UniformLayer
+from .allocators import (
+    AdaHead,
+    AdaLayer,
+    Calibrated,
+    CalibratedLayer,
+    PyramidLayer,
+    Threshold,
+    UniformHead,
+    UniformLayer,
+)
 from .pipeline import Pipeline
 from .scorers import (
     H2O,
@@ -19,8 +28,13 @@ from .scorers import (
     SnapKV,
     StreamingLLM,
 )
+from .scorers.kvzap import KVzap
+from .surrogate import SHIPPED_LINEAR
 
 ADA_ALPHA = 0.2  # the paper's safeguard default
+# the shipped MLP surrogate's median predicted log score over every layer, head and token of 8
+# calibration texts (seed 20,000, 1k tokens; benchmarks/README.md): kvzap_threshold evicts about half
+KVZAP_HALF_TAU = -6.04
 
 # preset name == scorer registry name == file in scorers/ for the single-scorer presets
 _PRESETS: dict[str, Callable[[], dict]] = {
@@ -47,6 +61,13 @@ _PRESETS: dict[str, Callable[[], dict]] = {
     "kvzip_plus": lambda: dict(scorer=KVzip(plus=True), layers=AdaLayer(alpha=0.0), allocator=AdaHead(alpha=0.0)),
     "kvzip_layerwise": lambda: dict(scorer=KVzip(), allocator=AdaHead(alpha=0.0)),
     "ada_kvzip": lambda: dict(scorer=KVzip(), layers=AdaLayer(alpha=ADA_ALPHA), allocator=AdaHead(alpha=ADA_ALPHA)),
+    # KVzap: KVzip's scores predicted from each token's hidden state by the default model's shipped surrogate
+    # (kvpress_ada/surrogates/; refused for another model: `kvpress-ada distill`), same global top-k as kvzip
+    "kvzap": lambda: dict(scorer=KVzap(), layers=AdaLayer(alpha=0.0), allocator=AdaHead(alpha=0.0)),
+    "kvzap_linear": lambda: dict(scorer=KVzap(path=SHIPPED_LINEAR), layers=AdaLayer(alpha=0.0),
+                                 allocator=AdaHead(alpha=0.0)),
+    # keep what clears the threshold (no ratio needed; a ratio caps each head)
+    "kvzap_threshold": lambda: dict(scorer=KVzap(), allocator=Threshold(tau=KVZAP_HALF_TAU)),
     # StreamingLLM's tokens with KVzip's per-(layer, head) budgets, calibrated offline on the default model
     # (kvpress_ada/calibration/smollm2_135m_kvzip.json); refused for another model: `kvpress-ada calibrate`
     "calibrated_streamingllm": lambda: dict(scorer=StreamingLLM(), layers=CalibratedLayer(), allocator=Calibrated()),

@@ -93,6 +93,26 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
+def random_surrogate(config, kind: str = "linear", width: int = 5, seed: int = 0):
+    """A score surrogate (:mod:`kvpress_ada.surrogate`) with random weights made for ``config``'s model."""
+    from kvpress_ada import surrogate as sur
+    from kvpress_ada.calibration import model_identity
+
+    g = torch.Generator().manual_seed(seed)
+    d, h = int(config.hidden_size), int(config.num_key_value_heads)
+    meta = {"model": model_identity(config), "teacher": {"name": "kvzip"}, "kind": kind,
+            "hidden_size": d, "width": width if kind == "mlp" else None, "dtype": "float32",
+            "target": {"floor": 1e-6}, "training": {}, "fit": {}, "library_version": "0", "created": "now"}
+    if kind == "linear":
+        layers = [{"weight": torch.randn(d, h, generator=g), "bias": torch.randn(h, generator=g)}
+                  for _ in range(config.num_hidden_layers)]
+    else:
+        layers = [{"w1": torch.randn(d, width, generator=g), "b1": torch.randn(width, generator=g),
+                   "w2": torch.randn(width, h, generator=g), "b2": torch.randn(h, generator=g)}
+                  for _ in range(config.num_hidden_layers)]
+    return sur.Surrogate(layers, meta)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return build_tokenizer()

@@ -54,6 +54,8 @@ def test_preset_model_generate_ragged_matches_mask(arch_model, name):
 @pytest.mark.parametrize("name", scorer_names())
 def test_every_registered_scorer_ragged_matches_mask(llama, name):
     """Every registered scorer (default fields; presets or not), ragged vs the Mask reference."""
+    if getattr(SCORERS.get(name), "model_specific", False):
+        pytest.skip("tied to one model by its file (KVzap's surrogate): ragged == Mask is in tests/test_kvzap.py")
     ids, mask = _batch(seed=3)
     outs = {}
     for evictor in ("topk", "mask"):

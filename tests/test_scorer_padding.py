@@ -34,7 +34,9 @@ def _observation(scorer, keys, values, queries, key_mask, w_o, layer_idx):
                        rope_inv_freq=_inv_freq(D),
                        # a model pass (KVzip) measures something per entry; its own padding-invariance is
                        # tested end to end (test_press_edge_cases, test_kvzip): here any per-token value will do
-                       pass_scores=values.float().norm(dim=-1) if type(scorer).needs_model_pass else None)
+                       pass_scores=values.float().norm(dim=-1) if type(scorer).needs_model_pass else None,
+                       # likewise what a hidden-state scorer gave each entry when its token arrived
+                       entry_scores=values.float().sum(dim=-1) if type(scorer).reads_hidden_states else None)
 
 
 def _rows(g, Hkv, G, n):

@@ -5,11 +5,10 @@ import json
 
 import pytest
 import torch
-from conftest import build_model
+from conftest import build_model, random_surrogate
 from transformers import LlamaConfig
 
 from kvpress_ada import surrogate as sur
-from kvpress_ada.calibration import model_identity
 from kvpress_ada.harness.distill import LinearStats, fit_linear, fit_mlp, fit_quality, kept_recall, spearman
 
 DEFAULT_CONFIG = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -105,25 +104,6 @@ def test_fit_quality_measures():
 
 
 # ----------------------------------------------------------------------------- files
-def _meta(config, kind="linear", width=None):
-    return {"model": model_identity(config), "teacher": {"name": "kvzip"}, "kind": kind,
-            "hidden_size": int(config.hidden_size), "width": width, "dtype": "float32",
-            "target": {"floor": 1e-6}, "training": {}, "fit": {}, "library_version": "0", "created": "now"}
-
-
-def _random_surrogate(config, kind="linear", width=5, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    d, h = int(config.hidden_size), int(config.num_key_value_heads)
-    if kind == "linear":
-        layers = [{"weight": torch.randn(d, h, generator=g), "bias": torch.randn(h, generator=g)}
-                  for _ in range(config.num_hidden_layers)]
-        return sur.Surrogate(layers, _meta(config))
-    layers = [{"w1": torch.randn(d, width, generator=g), "b1": torch.randn(width, generator=g),
-               "w2": torch.randn(width, h, generator=g), "b2": torch.randn(h, generator=g)}
-              for _ in range(config.num_hidden_layers)]
-    return sur.Surrogate(layers, _meta(config, "mlp", width))
-
-
 @pytest.fixture(scope="module")
 def tiny():
     return build_model("llama")
@@ -131,7 +111,7 @@ def tiny():
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 def test_round_trip_gives_identical_predictions(tiny, tmp_path, kind):
-    made = _random_surrogate(tiny.config, kind)
+    made = random_surrogate(tiny.config, kind)
     path = tmp_path / f"{kind}.safetensors"
     sur.save(made, path)
     loaded = sur.load(str(path))
@@ -150,7 +130,7 @@ def test_round_trip_gives_identical_predictions(tiny, tmp_path, kind):
 
 
 def test_predict_any_dtype_and_mode(tiny):
-    made = _random_surrogate(tiny.config, "mlp")
+    made = random_surrogate(tiny.config, "mlp")
     hidden = torch.randn(1, 4, 64)
     ref = made.predict(hidden, 0)
     with torch.inference_mode():
@@ -165,7 +145,7 @@ def test_predict_any_dtype_and_mode(tiny):
 
 def test_refused_for_another_model_in_one_line(tiny, tmp_path):
     path = tmp_path / "tiny.safetensors"
-    sur.save(_random_surrogate(tiny.config), path)
+    sur.save(random_surrogate(tiny.config), path)
     other = build_model("qwen2")
     with pytest.raises(sur.SurrogateError) as err:
         sur.load(str(path)).check_model(other.config, source="tiny.safetensors")
@@ -193,7 +173,7 @@ def test_malformed_file_one_line(tmp_path, tiny, content, why):
     elif content == "bad-json":
         save_file({"layers.0.weight": torch.zeros(2, 2)}, str(path), metadata={sur.METADATA_KEY: "{nope"})
     else:
-        made = _random_surrogate(tiny.config)
+        made = random_surrogate(tiny.config)
         tensors = {f"layers.{i}.{k}": v for i in range(3) for k, v in made.weights(i).items()}
         tensors["layers.0.weight"] = torch.zeros(64, 3)
         save_file(tensors, str(path), metadata={sur.METADATA_KEY: made.meta.model_dump_json()})

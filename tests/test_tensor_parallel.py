@@ -16,9 +16,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import build_model, build_tokenizer
+from conftest import build_model, build_tokenizer, random_surrogate
 
 from kvpress_ada import preset
+from kvpress_ada import surrogate as sur
 from kvpress_ada.integration.tensor_parallel import HeadShard, head_shard, local_weight
 from kvpress_ada.observation import LayerView, Observation
 from kvpress_ada.presets import portable_preset_names
@@ -111,19 +112,22 @@ def test_two_ranks_equal_one_process(tmp_path):
     single-process one's rows of its kv heads (up to swaps of entries whose scores tie within float rounding, see
     tp_worker.py), the generated tokens are equal, and the cache holds exactly the rank's rows."""
     model_dir = tmp_path / "llama4kv"
-    build_model("llama", num_attention_heads=8, num_key_value_heads=4).save_pretrained(model_dir)
+    model = build_model("llama", num_attention_heads=8, num_key_value_heads=4)
+    model.save_pretrained(model_dir)
     build_tokenizer().save_pretrained(model_dir)
+    surrogate = tmp_path / "surrogate.safetensors"  # KVzap: each rank keeps its heads' entry scores
+    sur.save(random_surrogate(model.config, kind="mlp", seed=2), surrogate)
     report = tmp_path / "report.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tests" / "tp_worker.py"), str(model_dir), str(report)]
+           str(ROOT / "tests" / "tp_worker.py"), str(model_dir), str(report), "", str(surrogate)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     data = json.loads(report.read_text()) if report.exists() else None
     assert data is not None, proc.stderr[-4000:]
     failed = {name: r["problems"] for ranked in data["ranks"] for name, r in ranked.items() if not r["ok"]}
     assert not failed and proc.returncode == 0, (failed, proc.stderr[-2000:])
     assert data["world_size"] == 2
-    assert all(set(ranked) == set(portable_preset_names()) for ranked in data["ranks"])
+    assert all(set(ranked) == set(portable_preset_names()) | {"kvzap"} for ranked in data["ranks"])
     # Ada gives the heads of a layer different budgets, decided across both ranks' heads
     ada = [ranked["ada_snapkv"]["layer0_lengths"] for ranked in data["ranks"]]
     assert len({n for rank in ada for row in rank for n in row}) > 1

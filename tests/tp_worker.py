@@ -101,8 +101,15 @@ def main() -> int:
 
     results = {}
     failures = []
-    for name in presets or portable_preset_names():
-        press = preset(name, compression_ratio=0.5)
+    surrogate = sys.argv[4] if len(sys.argv) > 4 else None  # a surrogate file for this model: KVzap runs too
+    names = (presets or portable_preset_names()) + (["kvzap"] if surrogate else [])
+    for name in names:
+        if name == "kvzap":
+            from kvpress_ada.scorers.kvzap import KVzap
+
+            press = preset(name, compression_ratio=0.5, scorer=KVzap(path=surrogate))
+        else:
+            press = preset(name, compression_ratio=0.5)
         tokens, keeps, cache, _ = run(tp, press)
         ref_tokens, ref_keeps, ref_cache, ref_scores = run(ref, press)
         problems = []

@@ -9,6 +9,7 @@ from .expected_attention import ExpectedAttention
 from .h2o import H2O, ObservedAttention
 from .keydiff import KeyDiff
 from .knorm import KNorm
+from .kvzap import KVzap
 from .kvzip import KVzip
 from .lagkv import LagKV
 from .random import RandomScorer
@@ -17,5 +18,5 @@ from .streamingllm import StreamingLLM
 from .tova import TOVA
 
 __all__ = ["SCORERS", "PassChunk", "PassScorer", "Scorer", "register_scorer", "CriticalKV", "ExpectedAttention",
-           "H2O", "KeyDiff", "KNorm", "KVzip", "LagKV", "ObservedAttention", "RandomScorer", "SnapKV", "StreamingLLM",
-           "TOVA"]
+           "H2O", "KeyDiff", "KNorm", "KVzap", "KVzip", "LagKV", "ObservedAttention", "RandomScorer", "SnapKV",
+           "StreamingLLM", "TOVA"]

@@ -630,11 +630,11 @@ def run_staged(args, out: Path) -> int:
                                                "threads", "max_new_tokens", "pass_max_context")}
     if payload is None:
         payload = {"benchmark": "long_context_stages", "machine": common.machine_info(), "started": common.now_iso(),
-                   "settings": settings, "results": [], "failed": []}
+                   "settings": settings, "records": [], "failed": []}
     payload["settings"] = settings  # results are keyed by everything that decides them
     payload["skipped"] = [{"method": m, "context": L, "reason": _skip_reason(m, L, args)} for m in args.methods
                           for L in args.contexts if _skip_reason(m, L, args) is not None]
-    done = {_staged_key(x) for x in payload["results"]}
+    done = {_staged_key(x) for x in payload["records"]}
     todo = [c for c in staged_configs(args) if _staged_key(c) not in done]
     print(f"{len(done)} runs kept from {out}, {len(todo)} to run", flush=True)
     for cfg in todo:
@@ -645,13 +645,13 @@ def run_staged(args, out: Path) -> int:
             payload["failed"].append({"config": cfg, "error": str(err)[-500:]})
             print(f"  failed: {str(err)[-300:]}", flush=True)
         else:
-            payload["results"].append(r)
+            payload["records"].append(r)
             print(f"  answer {r['answer']!r} score {r['score']:.0f}; prefill {r['prefill_s']:.0f} s, pass "
                   f"{r['pass_s'] or 0:.0f} s, decode {r['decode_s']:.1f} s; peak KV {r['peak_kv_bytes'] / 2**20:.1f} "
                   f"MiB; peak dRSS {r['peak_delta_rss_mib']:.0f} MiB", flush=True)
         payload["updated"] = common.now_iso()
         common.write_json(out, payload)
-    payload["summary"] = staged_summary(payload["results"])
+    payload["summary"] = staged_summary(payload["records"])
     common.write_json(out, payload)
     if payload["summary"]:
         staged_plot(payload, out.with_suffix(".png"))

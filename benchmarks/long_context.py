@@ -651,7 +651,8 @@ def run_staged(args, out: Path) -> int:
                   f"MiB; peak dRSS {r['peak_delta_rss_mib']:.0f} MiB", flush=True)
         payload["updated"] = common.now_iso()
         common.write_json(out, payload)
-    payload["summary"] = staged_summary(payload["records"])
+    current = {_staged_key(c) for c in staged_configs(args)}  # runs of other settings stay, out of the summary
+    payload["summary"] = staged_summary([r for r in payload["records"] if _staged_key(r) in current])
     common.write_json(out, payload)
     if payload["summary"]:
         staged_plot(payload, out.with_suffix(".png"))

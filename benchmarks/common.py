@@ -19,11 +19,13 @@ from pathlib import Path
 
 import torch
 
+from kvpress_ada.harness.model_sources import source_names
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 QUICK_DIR = Path(tempfile.gettempdir()) / "kvpress_ada_bench_quick"
 
-MODEL_CHOICES = ("default", "tiny")
+MODEL_CHOICES = (*source_names(), "tiny")  # the named models of kvpress_ada.models, and a tiny random one
 
 
 # ----------------------------------------------------------------------------- machine
@@ -84,12 +86,13 @@ def _mem_total_gib() -> float | None:
 
 
 def load_model(name: str):
-    """``(model, tokenizer)``: ``"default"`` is the embedded SmolLM2-135M (fp32); ``"tiny"`` a small random
-    Llama with the same GQA shape (3 kv heads, 3 query heads per kv head) and no tokenizer."""
-    if name == "default":
+    """``(model, tokenizer)``: a named model of ``kvpress_ada.models`` (``"default"`` is the embedded
+    SmolLM2-135M, ``"qwen2.5-coder-0.5b"`` a 32k-position Qwen2.5; fp32); ``"tiny"`` a small random Llama
+    with the default model's GQA shape (3 kv heads, 3 query heads per kv head) and no tokenizer."""
+    if name in source_names():
         from kvpress_ada.models import load
 
-        return load("default")
+        return load(name)
     if name == "tiny":
         from transformers import LlamaConfig, LlamaForCausalLM
 

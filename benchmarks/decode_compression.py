@@ -13,9 +13,16 @@ top-1 token equals the full-cache one, plus the forward times (tokens/s):
   same bases, in its own virtualenv (``benchmarks/decode_compression_worker.py``), true RoPE
   positions passed explicitly as kvpress's pipeline does.
 
+``--prompt-tokens N`` replaces the short prompt by ~N tokens of real text (the Python manual, as the
+task suite's haystack) followed by a request to summarise it, so decoding starts over a long prompt
+that the decode-only pipelines then compact too. The JSON at ``--out`` is rewritten after the full-cache
+generation and after every configuration (with ``complete: false`` until the end); ``--resume`` keeps
+the configurations already there (the full-cache generation is rerun and must give the same tokens).
+
     python benchmarks/decode_compression.py                    # default model, 2048 tokens
     python benchmarks/decode_compression.py --kvpress          # + kvpress DecodingPress side by side
     python benchmarks/decode_compression.py --quick            # tiny random model, 96 tokens
+    python benchmarks/decode_compression.py --model qwen2.5-coder-0.5b --prompt-tokens 4000 --kvpress --resume
 """
 
 from __future__ import annotations
@@ -40,6 +47,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", choices=common.MODEL_CHOICES)
     p.add_argument("--steps", type=int, default=2048, help="generated tokens")
+    p.add_argument("--prompt-tokens", type=int, default=0,
+                   help="a prompt of about this many tokens of real text plus a request to summarise it "
+                        "(0: the short story prompt)")
     p.add_argument("--budget", type=int, default=256, help="decode_budget: tokens per kv head after compaction")
     p.add_argument("--interval", type=int, default=64, help="decode_interval: generated tokens between compactions")
     p.add_argument("--window", type=int, default=32, help="SnapKV observation window (generated queries)")
@@ -54,9 +64,29 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.model, args.steps, args.budget, args.interval, args.window = "tiny", 96, 16, 8, 4
-    if args.kvpress and args.model != "default":
-        p.error("--kvpress runs the default model in kvpress's venv: use it with --model default (no --quick)")
+    if args.kvpress and args.model == "tiny":
+        p.error("--kvpress runs a named model in kvpress's venv: use it with --model default or another named "
+                "model (no --quick)")
+    if args.prompt_tokens < 0:
+        p.error(f"--prompt-tokens must be >= 0, got {args.prompt_tokens}")
     return args
+
+
+SUMMARY_REQUEST = "\n\nSummarise the text above in detail, section by section."
+
+
+def make_prompt(args, tok, model) -> torch.Tensor:
+    """The chat prompt's ids ``[1, T]``: the short story request, or ~``--prompt-tokens`` of the Python
+    manual followed by a request to summarise it."""
+    if tok is None:
+        return common.context_ids(None, max(args.prompt_tokens, 24), vocab_size=model.config.vocab_size)
+    content = PROMPT
+    if args.prompt_tokens:
+        text = tok.decode(common.context_ids(tok, args.prompt_tokens)[0])
+        content = text + SUMMARY_REQUEST
+    rendered = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                       add_generation_prompt=True)
+    return tok(rendered, add_special_tokens=False, return_tensors="pt")["input_ids"]
 
 
 def presses(args):
@@ -131,20 +161,24 @@ def summarize(run: dict, warm: int) -> dict:
             "kv_bytes_max_after_first_compaction": max(kv[len(kv) // 8:]) if kv else None}
 
 
-def run_kvpress(args, prompt, tokens, full_logp) -> dict:
+KVPRESS_METHODS = ("snapkv", "streamingllm", "knorm")
+
+
+def run_kvpress(args, prompt, tokens, full_logp, method: str) -> dict:
+    """kvpress's ``DecodingPress(<method>)`` teacher-forced in its own venv: ``{"versions", "runs": {method}}``."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from kvpress_compare import DEFAULT_VENV, ensure_kvpress_venv
 
-    from kvpress_ada.harness.default_model import ensure_default_model
+    from kvpress_ada.harness.default_model import ensure_model
 
     python = ensure_kvpress_venv(args.venv or DEFAULT_VENV)
     with tempfile.TemporaryDirectory() as tmp:
         inputs, out = Path(tmp) / "inputs.pt", Path(tmp) / "out.json"
         torch.save({"prompt": prompt, "tokens": tokens, "logp": full_logp}, inputs)
         cmd = [str(python), str(Path(__file__).resolve().parent / "decode_compression_worker.py"),
-               "--model", str(ensure_default_model()), "--inputs", str(inputs), "--out", str(out),
-               "--budget", str(args.budget), "--interval", str(args.interval), "--window", str(args.window),
-               "--threads", str(args.threads)]
+               "--model", str(ensure_model(args.model)), "--inputs", str(inputs), "--out", str(out),
+               "--methods", method, "--budget", str(args.budget), "--interval", str(args.interval),
+               "--window", str(args.window), "--threads", str(args.threads)]
         subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": ""})
         import json
 
@@ -163,6 +197,7 @@ def previous_series(out: Path, args, prompt: torch.Tensor, tokens: torch.Tensor)
     old = json.loads(out.read_text())
     settings = old.get("settings", {})
     same = (old.get("model") == args.model and settings.get("steps") == args.steps
+            and settings.get("prompt_request_tokens", 0) == args.prompt_tokens
             and settings.get("budget") == args.budget and settings.get("interval") == args.interval
             and settings.get("window") == args.window and settings.get("prompt_tokens") == int(prompt.shape[1]))
     if not same:
@@ -200,69 +235,97 @@ def plot(payload: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def readme_rows(payload: dict) -> str:
+    """The benchmarks/README.md rows: KV held after the last token, mean KL and top-1 agreement, tok/s."""
+    lines = ["| config | KV held after the last token | mean KL(full \\|\\| press) | top-1 = full | tok/s (its run) |",
+             "|---|--:|--:|--:|--:|"]
+    for label, s in payload["summary"].items():
+        name = f"kvpress `DecodingPress({label.removeprefix('kvpress_')})`" if label.startswith("kvpress") \
+            else ("full cache" if label == "full" else f"`{label}` (ours)")
+        lines.append(f"| {name} | {s['kv_bytes_final'] / 2**20:.2f} MiB | {s['mean_kl']:.3f} | {s['top1']:.3f} | "
+                     f"{s['tokens_per_s']:.1f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     args = parse_args(argv)
     common.set_threads(args.threads)
     model, tok = common.load_model(args.model)
+    prompt = make_prompt(args, tok, model)
     if tok is not None:
-        text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
-                                       add_generation_prompt=True)
-        prompt = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        suppress = sorted({i for i in [tok.eos_token_id, *(model.generation_config.eos_token_id or [])]
-                           if i is not None} if isinstance(model.generation_config.eos_token_id, list)
-                          else {i for i in [tok.eos_token_id, model.generation_config.eos_token_id] if i is not None})
+        eos = model.generation_config.eos_token_id
+        suppress = sorted({i for i in [tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])] if i is not None})
     else:
-        prompt = common.context_ids(None, 24, vocab_size=model.config.vocab_size)
         suppress = []
     geom = common.kv_geometry(model)
-    print(f"prompt: {prompt.shape[1]} tokens; generating {args.steps} with the full cache ...", file=sys.stderr)
-    tokens, full_logp, full_kv, full_s = full_generation(model, prompt, args.steps, suppress)
-    warm = min(8, len(full_s) // 4)
     out = args.out or (common.QUICK_DIR if args.quick else common.RESULTS) / "decode_compression.json"
+    print(f"prompt: {prompt.shape[1]} tokens; generating {args.steps} with the full cache ...", file=sys.stderr)
+    t0 = time.perf_counter()
+    tokens, full_logp, full_kv, full_s = full_generation(model, prompt, args.steps, suppress)
+    full_seconds = time.perf_counter() - t0
+    warm = min(8, len(full_s) // 4)
     kept, kept_versions = previous_series(out, args, prompt, tokens) if args.resume else ({}, None)
     series = {"full": {"kv_bytes": full_kv, "step_s": full_s, "kl": [], "top1": []}}
-    series.update({k: v for k, v in kept.items() if not k.startswith("kvpress")})
-    for label, press in presses(args).items():
-        if label in series:
+    series.update(kept)
+    ours = presses(args)
+    todo = [label for label in ours if label not in series]
+    if args.kvpress:
+        todo += [f"kvpress_{m}" for m in KVPRESS_METHODS if f"kvpress_{m}" not in series]
+    # a config costs about one full-cache generation (prefill + as many single-token forwards)
+    print(f"full-cache generation took {full_seconds:.0f} s; {len(todo)} configs to run ({', '.join(todo) or '-'}): "
+          f"about {len(todo) * full_seconds / 60:.0f} min more (decode-compressed caches decode faster)",
+          file=sys.stderr)
+    from kvpress_ada.kernels.reference import CHUNK
+
+    # each row's room (kept + K) is rounded up to whole chunks: at most CHUNK - 1 more slots per row
+    bound = common.full_kv_bytes(geom, 1, args.budget + args.interval + CHUNK - 1)
+    kvpress_versions = kept_versions if any(k.startswith("kvpress") for k in kept) else None
+
+    def write(complete: bool) -> dict:
+        payload = {
+            "benchmark": "decode_compression", "date": common.now_iso(), "model": args.model, "complete": complete,
+            "machine": common.machine_info(), "threads": args.threads, "kvpress": kvpress_versions,
+            "settings": {"steps": args.steps, "budget": args.budget, "interval": args.interval, "window": args.window,
+                         "prompt_tokens": int(prompt.shape[1]), "prompt_request_tokens": args.prompt_tokens,
+                         "eos_suppressed": suppress},
+            "bound_bytes": bound, "geometry": geom, "full_generation_s": full_seconds,
+            "presses": {k: v.model_dump(mode="json") for k, v in ours.items()},
+            "summary": {label: summarize(run, warm) for label, run in series.items()},
+            "tokens": tokens.tolist(),
+            "series": series,
+        }
+        common.write_json(out, payload)
+        return payload
+
+    write(complete=False)
+    for label, press in ours.items():
+        if label in kept:
             print(f"{label}: kept from {out}", file=sys.stderr)
             continue
         print(f"teacher-forcing {label} ...", file=sys.stderr)
         series[label] = teacher_forced(model, press, prompt, tokens, full_logp)
         print(f"  {summarize(series[label], warm)}", file=sys.stderr)
-    kvpress_versions = None
-    kvpress_kept = {k: v for k, v in kept.items() if k.startswith("kvpress")}
-    if args.kvpress and len(kvpress_kept) == 3 and kept_versions:
-        print(f"kvpress runs: kept from {out}", file=sys.stderr)
-        series.update(kvpress_kept)
-        kvpress_versions = kept_versions
-    elif args.kvpress:
-        print("kvpress DecodingPress (its own venv) ...", file=sys.stderr)
-        result = run_kvpress(args, prompt, tokens, full_logp)
-        kvpress_versions = result["versions"]
-        for method, run in result["runs"].items():
-            series[f"kvpress_{method}"] = run
-    from kvpress_ada.kernels.reference import CHUNK
-
-    # each row's room (kept + K) is rounded up to whole chunks: at most CHUNK - 1 more slots per row
-    bound = common.full_kv_bytes(geom, 1, args.budget + args.interval + CHUNK - 1)
-    payload = {
-        "benchmark": "decode_compression", "date": common.now_iso(), "model": args.model,
-        "machine": common.machine_info(), "threads": args.threads, "kvpress": kvpress_versions,
-        "settings": {"steps": args.steps, "budget": args.budget, "interval": args.interval, "window": args.window,
-                     "prompt_tokens": int(prompt.shape[1]), "eos_suppressed": suppress},
-        "bound_bytes": bound, "geometry": geom,
-        "presses": {k: v.model_dump(mode="json") for k, v in presses(args).items()},
-        "summary": {label: summarize(run, warm) for label, run in series.items()},
-        "tokens": tokens.tolist(),
-        "series": series,
-    }
-    common.write_json(out, payload)
+        write(complete=False)
+    if args.kvpress:
+        for method in KVPRESS_METHODS:
+            label = f"kvpress_{method}"
+            if label in kept:
+                print(f"{label}: kept from {out}", file=sys.stderr)
+                continue
+            print(f"kvpress DecodingPress({method}) (its own venv) ...", file=sys.stderr)
+            result = run_kvpress(args, prompt, tokens, full_logp, method)
+            kvpress_versions = result["versions"]
+            series[label] = result["runs"][method]
+            write(complete=False)
+    payload = write(complete=True)
     plot(payload, out.with_suffix(".png"))
     rows = [[label, f"{s['tokens_per_s']:.1f}", f"{s['kv_bytes_final'] / 2**20:.2f}",
              f"{s['kv_bytes_max'] / 2**20:.2f}", f"{s['mean_kl']:.3f}", f"{s['top1']:.3f}"]
             for label, s in payload["summary"].items()]
     print(common.fmt_table(["config", "tok/s", "KV final MiB", "KV max MiB", "mean KL", "top-1"], rows))
     print(f"bound (n_layers * H_kv * (B + K + 31) slots): {bound / 2**20:.2f} MiB; wrote {out}")
+    print("\nREADME rows:\n")
+    print(readme_rows(payload))
 
 
 if __name__ == "__main__":

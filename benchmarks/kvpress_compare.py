@@ -105,7 +105,9 @@ def parse_args(argv=None):
         epilog="Writes a JSON report (default benchmarks/results/kvpress_compare.json; --quick writes to the "
                "temp dir unless --out is given) and prints a table.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a local model dir")
+    p.add_argument("--model", default="default",
+                   help="a named model of kvpress_ada.models ('default' is SmolLM2-135M-Instruct, "
+                        "'qwen2.5-coder-0.5b', ...) or a local model dir")
     p.add_argument("--tasks", default="passkey,multikey", help="comma-separated kvpress_ada.harness.eval tasks")
     p.add_argument("--n", type=int, default=12, help="samples per task (cell n = n x tasks)")
     p.add_argument("--context", type=int, default=1000, help="context tokens per sample (before the chat template)")
@@ -141,6 +143,11 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true",
                    help="keep the samples already in an incomplete JSON at --out of the same configuration (the JSON "
                         "is rewritten after every sample, marked complete: false until the run ends)")
+    p.add_argument("--ours-records", type=Path, default=None,
+                   help="results.json (or partial.json) of a `kvpress-ada eval` run on the same samples (same model, "
+                        "tasks, --n, --context, --seed, question-agnostic): our answers are read from it instead of "
+                        "being recomputed, and only kvpress runs (pairs by sample; implies --no-kept-sets and "
+                        "--no-diagnostics; our labels kept: full and --methods)")
     p.add_argument("--kvpress-separate", action="store_true",
                    help="one kvpress prefill per (press, ratio) even where kvpress's own compress on the inputs "
                         "captured from the sample's full-cache prefill gives the same cache (ScorerPress, AdaKVPress) "
@@ -169,6 +176,13 @@ def parse_args(argv=None):
     unknown = sorted(set(args.methods) - set(ALL_METHODS))
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
+    if args.ours_records is not None:
+        if not args.ours_records.is_file():
+            p.error(f"--ours-records {args.ours_records} does not exist; pass the results.json or partial.json of a "
+                    "`kvpress-ada eval` run")
+        if args.settings != ["agnostic"]:
+            p.error("--ours-records reads a question-agnostic `kvpress-ada eval` run: use --settings agnostic")
+        args.kept_sets, args.no_diagnostics = False, True
     if args.quick:
         args.n = max(1, 2 // max(len(args.tasks), 1))
         args.ratios = args.ratios[-1:]
@@ -513,12 +527,15 @@ def main(argv=None):
     from kvpress_ada.integration.fanout import capture_prefill
     from kvpress_ada.integration.generation import decode_rows, split_prompt
     from kvpress_ada.integration.hf import cache_kwarg as _cache_key
-    from kvpress_ada.models import ensure_default_model, load
+    from kvpress_ada.models import ensure_model, load, source_names
     from kvpress_ada.presets import preset
     from kvpress_ada.tokens import encode
 
-    model_dir = str(ensure_default_model()) if args.model == "default" else args.model
-    model, tok = load(args.model)
+    model_dir = str(ensure_model(args.model)) if args.model in source_names() else args.model
+    if args.ours_records is not None and args.no_decode:
+        model, tok = None, tokenizer_only(model_dir)  # our answers come from the file: no model on our side
+    else:
+        model, tok = load(args.model)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvpress_compare_"))
     workdir.mkdir(parents=True, exist_ok=True)
 
@@ -543,6 +560,7 @@ def main(argv=None):
     entries = grid(args.methods, args.ratios)
     diag_entries = [] if args.no_diagnostics else diagnostic_entries(args.ratios, args.methods, args.ea_ablation)
     answered = entries + [e for e in diag_entries if args.replica_accuracy or not e.label.endswith("~kvpress")]
+    ours_file = None if args.ours_records is None else read_ours_records(args, payload)
     state = load_checkpoint(args) if args.resume else None
     state = state or {"kv_records": [], "our_records": [], "overlap_samples": [], "done": {},
                       "seconds": {"kvpress": {}, "kvpress_ada": {}, "kept_sets": {}}, "presses": {},
@@ -583,6 +601,7 @@ def main(argv=None):
                             "decode": decode["seconds"] if decode else None},
                 "diagnostics": {k: v[1] for k, v in DIAGNOSTICS.items()},
                 "notes": NOTES,
+                "ours_records": None if ours_file is None else ours_file["source"],
             }
             report["checkpoint"] = {"done": done, "overlap_samples": state["overlap_samples"]}
             args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -613,14 +632,17 @@ def main(argv=None):
                 state["question_token_by_token"][setting] = (state["question_token_by_token"].get(setting, 0)
                                                              + kv["question_token_by_token"])
                 _add(state["seconds"]["kvpress"], setting, kv["seconds"])
-                t0 = time.perf_counter()
-                recs = evaluate_sample(model, tok, samples[i], answered, i, question_aware=aware,
-                                       max_new_tokens=args.max_new_tokens)
-                _add(state["seconds"]["kvpress_ada"], setting, time.perf_counter() - t0)
-                state["our_records"] += [
-                    {"setting": setting, "sample": r.sample, "task": r.task, "label": r.label, "ratio": r.ratio,
-                     "answer": r.answer, "score": r.score, "kv_bytes": r.kv_bytes, "full_kv_bytes": r.full_kv_bytes,
-                     "kl": r.kl, "top1": r.top1} for r in recs]
+                if ours_file is not None:  # read, not recomputed
+                    state["our_records"] += [{"setting": setting, **r} for r in ours_file["records"].get(i, [])]
+                else:
+                    t0 = time.perf_counter()
+                    recs = evaluate_sample(model, tok, samples[i], answered, i, question_aware=aware,
+                                           max_new_tokens=args.max_new_tokens)
+                    _add(state["seconds"]["kvpress_ada"], setting, time.perf_counter() - t0)
+                    state["our_records"] += [
+                        {"setting": setting, "sample": r.sample, "task": r.task, "label": r.label, "ratio": r.ratio,
+                         "answer": r.answer, "score": r.score, "kv_bytes": r.kv_bytes,
+                         "full_kv_bytes": r.full_kv_bytes, "kl": r.kl, "top1": r.top1} for r in recs]
                 kept = set(kv["kept_set_methods"])
                 state["kept_set_methods"] = sorted(kept | set(state["kept_set_methods"]))
                 compared = [e for e in entries + diag_entries if kvpress_counterpart(e.label) in kept]
@@ -645,6 +667,8 @@ def main(argv=None):
 
     report = write(complete=all(len(state["done"].get(s, [])) == len(samples) for s in args.settings))
     print(render_markdown(report))
+    print("\nREADME rows (question-agnostic, paired per sample):\n")
+    print(readme_rows(report))
     if not args.no_plot:
         png = plot_report(report, args.out.with_suffix(".png"))
         if png:
@@ -663,7 +687,8 @@ def run_config(args) -> dict:
             "ratios": args.ratios, "methods": args.methods, "settings": args.settings,
             "max_new_tokens": args.max_new_tokens, "no_diagnostics": args.no_diagnostics,
             "replica_accuracy": args.replica_accuracy, "ea_ablation": args.ea_ablation, "kept_sets": args.kept_sets,
-            "kvpress_separate": args.kvpress_separate}
+            "kvpress_separate": args.kvpress_separate,
+            "ours_records": None if args.ours_records is None else str(args.ours_records.resolve())}
 
 
 def load_checkpoint(args) -> dict | None:
@@ -711,6 +736,123 @@ NOTES = [
     "interleave libraries and configs; medians over rounds; 'x full' is the median of per-round ratios to the same "
     "library's full-cache run.",
 ]
+
+
+# --------------------------------------------------------------------------- our records from an eval run
+
+OUR_RECORD_FIELDS = ("sample", "task", "label", "ratio", "answer", "score", "kv_bytes", "full_kv_bytes", "kl", "top1")
+
+
+def tokenizer_only(model_dir: str):
+    """The tokenizer ``kvpress_ada.models.load`` returns for ``model_dir``, without loading the weights
+    (enough to build the samples and decode kvpress's answers)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    return tok
+
+
+def _flag(argv: list[str], name: str, default):
+    """The value of ``name`` in a recorded command line (``--name V`` or ``--name=V``), else ``default``."""
+    for j, a in enumerate(argv):
+        if a == name and j + 1 < len(argv):
+            return type(default)(argv[j + 1])
+        if a.startswith(name + "="):
+            return type(default)(a.split("=", 1)[1])
+    return default
+
+
+def read_ours_records(args, payload: list[dict]) -> dict:
+    """Our records from ``args.ours_records`` (``kvpress-ada eval``'s results.json or partial.json), checked
+    to come from the samples built here: same model, tasks, n, context, seed, answer length, question-agnostic,
+    and every record's task that of the sample with its index (the same round-robin order). Returns
+    ``{"records": {sample: [record, ...]}, "source": {...}}`` with the labels full and ``args.methods``."""
+    path = args.ours_records
+    data = json.loads(path.read_text())
+    settings = data.get("settings")  # partial.json (a checkpoint) keeps them; results.json keeps its command
+    if settings is None:
+        argv = [str(a) for a in data.get("command", [])]
+        settings = {"model": data.get("model"), "tasks": data.get("tasks"), "n": data.get("n"),
+                    "context": data.get("context"), "seed": _flag(argv, "--seed", 0),
+                    "question_aware": data.get("question_aware"), "max_new_tokens": _flag(argv, "--max-new-tokens", 24)}
+    want = {"model": args.model, "tasks": args.tasks, "n": args.n, "context": args.context, "seed": args.seed,
+            "question_aware": False, "max_new_tokens": args.max_new_tokens}
+    differ = [f"{k} {settings.get(k)!r} there, {v!r} here" for k, v in want.items() if settings.get(k) != v]
+    if differ:
+        raise SystemExit(f"kvpress_compare.py: --ours-records {path} was run on other samples: {'; '.join(differ)}")
+    labels = {"full", *args.methods}
+    by_sample: dict[int, list[dict]] = {}
+    for r in data["records"]:
+        i = r["sample"]
+        if not 0 <= i < len(payload) or payload[i]["task"] != r["task"]:
+            raise SystemExit(f"kvpress_compare.py: --ours-records {path}: record of sample {i} ({r['task']}) does "
+                             f"not match the samples built here ({len(payload)} samples, round-robin over "
+                             f"{','.join(args.tasks)})")
+        if r["label"] in labels:
+            by_sample.setdefault(i, []).append({k: r.get(k) for k in OUR_RECORD_FIELDS})
+    found = sorted({r["label"] for rs in by_sample.values() for r in rs})
+    missing = sorted(labels - set(found))
+    if missing:
+        print(f"[ours] {path} has no records for {', '.join(missing)}; they run on neither side", file=sys.stderr)
+    print(f"[ours] {len(by_sample)} samples x {', '.join(found)} read from {path}", file=sys.stderr)
+    return {"records": by_sample,
+            "source": {"path": str(path.resolve()), "samples": len(by_sample), "labels": found,
+                       "complete": "settings" not in data, "seconds": data.get("seconds")}}
+
+
+def vs_kvpress_best(report, ours=("kvzip", "ada_kvzip")) -> list[dict]:
+    """Per ratio: kvpress's most accurate press (question-agnostic) and each of ``ours`` minus it, paired."""
+    recs = report["records"]
+    rows = []
+    ratios = sorted({r["ratio"] for r in recs["kvpress"] if r["label"] != "full" and r["setting"] == "agnostic"})
+    for ratio in ratios:
+        kv = {}
+        for r in recs["kvpress"]:
+            if r["setting"] == "agnostic" and r["ratio"] == ratio and r["label"] != "full":
+                kv.setdefault(r["label"], {})[r["sample"]] = r["score"]
+        best = max(kv, key=lambda m: (sum(kv[m].values()) / len(kv[m]), m))
+        for label in ours:
+            mine = {r["sample"]: r["score"] for r in recs["kvpress_ada"]
+                    if r["setting"] == "agnostic" and r["label"] == label and r["ratio"] == ratio}
+            common = sorted(set(mine) & set(kv[best]))
+            if not common:
+                continue
+            diff, ci = mean_ci([mine[i] - kv[best][i] for i in common])
+            rows.append({"ratio": ratio, "ours": label, "kvpress_best": KVPRESS_NAMES[best], "n": len(common),
+                         "ours_accuracy": mean_ci([mine[i] for i in common])[0],
+                         "kvpress_accuracy": mean_ci([kv[best][i] for i in common])[0], "diff": diff, "diff_ci95": ci,
+                         "ours_only": sum(mine[i] >= 0.5 > kv[best][i] for i in common),
+                         "kvpress_only": sum(kv[best][i] >= 0.5 > mine[i] for i in common)})
+    return rows
+
+
+def readme_rows(report) -> str:
+    """The benchmarks/README.md rows: ours vs its kvpress counterpart per ratio, paired, with KV held; then
+    ``kvzip`` / ``ada_kvzip`` against kvpress's best press at each ratio."""
+    frac = {(r["library"], r["method"], r["ratio"]): r["accuracy"]["agnostic"]["kv_fraction"]
+            for r in report["table"] if "agnostic" in r["accuracy"]}
+    lines = ["| ours | kvpress | r | ours | kvpress | ours - kvpress | KV held ours / kvpress |",
+             "|---|---|--:|--:|--:|---|---|"]
+    for a in report["agreement"]:
+        if a["setting"] != "agnostic" or "n" not in a:
+            continue
+        ci = "" if a["diff_ci95"] is None else f" ± {a['diff_ci95']:.3f}"
+        ours = "full cache" if a["label"] == "full" else f"`{a['label']}`"
+        kv_held = (f"{frac.get(('kvpress_ada', a['label'], a['ratio']), float('nan')):.3f} / "
+                   f"{frac.get(('kvpress', a['kvpress_counterpart'], a['ratio']), float('nan')):.3f}")
+        lines.append(f"| {ours} | `{KVPRESS_NAMES[a['kvpress_counterpart']]}` | {a['ratio']:g} | {a['accuracy']:.2f} | "
+                     f"{a['kvpress_accuracy']:.2f} | {a['diff']:+.3f}{ci}, {a['ours_only']}/{a['kvpress_only']} "
+                     f"(n = {a['n']}, same answer {a['same_answer']:.2f}) | {kv_held} |")
+    best = report.get("vs_kvpress_best") or []
+    if best:
+        lines += ["", "| r | ours | kvpress's best there | ours | kvpress | ours - best (paired) |",
+                  "|--:|---|---|--:|--:|---|"]
+        for b in best:
+            ci = "" if b["diff_ci95"] is None else f" ± {b['diff_ci95']:.3f}"
+            lines.append(f"| {b['ratio']:g} | `{b['ours']}` | `{b['kvpress_best']}` | {b['ours_accuracy']:.2f} | "
+                         f"{b['kvpress_accuracy']:.2f} | {b['diff']:+.3f}{ci}, {b['ours_only']}/{b['kvpress_only']} |")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- pieces
@@ -917,10 +1059,12 @@ def build_report(args, payload, kv_records, our_records, overlap, decode):
     base = {m: i for i, m in enumerate(("full",) + ALL_METHODS)}
     agreement.sort(key=lambda a: (args.settings.index(a["setting"]), base.get(a["kvpress_counterpart"], 99),
                                   a["label"] != a["kvpress_counterpart"], a["label"], a["ratio"]))
-    return {"table": table, "agreement": agreement, "decode": decode,
+    report = {"table": table, "agreement": agreement, "decode": decode,
             "samples": [{"index": p["index"], "task": p["task"], "answers": p["answers"],
                          "context_ids": len(p["head_ids"]), "question_ids": len(p["tail_ids"])} for p in payload],
             "records": {"kvpress": kv_records, "kvpress_ada": our_records}}
+    report["vs_kvpress_best"] = vs_kvpress_best(report)
+    return report
 
 
 def render_markdown(report) -> str:

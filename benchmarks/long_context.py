@@ -23,6 +23,18 @@ the same budget (question-agnostic unless ``--question-aware``), through the eva
 continuation. Per-sample differences (chunked - one-shot) are paired and get a 95% bootstrap CI.
 Checkpointed per sample, in sample-major order (every context and task covered early).
 
+Stages part (``--stages``; default model ``qwen2.5-coder-0.5b``): on the task suite (passkey) at 16k and 32k,
+one subprocess per (context, sample, method) answers the question (question-agnostic) after a prefill
+with ``full`` (no press), ``PRESET@chunk`` (``prefill_chunk=--chunk``) or ``PRESET`` (one-shot), every
+press at ``--budget`` tokens per kv head; it records the answer's score, the wall time of each stage
+(prefill, KVzip's context reconstruction pass, question + greedy answer), the peak KV bytes and the peak
+RSS over the loaded model. Combinations the library refuses (``kvzip@chunk``) and one-shot model-pass
+presses above ``--pass-max-context`` are reported in one line each and skipped. Checkpointed after every
+run (``--resume``); ``--estimate`` times every method at 2k and 4k and prints the run's estimated wall time.
+
+    python benchmarks/long_context.py --stages --estimate   # a few minutes: per-stage estimate at 16k / 32k
+    python benchmarks/long_context.py --stages --resume     # n = 4 passkey samples at 16k and 32k
+
     python benchmarks/long_context.py                       # 2k..32k, budget 512, chunk 512
     python benchmarks/long_context.py --quality --n 8       # 4k and 8k quality, n samples per task
     python benchmarks/long_context.py --quick               # smoke run on a tiny random model
@@ -302,25 +314,390 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+# ----------------------------------------------------------------------------- stages at 16k / 32k
+
+STAGED_METHODS = "full,ada_snapkv@chunk,lagkv@chunk,kvzip@chunk,kvzip"
+STAGES = ("prefill_s", "pass_s", "decode_s")
+
+
+def staged_press(method: str, budget: int, chunk: int):
+    """``full`` -> None; ``NAME`` -> preset NAME at ``budget`` one-shot; ``NAME@chunk`` -> with
+    ``prefill_chunk=chunk``. Raises the library's one-line ``ValueError`` for a refused combination."""
+    from kvpress_ada import preset
+
+    if method == "full":
+        return None
+    name, _, mode = method.partition("@")
+    if mode not in ("", "chunk"):
+        raise ValueError(f"method {method!r}: expected NAME or NAME@chunk (NAME a preset), or full")
+    return preset(name, budget=budget, prefill_chunk=chunk if mode == "chunk" else None)
+
+
+def _time_model_passes(timer: dict):
+    """Time every call of the library's model pass (KVzip's context reconstruction) into ``timer["pass_s"]``
+    by wrapping ``model_pass_scores`` where the integration modules bound it; returns the undo."""
+    import kvpress_ada.integration.model_pass as defining
+
+    original = defining.model_pass_scores
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            timer["pass_s"] += time.perf_counter() - t0
+            timer["passes"] += 1
+
+    bound = [m for name, m in list(sys.modules.items())
+             if name.startswith("kvpress_ada.") and getattr(m, "model_pass_scores", None) is original]
+    for m in bound:
+        m.model_pass_scores = timed
+
+    def undo():
+        for m in bound:
+            m.model_pass_scores = original
+    return undo
+
+
+def staged_worker(cfg: dict) -> dict:
+    """One (context, sample, method): prefill (and KVzip's pass) under the press, the question and a greedy
+    answer; stage wall times, peak KV bytes (read after every cache update), peak RSS over the loaded model."""
+    import torch
+    from transformers.cache_utils import Cache
+
+    from kvpress_ada.harness.eval.scoring import score_sample
+    from kvpress_ada.harness.eval.tasks import make_samples
+    from kvpress_ada.integration.generation import continue_rows, eos_ids, split_prompt
+    from kvpress_ada.tokens import encode
+
+    threads = common.set_threads(cfg["threads"])
+    t_load = time.perf_counter()
+    model, tok = common.load_model(cfg["model"])
+    press = staged_press(cfg["method"], cfg["budget"], cfg["chunk"])
+    sample = make_samples(cfg["task"], tok, cfg["sample"] + 1, cfg["context"], seed=cfg["seed"])[cfg["sample"]]
+    head, tail = split_prompt(tok, sample.context, sample.question)
+    head_ids, tail_ids = encode(tok, head, "cpu"), encode(tok, tail, "cpu")
+    L = head_ids.shape[1]
+    geom = common.kv_geometry(model)
+    eos = eos_ids(model, tok)
+
+    peak = {"bytes": 0, "updates": 0}
+    original = Cache.update
+
+    def update(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        peak["bytes"] = max(peak["bytes"], common.cache_nbytes(self))
+        peak["updates"] += 1
+        return out
+
+    Cache.update = update  # type: ignore[method-assign]
+    timer = {"pass_s": 0.0, "passes": 0}
+    undo = _time_model_passes(timer)
+    # warm-up on the start of the context (two chunks: runs the chunked path, and the model pass too)
+    common.prefill(model, head_ids[:, :min(L, cfg["chunk"] + 64)], press)
+    setup_s = time.perf_counter() - t_load
+    memory.release_free_memory()
+    peak.update(bytes=0, updates=0)
+    timer.update(pass_s=0.0, passes=0)
+    supported = memory.reset_peak()
+    base = memory.rss_mib()
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        cache, _ = common.prefill(model, head_ids, press)
+        prefill_total = time.perf_counter() - t0
+        pass_s, passes = timer["pass_s"], timer["passes"]
+        after_prefill = common.cache_nbytes(cache)
+        per_head = None
+        if hasattr(cache, "head_lengths"):
+            lengths = torch.stack([cache.head_lengths(i).flatten() for i in range(len(cache.layers))])
+            per_head = {"min": int(lengths.min()), "mean": float(lengths.float().mean()), "max": int(lengths.max())}
+        peak_prefill_rss = memory.peak_rss_mib()
+        t0 = time.perf_counter()
+        with common.press_context(press, model):
+            tokens, cache = continue_rows(model, tail_ids, cache, cfg["max_new_tokens"], eos)
+        decode_s = time.perf_counter() - t0
+    undo()
+    Cache.update = original  # type: ignore[method-assign]
+    answer = tok.decode(tokens[0], skip_special_tokens=True).strip()
+    result = dict(cfg)
+    result.update({
+        "threads_used": threads, "context_ids": L, "question_ids": int(tail_ids.shape[1]),
+        "answer": answer, "score": score_sample(sample, answer), "answer_tokens": len(tokens[0]),
+        "prefill_s": prefill_total - pass_s, "pass_s": pass_s if passes else None, "model_passes": passes,
+        "decode_s": decode_s, "setup_s": setup_s,
+        "full_kv_bytes": common.full_kv_bytes(geom, 1, L), "peak_kv_bytes": peak["bytes"],
+        "kv_bytes_after_prefill": after_prefill, "kept_per_head": per_head, "cache_updates": peak["updates"],
+        "peak_reset_supported": supported, "rss_base_mib": base, "peak_rss_mib": memory.peak_rss_mib(),
+        "peak_rss_prefill_mib": peak_prefill_rss, "peak_delta_rss_mib": memory.peak_rss_mib() - base,
+    })
+    return result
+
+
+def _skip_reason(method: str, context: int, args) -> str | None:
+    """Why a (method, context) is not run, in one line; None when it runs."""
+    try:
+        press = staged_press(method, args.budget, args.chunk)
+    except ValueError as err:
+        return f"refused by the library: {err}"
+    if press is not None and type(press.scorer).needs_model_pass and context > args.pass_max_context:
+        return (f"one-shot {type(press.scorer).__name__} not run above --pass-max-context {args.pass_max_context}: "
+                f"its context reconstruction runs past the model's positions (context + ~2k pass tokens) and takes "
+                "the longest")
+    return None
+
+
+def staged_configs(args) -> list[dict]:
+    """Context-major, then sample, then method: a run cut short has whole samples of the shorter context."""
+    base = dict(kind="stages", model=args.model, seed=args.seed, budget=args.budget, chunk=args.chunk,
+                threads=args.threads, max_new_tokens=args.max_new_tokens)
+    return [dict(base, context=L, task=task, sample=i, method=m)
+            for L in args.contexts for i in range(args.n) for task in args.tasks for m in args.methods
+            if _skip_reason(m, L, args) is None]
+
+
+def _staged_key(x: dict) -> tuple:
+    return (x["context"], x["task"], x["sample"], x["method"], x["budget"], x["chunk"], x["model"], x["seed"],
+            x["max_new_tokens"])
+
+
+def staged_summary(results: list[dict]) -> list[dict]:
+    """Per (context, method): accuracy, and means of stage times, peak KV / RSS and KV after prefill."""
+    out = []
+    for L in sorted({r["context"] for r in results}):
+        for m in dict.fromkeys(r["method"] for r in results if r["context"] == L):
+            rows = [r for r in results if r["context"] == L and r["method"] == m]
+            mean = lambda key: _mean([r[key] for r in rows if r.get(key) is not None])  # noqa: E731
+            out.append({"context": L, "method": m, "n": len(rows), "accuracy": mean("score"),
+                        "prefill_s": mean("prefill_s"), "pass_s": mean("pass_s"), "decode_s": mean("decode_s"),
+                        "answer_tokens": mean("answer_tokens"), "peak_kv_mib": mean("peak_kv_bytes") / 2**20,
+                        "kv_after_prefill_mib": mean("kv_bytes_after_prefill") / 2**20,
+                        "full_kv_mib": mean("full_kv_bytes") / 2**20, "peak_delta_rss_mib": mean("peak_delta_rss_mib"),
+                        "peak_rss_mib": mean("peak_rss_mib")})
+    return out
+
+
+def staged_table(summary: list[dict]) -> str:
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    rows = [[s["context"], s["method"], s["n"], num(s["accuracy"], ".2f"), num(s["prefill_s"], ".0f"),
+             num(s["pass_s"], ".0f"), num(s["decode_s"], ".1f"), f"{s['peak_kv_mib']:.1f}",
+             f"{s['kv_after_prefill_mib']:.1f}", f"{s['full_kv_mib']:.1f}", num(s["peak_delta_rss_mib"], ".0f")]
+            for s in summary]
+    return common.fmt_table(["ctx", "method", "n", "accuracy", "prefill s", "KVzip pass s", "decode s",
+                             "peak KV MiB", "KV after prefill MiB", "full KV MiB", "peak dRSS MiB"], rows)
+
+
+def staged_plot(payload: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = payload["summary"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
+    for i, m in enumerate(dict.fromkeys(s["method"] for s in summary)):
+        rows = sorted((s for s in summary if s["method"] == m), key=lambda s: s["context"])
+        xs = [s["context"] for s in rows]
+        style = dict(marker="o", linestyle="-" if "@chunk" in m or m == "full" else "--", color=f"C{i}", label=m)
+        axes[0].plot(xs, [s["accuracy"] for s in rows], **style)
+        axes[1].plot(xs, [s["peak_kv_mib"] for s in rows], **style)
+        axes[2].plot(xs, [sum(s[k] or 0.0 for k in STAGES) for s in rows], **style)
+    for ax, title, ylabel in zip(axes, ("accuracy (question-agnostic)", "peak KV bytes", "wall time per sample"),
+                                 ("accuracy", "MiB", "s (prefill + pass + decode)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_ylim(-0.02, 1.02)
+    s = payload["settings"]
+    fig.suptitle(f"{s['model']}, {','.join(s['tasks'])}, budget {s['budget']} tokens per kv head, chunk {s['chunk']}, "
+                 f"{s['threads']} thread(s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def staged_readme_rows(summary: list[dict]) -> str:
+    lines = ["| context | method | n | accuracy | prefill s | KVzip pass s | decode s | peak KV MiB (full) | "
+             "peak dRSS MiB |", "|--:|---|--:|--:|--:|--:|--:|--:|--:|"]
+    for s in summary:
+        def num(v, fmt):
+            return "-" if v is None else format(v, fmt)
+        lines.append(f"| {s['context']:,} | `{s['method']}` | {s['n']} | {num(s['accuracy'], '.2f')} | "
+                     f"{num(s['prefill_s'], '.0f')} | {num(s['pass_s'], '.0f')} | {num(s['decode_s'], '.1f')} | "
+                     f"{s['peak_kv_mib']:.1f} ({s['full_kv_mib']:.0f}) | {num(s['peak_delta_rss_mib'], '.0f')} |")
+    return "\n".join(lines)
+
+
+def _fit_quadratic(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """``(a, b)`` of ``t = a L + b L^2`` through two ``(L, t)`` points (b = 0 if the fit is not convex)."""
+    (l1, t1), (l2, t2) = sorted(points)[:2]
+    b = (t2 / l2 - t1 / l1) / (l2 - l1)
+    if b <= 0:
+        return t2 / l2, 0.0
+    return t1 / l1 - b * l1, b
+
+
+def staged_estimate(args) -> dict:
+    """Time every method at the short ``--estimate-contexts`` and extrapolate each stage to ``--contexts``.
+
+    Dense prefill: ``a L + b L^2`` through the two full-cache points (the presses run at the longer context
+    only). Chunked prefill: ``a L`` plus the attention of each chunk over what is held before it
+    (``min(budget, start)``) and the chunk (at the dense prefill's per query-key cost ``2 b``), plus the
+    measured per-chunk scoring overhead. KVzip's pass: linear in L (fixed-size reconstruction chunks).
+    Decode: ``d0 + d1 * held tokens`` from the full cache. Setup (load, samples, warm-up): the largest seen.
+    """
+    pts: dict[str, list[dict]] = {}
+    for L in sorted(args.estimate_contexts):
+        for m in args.methods:
+            if _skip_reason(m, L, args) or (m != "full" and L != max(args.estimate_contexts)):
+                continue  # the presses are extrapolated from the longer context and the full cache's fit
+            cfg = dict(kind="stages", model=args.model, seed=args.seed, budget=args.budget, chunk=args.chunk,
+                       threads=args.threads, max_new_tokens=args.max_new_tokens, context=L, task=args.tasks[0],
+                       sample=0, method=m)
+            t0 = time.perf_counter()
+            r = run_one(cfg, args.timeout)
+            r["worker_wall_s"] = time.perf_counter() - t0
+            pts.setdefault(m, []).append(r)
+            print(f"  timed {m} @ {L}: prefill {r['prefill_s']:.1f} s, pass {r['pass_s'] or 0:.1f} s, decode "
+                  f"{r['decode_s']:.1f} s ({r['answer_tokens']} tokens), peak dRSS {r['peak_delta_rss_mib']:.0f} MiB, "
+                  f"worker {r['worker_wall_s']:.0f} s", flush=True)
+    full = pts["full"]
+    a, b = _fit_quadratic([(r["context_ids"], r["prefill_s"]) for r in full])
+    d1 = ((full[-1]["decode_s"] - full[0]["decode_s"]) / (full[-1]["context_ids"] - full[0]["context_ids"])
+          if len(full) > 1 else 0.0)
+    d1 = max(d1, 0.0)
+    d0 = max(full[-1]["decode_s"] - d1 * full[-1]["context_ids"], 0.0)
+    setup = max(r["worker_wall_s"] - sum(r[k] or 0.0 for k in STAGES) for rs in pts.values() for r in rs)
+    rss_per_token = {m: rs[-1]["peak_delta_rss_mib"] / rs[-1]["context_ids"] for m, rs in pts.items()}
+    rows, total = [], 0.0
+    for L in args.contexts:
+        ids = L + (full[-1]["context_ids"] - max(args.estimate_contexts))  # + the chat template's tokens
+        for m in args.methods:
+            reason = _skip_reason(m, L, args)
+            if reason is not None:
+                print(f"{m} @ {L}: {reason}")
+                continue
+            if m not in pts:
+                continue
+            press = staged_press(m, args.budget, args.chunk)
+            last = pts[m][-1]
+            if press is not None and press.prefill_chunk is not None:
+                dense = sum(a * (e - s) for s, e in press.chunks(ids))
+                attn = sum(2 * b * (e - s) * (min(args.budget, s) + (e - s) / 2) for s, e in press.chunks(ids))
+                base_short = a * last["context_ids"] + b * last["context_ids"] ** 2
+                overhead = max(last["prefill_s"] - base_short, 0.0) / max(len(press.chunks(last["context_ids"])), 1)
+                prefill = dense + attn + overhead * len(press.chunks(ids))
+            else:
+                overhead = max(last["prefill_s"] - (a * last["context_ids"] + b * last["context_ids"] ** 2), 0.0)
+                prefill = a * ids + b * ids ** 2 + overhead * ids / last["context_ids"]
+            pass_s = (last["pass_s"] or 0.0) * ids / last["context_ids"]
+            held = ids if press is None else min(ids, args.budget)
+            decode = (d0 + d1 * held) * (last["answer_tokens"] + 1) / (full[-1]["answer_tokens"] + 1)
+            per_sample = prefill + pass_s + decode + setup
+            cell = per_sample * args.n * len(args.tasks)
+            total += cell
+            rows.append({"context": L, "method": m, "prefill_s": prefill, "pass_s": pass_s, "decode_s": decode,
+                         "setup_s": setup, "per_sample_s": per_sample, "cell_s": cell,
+                         "peak_delta_rss_mib": rss_per_token[m] * (ids if press is None or press.prefill_chunk is None
+                                                                   else last["context_ids"])})
+    print(common.fmt_table(
+        ["ctx", "method", "prefill s", "pass s", "decode s", "setup s", "per sample", f"x {args.n * len(args.tasks)}",
+         "peak dRSS MiB (rough)"],
+        [[r["context"], r["method"], f"{r['prefill_s']:.0f}", f"{r['pass_s']:.0f}", f"{r['decode_s']:.0f}",
+          f"{r['setup_s']:.0f}", f"{r['per_sample_s'] / 60:.1f} min", f"{r['cell_s'] / 3600:.2f} h",
+          f"{r['peak_delta_rss_mib']:.0f}"] for r in rows]))
+    print(f"estimated wall time of the whole run: {total / 3600:.1f} h on {args.threads} thread(s) at this machine's "
+          f"current load (dense prefill fit: {a * 1e3:.2f} ms/token + {b * 1e6:.3f} us/token^2)")
+    return {"estimate": rows, "total_s": total, "fit": {"a": a, "b": b, "d0": d0, "d1": d1, "setup_s": setup},
+            "timings": pts}
+
+
+def run_staged(args, out: Path) -> int:
+    for m in args.methods:
+        for L in args.contexts:
+            reason = _skip_reason(m, L, args)
+            if reason is not None:
+                print(f"{m} @ {L}: {reason}", flush=True)
+    if args.estimate:
+        staged_estimate(args)
+        return 0
+    payload = json.loads(out.read_text()) if args.resume and out.exists() else None
+    settings = {k: getattr(args, k) for k in ("model", "tasks", "contexts", "n", "seed", "methods", "budget", "chunk",
+                                               "threads", "max_new_tokens", "pass_max_context")}
+    if payload is None:
+        payload = {"benchmark": "long_context_stages", "machine": common.machine_info(), "started": common.now_iso(),
+                   "settings": settings, "records": [], "failed": []}
+    payload["settings"] = settings  # results are keyed by everything that decides them
+    payload["skipped"] = [{"method": m, "context": L, "reason": _skip_reason(m, L, args)} for m in args.methods
+                          for L in args.contexts if _skip_reason(m, L, args) is not None]
+    done = {_staged_key(x) for x in payload["records"]}
+    todo = [c for c in staged_configs(args) if _staged_key(c) not in done]
+    print(f"{len(done)} runs kept from {out}, {len(todo)} to run", flush=True)
+    for cfg in todo:
+        print(f"running {cfg['method']} @ {cfg['context']} {cfg['task']} sample {cfg['sample']} ...", flush=True)
+        try:
+            r = run_one(cfg, args.timeout)
+        except (RuntimeError, subprocess.TimeoutExpired) as err:
+            payload["failed"].append({"config": cfg, "error": str(err)[-500:]})
+            print(f"  failed: {str(err)[-300:]}", flush=True)
+        else:
+            payload["records"].append(r)
+            print(f"  answer {r['answer']!r} score {r['score']:.0f}; prefill {r['prefill_s']:.0f} s, pass "
+                  f"{r['pass_s'] or 0:.0f} s, decode {r['decode_s']:.1f} s; peak KV {r['peak_kv_bytes'] / 2**20:.1f} "
+                  f"MiB; peak dRSS {r['peak_delta_rss_mib']:.0f} MiB", flush=True)
+        payload["updated"] = common.now_iso()
+        common.write_json(out, payload)
+    current = {_staged_key(c) for c in staged_configs(args)}  # runs of other settings stay, out of the summary
+    payload["summary"] = staged_summary([r for r in payload["records"] if _staged_key(r) in current])
+    common.write_json(out, payload)
+    if payload["summary"]:
+        staged_plot(payload, out.with_suffix(".png"))
+        print(staged_table(payload["summary"]))
+        print("\nREADME rows:\n")
+        print(staged_readme_rows(payload["summary"]))
+    return 0
+
+
 # ----------------------------------------------------------------------------- main
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=common.MODEL_CHOICES, default=None)
+    parser.add_argument("--model", choices=common.MODEL_CHOICES, default=None,
+                        help="default: 'default' (SmolLM2-135M; --quick: tiny); with --stages qwen2.5-coder-0.5b")
     parser.add_argument("--preset", default="ada_snapkv")
-    parser.add_argument("--budget", type=int, default=None, help="tokens kept per kv head (default 512; 32 quick)")
-    parser.add_argument("--chunk", type=int, default=None, help="prefill chunk (default 512; 64 quick)")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="tokens kept per kv head (default 512; 32 quick; --stages 4096)")
+    parser.add_argument("--chunk", type=int, default=None, help="prefill chunk (default 512; 64 quick; --stages 1024)")
     parser.add_argument("--contexts", type=int, nargs="+", default=None,
-                        help="memory part: context lengths (default 2048 4096 8192 16384 32768)")
+                        help="memory part: context lengths (default 2048 4096 8192 16384 32768); --stages: context "
+                             "tokens per sample (default 16000 32000)")
     parser.add_argument("--quality", action="store_true", help="run the quality part instead of the memory part")
+    parser.add_argument("--stages", action="store_true",
+                        help="accuracy, peak KV, peak RSS and wall time per stage (prefill, KVzip pass, decode) on "
+                             "the task suite at --contexts, one subprocess per (context, sample, method), "
+                             "checkpointed after each")
+    parser.add_argument("--methods", default=STAGED_METHODS,
+                        help="--stages: comma-separated full, PRESET (one-shot) or PRESET@chunk (prefill_chunk="
+                             "--chunk); refused combinations are reported in one line and skipped")
+    parser.add_argument("--pass-max-context", type=int, default=16384,
+                        help="--stages: longest context a one-shot press with a model pass (kvzip) runs at")
+    parser.add_argument("--estimate", action="store_true",
+                        help="--stages: time every method at --estimate-contexts and print the estimated wall time "
+                             "of the run per stage, method and context (a few minutes; writes nothing)")
+    parser.add_argument("--estimate-contexts", type=int, nargs=2, default=[2048, 4096])
     parser.add_argument("--quality-contexts", type=int, nargs="+", default=[4096, 8192])
-    parser.add_argument("--tasks", nargs="+", default=["passkey", "multikey"])
-    parser.add_argument("--n", type=int, default=8, help="quality: samples per task and context")
+    parser.add_argument("--tasks", nargs="+", default=None,
+                        help="default passkey multikey (--stages: passkey)")
+    parser.add_argument("--n", type=int, default=None, help="samples per task and context (default 8; --stages 4)")
     parser.add_argument("--question-aware", action="store_true",
                         help="quality: compress context and question together (default: the context alone)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default 16 (--stages: 24, as eval)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=5400, help="seconds per memory worker")
     parser.add_argument("--resume", action="store_true", help="keep the configs / samples already in --out")
@@ -330,8 +707,22 @@ def main(argv=None) -> int:
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
-        print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
+        cfg = json.loads(args.worker)
+        print("RESULT " + json.dumps(staged_worker(cfg) if cfg.get("kind") == "stages" else worker(cfg)), flush=True)
         return 0
+    if args.stages:
+        args.model = args.model or "qwen2.5-coder-0.5b"
+        args.budget, args.chunk = args.budget or 4096, args.chunk or 1024
+        args.contexts = args.contexts or [16000, 32000]
+        args.tasks, args.n = args.tasks or ["passkey"], args.n or 4
+        args.max_new_tokens = args.max_new_tokens or 24
+        args.methods = [m for m in args.methods.split(",") if m]
+        if args.model == "tiny":
+            parser.error("--stages answers the task suite: it needs a model with a tokenizer, not tiny")
+        out = Path(args.out) if args.out else common.RESULTS / "long_context_stages.json"
+        return run_staged(args, out)
+    args.tasks, args.n = args.tasks or ["passkey", "multikey"], args.n or 8
+    args.max_new_tokens = args.max_new_tokens or 16
     q = args.quick
     args.model = args.model or ("tiny" if q else "default")
     args.budget = args.budget or (32 if q else 512)

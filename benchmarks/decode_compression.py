@@ -54,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--interval", type=int, default=64, help="decode_interval: generated tokens between compactions")
     p.add_argument("--window", type=int, default=32, help="SnapKV observation window (generated queries)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--only", default="", help="comma-separated configurations of ours to run (default: all); "
+                                              "kvzap and kvzap_layerwise need the default model's surrogate")
     p.add_argument("--kvpress", action="store_true", help="also run kvpress's DecodingPress (its own venv)")
     p.add_argument("--venv", type=Path, default=None, help="kvpress virtualenv (see benchmarks/kvpress_compare.py)")
     p.add_argument("--quick", action="store_true", help="tiny random model, 96 steps, budget 16, interval 8")
@@ -95,13 +97,26 @@ def presses(args):
     from kvpress_ada.scorers import KNorm, SnapKV, StreamingLLM
 
     common_fields = dict(decode_budget=args.budget, decode_interval=args.interval)
-    return {
+    configs = {
         "snapkv": Pipeline(scorer=SnapKV(window=args.window, kernel=5), **common_fields),
         "ada_snapkv": Pipeline(scorer=SnapKV(window=args.window, kernel=5), allocator=AdaHead(alpha=0.2),
                                **common_fields),
         "streamingllm": Pipeline(scorer=StreamingLLM(sinks=4), **common_fields),
         "knorm": Pipeline(scorer=KNorm(), **common_fields),
     }
+    if args.model == "default":  # the shipped surrogate is the default model's; new tokens scored as they arrive
+        from kvpress_ada.allocators import AdaLayer
+        from kvpress_ada.scorers import KVzap
+
+        kvzap = KVzap(window=args.window)
+        configs["kvzap"] = Pipeline(scorer=kvzap, layers=AdaLayer(alpha=0.0), allocator=AdaHead(alpha=0.0),
+                                    **common_fields)
+        configs["kvzap_layerwise"] = Pipeline(scorer=kvzap, allocator=AdaHead(alpha=0.0), **common_fields)
+    only = [x for x in args.only.split(",") if x]
+    unknown = sorted(set(only) - set(configs))
+    if unknown:
+        raise SystemExit(f"--only: unknown configuration(s) {', '.join(unknown)}; known: {', '.join(configs)}")
+    return {k: v for k, v in configs.items() if not only or k in only}
 
 
 @torch.inference_mode()

@@ -47,7 +47,8 @@ def merge(paths: list[Path]) -> tuple[list[dict], list[dict]]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="+", type=Path)
-    parser.add_argument("--pairs", default=PAIRS, help="comma-separated a:b (accuracy of a minus b, paired)")
+    parser.add_argument("--pairs", default=PAIRS, help="comma-separated a:b (accuracy of a minus b, paired, at "
+                                                       "every ratio) or a@r:b@s (one pair at those ratios)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
@@ -63,6 +64,11 @@ def main(argv=None) -> int:
     pairs = []
     for pair in args.pairs.split(","):
         a, b = pair.split(":")
+        if "@" in a and "@" in b:  # label@ratio:label@ratio: one pair at those ratios (threshold vs a fixed ratio)
+            (a, at), (b, bt) = a.split("@"), b.split("@")
+            found = paired_difference(records, a, b, float(at), float(bt))
+            pairs += [found] if found is not None else []
+            continue
         pairs += [d for d in (paired_difference(records, a, b, ratio) for ratio in ratios) if d is not None]
     # our best composition per ratio (highest accuracy; ties: fewer bytes), against StreamingLLM and the full cache
     best = []
@@ -86,7 +92,8 @@ def main(argv=None) -> int:
         print(f"\n{task}:\n{format_table(rows)}")
     print("\npaired (a - b, 95% CI):")
     for p in pairs:
-        print(f"  {p['a']:>24} - {p['b']:<24} r={p['ratio']:.2f} n={p['n']:>3} {p['delta']:+.3f} ± {p['ci95']:.3f}"
+        at = f"r={p['ratio']:.2f}" + (f" vs {p['ratio_b']:.2f}" if "ratio_b" in p else "")
+        print(f"  {p['a']:>24} - {p['b']:<24} {at} n={p['n']:>3} {p['delta']:+.3f} ± {p['ci95']:.3f}"
               f"  {p['verdict']}")
     for b in best:
         print(f"best at r={b['ratio']:.2f}: {b['label']} {b['accuracy']:.3f}, KV {b['kv_fraction']:.3f} of full "

@@ -28,3 +28,17 @@ def test_paired_difference_verdicts_and_full_cache_pairs_at_any_ratio():
     assert out["delta"] == 1.0 and out["ci95"] == 0.0 and out["verdict"] == "a better"
     assert paired_difference(records, "p", "full", 0.75)["verdict"] == "b better"
     assert paired_difference(records, "p", "full", 0.5) is None  # p has no sample at 0.5
+
+
+def test_paired_difference_pairs_a_threshold_press_with_a_fixed_ratio():
+    from kvpress_ada.harness.eval.report import paired_difference
+
+    def rec(label, ratio, sample, score):
+        return {"label": label, "ratio": ratio, "task": "passkey", "sample": sample, "score": score}
+
+    records = [rec("thr", 0.0, i, s) for i, s in enumerate([1, 1, 0, 1])]
+    records += [rec("kvzip", 0.5, i, s) for i, s in enumerate([1, 0, 0, 0])]
+    records += [rec("kvzip", 0.0, i, 1.0) for i in range(4)]  # another cell: must not be paired
+    found = paired_difference(records, "thr", "kvzip", 0.0, 0.5)
+    assert found is not None and found["n"] == 4 and found["delta"] == 0.5 and found["ratio_b"] == 0.5
+    assert paired_difference(records, "thr", "kvzip", 0.0)["delta"] == -0.25

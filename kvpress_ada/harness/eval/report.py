@@ -54,16 +54,18 @@ def plot_accuracy(summary: list[dict], path: str | Path, title: str = "") -> Pat
     return path
 
 
-def paired_difference(records: list[dict], a: str, b: str, ratio: float) -> dict | None:
-    """Accuracy of ``a`` minus ``b`` at ``ratio`` on the samples both ran, with a paired 95% CI.
+def paired_difference(records: list[dict], a: str, b: str, ratio: float,
+                      ratio_b: float | None = None) -> dict | None:
+    """Accuracy of ``a`` minus ``b`` at ``ratio`` on the samples both ran, with a paired 95% CI
+    (``ratio_b``: ``b``'s ratio when it differs, e.g. a threshold press against a fixed ratio).
 
     ``records`` are :class:`~kvpress_ada.harness.eval.runner.Record` dicts; samples pair by (task, sample). The
     full cache (label ``"full"``) pairs at any ratio. ``None`` when no sample has both."""
-    def cell(label: str) -> dict[tuple[str, int], float]:
+    def cell(label: str, at: float) -> dict[tuple[str, int], float]:
         return {(r["task"], r["sample"]): r["score"] for r in records
-                if r["label"] == label and (label == "full" or abs(r["ratio"] - ratio) < 1e-9)}
+                if r["label"] == label and (label == "full" or abs(r["ratio"] - at) < 1e-9)}
 
-    left, right = cell(a), cell(b)
+    left, right = cell(a, ratio), cell(b, ratio if ratio_b is None else ratio_b)
     keys = sorted(left.keys() & right.keys())
     if not keys:
         return None
@@ -73,4 +75,5 @@ def paired_difference(records: list[dict], a: str, b: str, ratio: float) -> dict
     var = sum((d - mean) ** 2 for d in diffs) / max(n - 1, 1)
     half = 1.96 * (var / n) ** 0.5 if n > 1 else float("nan")
     verdict = "a better" if mean - half > 0 else ("b better" if mean + half < 0 else "no significant difference")
-    return {"a": a, "b": b, "ratio": ratio, "n": n, "delta": mean, "ci95": half, "verdict": verdict}
+    other = {} if ratio_b is None else {"ratio_b": ratio_b}
+    return {"a": a, "b": b, "ratio": ratio, **other, "n": n, "delta": mean, "ci95": half, "verdict": verdict}

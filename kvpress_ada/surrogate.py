@@ -29,11 +29,12 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from . import packaged
 from .calibration import ModelIdentity, model_identity
 
 FORMAT = "kvpress_ada.surrogate/1"
 METADATA_KEY = "kvpress_ada.surrogate"
-BUILTIN_PREFIX = "builtin:"
+BUILTIN_PREFIX = packaged.BUILTIN_PREFIX
 SUFFIX = ".safetensors"
 SHIPPED_MLP = "builtin:smollm2_135m_kvzip_mlp"  # the default model (SmolLM2-135M-Instruct), teacher KVzip
 SHIPPED_LINEAR = "builtin:smollm2_135m_kvzip_linear"
@@ -169,20 +170,13 @@ def _shapes(kind: str, hidden: int, width: int | None, heads: int) -> dict[str, 
 
 def resolve(path: str) -> Path:
     """The file a ``path`` value names (``builtin:NAME`` is a file shipped in this package)."""
-    if path.startswith(BUILTIN_PREFIX):
-        return _HERE / (path[len(BUILTIN_PREFIX):] + SUFFIX)
-    return Path(path).expanduser()
+    return packaged.resolve(path, _HERE, SUFFIX)
 
 
 def load(path: str) -> Surrogate:
     """The surrogate at ``path`` (cached: read once per file version)."""
-    file = resolve(path)
-    try:
-        stat = file.stat()
-    except OSError:
-        hint = "" if path.startswith(BUILTIN_PREFIX) else "; make one with `kvpress-ada distill --out FILE`"
-        raise SurrogateError(f"surrogate file {path!r} not found ({file}){hint}") from None
-    return _load(str(file), stat.st_mtime_ns, stat.st_size, path)
+    return _load(*packaged.version(path, resolve(path), "surrogate", "kvpress-ada distill --out FILE",
+                                   SurrogateError), path)
 
 
 @functools.lru_cache(maxsize=16)

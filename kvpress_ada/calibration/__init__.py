@@ -29,9 +29,11 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .. import packaged
+
 FORMAT = "kvpress_ada.calibration/1"
 CALIBRATION_SEED = 10_000  # calibration seeds start here; evaluation uses seed 0 (disjoint samples)
-BUILTIN_PREFIX = "builtin:"
+BUILTIN_PREFIX = packaged.BUILTIN_PREFIX
 SHIPPED = "builtin:smollm2_135m_kvzip"  # the default model (SmolLM2-135M-Instruct), scorer KVzip
 _HERE = Path(__file__).resolve().parent
 
@@ -130,20 +132,13 @@ class Calibration(BaseModel):
 
 def resolve(path: str) -> Path:
     """The file a ``path`` value names (``builtin:NAME`` is a file shipped in this package)."""
-    if path.startswith(BUILTIN_PREFIX):
-        return _HERE / (path[len(BUILTIN_PREFIX):] + ".json")
-    return Path(path).expanduser()
+    return packaged.resolve(path, _HERE, ".json")
 
 
 def load(path: str) -> Calibration:
     """The calibration at ``path`` (cached: read once per file version, never per forward)."""
-    file = resolve(path)
-    try:
-        stat = file.stat()
-    except OSError:
-        hint = "" if path.startswith(BUILTIN_PREFIX) else "; make one with `kvpress-ada calibrate --out FILE`"
-        raise CalibrationError(f"calibration file {path!r} not found ({file}){hint}") from None
-    return _load(str(file), stat.st_mtime_ns, stat.st_size, path)
+    return _load(*packaged.version(path, resolve(path), "calibration", "kvpress-ada calibrate --out FILE",
+                                   CalibrationError), path)
 
 
 def shares_tensor(path: str, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -501,18 +501,25 @@ def _calibrate_inputs(args) -> tuple[list[str], list[float], Any]:
     return tasks, ratios, scorer
 
 
-def cmd_calibrate(args) -> int:
-    from kvpress_ada.harness.calibrate import calibrate
-
-    tasks, ratios, scorer = _calibrate_inputs(args)
+def _file_job(args, tasks: list[str], example: str) -> tuple[Path, Any, Any]:
+    """The checked ``--out`` file, the model and its tokenizer of a command that writes one file from
+    ``--n`` texts of ``tasks`` (``calibrate``, ``distill``); exits 2 before any prefill on bad input."""
     out = Path(args.out)
     if out.is_dir():
-        raise UsageError(f"--out {args.out} is a directory; give a file name such as heads.json")
+        raise UsageError(f"--out {args.out} is a directory; give a file name such as {example}")
     _prepare_out(str(out.parent if str(out.parent) else "."))
     model, tok = _load_model(args.model)
     _check_context(model, args.context)
     for task in tasks:  # a context too small for a task: exit 2 before any prefill
         _samples(task, tok, 1, args.context, args.seed)
+    return out, model, tok
+
+
+def cmd_calibrate(args) -> int:
+    from kvpress_ada.harness.calibrate import calibrate
+
+    tasks, ratios, scorer = _calibrate_inputs(args)
+    out, model, tok = _file_job(args, tasks, "heads.json")
     result = calibrate(model, tok, scorer, n=args.n, tasks=tasks, context=args.context, ratios=ratios,
                        seed=args.seed, progress=not args.no_progress)
     result = result.model_copy(update={"command": ["kvpress-ada", *args.argv]})
@@ -555,14 +562,7 @@ def cmd_distill(args) -> int:
     from kvpress_ada.surrogate import save
 
     tasks = _distill_inputs(args)
-    out = Path(args.out)
-    if out.is_dir():
-        raise UsageError(f"--out {args.out} is a directory; give a file name such as surrogate.safetensors")
-    _prepare_out(str(out.parent if str(out.parent) else "."))
-    model, tok = _load_model(args.model)
-    _check_context(model, args.context)
-    for task in tasks:  # a context too small for a task: exit 2 before any prefill
-        _samples(task, tok, 1, args.context, args.seed)
+    out, model, tok = _file_job(args, tasks, "surrogate.safetensors")
     made = distill(model, tok, args.teacher, args.kind, n=args.n, context=args.context, tasks=tasks, seed=args.seed,
                    width=args.width, epochs=args.epochs, max_tokens=args.max_tokens, progress=not args.no_progress)
     meta = made.meta.model_copy(update={"command": ["kvpress-ada", *args.argv]})

@@ -1,0 +1,27 @@
+"""Files a component reads by a ``path`` value: a file path, or ``builtin:NAME`` for one shipped with the
+package (calibrations, score surrogates). Loaders cache on :func:`version` so a file is read once per
+version, never per forward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BUILTIN_PREFIX = "builtin:"
+
+
+def resolve(path: str, folder: Path, suffix: str) -> Path:
+    """The file ``path`` names: ``builtin:NAME`` is ``folder / (NAME + suffix)``, anything else a file path."""
+    if path.startswith(BUILTIN_PREFIX):
+        return folder / (path[len(BUILTIN_PREFIX):] + suffix)
+    return Path(path).expanduser()
+
+
+def version(path: str, file: Path, what: str, make: str, error: type[Exception]) -> tuple[str, int, int]:
+    """``(file, mtime_ns, size)`` of the existing ``file`` (a loader's cache key), or ``error`` in one line
+    naming the ``what`` file and, for a user's file, the command that ``make``s one."""
+    try:
+        stat = file.stat()
+    except OSError:
+        hint = "" if path.startswith(BUILTIN_PREFIX) else f"; make one with `{make}`"
+        raise error(f"{what} file {path!r} not found ({file}){hint}") from None
+    return str(file), stat.st_mtime_ns, stat.st_size

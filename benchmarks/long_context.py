@@ -59,6 +59,25 @@ METHODS = ("chunked", "oneshot", "full")
 # ----------------------------------------------------------------------------- memory worker
 
 
+
+def _tracking_peak_kv():
+    """Patch ``Cache.update`` to record the largest cache (bytes) and the updates seen: ``(peak, original)``;
+    restore with ``Cache.update = original``."""
+    from transformers.cache_utils import Cache
+
+    peak = {"bytes": 0, "updates": 0}
+    original = Cache.update
+
+    def update(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        peak["bytes"] = max(peak["bytes"], common.cache_nbytes(self))
+        peak["updates"] += 1
+        return out
+
+    Cache.update = update  # type: ignore[method-assign]
+    return peak, original
+
+
 def worker(cfg: dict) -> dict:
     import torch
     from transformers.cache_utils import Cache
@@ -75,16 +94,7 @@ def worker(cfg: dict) -> dict:
         chunk = cfg["chunk"] if cfg["method"] == "chunked" else None
         press = preset(cfg["preset"], budget=cfg["budget"], prefill_chunk=chunk)
 
-    peak = {"bytes": 0, "updates": 0}
-    original = Cache.update
-
-    def update(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        peak["bytes"] = max(peak["bytes"], common.cache_nbytes(self))
-        peak["updates"] += 1
-        return out
-
-    Cache.update = update  # type: ignore[method-assign]
+    peak, original = _tracking_peak_kv()
     warm = min(L, 2 * cfg["chunk"] + 7)  # the warm-up runs the chunked path too
     common.prefill(model, ids[:, :warm], press)
     memory.release_free_memory()
@@ -381,16 +391,7 @@ def staged_worker(cfg: dict) -> dict:
     geom = common.kv_geometry(model)
     eos = eos_ids(model, tok)
 
-    peak = {"bytes": 0, "updates": 0}
-    original = Cache.update
-
-    def update(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        peak["bytes"] = max(peak["bytes"], common.cache_nbytes(self))
-        peak["updates"] += 1
-        return out
-
-    Cache.update = update  # type: ignore[method-assign]
+    peak, original = _tracking_peak_kv()
     timer = {"pass_s": 0.0, "passes": 0}
     undo = _time_model_passes(timer)
     # warm-up on the start of the context (two chunks: runs the chunked path, and the model pass too)

@@ -93,6 +93,19 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
+def generate_ragged_and_mask(model, press, ids, **kwargs):
+    """Greedy tokens of ``model.generate(ids)`` under ``press`` and under the same press with the ``Mask``
+    evictor (the dense reference every ragged cache must agree with)."""
+    from kvpress_ada import Mask
+
+    outs = []
+    with torch.no_grad():
+        for p in (press, press.model_copy(update={"evictor": Mask()})):
+            with p(model):
+                outs.append(model.generate(ids, do_sample=False, **{"max_new_tokens": 4, **kwargs}))
+    return outs[0], outs[1]
+
+
 def random_surrogate(config, kind: str = "linear", width: int = 5, seed: int = 0):
     """A score surrogate (:mod:`kvpress_ada.surrogate`) with random weights made for ``config``'s model."""
     from kvpress_ada import surrogate as sur

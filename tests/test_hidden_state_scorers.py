@@ -12,11 +12,11 @@ from typing import ClassVar, Literal
 
 import pytest
 import torch
-from conftest import build_model
+from conftest import build_model, generate_ragged_and_mask
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpress_ada import AdaHead, AdaLayer, KNorm, Mask, Pipeline, Scorer, register_scorer
+from kvpress_ada import AdaHead, AdaLayer, KNorm, Pipeline, Scorer, register_scorer
 from kvpress_ada.integration.fanout import capture_prefill
 from kvpress_ada.integration.hf import output_cache
 
@@ -112,12 +112,7 @@ def test_fan_out_equals_the_press_and_mask_equals_ragged(llama, scope):
     assert _all_kept(cache) == _all_kept(fanned)
     with pytest.raises(ValueError, match="hidden_states=True"):
         capture_prefill(llama, ids).keep_masks(press)
-    with torch.no_grad():
-        outs = []
-        for p in (press, press.model_copy(update={"evictor": Mask()})):
-            with p(llama):
-                outs.append(llama.generate(ids, max_new_tokens=5, do_sample=False))
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(*generate_ragged_and_mask(llama, press, ids, max_new_tokens=5))
 
 
 @settings(max_examples=6, deadline=None)

@@ -3,12 +3,12 @@ head's floor, capped by the pipeline's budget when it has one."""
 
 import pytest
 import torch
-from conftest import build_model
+from conftest import build_model, generate_ragged_and_mask
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from kvpress_ada import AdaLayer, KNorm, Mask, Observation, Pipeline, SnapKV, Threshold
+from kvpress_ada import AdaLayer, KNorm, Observation, Pipeline, SnapKV, Threshold
 from kvpress_ada.integration.fanout import capture_prefill
 from kvpress_ada.integration.hf import output_cache
 
@@ -81,12 +81,7 @@ def test_threshold_press_is_ragged_and_mask_agrees():
     lengths = torch.stack([cache.head_lengths(i) for i in range(len(cache.layers))])
     assert len(set(lengths.flatten().tolist())) > 1  # ragged per row, head and layer
     assert int(lengths.min()) >= 2 and int(lengths.max()) <= 40
-    with torch.no_grad():
-        outs = []
-        for p in (press, press.model_copy(update={"evictor": Mask()})):
-            with p(model):
-                outs.append(model.generate(ids, max_new_tokens=4, do_sample=False))
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(*generate_ragged_and_mask(model, press, ids))
 
 
 def test_eval_records_the_achieved_ratio(tokenizer):

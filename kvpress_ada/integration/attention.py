@@ -131,6 +131,17 @@ def record_entry_scores(state: SequenceState, scorer: Any, layer_idx: int, hidde
     state.add_entry_scores(layer_idx, scores if shard is None else shard.local(scores))
 
 
+def keep_every_layer(press: Any, cache: Any, pending: dict[int, tuple[LayerView, HeldEntries]], budget: Any,
+                     spare: int | None = None) -> None:
+    """Model scope: one :meth:`Pipeline.keep <kvpress_ada.Pipeline.keep>` over every layer's view in ``pending``
+    (layer index -> its view and what it held), then each layer keeps its mask (``spare`` free slots per row)."""
+    if len(pending) != len(cache.layers):
+        raise RuntimeError(f"a model-scope eviction saw {len(pending)} of {len(cache.layers)} layers")
+    views = [pending[i][0] for i in range(len(pending))]
+    for i, keep in enumerate(press.keep(views, budget)):
+        cache.retain(i, keep, pending[i][1], spare)
+
+
 def layer_view(scorer: Any, model: Any, module: torch.nn.Module, n_layers: int, held: HeldEntries,
                queries: torch.Tensor, scaling: float, shard: HeadShard | None = None,
                pass_scores: torch.Tensor | None = None, state: SequenceState | None = None,

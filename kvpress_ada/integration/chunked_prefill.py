@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..observation import LayerView
-from .attention import RUN_KWARG, layer_view, record_entry_scores
+from .attention import RUN_KWARG, keep_every_layer, layer_view, record_entry_scores
 from .hf import check_left_padded, prefill_key_mask
 from .press_cache import HeldEntries, PressCache
 
@@ -62,11 +62,8 @@ class ChunkedPrefill:
     def after_forward(self, output: Any) -> Any:
         pending, self.pending = self.pending, {}
         if output is not None and pending:  # model scope: every layer of this chunk at once
-            if len(pending) != len(self.cache.layers):
-                raise RuntimeError(f"chunked prefill saw {len(pending)} of {len(self.cache.layers)} layers in a chunk")
-            views = [pending[i][0] for i in range(len(pending))]
-            for i, keep in enumerate(self.press.keep(views, self._budget())):
-                self.cache.retain(i, keep, pending[i][1])
+            keep_every_layer(self.press, self.cache, pending, self._budget())
+            for i in pending:
                 self._done(i)
         if not self.last:
             return output  # a nested chunk forward: the pre-hook collects its logits

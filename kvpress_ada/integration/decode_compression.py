@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..observation import LayerView
-from .attention import dense_attention, layer_view, record_entry_scores
+from .attention import dense_attention, keep_every_layer, layer_view, record_entry_scores
 from .press_cache import HeldEntries, PressCache
 
 if TYPE_CHECKING:
@@ -87,13 +87,9 @@ class DecodeRun:
         if output is not None and pending:  # model scope: every layer compacts in this forward, at once
             press = self.press
             assert press is not None and press.decode_interval is not None
-            if len(pending) != len(self.cache.layers):
-                raise RuntimeError(f"decode compaction saw {len(pending)} of {len(self.cache.layers)} layers")
-            views = [pending[i][0] for i in range(len(pending))]
-            keys = views[0].keys
+            keys = next(iter(pending.values()))[0].keys
             seen = torch.full((keys.shape[0],), self.cache.get_seq_length(0), dtype=torch.long, device=keys.device)
-            for i, keep in enumerate(press.keep(views, press.decode_budget_for(seen))):
-                self.cache.retain(i, keep, pending[i][1], spare=press.decode_interval)
+            keep_every_layer(press, self.cache, pending, press.decode_budget_for(seen), spare=press.decode_interval)
         return output
 
     def _after_attention(self, module: torch.nn.Module, query: torch.Tensor, scaling: float) -> None:

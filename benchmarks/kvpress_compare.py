@@ -59,7 +59,11 @@ KVPRESS_REQUIREMENTS = ("torch==2.13.0", "kvpress==0.5.5")
 METHODS = ("snapkv", "ada_snapkv", "pyramidkv", "expected_attention", "ada_expected_attention")  # default run
 # question-agnostic presses (KVzip's context reconstruction, LagKV, KeyDiff) + baselines
 AGNOSTIC_METHODS = ("kvzip", "kvzip_layerwise", "ada_kvzip", "lagkv", "ada_lagkv", "keydiff", "streamingllm")
-ALL_METHODS = METHODS + AGNOSTIC_METHODS
+# KVzap (score surrogates): compared with kvpress's KVzipPress (their teacher) and, for the threshold preset, with
+# kvpress's DMSPress threshold logic on the very scores of our surrogate (SuppliedKVzapPress in the worker)
+SURROGATE_METHODS = ("kvzap", "kvzap_linear", "kvzap_threshold")
+RATIO_FREE = ("kvzap_threshold",)  # set their own budget (a threshold): run once, at ratio 0 (no cap)
+ALL_METHODS = METHODS + AGNOSTIC_METHODS + SURROGATE_METHODS
 # kvpress_ada preset -> the kvpress press run for it (benchmarks/kvpress_worker.py PRESSES builds them)
 KVPRESS_NAMES = {
     "full": "no press",
@@ -72,10 +76,11 @@ KVPRESS_NAMES = {
     "kvzip_layerwise": "KVzipPress(layerwise=True)",
     "lagkv": "LagKVPress",
     "keydiff": "KeyDiffPress",
+    "kvzap_threshold": "DMSPress(KVzapPress(our surrogate))",
 }
 # presets with no kvpress press of their own, compared (paired) with this kvpress press; presets in neither
 # table (streamingllm here) run on our side only, as a baseline
-KVPRESS_COUNTERPART = {"ada_kvzip": "kvzip", "ada_lagkv": "lagkv"}
+KVPRESS_COUNTERPART = {"ada_kvzip": "kvzip", "ada_lagkv": "lagkv", "kvzap": "kvzip", "kvzap_linear": "kvzip"}
 # kvpress 0.5.5's defaults for the presses run (read from its source; every run also records each press's repr)
 KVPRESS_DEFAULTS = {
     "KVzipPress": "layerwise=False (one top-k over all layers and kv heads; True: per layer, across its heads), "
@@ -86,6 +91,9 @@ KVPRESS_DEFAULTS = {
                   "(masked_key_indices), the full cache stays",
     "LagKVPress": "n_sink=4, lag_size=128, cross_scoring=False (ranks within each partition); gathers the kept "
                   "tokens (real eviction)",
+    "DMSPress": "threshold = our preset's tau, sliding_window_size = our scorer's window (kvpress's default is 128), "
+                "decoding=False; wraps KVzapPress with our surrogate file's weights loaded into kvpress's KVzapModel "
+                "and the first `sinks` tokens scored +inf (as our KVzap); evicted keys are masked (masked_key_indices)",
     "KeyDiffPress": "no parameters besides compression_ratio (the paper's block-wise version is "
                     "BlockPress(KeyDiffPress), not run); gathers the kept tokens",
 }
@@ -148,6 +156,9 @@ def parse_args(argv=None):
                         "tasks, --n, --context, --seed, question-agnostic): our answers are read from it instead of "
                         "being recomputed, and only kvpress runs (pairs by sample; implies --no-kept-sets and "
                         "--no-diagnostics; our labels kept: full and --methods)")
+    p.add_argument("--surrogate", default=None,
+                   help="surrogate file for the kvzap presets on both sides (default: each preset's own, made for the "
+                        "default model; `kvpress-ada distill` makes one for another model)")
     p.add_argument("--kvpress-separate", action="store_true",
                    help="one kvpress prefill per (press, ratio) even where kvpress's own compress on the inputs "
                         "captured from the sample's full-cache prefill gives the same cache (ScorerPress, AdaKVPress) "
@@ -557,7 +568,8 @@ def main(argv=None):
           f"question ids; exchange files in {workdir}", file=sys.stderr)
 
     kv_methods = [m for m in args.methods if m in KVPRESS_NAMES]
-    entries = grid(args.methods, args.ratios)
+    entries = our_entries(args, grid, preset)
+    supplied = supplied_scores(entries)
     diag_entries = [] if args.no_diagnostics else diagnostic_entries(args.ratios, args.methods, args.ea_ablation)
     answered = entries + [e for e in diag_entries if args.replica_accuracy or not e.label.endswith("~kvpress")]
     ours_file = None if args.ours_records is None else read_ours_records(args, payload)
@@ -622,6 +634,7 @@ def main(argv=None):
                 masks_file = workdir / f"kvpress_masks_{setting}_{i}.npz"
                 kv = worker.call("accuracy", samples_file=str(samples_file), masks_file=str(masks_file),
                                  indices=[i], methods=kv_methods, ratios=args.ratios,
+                                 ratio_free=[m for m in kv_methods if m in RATIO_FREE], supplied=supplied,
                                  max_new_tokens=args.max_new_tokens, question_aware=aware, kept_sets=args.kept_sets,
                                  fanout=not args.kvpress_separate, quiet=True)
                 for rec in kv["records"]:
@@ -642,7 +655,8 @@ def main(argv=None):
                     state["our_records"] += [
                         {"setting": setting, "sample": r.sample, "task": r.task, "label": r.label, "ratio": r.ratio,
                          "answer": r.answer, "score": r.score, "kv_bytes": r.kv_bytes,
-                         "full_kv_bytes": r.full_kv_bytes, "kl": r.kl, "top1": r.top1} for r in recs]
+                         "full_kv_bytes": r.full_kv_bytes, "kl": r.kl, "top1": r.top1,
+                         "achieved_ratio": r.achieved_ratio} for r in recs]
                 kept = set(kv["kept_set_methods"])
                 state["kept_set_methods"] = sorted(kept | set(state["kept_set_methods"]))
                 compared = [e for e in entries + diag_entries if kvpress_counterpart(e.label) in kept]
@@ -687,7 +701,7 @@ def run_config(args) -> dict:
             "ratios": args.ratios, "methods": args.methods, "settings": args.settings,
             "max_new_tokens": args.max_new_tokens, "no_diagnostics": args.no_diagnostics,
             "replica_accuracy": args.replica_accuracy, "ea_ablation": args.ea_ablation, "kept_sets": args.kept_sets,
-            "kvpress_separate": args.kvpress_separate,
+            "kvpress_separate": args.kvpress_separate, "surrogate": args.surrogate,
             "ours_records": None if args.ours_records is None else str(args.ours_records.resolve())}
 
 
@@ -740,7 +754,34 @@ NOTES = [
 
 # --------------------------------------------------------------------------- our records from an eval run
 
-OUR_RECORD_FIELDS = ("sample", "task", "label", "ratio", "answer", "score", "kv_bytes", "full_kv_bytes", "kl", "top1")
+OUR_RECORD_FIELDS = ("sample", "task", "label", "ratio", "answer", "score", "kv_bytes", "full_kv_bytes", "kl", "top1",
+                     "achieved_ratio")
+
+
+def our_entries(args, grid, preset) -> list:
+    """Every (preset, ratio) our side answers: ``RATIO_FREE`` presets once, at ratio 0 (no cap); ``--surrogate``
+    replaces the kvzap presets' surrogate file."""
+    entries = []
+    for m in args.methods:
+        ratios = [0.0] if m in RATIO_FREE else args.ratios
+        if args.surrogate and m in SURROGATE_METHODS:
+            base = preset(m)
+            base = base.model_copy(update={"scorer": base.scorer.model_copy(update={"path": args.surrogate})})
+            entries += grid({m: base}, ratios)
+        else:
+            entries += grid([m], ratios)
+    return entries
+
+
+def supplied_scores(entries) -> dict | None:
+    """What the worker needs to run kvpress's threshold logic (``DMSPress``) on our surrogate's scores: the
+    surrogate file, ``tau`` and the protected sinks and window of our ``kvzap_threshold`` entry."""
+    e = next((e for e in entries if e.label == "kvzap_threshold"), None)
+    if e is None:
+        return None
+    from kvpress_ada import surrogate
+    return {"path": str(surrogate.resolve(e.press.scorer.path)), "tau": e.press.allocator.tau,
+            "sinks": e.press.scorer.sinks, "window": e.press.scorer.window}
 
 
 def tokenizer_only(model_dir: str):
@@ -801,7 +842,7 @@ def read_ours_records(args, payload: list[dict]) -> dict:
                        "complete": "settings" not in data, "seconds": data.get("seconds")}}
 
 
-def vs_kvpress_best(report, ours=("kvzip", "ada_kvzip")) -> list[dict]:
+def vs_kvpress_best(report, ours=("kvzip", "ada_kvzip", "kvzap", "kvzap_linear")) -> list[dict]:
     """Per ratio: kvpress's most accurate press (question-agnostic) and each of ``ours`` minus it, paired."""
     recs = report["records"]
     rows = []
@@ -832,6 +873,8 @@ def readme_rows(report) -> str:
     ``kvzip`` / ``ada_kvzip`` against kvpress's best press at each ratio."""
     frac = {(r["library"], r["method"], r["ratio"]): r["accuracy"]["agnostic"]["kv_fraction"]
             for r in report["table"] if "agnostic" in r["accuracy"]}
+    achieved = {(r["library"], r["method"], r["ratio"]): r["accuracy"]["agnostic"].get("achieved_ratio")
+                for r in report["table"] if "agnostic" in r["accuracy"]}
     lines = ["| ours | kvpress | r | ours | kvpress | ours - kvpress | KV held ours / kvpress |",
              "|---|---|--:|--:|--:|---|---|"]
     for a in report["agreement"]:
@@ -841,7 +884,12 @@ def readme_rows(report) -> str:
         ours = "full cache" if a["label"] == "full" else f"`{a['label']}`"
         kv_held = (f"{frac.get(('kvpress_ada', a['label'], a['ratio']), float('nan')):.3f} / "
                    f"{frac.get(('kvpress', a['kvpress_counterpart'], a['ratio']), float('nan')):.3f}")
-        lines.append(f"| {ours} | `{KVPRESS_NAMES[a['kvpress_counterpart']]}` | {a['ratio']:g} | {a['accuracy']:.2f} | "
+        ratio = f"{a['ratio']:g}"
+        if a["label"] in RATIO_FREE:  # its own budget: the achieved ratios (ours / kvpress)
+            ours_r = achieved.get(("kvpress_ada", a["label"], a["ratio"]))
+            theirs_r = achieved.get(("kvpress", a["kvpress_counterpart"], a["ratio"]))
+            ratio = "achieved " + " / ".join("-" if x is None else f"{x:.3f}" for x in (ours_r, theirs_r))
+        lines.append(f"| {ours} | `{KVPRESS_NAMES[a['kvpress_counterpart']]}` | {ratio} | {a['accuracy']:.2f} | "
                      f"{a['kvpress_accuracy']:.2f} | {a['diff']:+.3f}{ci}, {a['ours_only']}/{a['kvpress_only']} "
                      f"(n = {a['n']}, same answer {a['same_answer']:.2f}) | {kv_held} |")
     best = report.get("vs_kvpress_best") or []
@@ -868,7 +916,9 @@ def kept_set_sample(model, p, entries, masks_file, aware, capture_prefill, np, t
     identically, the mean |kept-count difference| per head, and for Ada-like rules how unequal the
     heads' kept counts are. Costs one prefill (plus a model pass for model-pass scorers)."""
     kv_masks = np.load(masks_file)
-    prefill = capture_prefill(model, torch.tensor([p["head_ids"] + (p["tail_ids"] if aware else [])]))
+    hidden = any(getattr(type(e.press.scorer), "reads_hidden_states", False) for e in entries)
+    prefill = capture_prefill(model, torch.tensor([p["head_ids"] + (p["tail_ids"] if aware else [])]),
+                              hidden_states=hidden)
     rows = []
     for e in entries:
         key = f"{kvpress_counterpart(e.label)}|{e.ratio}|{p['index']}"
@@ -1022,6 +1072,9 @@ def build_report(args, payload, kv_records, our_records, overlap, decode):
                 "per_task": {t: mean_ci([r["score"] for r in recs if r["task"] == t])[0] for t in args.tasks},
                 "kv_bytes": sum(r["kv_bytes"] for r in recs) / len(recs),
                 "kv_fraction": sum(r["kv_bytes"] / full_bytes[r["sample"]] for r in recs) / len(recs)}
+            achieved = [r["achieved_ratio"] for r in recs if r.get("achieved_ratio") is not None]
+            if achieved:  # fraction of entries evicted (or masked), for presses that set their own budget
+                row["accuracy"][setting]["achieved_ratio"] = sum(achieved) / len(achieved)
     for d in (decode or {}).get("configs", {}).values():
         row_for(d["library"], d["label"], d["ratio"])["decode"] = {
             "tok_s": d["tok_s_median"], "x_full": d["x_full_median"], "kv_bytes": d["kv_bytes"],

@@ -16,6 +16,10 @@ out); everything else (warnings, progress bars) goes to stderr. Commands:
                   (token ids) and KV bytes held; writes per-(layer, head) kept masks (packed bits, .npz)
                   for the presses whose kept set can be read (``Worker._kept``; ``kept_sets: false``
                   skips them). ``indices`` restricts the run to some samples (checkpointing driver).
+                  ``supplied`` (with the method ``kvzap_threshold``) is a kvpress_ada surrogate file with the
+                  threshold and protection of the preset: kvpress's ``DMSPress`` around its ``KVzapPress``
+                  carrying that file's weights (:class:`SuppliedKVzapPress`); ``ratio_free`` methods run once,
+                  at ratio 0 (they set their own budget), and report the achieved ratio.
 ``decode_setup``  prefill one long context once per configuration and keep every cache.
 ``decode``        time ``steps`` greedy single-token steps on one kept cache (after the question).
 ``quit``
@@ -49,16 +53,20 @@ import kvpress  # noqa: E402
 from kvpress import (  # noqa: E402
     AdaKVPress,
     BasePress,
+    DMSPress,
     ExpectedAttentionPress,
     KeyDiffPress,
     KVPressTextGenerationPipeline,
+    KVzapPress,
     KVzipPress,
     LagKVPress,
     PyramidKVPress,
     ScorerPress,
     SnapKVPress,
 )
+from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel  # noqa: E402
 from kvpress.utils import compute_n_kept  # noqa: E402
+from safetensors import safe_open  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 
 ADA_ALPHA = 0.2  # kvpress's default alpha_safeguard (and the paper's)
@@ -83,10 +91,58 @@ PRESSES = {
 }
 
 
+class SuppliedKVzapPress(KVzapPress):
+    """kvpress's ``KVzapPress`` scoring with a kvpress_ada surrogate file (``kvpress-ada distill``) instead of a
+    hub download: the same per-layer linear map or 2-layer GELU MLP, loaded into kvpress's own ``KVzapModel``,
+    and the first ``sinks`` tokens scored +inf (kvpress_ada's KVzap protects them; the surrogate was not trained
+    on them). Prefill only: positions are those of the scored chunk."""
+
+    def __init__(self, path: str, sinks: int):
+        super().__init__()
+        self.path, self.sinks = path, sinks
+        with safe_open(path, "pt") as f:
+            meta = json.loads(f.metadata()["kvpress_ada.surrogate"])
+            tensors = {k: f.get_tensor(k).float() for k in f.keys()}
+        n_layers = 1 + max(int(k.split(".")[1]) for k in tensors)
+        kind = meta["kind"]
+        out = tensors["layers.0.w2" if kind == "mlp" else "layers.0.weight"].shape[1]
+        config = KVzapConfig(input_dim=meta["hidden_size"], output_dim=out, n_modules=n_layers,
+                             hidden_dim=meta["width"] if kind == "mlp" else None)
+        model = KVzapModel(config)
+        state = {}
+        for layer in range(n_layers):  # ours stores h @ W (W [in, out]); nn.Linear holds W.T
+            t = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"layers.{layer}.")}
+            if kind == "mlp":
+                state.update({f"layers.{layer}.0.weight": t["w1"].T, f"layers.{layer}.0.bias": t["b1"],
+                              f"layers.{layer}.2.weight": t["w2"].T, f"layers.{layer}.2.bias": t["b2"]})
+            else:
+                state.update({f"layers.{layer}.weight": t["weight"].T, f"layers.{layer}.bias": t["bias"]})
+        model.load_state_dict(state)
+        self.kvzap_model = model.eval()
+        self.model_type = kind
+        self.kvzap_model_name = path
+
+    def post_init_from_model(self, model):
+        pass  # weights come from the file, never from the hub
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        scores = super().score(module, hidden_states, keys, values, attentions, kwargs).float()
+        scores[..., : self.sinks] = float("inf")
+        return scores
+
+
+SUPPLIED: dict = {}  # the accuracy request's ``supplied`` (surrogate file, tau, sinks, window)
+
+
 def build_press(method: str, ratio: float):
     """The kvpress press matching one of kvpress_ada's preset names (kvpress defaults otherwise)."""
     if method == "full":
         return None
+    if method == "kvzap_threshold":  # kvpress's threshold logic on the scores of our surrogate
+        if not SUPPLIED:
+            raise ValueError("kvzap_threshold needs the request's 'supplied' surrogate file and threshold")
+        return DMSPress(SuppliedKVzapPress(SUPPLIED["path"], SUPPLIED["sinks"]), threshold=SUPPLIED["tau"],
+                        sliding_window_size=SUPPLIED["window"])
     if method not in PRESSES:
         raise ValueError(f"unknown method {method!r}; known: {', '.join(PRESSES)}")
     return PRESSES[method](ratio)
@@ -168,7 +224,10 @@ class Worker:
         if req.get("indices") is not None:  # a subset (the driver checkpoints sample by sample)
             wanted = set(req["indices"])
             samples = [s for s in samples if s["index"] in wanted]
-        configs = [("full", 0.0)] + [(m, r) for m in methods for r in ratios]
+        ratio_free = set(req.get("ratio_free") or [])
+        SUPPLIED.clear()
+        SUPPLIED.update(req.get("supplied") or {})
+        configs = [("full", 0.0)] + [(m, r) for m in methods for r in ([0.0] if m in ratio_free else ratios)]
         records, masks, presses = [], {}, {}
         start = time.perf_counter()
         setting = "question-aware" if aware else "question-agnostic"
@@ -195,6 +254,8 @@ class Worker:
                 rec = {"sample": s["index"], "task": s["task"], "label": method, "ratio": ratio, "tokens": tokens,
                        "kv_bytes": kv_bytes, "prefill_s": prefill_s, "answer_s": answer_s,
                        "context_len": int(prompt.shape[1]), "kvpress_run": self.last_run}
+                if isinstance(press, DMSPress):  # the fraction of entries it masked (all layers and heads)
+                    rec["achieved_ratio"] = float(press.compression_ratio)
                 if keep is not None:
                     rec["kept_per_head"] = keep.sum(-1).tolist()  # [layers][heads]
                     masks[f"{method}|{ratio}|{s['index']}"] = np.packbits(keep.numpy().reshape(-1))

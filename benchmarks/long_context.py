@@ -134,7 +134,7 @@ def run_one(cfg: dict, timeout: float) -> dict:
 def memory_configs(args) -> list[dict]:
     base = dict(model=args.model, preset=args.preset, budget=args.budget, chunk=args.chunk, threads=args.threads)
     # by increasing length, every method at each (a run cut short still compares them)
-    return [dict(base, method=m, context=L) for L in args.contexts for m in METHODS]
+    return [dict(base, method=m, context=L) for L in args.contexts for m in args.memory_methods]
 
 
 def _key(x: dict) -> tuple:
@@ -677,6 +677,8 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=None,
                         help="memory part: context lengths (default 2048 4096 8192 16384 32768); --stages: context "
                              "tokens per sample (default 16000 32000)")
+    parser.add_argument("--memory-methods", default=",".join(METHODS),
+                        help="memory part: comma-separated, from " + ",".join(METHODS))
     parser.add_argument("--quality", action="store_true", help="run the quality part instead of the memory part")
     parser.add_argument("--stages", action="store_true",
                         help="accuracy, peak KV, peak RSS and wall time per stage (prefill, KVzip pass, decode) on "
@@ -722,6 +724,10 @@ def main(argv=None) -> int:
             parser.error("--stages answers the task suite: it needs a model with a tokenizer, not tiny")
         out = Path(args.out) if args.out else common.RESULTS / "long_context_stages.json"
         return run_staged(args, out)
+    args.memory_methods = [m for m in args.memory_methods.split(",") if m]
+    if not args.memory_methods or set(args.memory_methods) - set(METHODS):
+        parser.error(f"--memory-methods takes a comma-separated subset of {','.join(METHODS)}, "
+                     f"got {','.join(args.memory_methods) or 'nothing'}")
     args.tasks, args.n = args.tasks or ["passkey", "multikey"], args.n or 8
     args.max_new_tokens = args.max_new_tokens or 16
     q = args.quick

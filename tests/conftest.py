@@ -129,3 +129,21 @@ def random_surrogate(config, kind: str = "linear", width: int = 5, seed: int = 0
 @pytest.fixture(scope="session")
 def tokenizer():
     return build_tokenizer()
+
+
+def default_model_config():
+    """The default model's (SmolLM2-135M-Instruct) architecture: a config, no weights."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                       rope_parameters={"rope_theta": 100000.0, "rope_type": "default"}, tie_word_embeddings=True)
+
+
+def qwen_coder_0_5b_config():
+    """Qwen2.5-Coder-0.5B-Instruct's architecture: a config, no weights."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                       rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"}, tie_word_embeddings=False)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import _COMMON, build_model, build_tokenizer
+from conftest import _COMMON, build_model, build_tokenizer, default_model_config, qwen_coder_0_5b_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_lagkv_keydiff import _generate
@@ -187,9 +187,7 @@ def test_shipped_preset_refused_on_a_model_without_calibration(llama):
 def test_shipped_calibration_fits_the_default_model():
     """The shipped file loads and matches the default model's architecture (a config, no weights)."""
     shipped = cal.load(cal.SHIPPED)
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-                         rope_parameters={"rope_theta": 100000.0, "rope_type": "default"}, tie_word_embeddings=True)
+    config = default_model_config()
     shipped.check_model(config)
     assert shipped.scorer["name"] == "kvzip" and shipped.seeds["seed"] >= cal.CALIBRATION_SEED
     assert shipped.n == sum(shipped.seeds["samples_per_task"].values()) >= 16 and len(shipped.shares) == 30
@@ -204,12 +202,8 @@ def test_shipped_calibration_fits_qwen_coder_0_5b():
     from pathlib import Path
 
     import yaml
-    from transformers import Qwen2Config
-
     shipped = cal.load("builtin:qwen2_5_coder_0_5b_kvzip")
-    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                         rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"}, tie_word_embeddings=False)
+    config = qwen_coder_0_5b_config()
     shipped.check_model(config)
     assert shipped.scorer["name"] == "kvzip" and shipped.seeds["seed"] >= cal.CALIBRATION_SEED
     assert shipped.n == 16 and len(shipped.shares) == 24 and all(len(row) == 2 for row in shipped.shares)
@@ -218,9 +212,7 @@ def test_shipped_calibration_fits_qwen_coder_0_5b():
     press = Pipeline.model_validate(yaml.safe_load(path.read_text()))
     press.layers.check_model(config)
     press.allocator.check_model(config)
-    default = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-                          rope_parameters={"rope_theta": 100000.0, "rope_type": "default"}, tie_word_embeddings=True)
+    default = default_model_config()
     with pytest.raises(cal.CalibrationError, match="qwen2.5-coder-0.5b-instruct"):
         press.allocator.check_model(default)
 

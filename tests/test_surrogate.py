@@ -5,16 +5,12 @@ import json
 
 import pytest
 import torch
-from conftest import build_model, random_surrogate
-from transformers import LlamaConfig
+from conftest import build_model, default_model_config, qwen_coder_0_5b_config, random_surrogate
 
 from kvpress_ada import surrogate as sur
 from kvpress_ada.harness.distill import LinearStats, fit_linear, fit_mlp, fit_quality, kept_recall, spearman
 
-DEFAULT_CONFIG = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                             num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-                             rope_parameters={"rope_theta": 100000.0, "rope_type": "default"},
-                             tie_word_embeddings=True)
+DEFAULT_CONFIG = default_model_config()
 
 
 def _inputs(n: int, d: int, seed: int) -> torch.Tensor:
@@ -210,3 +206,28 @@ def test_shipped_surrogates_fit_the_default_model(path, kind):
         assert out.shape == (2, 3, 5) and bool(torch.isfinite(out).all())
     with pytest.raises(sur.SurrogateError, match="smollm2-135m-instruct"):
         shipped.check_model(build_model("llama").config)
+
+
+def test_shipped_surrogate_fits_qwen_coder_0_5b():
+    """The 0.5B model's shipped surrogate and the benchmark configs using it fit that architecture only."""
+    from pathlib import Path
+
+    import yaml
+
+    from kvpress_ada import Pipeline
+
+    config = qwen_coder_0_5b_config()
+    shipped = sur.load("builtin:qwen2_5_coder_0_5b_kvzip_mlp")
+    shipped.check_model(config)
+    assert shipped.kind == "mlp" and shipped.teacher["name"] == "kvzip"
+    assert (shipped.n_layers, shipped.n_kv_heads, shipped.hidden_size) == (24, 2, 896)
+    assert shipped.meta.training["seeds"]["seed"] >= 10_000 and len(shipped.meta.fit["r2"]) == 24
+    out = shipped.predict(torch.randn(1, 3, 896), 23)
+    assert out.shape == (1, 2, 3) and bool(torch.isfinite(out).all())
+    with pytest.raises(sur.SurrogateError, match="qwen2.5-coder-0.5b-instruct"):
+        shipped.check_model(DEFAULT_CONFIG)
+    folder = Path(__file__).resolve().parents[1] / "benchmarks/configs/qwen2.5-coder-0.5b"
+    for name, chunk in (("kvzap.yaml", None), ("kvzap_chunk512.yaml", 512)):
+        press = Pipeline.model_validate(yaml.safe_load((folder / name).read_text()))
+        press.scorer.check_model(config)
+        assert press.prefill_chunk == chunk and press.scorer.path == "builtin:qwen2_5_coder_0_5b_kvzip_mlp"

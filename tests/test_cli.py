@@ -31,15 +31,17 @@ def test_eval_writes_results_and_plot(tiny_model_dir, tmp_path, capsys):
     assert (out / "accuracy.png").stat().st_size > 1000
 
 
-def test_eval_with_config_file(tiny_model_dir, tmp_path):
+def test_eval_with_config_files(tiny_model_dir, tmp_path):
     config = tmp_path / "mine.yaml"
     config.write_text("scorer: {name: tova}\nallocator: {name: ada, alpha: 0.5}\ncompression_ratio: 0.5\n")
+    chunked = tmp_path / "mine_chunked.yaml"
+    chunked.write_text("scorer: {name: tova}\ncompression_ratio: 0.5\nprefill_chunk: 64\n")
     out = tmp_path / "run"
-    assert main(["eval", "--model", tiny_model_dir, "--presets", "", "--config", str(config), "--ratios", "0.5",
-                 "--tasks", "passkey", "--n", "1", "--context", "200", "--max-new-tokens", "2", "--out", str(out),
-                 "--no-progress"]) == 0
+    assert main(["eval", "--model", tiny_model_dir, "--presets", "", "--config", str(config), "--config", str(chunked),
+                 "--ratios", "0.5", "--tasks", "passkey", "--n", "1", "--context", "200", "--max-new-tokens", "2",
+                 "--out", str(out), "--no-progress"]) == 0
     labels = {r["label"] for r in json.loads((out / "results.json").read_text())["summary"]}
-    assert labels == {"full", "mine"}
+    assert labels == {"full", "mine", "mine_chunked"}
 
 
 @pytest.mark.parametrize("args, message", [

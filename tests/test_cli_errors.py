@@ -149,11 +149,21 @@ def test_duplicates_refused(option, value, shown, loads, tmp_path, capsys):
     assert loads == []
 
 
-@pytest.mark.parametrize("stem, taken", [("snapkv", "a preset in --presets"), ("full", "the full-cache row")])
-def test_config_label_collision_refused(stem, taken, loads, tmp_path, capsys):
+@pytest.mark.parametrize("stem, taken, earlier", [
+    ("snapkv", "another row's label (a preset or an earlier --config)", False),
+    ("full", "the full-cache row", False),
+    ("mine", "another row's label (a preset or an earlier --config)", True),
+])
+def test_config_label_collision_refused(stem, taken, earlier, loads, tmp_path, capsys):
     config = tmp_path / f"{stem}.yaml"
     config.write_text("scorer: {name: tova}\ncompression_ratio: 0.5\n")
-    code, err = run(["eval", "--model", "tiny", *SMALL, "--config", str(config), "--out", str(tmp_path)], capsys)
+    first = []
+    if earlier:  # the same file name in another folder, given first
+        (tmp_path / "other").mkdir()
+        (tmp_path / "other" / f"{stem}.yaml").write_text("scorer: {name: knorm}\ncompression_ratio: 0.5\n")
+        first = ["--config", str(tmp_path / "other" / f"{stem}.yaml")]
+    code, err = run(["eval", "--model", "tiny", *SMALL, *first, "--config", str(config), "--out", str(tmp_path)],
+                    capsys)
     assert code == 2
     assert one_line(err) == (f"kvpress-ada eval: error: --config {config}: its label {stem!r} (the file name) is "
                              f"also {taken}; rename the file so every row has its own label")

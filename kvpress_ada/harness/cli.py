@@ -99,7 +99,7 @@ def _config_label(path: str, presets: list[str]) -> str:
     """The config's row label (its file name); it must differ from every other row's label."""
     label = Path(path).stem
     if label == "full" or label in presets:
-        taken = "the full-cache row" if label == "full" else "a preset in --presets"
+        taken = "the full-cache row" if label == "full" else "another row's label (a preset or an earlier --config)"
         raise UsageError(f"--config {path}: its label {label!r} (the file name) is also {taken}; "
                          "rename the file so every row has its own label")
     return label
@@ -302,8 +302,9 @@ def _eval_inputs(args) -> tuple[list[str], list[str], list[float], dict]:
         raise UsageError(f"--n must be >= 1 samples per task, got {args.n}")
     _check_common(args)
     configs = {}
-    if args.config:
-        configs[_config_label(args.config, presets)] = _load_config(args.config)
+    for path in args.config or []:
+        label = _config_label(path, [*presets, *configs])
+        configs[label] = _load_config(path)
     if not presets and not configs:
         raise UsageError("give --presets and/or --config")
     return presets, tasks, ratios, configs
@@ -629,8 +630,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--context", type=int, default=1000, help="context length in tokens (>= 64)")
     ev.add_argument("--question-aware", action="store_true", help="compress context and question together")
     ev.add_argument("--model", default="default", help=model_help)
-    ev.add_argument("--config", help="a Pipeline as JSON or YAML (custom compositions, registered scorers); its "
-                                     "rows are labelled with the file name, which must not be a preset in --presets")
+    ev.add_argument("--config", action="append", help="a Pipeline as JSON or YAML (custom compositions, registered "
+                                                      "scorers), repeatable; its rows are labelled with the file "
+                                                      "name, which must differ from every other row's label")
     ev.add_argument("--max-new-tokens", type=int, default=24, help="answer length limit (>= 1)")
     ev.add_argument("--prefill-chunk", type=int, default=None,
                     help="prefill the context in chunks of N tokens, compressing after each (Pipeline.prefill_chunk; "

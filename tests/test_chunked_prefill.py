@@ -257,3 +257,29 @@ def test_cli_refuses_unsupported_press(capsys, tmp_path):
     code = main(["eval", "--presets", "ada_snapkv,kvzip", "--prefill-chunk", "64", "--out", str(tmp_path / "o")])
     assert code != 0
     assert "--prefill-chunk with kvzip" in capsys.readouterr().err
+
+
+def test_query_blocks_equal_one_attention_call(llama, monkeypatch):
+    """Rows padded to a long head are attended in query blocks (bounded temporaries): the same output,
+    the same kept sets and logits as one call over the whole chunk."""
+    from kvpress_ada.integration import chunked_prefill as cp
+
+    gen = torch.Generator().manual_seed(3)
+    B, H, Hq, C, L, D = 2, 2, 4, 7, 19, 8
+    q, k, v = (torch.randn(B, h, n, D, generator=gen) for h, n in ((Hq, C), (H, L), (H, L)))
+    pos = torch.randint(0, 30, (B, H, L), generator=gen)
+    valid = torch.rand(B, H, L, generator=gen) > 0.3
+    chunk_pos = torch.arange(20, 20 + C)
+    whole = cp._chunk_attention(q, k, v, pos, valid, chunk_pos, 0.3)
+    monkeypatch.setattr(cp, "SCORE_BYTES", 4 * B * Hq * L * 3)  # blocks of 3 queries: 3 + 3 + 1
+    torch.testing.assert_close(cp._chunk_attention(q, k, v, pos, valid, chunk_pos, 0.3), whole, atol=1e-6, rtol=0)
+
+    ids = _ids(90, seed=4)
+    press = Pipeline(scorer=KNorm(), layers=AdaLayer(alpha=0.0), allocator=AdaHead(alpha=0.0),
+                     compression_ratio=0.6, prefill_chunk=16)
+    monkeypatch.setattr(cp, "SCORE_BYTES", 1 << 40)
+    out, cache = _prefill(llama, press, ids)
+    monkeypatch.setattr(cp, "SCORE_BYTES", 1)  # one query per block
+    out_blocks, cache_blocks = _prefill(llama, press, ids)
+    torch.testing.assert_close(out_blocks.logits, out.logits, atol=1e-5, rtol=0)
+    assert all(torch.equal(a, b) for a, b in zip(_lengths(cache_blocks), _lengths(cache)))

@@ -301,7 +301,7 @@ def _eval_inputs(args) -> tuple[list[str], list[str], list[float], dict]:
     if args.n < 1:
         raise UsageError(f"--n must be >= 1 samples per task, got {args.n}")
     _check_common(args)
-    configs = {}
+    configs: dict[str, Any] = {}
     for path in args.config or []:
         label = _config_label(path, [*presets, *configs])
         configs[label] = _load_config(path)

@@ -108,10 +108,27 @@ class ChunkedPrefill:
             self.cache.state.entry_scores[layer_idx] = None
 
 
+SCORE_BYTES = 64 * 2**20  # one attention call's score matrix at most: longer rows take the queries in blocks
+
+
 def _chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
                      valid: torch.Tensor, chunk_pos: torch.Tensor, scaling: float) -> torch.Tensor:
     """``[B, H_q, C, D]``: each query over the valid entries at or before its position (and always
-    itself, so a padding query never meets an empty softmax)."""
+    itself, so a padding query never meets an empty softmax).
+
+    The layer's rows are padded to its longest (a head given most of the context under one top-k
+    over all heads), so the queries go in blocks whose ``[B, H_q, block, L]`` scores fit
+    :data:`SCORE_BYTES`: temporaries stay bounded however long one head grows."""
+    B, Hq, C, _ = query.shape
+    block = max(1, SCORE_BYTES // (4 * B * Hq * max(keys.shape[2], 1)))
+    if block >= C:
+        return _attention_block(query, keys, values, pos, valid, chunk_pos, scaling)
+    return torch.cat([_attention_block(query[:, :, s:s + block], keys, values, pos, valid, chunk_pos[s:s + block],
+                                       scaling) for s in range(0, C, block)], dim=2)
+
+
+def _attention_block(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
+                     valid: torch.Tensor, chunk_pos: torch.Tensor, scaling: float) -> torch.Tensor:
     H, Hq = keys.shape[1], query.shape[1]
     before = pos[:, :, None, :] <= chunk_pos[None, None, :, None]
     itself = pos[:, :, None, :] == chunk_pos[None, None, :, None]

@@ -332,15 +332,25 @@ STAGES = ("prefill_s", "pass_s", "decode_s")
 
 def staged_press(method: str, budget: int, chunk: int):
     """``full`` -> None; ``NAME`` -> preset NAME at ``budget`` one-shot; ``NAME@chunk`` -> with
-    ``prefill_chunk=chunk``. Raises the library's one-line ``ValueError`` for a refused combination."""
-    from kvpress_ada import preset
+    ``prefill_chunk=chunk``; NAME may also be a Pipeline file (``.yaml``, ``.yml``, ``.json``, e.g. a
+    ``benchmarks/configs/<model>/`` press tied to that model). Raises the library's one-line
+    ``ValueError`` for a refused combination."""
+    from kvpress_ada import Pipeline, preset
 
     if method == "full":
         return None
     name, _, mode = method.partition("@")
     if mode not in ("", "chunk"):
-        raise ValueError(f"method {method!r}: expected NAME or NAME@chunk (NAME a preset), or full")
-    return preset(name, budget=budget, prefill_chunk=chunk if mode == "chunk" else None)
+        raise ValueError(f"method {method!r}: expected NAME or NAME@chunk (NAME a preset or a Pipeline file), "
+                         "or full")
+    prefill_chunk = chunk if mode == "chunk" else None
+    if Path(name).suffix in (".yaml", ".yml", ".json"):
+        import yaml
+
+        fields = yaml.safe_load((common.ROOT / name).read_text())  # JSON is YAML
+        return Pipeline.model_validate({**fields, "compression_ratio": None, "budget": budget,
+                                        "prefill_chunk": prefill_chunk})
+    return preset(name, budget=budget, prefill_chunk=prefill_chunk)
 
 
 def _time_model_passes(timer: dict):

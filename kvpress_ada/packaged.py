@@ -5,6 +5,7 @@ version, never per forward."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -25,3 +26,17 @@ def version(path: str, file: Path, what: str, make: str, error: type[Exception])
         hint = "" if path.startswith(BUILTIN_PREFIX) else f"; make one with `{make}`"
         raise error(f"{what} file {path!r} not found ({file}){hint}") from None
     return str(file), stat.st_mtime_ns, stat.st_size
+
+
+def shipped_for(folder: Path, suffix: str, fingerprint: str, fingerprint_of: Callable[[str], str]) -> list[str]:
+    """``builtin:NAME`` of every file shipped in ``folder`` made for the model with ``fingerprint``
+    (``fingerprint_of(path)`` reads a file's; unreadable files are skipped): what an error offers instead."""
+    found = []
+    for file in sorted(folder.glob("*" + suffix)):
+        path = BUILTIN_PREFIX + file.name[: -len(suffix)]
+        try:
+            if fingerprint_of(path) == fingerprint:
+                found.append(path)
+        except Exception:  # noqa: BLE001 - a hint, never a second error
+            continue
+    return found

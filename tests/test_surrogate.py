@@ -224,8 +224,15 @@ def test_shipped_surrogate_fits_qwen_coder_0_5b():
     assert shipped.meta.training["seeds"]["seed"] >= 10_000 and len(shipped.meta.fit["r2"]) == 24
     out = shipped.predict(torch.randn(1, 3, 896), 23)
     assert out.shape == (1, 2, 3) and bool(torch.isfinite(out).all())
-    with pytest.raises(sur.SurrogateError, match="qwen2.5-coder-0.5b-instruct"):
-        shipped.check_model(DEFAULT_CONFIG)
+    with pytest.raises(sur.SurrogateError, match="qwen2.5-coder-0.5b-instruct") as err:
+        shipped.check_model(DEFAULT_CONFIG)  # the refusal offers the files shipped for the model in hand
+    assert str(err.value).endswith(f"this package ships {sur.SHIPPED_LINEAR} and {sur.SHIPPED_MLP} for it")
+    with pytest.raises(sur.SurrogateError) as err:
+        sur.load(sur.SHIPPED_MLP).check_model(config)
+    assert str(err.value).endswith("this package ships builtin:qwen2_5_coder_0_5b_kvzip_mlp for it")
+    with pytest.raises(sur.SurrogateError) as err:  # nothing shipped for this one: how to make one
+        shipped.check_model(build_model("llama").config)
+    assert "kvpress-ada distill --model <that model>" in str(err.value)
     folder = Path(__file__).resolve().parents[1] / "benchmarks/configs/qwen2.5-coder-0.5b"
     for name, chunk in (("kvzap.yaml", None), ("kvzap_chunk512.yaml", 512)):
         press = Pipeline.model_validate(yaml.safe_load((folder / name).read_text()))

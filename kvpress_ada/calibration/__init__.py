@@ -121,10 +121,13 @@ class Calibration(BaseModel):
         """Refuse a model whose fingerprint differs from the one this calibration was made on."""
         other = model_identity(config)
         if other.fingerprint != self.model.fingerprint:
-            raise CalibrationError(
-                f"{source} was made for model {self.model.describe()}, not for {other.describe()}; "
-                f"run `kvpress-ada calibrate --model <that model> --out heads.json` and use "
-                "Calibrated(path='heads.json') / CalibratedLayer(path='heads.json')")
+            shipped = packaged.shipped_for(_HERE, ".json", other.fingerprint, lambda p: load(p).model.fingerprint)
+            fix = (f"this package ships {' and '.join(shipped)} for it (Calibrated(path=...) / "
+                   "CalibratedLayer(path=...))" if shipped else
+                   "run `kvpress-ada calibrate --model <that model> --out heads.json` and use "
+                   "Calibrated(path='heads.json') / CalibratedLayer(path='heads.json')")
+            raise CalibrationError(f"{source} was made for model {self.model.describe()}, not for "
+                                   f"{other.describe()}; {fix}")
 
     def save(self, path: str | os.PathLike) -> None:
         Path(path).write_text(json.dumps(self.model_dump(mode="json"), indent=1) + "\n")

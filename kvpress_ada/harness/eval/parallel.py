@@ -95,11 +95,9 @@ def supervise(cmd: Sequence[str], env: dict[str, str] | None = None) -> int:
     relay = threading.Thread(target=_relay, args=(proc.stderr, interrupted), daemon=True)
     relay.start()
     while True:
-        try:  # a timed wait returns to the interpreter often: Ctrl-C is seen even when the kernel hands the
-            code = proc.wait(timeout=0.2)  # signal to the relay thread (a blocking wait would miss it)
+        try:
+            code = proc.wait()
             break
-        except subprocess.TimeoutExpired:
-            continue
         except KeyboardInterrupt:  # the workers checkpoint and exit; wait for them
             if not interrupted.is_set():
                 interrupted.set()

@@ -39,7 +39,10 @@ FAKE_TORCHRUN = textwrap.dedent("""
 def test_interrupt_drops_the_launchers_traceback(tmp_path):
     child, ready = tmp_path / "fake_torchrun.py", tmp_path / "ready"
     child.write_text(FAKE_TORCHRUN)
-    code = ("import sys; from kvpress_ada.harness.eval.parallel import supervise; "
+    # Ctrl-C as from a terminal even when the tests run in the background (a shell starts `cmd &` with
+    # SIGINT ignored, and Python keeps an ignored SIGINT ignored)
+    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from kvpress_ada.harness.eval.parallel import supervise; "
             f"sys.exit(supervise([sys.executable, {str(child)!r}, {str(ready)!r}]))")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)

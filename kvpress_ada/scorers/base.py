@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable
 
 import torch
 
@@ -74,6 +74,24 @@ class Scorer(Component):
                              "(obs.entry_scores): run it through `with press(model)`, or fan-out with "
                              "capture_prefill(..., hidden_states=True)")
         return obs.entry_scores
+
+
+class WindowScorer(Scorer):
+    """A scorer whose last ``window`` prefill queries vote for the entries (SnapKV, CriticalKV): it reads
+    those queries, needs a context at least that long, and always keeps the window. Each subclass
+    declares the ``window`` field itself."""
+
+    if TYPE_CHECKING:
+        window: int
+
+    def query_window(self) -> int:
+        return self.window
+
+    def min_context(self) -> int:
+        return self.window
+
+    def protected(self, lengths: torch.Tensor) -> torch.Tensor:
+        return lengths.long().clamp(max=self.window)
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ from pydantic import Field
 
 from ..observation import Observation
 from .attention import mean_over_queries, pool_scores, window_attention
-from .base import Scorer, protect_last, register_scorer
+from .base import WindowScorer, protect_last, register_scorer
 
 
 @register_scorer("criticalkv")
-class CriticalKV(Scorer):
+class CriticalKV(WindowScorer):
     """SnapKV's window attention per query head, reweighted by ``||W_o^h v||_1`` for that head,
     averaged over the query group, pooled, window protected.
 
@@ -26,15 +26,6 @@ class CriticalKV(Scorer):
     window: int = Field(64, ge=1, description="observation window (trailing queries)")
     kernel: int = Field(5, ge=1, description="average-pooling width")
     needs_output_weight: ClassVar[bool] = True
-
-    def query_window(self) -> int:
-        return self.window
-
-    def min_context(self) -> int:
-        return self.window
-
-    def protected(self, lengths: torch.Tensor) -> torch.Tensor:
-        return lengths.long().clamp(max=self.window)
 
     def score(self, obs: Observation) -> torch.Tensor:
         if obs.output_weight is None:

@@ -9,11 +9,11 @@ from pydantic import Field
 
 from ..observation import Observation
 from .attention import mean_over_queries, pool_scores, window_attention
-from .base import Scorer, protect_last, register_scorer
+from .base import WindowScorer, protect_last, register_scorer
 
 
 @register_scorer("snapkv")
-class SnapKV(Scorer):
+class SnapKV(WindowScorer):
     """Attention of the last ``window`` queries, averaged over the window and the query group,
     smoothed by 1-D average pooling of width ``kernel``; the window itself is always kept.
 
@@ -25,15 +25,6 @@ class SnapKV(Scorer):
     name: Literal["snapkv"] = "snapkv"
     window: int = Field(64, ge=1, description="observation window (trailing queries)")
     kernel: int = Field(5, ge=1, description="average-pooling width")
-
-    def query_window(self) -> int:
-        return self.window
-
-    def min_context(self) -> int:
-        return self.window
-
-    def protected(self, lengths: torch.Tensor) -> torch.Tensor:
-        return lengths.long().clamp(max=self.window)
 
     def score(self, obs: Observation) -> torch.Tensor:
         attn = window_attention(obs, self.window)  # [B, Hkv, G, w, L]

@@ -1,6 +1,7 @@
 """Write the summary of a benchmark result: the same JSON without its per-sample records.
 
-Per-sample records (``records``, ``samples``, per-step ``series``, generated ``tokens``) stay out of
+Per-sample records (``records``, ``samples``, per-step ``series``, generated ``tokens``, the per-sample
+kept-set overlaps ``overlap_samples`` of a kvpress comparison) stay out of
 git; the summary beside them (``X.json`` -> ``X.summary.json``) is what the README tables cite.
 A key is dropped at any depth (e.g. ``settings.agnostic.records``) when it holds a list or a map.
 
@@ -14,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-PER_SAMPLE = frozenset({"records", "samples", "series", "tokens"})
+PER_SAMPLE = frozenset({"records", "samples", "series", "tokens", "overlap_samples"})
 
 
 def summary(payload: dict) -> dict:

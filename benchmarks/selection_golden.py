@@ -11,6 +11,7 @@ matched to the logged key it equals.
 
     python benchmarks/selection_golden.py --record            # tiny models (+ --default-model)
     python benchmarks/selection_golden.py --check [--default-model]
+    python benchmarks/selection_golden.py --record --default-model --presets kvzap   # one changed preset
 """
 
 from __future__ import annotations
@@ -214,20 +215,27 @@ def main() -> None:
     parser.add_argument("--record", action="store_true", help="write the golden file")
     parser.add_argument("--check", action="store_true", help="compare against the golden file")
     parser.add_argument("--default-model", action="store_true", help="include the embedded default model")
+    parser.add_argument("--presets", default="",
+                        help="comma-separated presets to collect (default: all); --record keeps the others' records")
     parser.add_argument("--out", type=Path, default=GOLDEN)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    now = collect(args.default_model)
+    names = [n for n in args.presets.split(",") if n] or None
+    unknown = sorted(set(names or ()) - set(preset_names()))
+    if unknown:
+        parser.error(f"unknown preset(s) {', '.join(unknown)}; known: {', '.join(preset_names())}")
+    now = collect(args.default_model, names=names)
     if args.record:
-        if args.out.exists() and not args.default_model:  # keep the default model's records
+        if args.out.exists():  # keep what this run did not collect (the default model's, other presets')
             old = json.loads(args.out.read_text())
-            now.update({k: v for k, v in old.items() if k.startswith("default/")})
+            now = {**{k: v for k, v in old.items() if k != "versions"}, **now}
         args.out.write_text(json.dumps(now, indent=0, sort_keys=True))
         print(f"wrote {args.out} ({len(now) - 1} records, kvpress_ada {kvpress_ada.__version__})")
     if args.check:
         golden = json.loads(args.out.read_text())
-        if not args.default_model:
-            golden = {k: v for k, v in golden.items() if not k.startswith("default/")}
+        golden = {k: v for k, v in golden.items() if k != "versions"
+                  and (args.default_model or not k.startswith("default/"))
+                  and (names is None or k.split("/")[1] in names)}
         diff = compare(golden, now)
         print("identical" if not diff else f"{len(diff)} records differ:\n" + "\n".join(diff))
         sys.exit(1 if diff else 0)

@@ -35,6 +35,10 @@ ADA_ALPHA = 0.2  # the paper's safeguard default
 # the shipped MLP surrogate's median predicted log score over every layer, head and token of 8
 # calibration texts (seed 20,000, 1k tokens; benchmarks/README.md): kvzap_threshold evicts about half
 KVZAP_HALF_TAU = -6.04
+# recent tokens the top-k kvzap presets always keep: of 0 / 16 / 32 / 64, the best mean accuracy over
+# r = 0.5 / 0.75 / 0.9, question-agnostic and question-aware, on 24 calibration samples (seed 20,000, 1k
+# tokens; benchmarks/README.md, "KVzap presses")
+KVZAP_WINDOW = 16
 
 # preset name == scorer registry name == file in scorers/ for the single-scorer presets
 _PRESETS: dict[str, Callable[[], dict]] = {
@@ -62,9 +66,10 @@ _PRESETS: dict[str, Callable[[], dict]] = {
     "kvzip_layerwise": lambda: dict(scorer=KVzip(), allocator=AdaHead(alpha=0.0)),
     "ada_kvzip": lambda: dict(scorer=KVzip(), layers=AdaLayer(alpha=ADA_ALPHA), allocator=AdaHead(alpha=ADA_ALPHA)),
     # KVzap: KVzip's scores predicted from each token's hidden state by the default model's shipped surrogate
-    # (kvpress_ada/surrogates/; refused for another model: `kvpress-ada distill`), same global top-k as kvzip
-    "kvzap": lambda: dict(scorer=KVzap(), layers=AdaLayer(alpha=0.0), allocator=AdaHead(alpha=0.0)),
-    "kvzap_linear": lambda: dict(scorer=KVzap(path=SHIPPED_LINEAR), layers=AdaLayer(alpha=0.0),
+    # (kvpress_ada/surrogates/; refused for another model: `kvpress-ada distill`), same global top-k as kvzip,
+    # the last KVZAP_WINDOW prompt tokens kept (a question there is scored by a surrogate trained without one)
+    "kvzap": lambda: dict(scorer=KVzap(window=KVZAP_WINDOW), layers=AdaLayer(alpha=0.0), allocator=AdaHead(alpha=0.0)),
+    "kvzap_linear": lambda: dict(scorer=KVzap(path=SHIPPED_LINEAR, window=KVZAP_WINDOW), layers=AdaLayer(alpha=0.0),
                                  allocator=AdaHead(alpha=0.0)),
     # keep what clears the threshold (no ratio needed; a ratio caps each head)
     "kvzap_threshold": lambda: dict(scorer=KVzap(), allocator=Threshold(tau=KVZAP_HALF_TAU)),

@@ -3,6 +3,7 @@ every mode, on the tiny Llama keeps exactly the recorded entries and generates t
 Recorded with one torch/transformers pair; other versions may round differently (skipped there)."""
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,3 +25,24 @@ def test_every_preset_keeps_the_golden_entries():
     now = selection_golden.collect(default_model=False, archs=("llama",))
     recorded = {k: v for k, v in GOLDEN.items() if k.startswith("llama/")}
     assert len(recorded) > 100 and selection_golden.compare(recorded, now) == []
+
+
+def test_recording_one_preset_keeps_every_other_record(tmp_path):
+    out = tmp_path / "golden.json"
+    out.write_text(selection_golden.GOLDEN.read_text())
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "selection_golden.py"), "--record", "--presets", "streamingllm",
+           "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    written = json.loads(out.read_text())
+    assert {k: v for k, v in written.items() if "/streamingllm/" not in k and k != "versions"} == \
+        {k: v for k, v in GOLDEN.items() if "/streamingllm/" not in k and k != "versions"}
+    fresh = selection_golden.collect(default_model=False, names=["streamingllm"], archs=("llama",))
+    assert {k: v for k, v in written.items() if k.startswith("llama/streamingllm/")} == \
+        {k: v for k, v in fresh.items() if k != "versions"} != {}
+
+
+def test_an_unknown_preset_is_refused_in_one_line():
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "selection_golden.py"), "--check", "--presets", "snapkv,nope"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 2 and "unknown preset(s) nope; known: snapkv" in done.stderr
+    assert "Traceback" not in done.stderr

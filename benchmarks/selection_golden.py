@@ -176,7 +176,7 @@ def collect(default_model: bool, tiny: bool = True, names: list[str] | None = No
             archs: tuple[str, ...] | None = None) -> dict:
     """Records of every preset (or ``names``) in every mode, on the tiny models (or ``archs``) and,
     with ``default_model``, the embedded default model."""
-    results: dict[str, Any] = {"versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
+    results: dict[str, Any] = {"versions": _versions()}
     models: dict[str, tuple[Any, tuple[int, int], float, int, int]] = {}
     if tiny:
         for arch, model in _tiny_models(archs).items():
@@ -205,6 +205,16 @@ def _collect_into(results: dict, models: dict, names: list[str]) -> None:
                 print(key, name, flush=True, file=sys.stderr)
 
 
+def _versions() -> dict[str, str]:
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def _collected(key: str, names: list[str] | None, default_model: bool) -> bool:
+    """Whether a run of ``collect(default_model, names=names)`` writes the record ``key`` (model/preset/mode)."""
+    model, preset_name = key.split("/")[:2]
+    return (default_model or model != "default") and (names is None or preset_name in names)
+
+
 def compare(golden: dict, now: dict) -> list[str]:
     """Keys whose record differs (versions aside)."""
     return [k for k in sorted(set(golden) | set(now)) if k != "versions" and golden.get(k) != now.get(k)]
@@ -224,18 +234,21 @@ def main() -> None:
     unknown = sorted(set(names or ()) - set(preset_names()))
     if unknown:
         parser.error(f"unknown preset(s) {', '.join(unknown)}; known: {', '.join(preset_names())}")
+    kept: dict[str, Any] = {}
+    if args.record and args.out.exists():  # keep what this run does not collect (the default model's, other presets')
+        old = json.loads(args.out.read_text())
+        kept = {k: v for k, v in old.items() if k != "versions" and not _collected(k, names, args.default_model)}
+        if kept and old.get("versions") != _versions():
+            parser.error(f"{args.out} was recorded with {old.get('versions')}, this run has {_versions()}: "
+                         "keeping its other records would mix versions; record every preset with --default-model")
     now = collect(args.default_model, names=names)
     if args.record:
-        if args.out.exists():  # keep what this run did not collect (the default model's, other presets')
-            old = json.loads(args.out.read_text())
-            now = {**{k: v for k, v in old.items() if k != "versions"}, **now}
+        now = {**kept, **now}
         args.out.write_text(json.dumps(now, indent=0, sort_keys=True))
         print(f"wrote {args.out} ({len(now) - 1} records, kvpress_ada {kvpress_ada.__version__})")
     if args.check:
         golden = json.loads(args.out.read_text())
-        golden = {k: v for k, v in golden.items() if k != "versions"
-                  and (args.default_model or not k.startswith("default/"))
-                  and (names is None or k.split("/")[1] in names)}
+        golden = {k: v for k, v in golden.items() if k != "versions" and _collected(k, names, args.default_model)}
         diff = compare(golden, now)
         print("identical" if not diff else f"{len(diff)} records differ:\n" + "\n".join(diff))
         sys.exit(1 if diff else 0)

@@ -29,7 +29,8 @@ def test_every_preset_keeps_the_golden_entries():
 
 def test_recording_one_preset_keeps_every_other_record(tmp_path):
     out = tmp_path / "golden.json"
-    out.write_text(selection_golden.GOLDEN.read_text())
+    # the golden file relabelled with this environment's versions (a file of other versions is refused: next test)
+    out.write_text(json.dumps({**GOLDEN, "versions": selection_golden._versions()}))
     cmd = [sys.executable, str(ROOT / "benchmarks" / "selection_golden.py"), "--record", "--presets", "streamingllm",
            "--out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
@@ -46,3 +47,13 @@ def test_an_unknown_preset_is_refused_in_one_line():
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 2 and "unknown preset(s) nope; known: snapkv" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_recording_one_preset_into_a_file_of_other_versions_is_refused(tmp_path):
+    out = tmp_path / "golden.json"
+    out.write_text(json.dumps({**GOLDEN, "versions": {"torch": "0.0", "transformers": "0.0"}}))
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "selection_golden.py"), "--record", "--presets", "streamingllm",
+           "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 2 and "would mix versions" in done.stderr and "Traceback" not in done.stderr
+    assert json.loads(out.read_text())["versions"] == {"torch": "0.0", "transformers": "0.0"}

@@ -30,7 +30,10 @@ press at ``--budget`` tokens per kv head; it records the answer's score, the wal
 (prefill, KVzip's context reconstruction pass, question + greedy answer), the peak KV bytes and the peak
 RSS over the loaded model. Combinations the library refuses (``kvzip@chunk``) and one-shot model-pass
 presses above ``--pass-max-context`` are reported in one line each and skipped. Checkpointed after every
-run (``--resume``); ``--estimate`` times every method at 2k and 4k and prints the run's estimated wall time.
+run (``--resume``): the JSON at ``--out`` and its summary beside it (``X.summary.json``, no per-run records,
+each cell listing the runs it ``covers``); on a machine without the JSON, ``--resume`` continues from the
+committed summary alone, skipping the runs it covers and merging n-weighted. ``--estimate`` times every
+method at 2k and 4k and prints the run's estimated wall time.
 
     python benchmarks/long_context.py --stages --estimate   # a few minutes: per-stage estimate at 16k / 32k
     python benchmarks/long_context.py --stages --resume     # n = 4 passkey samples at 16k and 32k
@@ -52,6 +55,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import memory  # noqa: E402
+import summarize  # noqa: E402
 
 METHODS = ("chunked", "oneshot", "full")
 
@@ -471,8 +475,16 @@ def _staged_key(x: dict) -> tuple:
             x["max_new_tokens"])
 
 
+# means over a cell's runs (merged n-weighted across machines), and the settings that decide a run's result
+# besides its (context, task, sample, method)
+CELL_MEANS = ("accuracy", "prefill_s", "pass_s", "decode_s", "answer_tokens", "peak_kv_mib", "kv_after_prefill_mib",
+              "full_kv_mib", "peak_delta_rss_mib", "peak_rss_mib")
+RUN_SETTINGS = ("model", "seed", "budget", "chunk", "max_new_tokens")
+
+
 def staged_summary(results: list[dict]) -> list[dict]:
-    """Per (context, method): accuracy, and means of stage times, peak KV / RSS and KV after prefill."""
+    """Per (context, method): accuracy, and means of stage times, peak KV / RSS and KV after prefill;
+    ``covers`` lists the ``[task, sample]`` runs the cell is over."""
     out = []
     for L in sorted({r["context"] for r in results}):
         for m in dict.fromkeys(r["method"] for r in results if r["context"] == L):
@@ -483,8 +495,56 @@ def staged_summary(results: list[dict]) -> list[dict]:
                         "answer_tokens": mean("answer_tokens"), "peak_kv_mib": mean("peak_kv_bytes") / 2**20,
                         "kv_after_prefill_mib": mean("kv_bytes_after_prefill") / 2**20,
                         "full_kv_mib": mean("full_kv_bytes") / 2**20, "peak_delta_rss_mib": mean("peak_delta_rss_mib"),
-                        "peak_rss_mib": mean("peak_rss_mib")})
+                        "peak_rss_mib": mean("peak_rss_mib"),
+                        "covers": sorted([r["task"], r["sample"]] for r in rows)})
     return out
+
+
+def merge_staged_summaries(earlier: list[dict], later: list[dict]) -> list[dict]:
+    """Cells of two summaries over disjoint runs (an earlier machine's, this one's) -> one cell per
+    (context, method): ``n`` added, every ``CELL_MEANS`` field n-weighted, ``covers`` joined; contexts
+    ascending, methods in first-seen order. Raises ``ValueError`` when a run is in both or a mean is
+    measured on one side only (the merged mean would be wrong)."""
+    cells: dict[tuple, dict] = {}
+    for cell in [*earlier, *later]:
+        key = (cell["context"], cell["method"])
+        if key not in cells:
+            cells[key] = dict(cell)
+            continue
+        a = cells[key]
+        both = {tuple(c) for c in a["covers"]} & {tuple(c) for c in cell["covers"]}
+        if both:
+            raise ValueError(f"{cell['method']} @ {cell['context']}: runs {sorted(both)} are in both summaries")
+        n = a["n"] + cell["n"]
+        merged = dict(a, n=n, covers=sorted([*a["covers"], *cell["covers"]]))
+        for f in CELL_MEANS:
+            if (a[f] is None) != (cell[f] is None):
+                raise ValueError(f"{cell['method']} @ {cell['context']}: {f} is measured on one side only")
+            merged[f] = None if a[f] is None else (a[f] * a["n"] + cell[f] * cell["n"]) / n
+        cells[key] = merged
+    return sorted(cells.values(), key=lambda c: c["context"])
+
+
+def carried_runs(summary_payload: dict, settings: dict, source: str) -> dict:
+    """What an earlier machine's committed summary (``X.summary.json``) carries into ``--resume`` when its
+    per-run records are gone: ``{"from", "summary", "earlier"}``. The summary must have been made with the
+    same ``RUN_SETTINGS`` (else ``ValueError`` naming the first that differs) and list its cells' runs."""
+    made = summary_payload.get("settings") or {}
+    for k in RUN_SETTINGS:
+        if made.get(k) != settings[k]:
+            raise ValueError(f"{source} was made with {k}={made.get(k)!r}, this run asks {k}={settings[k]!r}: "
+                             "move it away to start afresh")
+    cells = summary_payload.get("summary") or []
+    if any("covers" not in c for c in cells):
+        raise ValueError(f"{source} does not list the runs of its cells ('covers'): move it away to start afresh")
+    here = {k: summary_payload.get(k) for k in ("machine", "started", "updated")}
+    return {"from": source, "summary": cells, "earlier": [*summary_payload.get("earlier", []), here]}
+
+
+def carried_keys(carried: dict, settings: dict) -> set[tuple]:
+    """``_staged_key`` of every run a carried summary covers."""
+    return {_staged_key(dict(settings, context=c["context"], method=c["method"], task=task, sample=sample))
+            for c in carried["summary"] for task, sample in c["covers"]}
 
 
 def staged_table(summary: list[dict]) -> str:
@@ -639,15 +699,38 @@ def run_staged(args, out: Path) -> int:
     payload = json.loads(out.read_text()) if args.resume and out.exists() else None
     settings = {k: getattr(args, k) for k in ("model", "tasks", "contexts", "n", "seed", "methods", "budget", "chunk",
                                                "threads", "max_new_tokens", "pass_max_context")}
+    summary_file = summarize.summary_path(out)
     if payload is None:
         payload = {"benchmark": "long_context_stages", "machine": common.machine_info(), "started": common.now_iso(),
                    "settings": settings, "records": [], "failed": []}
+        if args.resume and summary_file.exists():  # an earlier machine's runs, kept only as the committed summary
+            try:
+                payload["carried"] = carried_runs(json.loads(summary_file.read_text()), settings, str(summary_file))
+            except ValueError as err:
+                raise SystemExit(f"long_context.py: {err}") from None
+            payload["earlier"] = payload["carried"]["earlier"]
     payload["settings"] = settings  # results are keyed by everything that decides them
     payload["skipped"] = [{"method": m, "context": L, "reason": _skip_reason(m, L, args)} for m in args.methods
                           for L in args.contexts if _skip_reason(m, L, args) is not None]
-    done = {_staged_key(x) for x in payload["records"]}
+    carried = payload.get("carried")
+    done = {_staged_key(x) for x in payload["records"]} | (carried_keys(carried, settings) if carried else set())
     todo = [c for c in staged_configs(args) if _staged_key(c) not in done]
-    print(f"{len(done)} runs kept from {out}, {len(todo)} to run", flush=True)
+    print(f"{len(done)} runs kept from {out}" + (f" and {carried['from']}" if carried else "") +
+          f", {len(todo)} to run", flush=True)
+    current = {_staged_key(c) for c in staged_configs(args)}  # runs of other settings stay, out of the summary
+    cells = {(L, m) for L in args.contexts for m in args.methods}
+
+    def checkpoint() -> None:
+        """The JSON at --out, and beside it the summary (no per-run records) and its plot, after every run."""
+        payload["updated"] = common.now_iso()
+        here = staged_summary([r for r in payload["records"] if _staged_key(r) in current])
+        earlier = [c for c in carried["summary"] if (c["context"], c["method"]) in cells] if carried else []
+        payload["summary"] = merge_staged_summaries(earlier, here)
+        common.write_json(out, payload)
+        common.write_json(summary_file, summarize.summary({k: v for k, v in payload.items() if k != "carried"}))
+        if payload["summary"]:
+            staged_plot(payload, out.with_suffix(".png"))
+
     for cfg in todo:
         print(f"running {cfg['method']} @ {cfg['context']} {cfg['task']} sample {cfg['sample']} ...", flush=True)
         try:
@@ -660,13 +743,9 @@ def run_staged(args, out: Path) -> int:
             print(f"  answer {r['answer']!r} score {r['score']:.0f}; prefill {r['prefill_s']:.0f} s, pass "
                   f"{r['pass_s'] or 0:.0f} s, decode {r['decode_s']:.1f} s; peak KV {r['peak_kv_bytes'] / 2**20:.1f} "
                   f"MiB; peak dRSS {r['peak_delta_rss_mib']:.0f} MiB", flush=True)
-        payload["updated"] = common.now_iso()
-        common.write_json(out, payload)
-    current = {_staged_key(c) for c in staged_configs(args)}  # runs of other settings stay, out of the summary
-    payload["summary"] = staged_summary([r for r in payload["records"] if _staged_key(r) in current])
-    common.write_json(out, payload)
+        checkpoint()
+    checkpoint()
     if payload["summary"]:
-        staged_plot(payload, out.with_suffix(".png"))
         print(staged_table(payload["summary"]))
         print("\nREADME rows:\n")
         print(staged_readme_rows(payload["summary"]))

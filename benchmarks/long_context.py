@@ -475,11 +475,12 @@ def _staged_key(x: dict) -> tuple:
             x["max_new_tokens"])
 
 
-# means over a cell's runs (merged n-weighted across machines), and the settings that decide a run's result
-# besides its (context, task, sample, method)
+# means over a cell's runs (merged n-weighted across machines), and the settings a carried summary must share
+# with the run it continues: those that decide a run's result besides its (context, task, sample, method), and
+# the thread count (the stage times are means over the cell's runs)
 CELL_MEANS = ("accuracy", "prefill_s", "pass_s", "decode_s", "answer_tokens", "peak_kv_mib", "kv_after_prefill_mib",
               "full_kv_mib", "peak_delta_rss_mib", "peak_rss_mib")
-RUN_SETTINGS = ("model", "seed", "budget", "chunk", "max_new_tokens")
+RUN_SETTINGS = ("model", "seed", "budget", "chunk", "max_new_tokens", "threads")
 
 
 def staged_summary(results: list[dict]) -> list[dict]:

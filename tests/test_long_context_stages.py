@@ -89,6 +89,8 @@ def test_resume_refuses_a_summary_made_with_other_settings(tmp_path, runs):
     out.unlink()
     with pytest.raises(SystemExit, match="budget=4096, this run asks budget=2048"):
         stages(out, "--n", "2", "--budget", "2048", "--resume")
+    with pytest.raises(SystemExit, match="threads=1, this run asks threads=2"):
+        stages(out, "--n", "2", "--threads", "2", "--resume")
 
 
 @settings(max_examples=40, deadline=None)

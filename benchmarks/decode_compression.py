@@ -120,6 +120,13 @@ def presses(args):
 
 
 @torch.inference_mode()
+def progress(steps, desc: str):
+    """A progress bar on stderr over decode steps (a 4k-prompt run takes minutes per configuration)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(steps, desc=desc, unit="tok", file=sys.stderr, mininterval=5)
+
+
 def full_generation(model, prompt: torch.Tensor, steps: int, suppress: list[int]):
     """Greedy full-cache generation: (tokens [steps], log-probs [steps, V] fp32, kv bytes, step seconds)."""
     key = common.cache_kwarg(model)
@@ -127,7 +134,7 @@ def full_generation(model, prompt: torch.Tensor, steps: int, suppress: list[int]
     cache = common.output_cache(out)
     tokens, logps, kv, step_s = [], [], [], []
     logits = out.logits[0, -1].float()
-    for step in range(steps):
+    for step in progress(range(steps), "full cache"):
         logits[suppress] = float("-inf")
         logp = torch.log_softmax(logits, -1)
         token = int(logp.argmax())
@@ -151,7 +158,7 @@ def teacher_forced(model, press, prompt: torch.Tensor, tokens: torch.Tensor, ful
     with press(model):
         out = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **{key: None})
         cache = common.output_cache(out)
-        for i in range(tokens.numel() - 1):
+        for i in progress(range(tokens.numel() - 1), "teacher-forcing"):
             t0 = time.perf_counter()
             out = model(input_ids=tokens[i].view(1, 1), use_cache=True, **{key: cache})
             step_s.append(time.perf_counter() - t0)

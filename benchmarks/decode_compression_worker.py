@@ -12,6 +12,7 @@ top-1 agreement and forward times as JSON.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import time
 import warnings
@@ -76,11 +77,9 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    import kvpress
-
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     inputs = torch.load(args.inputs)
-    results = {"versions": {"kvpress": getattr(kvpress, "__version__", "?"), "transformers": transformers.__version__,
+    results = {"versions": {"kvpress": importlib.metadata.version("kvpress"), "transformers": transformers.__version__,
                             "torch": torch.__version__}, "runs": {}}
     for method in args.methods.split(","):
         results["runs"][method] = run(model, method, inputs, args.budget, args.interval, args.window)

@@ -716,8 +716,8 @@ def run_staged(args, out: Path) -> int:
     carried = payload.get("carried")
     done = {_staged_key(x) for x in payload["records"]} | (carried_keys(carried, settings) if carried else set())
     todo = [c for c in staged_configs(args) if _staged_key(c) not in done]
-    print(f"{len(done)} runs kept from {out}" + (f" and {carried['from']}" if carried else "") +
-          f", {len(todo)} to run", flush=True)
+    sources = ([str(out)] if payload["records"] else []) + ([carried["from"]] if carried else [])
+    print(f"{len(done)} runs kept from {' and '.join(sources) or 'nothing'}, {len(todo)} to run", flush=True)
     current = {_staged_key(c) for c in staged_configs(args)}  # runs of other settings stay, out of the summary
     cells = {(L, m) for L in args.contexts for m in args.methods}
 

@@ -119,7 +119,6 @@ def presses(args):
     return {k: v for k, v in configs.items() if not only or k in only}
 
 
-@torch.inference_mode()
 def progress(steps, desc: str):
     """A progress bar on stderr over decode steps (a 4k-prompt run takes minutes per configuration)."""
     from tqdm.auto import tqdm
@@ -127,6 +126,7 @@ def progress(steps, desc: str):
     return tqdm(steps, desc=desc, unit="tok", file=sys.stderr, mininterval=5)
 
 
+@torch.inference_mode()
 def full_generation(model, prompt: torch.Tensor, steps: int, suppress: list[int]):
     """Greedy full-cache generation: (tokens [steps], log-probs [steps, V] fp32, kv bytes, step seconds)."""
     key = common.cache_kwarg(model)

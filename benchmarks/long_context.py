@@ -475,37 +475,60 @@ def _staged_key(x: dict) -> tuple:
             x["max_new_tokens"])
 
 
-# means over a cell's runs (merged n-weighted across machines), and the settings a carried summary must share
-# with the run it continues: those that decide a run's result besides its (context, task, sample, method), and
-# the thread count (the stage times are means over the cell's runs)
-CELL_MEANS = ("accuracy", "prefill_s", "pass_s", "decode_s", "answer_tokens", "peak_kv_mib", "kv_after_prefill_mib",
-              "full_kv_mib", "peak_delta_rss_mib", "peak_rss_mib")
+# means over a cell's runs, merged n-weighted across machines; the stage times (``STAGES``) depend on the
+# processor and are merged only within one: a cell's ``times`` holds them per processor, and its top-level
+# stage times are those of its one processor (None when its runs ran on several)
+CELL_MEANS = ("accuracy", "answer_tokens", "peak_kv_mib", "kv_after_prefill_mib", "full_kv_mib",
+              "peak_delta_rss_mib", "peak_rss_mib")
+# the settings a carried summary must share with the run it continues: those that decide a run's result
+# besides its (context, task, sample, method), and the thread count (it sets the stage times)
 RUN_SETTINGS = ("model", "seed", "budget", "chunk", "max_new_tokens", "threads")
 
 
+def _n_weighted(a: dict, b: dict, fields: tuple, what: str) -> dict:
+    """``fields`` of two means over ``a["n"]`` and ``b["n"]`` runs -> their mean over all runs."""
+    n = a["n"] + b["n"]
+    out = {}
+    for f in fields:
+        if (a[f] is None) != (b[f] is None):
+            raise ValueError(f"{what}: {f} is measured on one side only")
+        out[f] = None if a[f] is None else (a[f] * a["n"] + b[f] * b["n"]) / n
+    return out
+
+
+def _with_stage_times(cell: dict) -> dict:
+    """The cell with its top-level ``STAGES`` set from ``times``: its one processor's, or None for several."""
+    one = cell["times"][0] if len(cell["times"]) == 1 else None
+    return dict(cell, **{k: None if one is None else one[k] for k in STAGES})
+
+
 def staged_summary(results: list[dict]) -> list[dict]:
-    """Per (context, method): accuracy, and means of stage times, peak KV / RSS and KV after prefill;
-    ``covers`` lists the ``[task, sample]`` runs the cell is over."""
+    """Per (context, method): accuracy, and means of peak KV / RSS and KV after prefill; ``times`` the mean
+    stage times per ``processor`` (each record names its own); ``covers`` lists the ``[task, sample]`` runs
+    the cell is over."""
     out = []
     for L in sorted({r["context"] for r in results}):
         for m in dict.fromkeys(r["method"] for r in results if r["context"] == L):
             rows = [r for r in results if r["context"] == L and r["method"] == m]
-            mean = lambda key: _mean([r[key] for r in rows if r.get(key) is not None])  # noqa: E731
-            out.append({"context": L, "method": m, "n": len(rows), "accuracy": mean("score"),
-                        "prefill_s": mean("prefill_s"), "pass_s": mean("pass_s"), "decode_s": mean("decode_s"),
-                        "answer_tokens": mean("answer_tokens"), "peak_kv_mib": mean("peak_kv_bytes") / 2**20,
-                        "kv_after_prefill_mib": mean("kv_bytes_after_prefill") / 2**20,
-                        "full_kv_mib": mean("full_kv_bytes") / 2**20, "peak_delta_rss_mib": mean("peak_delta_rss_mib"),
-                        "peak_rss_mib": mean("peak_rss_mib"),
-                        "covers": sorted([r["task"], r["sample"]] for r in rows)})
+            mean = lambda key, rs=rows: _mean([r[key] for r in rs if r.get(key) is not None])  # noqa: E731
+            times = [{"processor": p, "n": sum(r["processor"] == p for r in rows),
+                      **{k: mean(k, [r for r in rows if r["processor"] == p]) for k in STAGES}}
+                     for p in dict.fromkeys(r["processor"] for r in rows)]
+            out.append(_with_stage_times({
+                "context": L, "method": m, "n": len(rows), "accuracy": mean("score"),
+                "answer_tokens": mean("answer_tokens"), "peak_kv_mib": mean("peak_kv_bytes") / 2**20,
+                "kv_after_prefill_mib": mean("kv_bytes_after_prefill") / 2**20,
+                "full_kv_mib": mean("full_kv_bytes") / 2**20, "peak_delta_rss_mib": mean("peak_delta_rss_mib"),
+                "peak_rss_mib": mean("peak_rss_mib"), "times": times,
+                "covers": sorted([r["task"], r["sample"]] for r in rows)}))
     return out
 
 
 def merge_staged_summaries(earlier: list[dict], later: list[dict]) -> list[dict]:
     """Cells of two summaries over disjoint runs (an earlier machine's, this one's) -> one cell per
-    (context, method): ``n`` added, every ``CELL_MEANS`` field n-weighted, ``covers`` joined; contexts
-    ascending, methods in first-seen order. Raises ``ValueError`` when a run is in both or a mean is
-    measured on one side only (the merged mean would be wrong)."""
+    (context, method): ``n`` added, every ``CELL_MEANS`` field n-weighted, ``times`` n-weighted within each
+    processor (kept apart across processors), ``covers`` joined; contexts ascending, methods in first-seen
+    order. Raises ``ValueError`` when a run is in both or a mean is measured on one side only."""
     cells: dict[tuple, dict] = {}
     for cell in [*earlier, *later]:
         key = (cell["context"], cell["method"])
@@ -513,17 +536,32 @@ def merge_staged_summaries(earlier: list[dict], later: list[dict]) -> list[dict]
             cells[key] = dict(cell)
             continue
         a = cells[key]
+        what = f"{cell['method']} @ {cell['context']}"
         both = {tuple(c) for c in a["covers"]} & {tuple(c) for c in cell["covers"]}
         if both:
-            raise ValueError(f"{cell['method']} @ {cell['context']}: runs {sorted(both)} are in both summaries")
-        n = a["n"] + cell["n"]
-        merged = dict(a, n=n, covers=sorted([*a["covers"], *cell["covers"]]))
-        for f in CELL_MEANS:
-            if (a[f] is None) != (cell[f] is None):
-                raise ValueError(f"{cell['method']} @ {cell['context']}: {f} is measured on one side only")
-            merged[f] = None if a[f] is None else (a[f] * a["n"] + cell[f] * cell["n"]) / n
-        cells[key] = merged
+            raise ValueError(f"{what}: runs {sorted(both)} are in both summaries")
+        times = {t["processor"]: t for t in a["times"]}
+        for t in cell["times"]:
+            old = times.get(t["processor"])
+            times[t["processor"]] = t if old is None else dict(old, n=old["n"] + t["n"],
+                                                                **_n_weighted(old, t, STAGES, what))
+        cells[key] = _with_stage_times(dict(a, n=a["n"] + cell["n"], covers=sorted([*a["covers"], *cell["covers"]]),
+                                            times=list(times.values()), **_n_weighted(a, cell, CELL_MEANS, what)))
     return sorted(cells.values(), key=lambda c: c["context"])
+
+
+def carried_cells(carried: dict) -> list[dict]:
+    """A carried summary's cells, each with ``times``; a summary written before cells kept their times per
+    processor (all its runs on one machine: no ``earlier``) gets its own machine's processor."""
+    cells = carried["summary"]
+    if all("times" in c for c in cells):
+        return cells
+    if len(carried["earlier"]) != 1:
+        raise ValueError(f"{carried['from']} has stage times without their processor over several machines: "
+                         "move it away to start afresh")
+    processor = carried["earlier"][0]["machine"]["processor"]
+    return [c if "times" in c else dict(c, times=[{"processor": processor, "n": c["n"], **{k: c[k] for k in STAGES}}])
+            for c in cells]
 
 
 def carried_runs(summary_payload: dict, settings: dict, source: str) -> dict:
@@ -548,16 +586,32 @@ def carried_keys(carried: dict, settings: dict) -> set[tuple]:
             for c in carried["summary"] for task, sample in c["covers"]}
 
 
-def staged_table(summary: list[dict]) -> str:
-    def num(v, fmt):
-        return "-" if v is None else format(v, fmt)
+def _num(v, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
 
-    rows = [[s["context"], s["method"], s["n"], num(s["accuracy"], ".2f"), num(s["prefill_s"], ".0f"),
-             num(s["pass_s"], ".0f"), num(s["decode_s"], ".1f"), f"{s['peak_kv_mib']:.1f}",
-             f"{s['kv_after_prefill_mib']:.1f}", f"{s['full_kv_mib']:.1f}", num(s["peak_delta_rss_mib"], ".0f")]
+
+def _short_processor(name: str) -> str:
+    return " ".join(name.replace("(R)", "").replace("(TM)", "").replace(" Processor", "").split())
+
+
+def _stage_text(cell: dict, key: str, fmt: str) -> str:
+    """A stage time of a cell: its processor's mean, or each processor's joined by " / " (as in ``times``)."""
+    return " / ".join(_num(t[key], fmt) for t in cell["times"])
+
+
+def _processors_text(cell: dict) -> str:
+    return " / ".join(f"{_short_processor(t['processor'])} ({t['n']})" for t in cell["times"])
+
+
+def staged_table(summary: list[dict]) -> str:
+    rows = [[s["context"], s["method"], s["n"], _num(s["accuracy"], ".2f"), _stage_text(s, "prefill_s", ".0f"),
+             _stage_text(s, "pass_s", ".0f"), _stage_text(s, "decode_s", ".1f"), f"{s['peak_kv_mib']:.1f}",
+             f"{s['kv_after_prefill_mib']:.1f}", f"{s['full_kv_mib']:.1f}", _num(s["peak_delta_rss_mib"], ".0f"),
+             _processors_text(s)]
             for s in summary]
     return common.fmt_table(["ctx", "method", "n", "accuracy", "prefill s", "KVzip pass s", "decode s",
-                             "peak KV MiB", "KV after prefill MiB", "full KV MiB", "peak dRSS MiB"], rows)
+                             "peak KV MiB", "KV after prefill MiB", "full KV MiB", "peak dRSS MiB",
+                             "processor (runs)"], rows)
 
 
 def staged_plot(payload: dict, path: Path) -> None:
@@ -567,6 +621,7 @@ def staged_plot(payload: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     summary = payload["summary"]
+    processors = list(dict.fromkeys(t["processor"] for s in summary for t in s["times"]))
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
     for i, m in enumerate(dict.fromkeys(s["method"] for s in summary)):
         rows = sorted((s for s in summary if s["method"] == m), key=lambda s: s["context"])
@@ -574,8 +629,15 @@ def staged_plot(payload: dict, path: Path) -> None:
         style = dict(marker="o", linestyle="-" if "@chunk" in m or m == "full" else "--", color=f"C{i}", label=m)
         axes[0].plot(xs, [s["accuracy"] for s in rows], **style)
         axes[1].plot(xs, [s["peak_kv_mib"] for s in rows], **style)
-        axes[2].plot(xs, [sum(s[k] or 0.0 for k in STAGES) for s in rows], **style)
-    for ax, title, ylabel in zip(axes, ("accuracy (question-agnostic)", "peak KV bytes", "wall time per sample"),
+        for j, p in enumerate(processors):  # stage times only within one processor
+            pts = [(s["context"], sum(t[k] or 0.0 for k in STAGES)) for s in rows for t in s["times"]
+                   if t["processor"] == p]
+            if pts:
+                several = {} if len(processors) == 1 else {"linestyle": ("-", ":", "-.", "--")[j % 4],
+                                                            "label": f"{m}, {_short_processor(p)}"}
+                axes[2].plot(*zip(*pts), **{**style, **several})
+    time_title = "wall time per sample" + (" (per processor)" if len(processors) > 1 else "")
+    for ax, title, ylabel in zip(axes, ("accuracy (question-agnostic)", "peak KV bytes", time_title),
                                  ("accuracy", "MiB", "s (prefill + pass + decode)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context tokens")
@@ -594,13 +656,12 @@ def staged_plot(payload: dict, path: Path) -> None:
 
 def staged_readme_rows(summary: list[dict]) -> str:
     lines = ["| context | method | n | accuracy | prefill s | KVzip pass s | decode s | peak KV MiB (full) | "
-             "peak dRSS MiB |", "|--:|---|--:|--:|--:|--:|--:|--:|--:|"]
+             "peak dRSS MiB | processor (runs) |", "|--:|---|--:|--:|--:|--:|--:|--:|--:|---|"]
     for s in summary:
-        def num(v, fmt):
-            return "-" if v is None else format(v, fmt)
-        lines.append(f"| {s['context']:,} | `{s['method']}` | {s['n']} | {num(s['accuracy'], '.2f')} | "
-                     f"{num(s['prefill_s'], '.0f')} | {num(s['pass_s'], '.0f')} | {num(s['decode_s'], '.1f')} | "
-                     f"{s['peak_kv_mib']:.1f} ({s['full_kv_mib']:.0f}) | {num(s['peak_delta_rss_mib'], '.0f')} |")
+        lines.append(f"| {s['context']:,} | `{s['method']}` | {s['n']} | {_num(s['accuracy'], '.2f')} | "
+                     f"{_stage_text(s, 'prefill_s', '.0f')} | {_stage_text(s, 'pass_s', '.0f')} | "
+                     f"{_stage_text(s, 'decode_s', '.1f')} | {s['peak_kv_mib']:.1f} ({s['full_kv_mib']:.0f}) | "
+                     f"{_num(s['peak_delta_rss_mib'], '.0f')} | {_processors_text(s)} |")
     return "\n".join(lines)
 
 
@@ -717,15 +778,20 @@ def run_staged(args, out: Path) -> int:
     done = {_staged_key(x) for x in payload["records"]} | (carried_keys(carried, settings) if carried else set())
     todo = [c for c in staged_configs(args) if _staged_key(c) not in done]
     sources = ([str(out)] if payload["records"] else []) + ([carried["from"]] if carried else [])
-    print(f"{len(done)} runs kept from {' and '.join(sources) or 'nothing'}, {len(todo)} to run", flush=True)
+    print(f"{len(done)} runs kept from {' and '.join(sources) or 'nothing'}, {len(todo)} to run"
+          + (" (not run: --summary-only)" if args.summary_only else ""), flush=True)
+    if args.summary_only:
+        todo = []
     current = {_staged_key(c) for c in staged_configs(args)}  # runs of other settings stay, out of the summary
     cells = {(L, m) for L in args.contexts for m in args.methods}
+    processor = common.machine_info()["processor"]  # this machine's, stamped on each run it makes
 
     def checkpoint() -> None:
         """The JSON at --out, and beside it the summary (no per-run records) and its plot, after every run."""
         payload["updated"] = common.now_iso()
-        here = staged_summary([r for r in payload["records"] if _staged_key(r) in current])
-        earlier = [c for c in carried["summary"] if (c["context"], c["method"]) in cells] if carried else []
+        here = staged_summary([dict(r, processor=r.get("processor", payload["machine"]["processor"]))
+                               for r in payload["records"] if _staged_key(r) in current])
+        earlier = [c for c in carried_cells(carried) if (c["context"], c["method"]) in cells] if carried else []
         payload["summary"] = merge_staged_summaries(earlier, here)
         common.write_json(out, payload)
         common.write_json(summary_file, summarize.summary({k: v for k, v in payload.items() if k != "carried"}))
@@ -735,7 +801,7 @@ def run_staged(args, out: Path) -> int:
     for cfg in todo:
         print(f"running {cfg['method']} @ {cfg['context']} {cfg['task']} sample {cfg['sample']} ...", flush=True)
         try:
-            r = run_one(cfg, args.timeout)
+            r = dict(run_one(cfg, args.timeout), processor=processor)
         except (RuntimeError, subprocess.TimeoutExpired) as err:
             payload["failed"].append({"config": cfg, "error": str(err)[-500:]})
             print(f"  failed: {str(err)[-300:]}", flush=True)
@@ -783,6 +849,8 @@ def main(argv=None) -> int:
                         help="--stages: time every method at --estimate-contexts and print the estimated wall time "
                              "of the run per stage, method and context (a few minutes; writes nothing)")
     parser.add_argument("--estimate-contexts", type=int, nargs=2, default=[2048, 4096])
+    parser.add_argument("--summary-only", action="store_true",
+                        help="--stages --resume: rewrite the summary and plot from the runs kept, running none")
     parser.add_argument("--quality-contexts", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--tasks", nargs="+", default=None,
                         help="default passkey multikey (--stages: passkey)")

@@ -880,6 +880,8 @@ def main(argv=None) -> int:
         args.methods = [m for m in args.methods.split(",") if m]
         if args.model == "tiny":
             parser.error("--stages answers the task suite: it needs a model with a tokenizer, not tiny")
+        if args.summary_only and not args.resume:
+            parser.error("--summary-only rewrites the summary from the runs kept: it needs --resume")
         out = Path(args.out) if args.out else common.RESULTS / "long_context_stages.json"
         return run_staged(args, out)
     args.memory_methods = [m for m in args.memory_methods.split(",") if m]

@@ -89,6 +89,10 @@ def test_resume_from_committed_summary_skips_its_runs_and_merges_exactly(tmp_pat
     assert runs == []
     assert_same_cells(summary_of(part), summary_of(whole))
 
+    with pytest.raises(SystemExit):  # without --resume it would start afresh and write an empty summary
+        stages(part, "--n", "4", "--summary-only")
+    assert_same_cells(summary_of(part), summary_of(whole))
+
     runs.clear()  # the same machine again: nothing left to run, the summary unchanged
     assert stages(part, "--n", "3", "--resume") == 0
     assert runs == []

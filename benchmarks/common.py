@@ -166,14 +166,14 @@ def kept_tokens(cache) -> int:
 
 def cache_kwarg(model) -> str:
     """The name under which this transformers version takes the cache (``cache`` or ``past_key_values``)."""
-    from kvpress_ada.integration.hf import cache_kwarg
+    from kvpress_ada.hosts.transformers.hf import cache_kwarg
 
     return cache_kwarg(model)
 
 
 def output_cache(out):
     """The cache a forward returned (``cache`` or ``past_key_values``)."""
-    from kvpress_ada.integration.hf import output_cache
+    from kvpress_ada.hosts.transformers.hf import output_cache
 
     return output_cache(out)
 

@@ -301,7 +301,7 @@ def main(argv=None) -> int:
 
     from tqdm import tqdm
 
-    from kvpress_ada.integration.fanout import capture_prefill
+    from kvpress_ada.hosts.transformers.fanout import capture_prefill
 
     info = common.machine_info()
     started = time.perf_counter()

@@ -535,9 +535,9 @@ def main(argv=None):
     from kvpress_ada.harness.eval.runner import evaluate_sample, grid
     from kvpress_ada.harness.eval.scoring import score_sample
     from kvpress_ada.harness.eval.tasks import make_samples
-    from kvpress_ada.integration.fanout import capture_prefill
-    from kvpress_ada.integration.generation import decode_rows, split_prompt
-    from kvpress_ada.integration.hf import cache_kwarg as _cache_key
+    from kvpress_ada.hosts.transformers.fanout import capture_prefill
+    from kvpress_ada.hosts.transformers.generation import decode_rows, split_prompt
+    from kvpress_ada.hosts.transformers.hf import cache_kwarg as _cache_key
     from kvpress_ada.models import ensure_model, load, source_names
     from kvpress_ada.presets import preset
     from kvpress_ada.tokens import encode

@@ -360,7 +360,7 @@ def staged_press(method: str, budget: int, chunk: int):
 def _time_model_passes(timer: dict):
     """Time every call of the library's model pass (KVzip's context reconstruction) into ``timer["pass_s"]``
     by wrapping ``model_pass_scores`` where the integration modules bound it; returns the undo."""
-    import kvpress_ada.integration.model_pass as defining
+    import kvpress_ada.hosts.transformers.model_pass as defining
 
     original = defining.model_pass_scores
 
@@ -391,7 +391,7 @@ def staged_worker(cfg: dict) -> dict:
 
     from kvpress_ada.harness.eval.scoring import score_sample
     from kvpress_ada.harness.eval.tasks import make_samples
-    from kvpress_ada.integration.generation import continue_rows, eos_ids, split_prompt
+    from kvpress_ada.hosts.transformers.generation import continue_rows, eos_ids, split_prompt
     from kvpress_ada.tokens import encode
 
     threads = common.set_threads(cfg["threads"])

@@ -37,8 +37,8 @@ import transformers  # noqa: E402
 
 import kvpress_ada  # noqa: E402
 from kvpress_ada import Mask, preset, preset_names  # noqa: E402
-from kvpress_ada.integration import MaskedLayer, PressCache, RaggedLayer  # noqa: E402
-from kvpress_ada.integration.fanout import capture_prefill  # noqa: E402
+from kvpress_ada.hosts.transformers import MaskedLayer, PressCache, RaggedLayer, check_press  # noqa: E402
+from kvpress_ada.hosts.transformers.fanout import capture_prefill  # noqa: E402
 
 GOLDEN = ROOT / "benchmarks" / "results" / "selection_golden.json"
 MODES = ("one_shot", "chunked", "decode", "fanout")
@@ -139,7 +139,7 @@ def _run(model, name: str, mode: str, ids, mask, ratio: float, chunk: int, new_t
     try:
         press = _press(name, mode, ratio, chunk, mask_evictor)
         if mode != "fanout":
-            press.check_model(model)
+            check_press(press, model)
     except ValueError:
         return {"refused": True}
     _LOG.clear()

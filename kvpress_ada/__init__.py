@@ -16,9 +16,9 @@ from .allocators import (
 )
 from .components import ConfigError
 from .evictors import Evictor, Mask, TopK, register_evictor
-from .integration import SUPPORTED_MODEL_TYPES, MaskedCache, PressCache, RaggedCache, attach, detach
-from .integration.generation import generate
-from .integration.model_pass import use_tokenizer
+from .hosts.transformers import SUPPORTED_MODEL_TYPES, MaskedCache, PressCache, RaggedCache, attach, check_press, detach
+from .hosts.transformers.generation import generate
+from .hosts.transformers.model_pass import use_tokenizer
 from .observation import Budget, LayerView, Observation
 from .pipeline import Pipeline
 from .presets import preset, preset_names, register_preset
@@ -39,6 +39,7 @@ from .scorers import (
                       StreamingLLM,
                       register_scorer,
 )
+from .storage import FullPrecision, Int4, Int8, Storage, register_storage
 
 __version__ = "0.1.0"
 
@@ -47,7 +48,7 @@ __all__ = [
     "SnapKV", "StreamingLLM", "ObservedAttention", "H2O", "TOVA", "KNorm", "ExpectedAttention", "CriticalKV",
     "RandomScorer", "KVzap", "KVzip", "use_tokenizer", "LagKV", "KeyDiff",
     "UniformHead", "AdaHead", "UniformLayer", "PyramidLayer", "AdaLayer", "Calibrated", "CalibratedLayer", "Threshold",
-    "TopK", "Mask",
+    "TopK", "Mask", "Storage", "FullPrecision", "Int8", "Int4", "register_storage", "check_press",
     "Scorer", "HeadAllocator", "LayerSchedule", "Evictor", "Observation", "LayerView", "Budget",
     "register_scorer", "register_allocator", "register_evictor",
     "RaggedCache", "MaskedCache", "SUPPORTED_MODEL_TYPES",

@@ -25,7 +25,7 @@ class Observation:
     ``head_offset``: index among this process's kv heads of the observation's first kv head
     (non-zero when chunked prefill scores the kv heads of a layer one at a time). ``shard``: under
     tensor parallelism, this rank's block of kv heads
-    (:class:`~kvpress_ada.integration.tensor_parallel.HeadShard`): ``keys`` etc. hold those heads
+    (:class:`~kvpress_ada.hosts.transformers.tensor_parallel.HeadShard`): ``keys`` etc. hold those heads
     only; ``None`` in one process. :attr:`global_head_offset` is the first head's index in the
     whole layer (what scorers that depend on a head's index use).
     """

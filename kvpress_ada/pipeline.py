@@ -12,13 +12,13 @@ from .allocators import ALLOCATORS, LAYER_SCHEDULES, HeadAllocator, LayerSchedul
 from .allocators.heads import fit_to_valid
 from .components import OneLineErrors
 from .evictors import EVICTORS, Evictor, TopK
-from .integration import apply_press
-from .integration.model_pass import check_pass_inputs
-from .integration.tensor_parallel import head_shard
+from .hosts.base import host_for
 from .observation import Budget, LayerView, Observation
-from .scorers import SCORERS, PassScorer, Scorer
+from .scorers import SCORERS, Scorer
+from .storage import STORAGES, FullPrecision, Storage
 
-_REGISTRIES = {"scorer": SCORERS, "allocator": ALLOCATORS, "layers": LAYER_SCHEDULES, "evictor": EVICTORS}
+_REGISTRIES = {"scorer": SCORERS, "allocator": ALLOCATORS, "layers": LAYER_SCHEDULES, "evictor": EVICTORS,
+               "storage": STORAGES}
 
 
 class Pipeline(OneLineErrors):
@@ -40,6 +40,7 @@ class Pipeline(OneLineErrors):
     allocator: SerializeAsAny[HeadAllocator] = Field(default_factory=UniformHead)
     layers: SerializeAsAny[LayerSchedule] = Field(default_factory=UniformLayer)
     evictor: SerializeAsAny[Evictor] = Field(default_factory=TopK)
+    storage: SerializeAsAny[Storage] = Field(default_factory=FullPrecision)
     compression_ratio: float | None = Field(None, ge=0.0, lt=1.0)
     budget: int | None = Field(None, ge=1)
     prefill_chunk: int | None = Field(None, ge=1, description="prefill the context in chunks of this many tokens, "
@@ -47,7 +48,7 @@ class Pipeline(OneLineErrors):
     decode_budget: int | None = Field(None, ge=1, description="average tokens per kv head kept while generating")
     decode_interval: int | None = Field(None, ge=1, description="generated tokens between two decode compactions")
 
-    @field_validator("scorer", "allocator", "layers", "evictor", mode="before")
+    @field_validator("scorer", "allocator", "layers", "evictor", "storage", mode="before")
     @classmethod
     def _build_component(cls, value: Any, info: ValidationInfo) -> Any:
         """Accept instances, registered names or dicts with a ``name`` (JSON/YAML configs)."""
@@ -70,6 +71,10 @@ class Pipeline(OneLineErrors):
                              f"decode_budget={self.decode_budget}, decode_interval={self.decode_interval}")
         if self.decode_budget is not None:
             self._check_decode_support()
+        if self.storage.quantized and not type(self.evictor).frees_memory:
+            raise ValueError(f"storage={self.storage.label!r} stores the kept entries quantized, but the evictor "
+                             f"{type(self.evictor).__name__} keeps the dense full-precision cache and hides entries: "
+                             "use evictor='topk' with a quantized storage")
         if thresholded and type(self.layers).needs_all_layers:
             raise ValueError(f"the allocator {type(self.allocator).__name__} keeps what clears its threshold, so the "
                              f"layer schedule {type(self.layers).__name__} has no budget to split across layers: use "
@@ -148,17 +153,12 @@ class Pipeline(OneLineErrors):
                 f"({need} tokens, e.g. its observation window); use a longer context or a smaller window"
             )
 
-    def check_model(self, model: Any) -> None:
-        """Raise ``ValueError`` when this press cannot serve ``model`` (a calibration made for another
-        model, no usable tokenizer for a model pass, a tensor-parallel layout it cannot follow); called
-        once when the press meets the model (``with press(model)``, fan-out)."""
-        for component in (self.scorer, self.layers, self.allocator, self.evictor):
-            component.check_model(model.config)
-        if isinstance(self.scorer, PassScorer):  # its tokenizer, before any prefill
-            check_pass_inputs(model, self.scorer)
-        if head_shard(model) is not None and (self.compresses_decode or self.prefill_chunk is not None):
-            raise ValueError("decode compression (decode_budget) and chunked prefill (prefill_chunk) are not "
-                             "supported on a tensor-parallel model yet; use a press without them")
+    def check_config(self, config: Any) -> None:
+        """Raise ``ValueError`` when a component of this press cannot serve a model with this ``config``
+        (a calibration or surrogate made for another model, a storage that cannot hold its entries); a
+        host calls it once when the press meets a model, with its own checks."""
+        for component in (self.scorer, self.layers, self.allocator, self.evictor, self.storage):
+            component.check_model(config)
 
     def check_fan_out(self, length: int) -> None:
         """Raise when fan-out (one dense prefill serving many presses) cannot derive this press's cache
@@ -300,10 +300,9 @@ class Pipeline(OneLineErrors):
             raise ValueError(f"scorer {name} returned NaN scores in layer {obs.layer_idx}; "
                              "scores must be numbers (+inf protects a token, -inf drops it)")
 
-    # ------------------------------------------------------------ integration
-    def __call__(self, model, compile: bool | None = None):
-        """Context manager applying this press to ``model`` (see :mod:`kvpress_ada.integration`).
-
-        ``compile``: compiled decode steps over the compressed cache (default: on CUDA, off on CPU;
-        ``$KVPRESS_ADA_COMPILE=0`` turns the default off; see :mod:`kvpress_ada.integration.compiled`)."""
-        return apply_press(self, model, compile=compile)
+    # ------------------------------------------------------------------- hosts
+    def __call__(self, model: Any, **options: Any) -> Any:
+        """Context manager applying this press to ``model`` inside the ``with`` block, through the host that
+        runs it (:func:`kvpress_ada.hosts.base.host_for`; a transformers model: :mod:`kvpress_ada.hosts.transformers`,
+        whose option ``compile`` turns compiled decode steps on or off)."""
+        return host_for(model).apply(self, model, **options)

@@ -34,12 +34,13 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+def _runtime_imports(tree: ast.AST, annotations: bool = False) -> list[ast.Import | ast.ImportFrom]:
+    """The imports of ``tree`` that run (``annotations=True``: also those under ``if TYPE_CHECKING:``)."""
     found: list[ast.Import | ast.ImportFrom] = []
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
+            if isinstance(child, ast.If) and _is_type_checking(child) and not annotations:
                 for orelse in child.orelse:
                     visit(orelse)
                 continue
@@ -70,12 +71,13 @@ def _with_parents(target: str, importer: str) -> set[str]:
     return (chain | ({target} & MODULES.keys())) - ancestors
 
 
-def _graph() -> tuple[dict[str, set[str]], list[tuple[str, str]]]:
-    """``module -> modules it imports`` over the package, and the private names imported across modules."""
+def _graph(annotations: bool = False) -> tuple[dict[str, set[str]], list[tuple[str, str]]]:
+    """``module -> modules it imports`` over the package (``annotations=True``: counting the imports under
+    ``if TYPE_CHECKING:`` too), and the private names imported across modules."""
     edges: dict[str, set[str]] = {m: set() for m in MODULES}
     private: list[tuple[str, str]] = []
     for module, path in MODULES.items():
-        for node in _runtime_imports(ast.parse(path.read_text(), filename=str(path))):
+        for node in _runtime_imports(ast.parse(path.read_text(), filename=str(path)), annotations):
             if isinstance(node, ast.Import):
                 targets = {alias.name for alias in node.names}
             else:
@@ -136,13 +138,38 @@ def _is_harness(module: str) -> bool:
 
 def test_the_graph_is_read():
     edges, _ = _graph()
-    assert "kvpress_ada.integration.tensor_parallel" in edges["kvpress_ada.pipeline"]
+    assert "kvpress_ada.hosts.base" in edges["kvpress_ada.pipeline"]
+    assert "kvpress_ada.pipeline" not in edges["kvpress_ada.hosts.transformers.routing"]  # TYPE_CHECKING only
+    assert "kvpress_ada.pipeline" in _graph(annotations=True)[0]["kvpress_ada.hosts.transformers.routing"]
     assert "kvpress_ada.pipeline" in edges["kvpress_ada.harness.cli"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_no_import_cycle():
     assert _cycles(_graph()[0]) == []
+
+
+def test_no_import_cycle_even_through_annotations():
+    assert _cycles(_graph(annotations=True)[0]) == []
+
+
+HOSTS = "kvpress_ada.hosts"
+HOST_CONTRACT = ("kvpress_ada.hosts", "kvpress_ada.hosts.base")
+
+
+def _is_host(module: str) -> bool:
+    return module.startswith(HOSTS + ".") and module not in HOST_CONTRACT
+
+
+def test_the_policy_never_imports_a_host():
+    """Pipeline, scorers, allocators, evictors, storage and kernels reach hosts only through the
+    registry of ``hosts.base`` (which imports nothing of the package): not even an annotation names a host."""
+    edges, _ = _graph(annotations=True)
+    policy = [m for m in edges if not _is_host(m) and not _is_harness(m) and m != "kvpress_ada"]
+    assert "kvpress_ada.pipeline" in policy and "kvpress_ada.kernels.ops" in policy
+    upward = sorted((m, t) for m in policy for t in edges[m] if _is_host(t))
+    assert upward == []
+    assert {t for t in edges["kvpress_ada.hosts.base"] if t.startswith("kvpress_ada")} <= {"kvpress_ada.hosts"}
 
 
 def test_the_core_never_imports_the_harness():

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvpress_ada import Mask, TopK, preset
-from kvpress_ada.integration.hf import cache_kwarg, output_cache
+from kvpress_ada.hosts.transformers.hf import cache_kwarg, output_cache
 
 
 def _ids(n, seed=0):

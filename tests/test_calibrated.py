@@ -15,7 +15,7 @@ from kvpress_ada import Calibrated, CalibratedLayer, Mask, Pipeline, SnapKV, Str
 from kvpress_ada import calibration as cal
 from kvpress_ada.harness.calibrate import calibrate, calibration_samples
 from kvpress_ada.harness.cli import main
-from kvpress_ada.integration.hf import output_cache
+from kvpress_ada.hosts.transformers.hf import output_cache
 
 CONTEXT = 300  # the char tokenizer's passkey fits in 300 tokens
 
@@ -69,8 +69,8 @@ def test_calibration_never_uses_evaluation_seeds():
 
 def test_shares_measure_the_reference_allocation(tiny):
     """One sample, one ratio: the shares are the kvzip preset's kept counts over their total."""
-    from kvpress_ada.integration.fanout import capture_prefill
-    from kvpress_ada.integration.generation import split_prompt
+    from kvpress_ada.hosts.transformers.fanout import capture_prefill
+    from kvpress_ada.hosts.transformers.generation import split_prompt
     from kvpress_ada.tokens import encode
 
     tok = build_tokenizer()

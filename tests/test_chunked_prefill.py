@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 import kvpress_ada as ka
 from kvpress_ada import AdaHead, AdaLayer, KNorm, KVzip, Mask, Pipeline, SnapKV, StreamingLLM, preset
-from kvpress_ada.integration.hf import output_cache
-from kvpress_ada.integration.ragged_cache import RaggedLayer
+from kvpress_ada.hosts.transformers.hf import output_cache
+from kvpress_ada.hosts.transformers.ragged_cache import RaggedLayer
 
 torch.set_num_threads(1)
 
@@ -244,7 +244,7 @@ def test_kvpress_generate_and_fanout_refusal(llama, tokenizer):
                           press=press, max_new_tokens=4)
     single = ka.generate(llama, tokenizer, "some other text " * 6, ["what?", "why?"], press=press, max_new_tokens=4)
     assert answers[1] == single
-    from kvpress_ada.integration.fanout import capture_prefill
+    from kvpress_ada.hosts.transformers.fanout import capture_prefill
 
     prefill = capture_prefill(llama, _ids(40))
     with pytest.raises(ValueError, match="prefills in chunks of 16 tokens"):
@@ -262,7 +262,7 @@ def test_cli_refuses_unsupported_press(capsys, tmp_path):
 def test_query_blocks_equal_one_attention_call(llama, monkeypatch):
     """Rows padded to a long head are attended in query blocks (bounded temporaries): the same output,
     the same kept sets and logits as one call over the whole chunk."""
-    from kvpress_ada.integration import chunked_prefill as cp
+    from kvpress_ada.hosts.transformers import chunked_prefill as cp
 
     gen = torch.Generator().manual_seed(3)
     B, H, Hq, C, L, D = 2, 2, 4, 7, 19, 8

@@ -12,7 +12,7 @@ from conftest import build_model, build_tokenizer
 from torch._dynamo.utils import counters
 
 from kvpress_ada import generate, preset
-from kvpress_ada.integration import compiled
+from kvpress_ada.hosts.transformers import compiled
 
 MAX_GRAPHS = 1  # one graph serves every context length, compression and re-layout (buffer lengths are dynamic)
 STEPS = 64  # decode forwards per generation (the first token comes from the prefill)
@@ -89,7 +89,7 @@ def test_cache_built_outside_inference_mode_decodes_inside_without_recompiles(mo
     """A cache prefilled under no_grad (normal tensors) and decoded under inference_mode, where
     re-layouts happen at different steps in different layers, keeps one graph: the buffers are
     always normal tensors, so no layer's dispatch keys change (found by benchmarks/decode.py)."""
-    from kvpress_ada.integration.hf import cache_kwarg, output_cache
+    from kvpress_ada.hosts.transformers.hf import cache_kwarg, output_cache
 
     counters.clear()
     press = preset("ada_snapkv", compression_ratio=0.5)

@@ -1,6 +1,6 @@
 """Decode-phase compression: Pipeline(decode_budget=B, decode_interval=K).
 
-What is asserted is what ``kvpress_ada/integration/decode_compression.py`` documents: ragged
+What is asserted is what ``kvpress_ada/hosts/transformers/decode_compression.py`` documents: ragged
 cache == Mask reference (same tokens, logits within 1e-4) on every architecture; after each
 compaction a layer holds exactly ``min(H_kv * B, held)`` entries per batch row, at most
 ``H_kv * (B + K - 1)`` after any forward from the first compaction on, and the ragged cache's
@@ -18,7 +18,7 @@ from kvpress_ada import Pipeline, generate
 from kvpress_ada import surrogate as sur
 from kvpress_ada.allocators import AdaHead, UniformHead
 from kvpress_ada.evictors import Mask, TopK
-from kvpress_ada.integration.hf import cache_kwarg, output_cache
+from kvpress_ada.hosts.transformers.hf import cache_kwarg, output_cache
 from kvpress_ada.kernels.reference import CHUNK
 from kvpress_ada.scorers import SCORERS, KeyDiff, SnapKV, StreamingLLM
 

@@ -9,7 +9,7 @@ import pytest
 from conftest import build_model, build_tokenizer
 
 import kvpress_ada.harness.cli as cli
-from kvpress_ada.integration.fanout import Prefill
+from kvpress_ada.hosts.transformers.fanout import Prefill
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from conftest import build_model, build_tokenizer
 from transformers import AutoModelForCausalLM
 
 from kvpress_ada import preset
-from kvpress_ada.integration.hf import output_cache
+from kvpress_ada.hosts.transformers.hf import output_cache
 
 
 def test_cache_tensors_sit_on_their_layers_device(tmp_path):

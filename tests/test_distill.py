@@ -16,7 +16,7 @@ from kvpress_ada.harness.distill import (
     heldout,
     training_texts,
 )
-from kvpress_ada.integration.fanout import capture_prefill
+from kvpress_ada.hosts.transformers.fanout import capture_prefill
 from kvpress_ada.tokens import encode
 
 CONTEXT = 300  # the char tokenizer's passkey fits in 300 tokens

@@ -6,8 +6,8 @@ from typing import ClassVar, Literal
 import torch
 
 from kvpress_ada import Mask, RaggedCache, UniformLayer, generate, preset
-from kvpress_ada.integration.fanout import capture_prefill
-from kvpress_ada.integration.hf import output_cache
+from kvpress_ada.hosts.transformers.fanout import capture_prefill
+from kvpress_ada.hosts.transformers.hf import output_cache
 
 
 class _WaitingUniform(UniformLayer):

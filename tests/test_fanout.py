@@ -8,7 +8,7 @@ from kvpress_ada import AdaHead, Pipeline, SnapKV
 from kvpress_ada.harness.eval import Sample
 from kvpress_ada.harness.eval.runner import evaluate, evaluate_separately, grid
 from kvpress_ada.harness.eval.signals import eviction_loss
-from kvpress_ada.integration.fanout import capture_prefill
+from kvpress_ada.hosts.transformers.fanout import capture_prefill
 
 SAMPLES = [
     Sample(context="The pass key is 4821. " + "Blue doors and seven gates. " * 4, question="What is the pass key?",

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpress_ada import AdaHead, AdaLayer, KNorm, Pipeline, Scorer, register_scorer
-from kvpress_ada.integration.fanout import capture_prefill
-from kvpress_ada.integration.hf import output_cache
+from kvpress_ada.hosts.transformers.fanout import capture_prefill
+from kvpress_ada.hosts.transformers.hf import output_cache
 
 torch.set_num_threads(1)
 

@@ -89,7 +89,7 @@ def _kvpress_kept(model, press, ids) -> torch.Tensor:
 
 @pytest.mark.parametrize("label", REPLICAS)
 def test_replica_keeps_what_kvpress_keeps(label):
-    from kvpress_ada.integration.fanout import capture_prefill
+    from kvpress_ada.hosts.transformers.fanout import capture_prefill
 
     presses, diagnostics = _entries()
     model = build_model("llama", seed=1)

@@ -6,8 +6,8 @@ from conftest import ARCHITECTURES, build_model, build_tokenizer, generate_ragge
 
 from kvpress_ada import AdaHead, AdaLayer, Pipeline, Threshold, generate, preset
 from kvpress_ada import surrogate as sur
-from kvpress_ada.integration.fanout import capture_prefill
-from kvpress_ada.integration.hf import output_cache
+from kvpress_ada.hosts.transformers.fanout import capture_prefill
+from kvpress_ada.hosts.transformers.hf import output_cache
 from kvpress_ada.presets import portable_preset_names
 from kvpress_ada.scorers.kvzap import KVzap
 

@@ -8,8 +8,8 @@ import torch
 from conftest import build_model, build_tokenizer
 
 from kvpress_ada import KVzip, preset
-from kvpress_ada.integration.fanout import capture_prefill
-from kvpress_ada.integration.hf import output_cache
+from kvpress_ada.hosts.transformers.fanout import capture_prefill
+from kvpress_ada.hosts.transformers.hf import output_cache
 from kvpress_ada.scorers.kvzip import FIRST_PROMPT, NEXT_PROMPT, PassChunk
 
 
@@ -90,7 +90,7 @@ def test_kvzip_press_keeps_cache_intact_and_equals_fanout():
 
 def test_kvzip_needs_a_tokenizer_and_says_how():
     model = build_model("llama", seed=3)
-    from kvpress_ada.integration import model_pass
+    from kvpress_ada.hosts.transformers import model_pass
 
     model_pass._TOKENIZERS.pop(model, None)
     with pytest.raises(ValueError, match="use_tokenizer"), preset("kvzip", compression_ratio=0.5)(model):

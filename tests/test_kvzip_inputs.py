@@ -8,8 +8,8 @@ import torch
 from conftest import build_model, build_tokenizer
 
 from kvpress_ada import preset, use_tokenizer
-from kvpress_ada.integration import model_pass
-from kvpress_ada.integration.fanout import capture_prefill
+from kvpress_ada.hosts.transformers import model_pass
+from kvpress_ada.hosts.transformers.fanout import capture_prefill
 
 
 def _count_forwards(model):

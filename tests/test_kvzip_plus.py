@@ -9,9 +9,9 @@ from conftest import build_model
 from transformers import DynamicCache
 
 from kvpress_ada import KVzip, Pipeline, preset
-from kvpress_ada.integration.fanout import capture_prefill
-from kvpress_ada.integration.hf import cache_kwarg, output_cache
-from kvpress_ada.integration.model_pass import model_pass_scores, tokenizer_for
+from kvpress_ada.hosts.transformers.fanout import capture_prefill
+from kvpress_ada.hosts.transformers.hf import cache_kwarg, output_cache
+from kvpress_ada.hosts.transformers.model_pass import model_pass_scores, tokenizer_for
 from kvpress_ada.scorers.kvzip import PassChunk, output_norms
 
 
@@ -65,7 +65,7 @@ def _formula_scores(model, ids, scorer):
 
 @pytest.mark.parametrize("plus", [False, True])
 def test_pass_scores_match_the_formula_on_a_model(plus, monkeypatch):
-    from kvpress_ada.integration import model_pass
+    from kvpress_ada.hosts.transformers import model_pass
 
     split_calls = []
     parts = model_pass.prefix_then_causal_parts

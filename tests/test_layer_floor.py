@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvpress_ada import AdaHead, Pipeline, PyramidLayer, SnapKV, StreamingLLM, UniformHead, UniformLayer
 from kvpress_ada.allocators.layers import LayerSchedule
-from kvpress_ada.integration.hf import output_cache
+from kvpress_ada.hosts.transformers.hf import output_cache
 from kvpress_ada.scorers import SCORERS
 
 

@@ -6,7 +6,7 @@ import torch
 from test_scorer_registry import scorer_names
 
 from kvpress_ada import Mask, Pipeline, RaggedCache, generate, preset
-from kvpress_ada.integration.hf import output_cache
+from kvpress_ada.hosts.transformers.hf import output_cache
 from kvpress_ada.presets import portable_preset_names
 from kvpress_ada.scorers import SCORERS
 

@@ -14,7 +14,7 @@ import torch
 
 from kvpress_ada import models
 from kvpress_ada.harness import default_model
-from kvpress_ada.integration import hf
+from kvpress_ada.hosts.transformers import hf
 from kvpress_ada.models import ModelLoadError
 
 
@@ -75,7 +75,7 @@ def test_models_re_exports_the_downloader():
 
 
 def test_integration_does_not_import_the_downloader():
-    code = ("import sys, kvpress_ada.integration, kvpress_ada.integration.hf; "
+    code = ("import sys, kvpress_ada.hosts.transformers, kvpress_ada.hosts.transformers.hf; "
             "print('kvpress_ada.harness.default_model' in sys.modules, 'kvpress_ada.models' in sys.modules)")
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)

@@ -26,7 +26,7 @@ from kvpress_ada import (
     preset_names,
     register_scorer,
 )
-from kvpress_ada.integration.hf import output_cache
+from kvpress_ada.hosts.transformers.hf import output_cache
 
 # every registered scorer (looked up lazily, so scorers registered by tests or plugins are drawn too),
 # fields drawn inside their pydantic constraints

@@ -5,7 +5,7 @@ that never changes a row. Plus two contracts: the evictor builds its cache, and 
 function's handler protocol. Each test failed on the code before its fix.
 """
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import pytest
 import torch
@@ -27,14 +27,14 @@ from kvpress_ada import (
     TopK,
     preset,
 )
-from kvpress_ada.integration import Handler, HeldEntries, PressCache, RaggedLayer
-from kvpress_ada.integration.attention import layer_view
-from kvpress_ada.integration.chunked_prefill import ChunkedPrefill
-from kvpress_ada.integration.decode_compression import DecodeRun
-from kvpress_ada.integration.fanout import CaptureRun, capture_prefill
-from kvpress_ada.integration.hf import cache_kwarg, output_cache
-from kvpress_ada.integration.model_pass import PassRun
-from kvpress_ada.integration.prefill import PrefillRun
+from kvpress_ada.hosts.transformers import Handler, HeldEntries, PressCache, RaggedLayer, new_cache
+from kvpress_ada.hosts.transformers.attention import layer_view
+from kvpress_ada.hosts.transformers.chunked_prefill import ChunkedPrefill
+from kvpress_ada.hosts.transformers.decode_compression import DecodeRun
+from kvpress_ada.hosts.transformers.fanout import CaptureRun, capture_prefill
+from kvpress_ada.hosts.transformers.hf import cache_kwarg, output_cache
+from kvpress_ada.hosts.transformers.model_pass import PassRun
+from kvpress_ada.hosts.transformers.prefill import PrefillRun
 from kvpress_ada.kernels.reference import CHUNK
 from kvpress_ada.presets import portable_preset_names
 
@@ -78,7 +78,7 @@ def test_decoding_past_the_sliding_window_is_refused():
     assert inside.shape[1] == 32
     with press(model), pytest.raises(ValueError, match=r"sliding window \(32\)"):
         model.generate(ids, max_new_tokens=12, do_sample=False)
-    assert model.config._attn_implementation != kvpress_ada.integration.ATTENTION_NAME
+    assert model.config._attn_implementation != kvpress_ada.hosts.transformers.ATTENTION_NAME
 
 
 # ----------------------------------------------------------------------- right padding
@@ -207,23 +207,30 @@ def test_compressed_cache_after_the_block(llama, evictor):
             assert isinstance(output_cache(llama(input_ids=ids)), PressCache)
     finally:
         kvpress_ada.detach(llama)
-    assert llama.config._attn_implementation != kvpress_ada.integration.ATTENTION_NAME
+    assert llama.config._attn_implementation != kvpress_ada.hosts.transformers.ATTENTION_NAME
 
 
 # ------------------------------------------------------------------- the contracts
-def test_the_evictor_builds_its_cache(llama):
-    assert isinstance(TopK().new_cache(llama.config), RaggedCache)
-    assert isinstance(Mask().new_cache(llama.config), MaskedCache)
+def test_the_host_picks_the_cache(llama):
+    assert isinstance(new_cache(preset("snapkv", compression_ratio=0.5), llama.config), RaggedCache)
+    assert isinstance(new_cache(preset("snapkv", compression_ratio=0.5, evictor=Mask()), llama.config), MaskedCache)
 
-    class BigReserve(TopK):
-        def new_cache(self, config):
-            return RaggedCache(config=config, decode_reserve=40)
+    class Hiding(TopK):  # a user's evictor that keeps the dense cache gets the host's masked one
+        frees_memory: ClassVar[bool] = False
 
+    assert isinstance(new_cache(preset("snapkv", compression_ratio=0.5, evictor=Hiding()), llama.config), MaskedCache)
+
+
+def test_a_cache_given_by_the_caller_is_used(llama):
+    """A fresh press cache passed to the forward (here with a bigger decode reserve) is the one compressed into."""
     ids = _ids(80)
+    key = cache_kwarg(llama)
     sizes = {}
-    for evictor in (TopK(), BigReserve()):
-        with preset("snapkv", compression_ratio=0.5, evictor=evictor)(llama):
-            sizes[type(evictor).__name__] = output_cache(llama(input_ids=ids)).nbytes()
+    for reserve in (RaggedLayer().decode_reserve, 40):
+        with preset("snapkv", compression_ratio=0.5)(llama):
+            cache = RaggedCache(config=llama.config, decode_reserve=reserve)
+            assert output_cache(llama(input_ids=ids, **{key: cache})) is cache
+            sizes[reserve] = cache.nbytes()
     D = llama.config.hidden_size // llama.config.num_attention_heads
     def room(n):  # a row's slots: kept entries + reserve, rounded up to whole chunks (compile-first layout)
         return -(-n // CHUNK) * CHUNK
@@ -231,14 +238,18 @@ def test_the_evictor_builds_its_cache(llama):
     kept = 40  # snapkv at r = 0.5 of 80 tokens, per kv head
     default = RaggedLayer().decode_reserve
     slots = 3 * 1 * 2 * (room(kept + 40) - room(kept + default))  # layers x batch x kv heads x reserve difference
-    assert slots > 0 and sizes["BigReserve"] - sizes["TopK"] == slots * D * 2 * 4
+    assert slots > 0 and sizes[40] - sizes[default] == slots * D * 2 * 4
 
 
-def test_prefill_handlers_follow_the_protocol():
-    handler_methods = {"handles_prefill", "after_prefill", "attend"}
-    assert handler_methods <= set(dir(Handler))
+def test_every_handler_implements_the_whole_protocol():
+    """The routing and the compiled step call every Handler method on whatever handler a forward carries:
+    each handler is a declared Handler and overrides each of them (no inherited stub, no duck typing)."""
+    methods = {"handles_prefill", "after_prefill", "attend", "record_hidden", "after_forward", "traceable"}
+    assert methods <= set(dir(Handler))
     for cls in (PrefillRun, ChunkedPrefill, DecodeRun, CaptureRun, PassRun):
-        assert handler_methods <= set(dir(cls)), cls
+        assert Handler in cls.__mro__, cls
+        for name in methods:
+            assert getattr(cls, name) is not getattr(Handler, name), (cls.__name__, name)
 
 
 # ------------------------------------------------------------ padding never changes a row

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kvpress_ada import Pipeline, RaggedCache, SnapKV, generate, preset
-from kvpress_ada.integration import RaggedLayer
-from kvpress_ada.integration.hf import output_cache
+from kvpress_ada.hosts.transformers import RaggedLayer
+from kvpress_ada.hosts.transformers.hf import output_cache
 from kvpress_ada.kernels.reference import CHUNK
 
 

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from kvpress_ada import AdaHead, Observation, Pipeline, SnapKV, StreamingLLM, UniformHead
 from kvpress_ada.evictors import topk_mask
-from kvpress_ada.integration import RaggedLayer
+from kvpress_ada.hosts.transformers import RaggedLayer
 
 SETTINGS = settings(max_examples=40, deadline=None)
 

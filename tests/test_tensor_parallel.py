@@ -20,7 +20,7 @@ from conftest import build_model, build_tokenizer, random_surrogate
 
 from kvpress_ada import preset
 from kvpress_ada import surrogate as sur
-from kvpress_ada.integration.tensor_parallel import HeadShard, head_shard, local_weight
+from kvpress_ada.hosts.transformers.tensor_parallel import HeadShard, head_shard, local_weight
 from kvpress_ada.observation import LayerView, Observation
 from kvpress_ada.presets import portable_preset_names
 from kvpress_ada.scorers import RandomScorer

@@ -8,7 +8,7 @@ from conftest import build_model
 from transformers import DynamicCache
 
 from kvpress_ada import Mask, RaggedCache, preset
-from kvpress_ada.integration.hf import output_cache
+from kvpress_ada.hosts.transformers.hf import output_cache
 
 TRIALS = 40
 

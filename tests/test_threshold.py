@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from kvpress_ada import AdaLayer, KNorm, Observation, Pipeline, SnapKV, Threshold
-from kvpress_ada.integration.fanout import capture_prefill
-from kvpress_ada.integration.hf import output_cache
+from kvpress_ada.hosts.transformers.fanout import capture_prefill
+from kvpress_ada.hosts.transformers.hf import output_cache
 
 torch.set_num_threads(1)
 

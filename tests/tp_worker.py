@@ -48,9 +48,9 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvpress_ada import preset, use_tokenizer
-    from kvpress_ada.integration.hf import output_cache
-    from kvpress_ada.integration.press_cache import PressCache
-    from kvpress_ada.integration.tensor_parallel import head_shard
+    from kvpress_ada.hosts.transformers.hf import output_cache
+    from kvpress_ada.hosts.transformers.press_cache import PressCache
+    from kvpress_ada.hosts.transformers.tensor_parallel import head_shard
     from kvpress_ada.presets import portable_preset_names
 
     tp = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32).eval()

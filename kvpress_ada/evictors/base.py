@@ -1,30 +1,25 @@
-"""Evictors: turn per-head counts into kept tokens, and own the cache kind that drops the rest."""
+"""Evictors: turn per-head counts into kept tokens, and say what becomes of the rest."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from ..components import Component, Registry
 from ..ranking import top_k
 
-if TYPE_CHECKING:
-    from ..integration.press_cache import PressCache
-
 
 class Evictor(Component):
-    """``select(scores, counts) -> keep [B, H, L]`` bool, and ``new_cache(config)``: the cache that
-    holds the result. A new cache kind (quantized, paged, offloaded) is one registered evictor."""
+    """``select(scores, counts) -> keep [B, H, L]`` bool. ``frees_memory``: whether the entries not kept
+    leave memory (a host then compacts the kept ones into its storage, ragged or paged) or stay hidden
+    in a dense cache. The host, not the evictor, picks the cache."""
 
     kind: ClassVar[str] = "evictor"
+    frees_memory: ClassVar[bool] = True
 
     def select(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return topk_mask(scores, counts)
-
-    def new_cache(self, config: Any) -> PressCache:  # pragma: no cover - abstract
-        """An empty cache for a model with this ``config`` that this evictor compresses into."""
-        raise NotImplementedError(f"{type(self).__name__} must implement new_cache(config)")
 
 
 EVICTORS = Registry("evictor", Evictor)

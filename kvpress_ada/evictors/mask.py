@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import ClassVar, Literal
 
-from ..integration.masked_cache import MaskedCache
 from .base import Evictor, register_evictor
 
 
@@ -14,6 +13,4 @@ class Mask(Evictor):
     :class:`TopK` selects; useful as a reference and where a dense cache is required."""
 
     name: Literal["mask"] = "mask"
-
-    def new_cache(self, config: Any) -> MaskedCache:
-        return MaskedCache(config=config)
+    frees_memory: ClassVar[bool] = False

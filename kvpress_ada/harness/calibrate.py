@@ -18,8 +18,8 @@ from tqdm.auto import tqdm
 
 from kvpress_ada.allocators import AdaHead, AdaLayer
 from kvpress_ada.calibration import CALIBRATION_SEED, Calibration, model_identity
-from kvpress_ada.integration.fanout import capture_prefill
-from kvpress_ada.integration.generation import split_prompt
+from kvpress_ada.hosts.transformers.fanout import capture_prefill
+from kvpress_ada.hosts.transformers.generation import split_prompt
 from kvpress_ada.pipeline import Pipeline
 from kvpress_ada.scorers import SCORERS, Scorer
 from kvpress_ada.tokens import encode

@@ -168,9 +168,11 @@ def _with_decode(press, args):
 
 def _check_press_model(label: str, press, model) -> None:
     """A press tied to another model (a calibration file made for it) is bad input: exit 2."""
+    from kvpress_ada.hosts.transformers import check_press
+
     try:
         if press is not None:
-            press.check_model(model)
+            check_press(press, model)
     except ValueError as err:
         raise UsageError(f"{label}: {err}") from None
 
@@ -194,8 +196,8 @@ def _load_model(name: str):
 def cmd_demo(args) -> int:
     import torch
 
-    from kvpress_ada.integration.fanout import capture_prefill
-    from kvpress_ada.integration.generation import continue_rows, decode_rows, eos_ids, split_prompt
+    from kvpress_ada.hosts.transformers.fanout import capture_prefill
+    from kvpress_ada.hosts.transformers.generation import continue_rows, decode_rows, eos_ids, split_prompt
     from kvpress_ada.presets import preset, preset_names
     from kvpress_ada.tokens import encode
 

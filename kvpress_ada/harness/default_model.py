@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from kvpress_ada.harness.model_sources import DEFAULT, SOURCES, GGUFMetadata, ModelSource, Wheel
-from kvpress_ada.integration.hf import SUPPORTED_MODEL_TYPES
+from kvpress_ada.hosts.transformers.hf import SUPPORTED_MODEL_TYPES
 
 __all__ = [
     "ModelLoadError",

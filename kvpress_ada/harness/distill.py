@@ -39,8 +39,8 @@ import torch
 from tqdm.auto import tqdm
 
 from kvpress_ada.calibration import CALIBRATION_SEED, model_identity
-from kvpress_ada.integration.fanout import capture_prefill
-from kvpress_ada.integration.generation import split_prompt
+from kvpress_ada.hosts.transformers.fanout import capture_prefill
+from kvpress_ada.hosts.transformers.generation import split_prompt
 from kvpress_ada.scorers import KVzip
 from kvpress_ada.surrogate import Surrogate, SurrogateMeta
 from kvpress_ada.tokens import encode

@@ -45,8 +45,8 @@ from kvpress_ada.harness.default_model import (
     is_converted,
 )
 from kvpress_ada.harness.model_sources import SOURCES, source_names
-from kvpress_ada.integration.hf import SUPPORTED_MODEL_TYPES
-from kvpress_ada.integration.model_pass import use_tokenizer
+from kvpress_ada.hosts.transformers.hf import SUPPORTED_MODEL_TYPES
+from kvpress_ada.hosts.transformers.model_pass import use_tokenizer
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",

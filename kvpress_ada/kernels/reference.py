@@ -21,7 +21,7 @@ from torch import Tensor
 __all__ = ["ragged_attention_ref", "ragged_attention_chunked", "chunk_aligned", "compact_ref", "append_ref", "CHUNK"]
 
 CHUNK = 32
-"""Tokens per chunk of the loop-free path; :class:`~kvpress_ada.integration.RaggedLayer` aligns
+"""Tokens per chunk of the loop-free path; :class:`~kvpress_ada.hosts.transformers.RaggedLayer` aligns
 every row's capacity (and so every row offset) to a multiple of it."""
 LOOP_FREE = True
 """Allow :func:`ragged_attention_chunked` for rows of different lengths (when the layout is chunk

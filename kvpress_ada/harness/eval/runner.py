@@ -20,15 +20,15 @@ from tqdm.auto import tqdm
 from kvpress_ada.evictors import TopK
 from kvpress_ada.harness.eval.scoring import score_sample
 from kvpress_ada.harness.eval.signals import eviction_loss, fidelity
-from kvpress_ada.integration.fanout import capture_prefill
-from kvpress_ada.integration.generation import (
+from kvpress_ada.hosts.transformers.fanout import capture_prefill
+from kvpress_ada.hosts.transformers.generation import (
     continue_rows,
     decode_rows,
     eos_ids,
     generate,
     split_prompt,
 )
-from kvpress_ada.integration.hf import cache_kwarg, output_cache
+from kvpress_ada.hosts.transformers.hf import cache_kwarg, output_cache
 from kvpress_ada.pipeline import Pipeline
 from kvpress_ada.presets import preset
 from kvpress_ada.tokens import encode

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpress_ada.integration.fanout import Prefill
+from kvpress_ada.hosts.transformers.fanout import Prefill
 
 
 def _window_output(q, keys, values, visible, scaling):

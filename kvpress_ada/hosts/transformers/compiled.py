@@ -18,8 +18,7 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from .attention import RUN_KWARG
-from .decode_compression import DecodeRun
+from .attention import RUN_KWARG, Handler
 from .hf import input_shape
 from .ragged_cache import RaggedCache
 
@@ -76,8 +75,8 @@ class DecodeForward:
             return self.eager(*args, **kwargs)
         if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
             return self.eager(*args, **kwargs)
-        run = kwargs.get(RUN_KWARG)
-        if isinstance(run, DecodeRun) and not run.traceable:  # a decode compaction (or its window): eager
+        run: Handler | None = kwargs.get(RUN_KWARG)
+        if run is not None and not run.traceable:  # a decode compaction (or its window): eager
             return self.eager(*args, **kwargs)
         (B, q), device = input_shape(args, kwargs)
         if q != 1:

@@ -7,7 +7,7 @@ from contextlib import nullcontext
 
 import torch
 
-from ..tokens import encode, left_pad
+from ...tokens import encode, left_pad
 from .hf import cache_kwarg, output_cache
 from .model_pass import use_tokenizer
 
@@ -90,7 +90,7 @@ def generate(model, tokenizer, context: str | list[str], questions: list[str] | 
     ``context`` may be a list of documents of different lengths: they run as one left-padded batch
     and the result is one list of answers per document. ``compile``: decode steps over the compressed
     cache run through a compiled forward (default: on CUDA, off on CPU; ``$KVPRESS_ADA_COMPILE=0`` turns
-    the default off; see :mod:`kvpress_ada.integration.compiled`); tokens are the same either way. With
+    the default off; see :mod:`kvpress_ada.hosts.transformers.compiled`); tokens are the same either way. With
     decode compression (``press.decode_budget``) the question and answer tokens count toward the decode
     interval; a compaction cannot be cropped away, so every question then starts from a copy of the
     compressed context cache instead.

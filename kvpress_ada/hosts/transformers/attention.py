@@ -15,7 +15,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..observation import LayerView
+from ...observation import LayerView
 from .press_cache import HeldEntries, SequenceState
 from .tensor_parallel import HeadShard, local_weight
 
@@ -24,19 +24,38 @@ RUN_KWARG = "kvpress_ada_run"
 
 
 class Handler(Protocol):
-    """What the ``"kvpress_ada"`` attention function needs for one forward pass (one per mode:
-    prefill, chunked prefill, decode, fan-out capture, a scorer's model pass)."""
+    """What a forward routed through kvpress_ada needs of its mode (prefill, chunked prefill, decode,
+    fan-out capture, a scorer's model pass): every handler implements every method, so the routing
+    and the compiled step never ask which handler they hold."""
 
     def handles_prefill(self, layer_idx: int) -> bool:
         """Whether this forward is the prefill of ``layer_idx`` that :meth:`after_prefill` handles."""
+        ...
 
     def after_prefill(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       scaling: float) -> None:
         """Called right after the layer's dense prefill attention with its post-RoPE tensors."""
+        ...
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:
         """Attention for every other call (decode steps, chunks, layers already compressed)."""
+        ...
+
+    def record_hidden(self, layer_idx: int, hidden: torch.Tensor) -> None:
+        """The hidden states ``[B, T, hidden]`` entering layer ``layer_idx``'s attention (handed over
+        only while a press whose scorer reads them is open, or while the handler's own recording runs)."""
+        ...
+
+    def after_forward(self, output: Any) -> Any:
+        """End of the forward (``output`` is ``None`` when it raised): evictions that waited for every
+        layer run here; returns the output the caller gets."""
+        ...
+
+    @property
+    def traceable(self) -> bool:
+        """Whether this forward only attends through the cache (no host-side work: a compiled step may run it)."""
+        ...
 
 
 def press_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -129,17 +148,6 @@ def record_entry_scores(state: SequenceState, scorer: Any, layer_idx: int, hidde
     with torch.no_grad():
         scores = scorer.entry_scores(hidden, layer_idx).detach().float()
     state.add_entry_scores(layer_idx, scores if shard is None else shard.local(scores))
-
-
-def keep_every_layer(press: Any, cache: Any, pending: dict[int, tuple[LayerView, HeldEntries]], budget: Any,
-                     spare: int | None = None) -> None:
-    """Model scope: one :meth:`Pipeline.keep <kvpress_ada.Pipeline.keep>` over every layer's view in ``pending``
-    (layer index -> its view and what it held), then each layer keeps its mask (``spare`` free slots per row)."""
-    if len(pending) != len(cache.layers):
-        raise RuntimeError(f"a model-scope eviction saw {len(pending)} of {len(cache.layers)} layers")
-    views = [pending[i][0] for i in range(len(pending))]
-    for i, keep in enumerate(press.keep(views, budget)):
-        cache.retain(i, keep, pending[i][1], spare)
 
 
 def layer_view(scorer: Any, model: Any, module: torch.nn.Module, n_layers: int, held: HeldEntries,

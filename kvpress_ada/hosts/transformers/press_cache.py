@@ -79,12 +79,47 @@ class SequenceState:
     since: list[int] = field(default_factory=list)
     compactions: list[int] = field(default_factory=list)
     entry_scores: list[torch.Tensor | None] = field(default_factory=list)
+    recorded: list[int] = field(default_factory=list)  # queries recorded since the last compaction
 
     def __post_init__(self) -> None:
         self.queries = [None] * self.n_layers
         self.since = [0] * self.n_layers
         self.compactions = [0] * self.n_layers
         self.entry_scores = [None] * self.n_layers
+        self.recorded = [0] * self.n_layers
+
+    def crop(self, n: int) -> None:
+        """Forget the last ``n`` tokens fed (``Cache.crop``): their hidden-state scores, their recorded
+        queries and their count toward the next compaction. Refuses, in one line, to crop past a decode
+        compaction (what it evicted cannot come back)."""
+        for layer in range(self.n_layers):
+            if self.compactions[layer] and n > self.since[layer]:
+                raise ValueError(f"cannot crop {n} tokens: layer {layer} was compacted {self.since[layer]} tokens ago "
+                                 "and decode compaction cannot be undone (assisted decoding is not supported with "
+                                 "decode_budget); crop at most the tokens appended since the last compaction")
+        for layer in range(self.n_layers):
+            drop = min(n, self.since[layer], self.recorded[layer])
+            held = self.queries[layer]
+            if drop and held is not None:
+                self.queries[layer] = held[:, :, :max(0, held.shape[2] - drop)]
+            self.recorded[layer] -= drop
+            self.since[layer] = max(0, self.since[layer] - n)
+            scores = self.entry_scores[layer]
+            if scores is not None:
+                self.entry_scores[layer] = scores[:, :, :max(0, scores.shape[2] - n)]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep batch rows ``rows`` (beam reordering, batch selection or repetition) of every per-row tensor."""
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, rows.to(t.device))
+        self.key_mask = pick(self.key_mask)
+        self.queries = [pick(q) for q in self.queries]
+        self.entry_scores = [pick(s) for s in self.entry_scores]
+
+    def nbytes(self) -> int:
+        """Bytes of the hidden-state scores held (they grow by 4 bytes per token and kv head while a press
+        compacts in decode); the recorded queries are bounded by the scorer's window and not counted."""
+        return sum(t.numel() * t.element_size() for t in self.entry_scores if t is not None)
 
     def add_entry_scores(self, layer_idx: int, scores: torch.Tensor) -> None:
         """Append the scores ``[B, H_kv, T]`` of the ``T`` tokens a forward feeds layer ``layer_idx``."""
@@ -139,8 +174,41 @@ class PressCache(Cache):
         return self.layer(layer_idx).head_lengths()
 
     def nbytes(self) -> int:
-        """Bytes held for keys and values of all layers."""
-        return sum(self.layer(i).nbytes() for i in range(len(self.layers)))
+        """Bytes held for keys and values of all layers, plus the hidden-state scores a scorer reading
+        hidden states keeps with the sequence (:meth:`SequenceState.nbytes`)."""
+        return sum(self.layer(i).nbytes() for i in range(len(self.layers))) + self.state.nbytes()
+
+    @property
+    def is_croppable(self) -> bool:
+        """Read by transformers' assisted decoding right after its first forward: a prefill under a press
+        that carried the candidate tokens too, which would be compressed as prompt; refused in one line."""
+        mask = self.state.key_mask
+        if mask is not None and self.get_seq_length() == mask.shape[1]:
+            raise ValueError("assisted decoding (prompt_lookup_num_tokens, assistant_model) is not supported under "
+                             "a kvpress_ada press: its first forward feeds the candidate tokens with the prompt, and "
+                             "the press would compress them as prompt; generate without it")
+        return True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """``Cache.crop`` (a negative count of tokens to drop), cropping the sequence state too."""
+        if tokens_to_remove < 0:
+            self.state.crop(-tokens_to_remove)
+        super().crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: reorder every layer's rows and the sequence state's (keep masks, query windows)."""
+        super().reorder_cache(beam_idx)
+        self.state.select_rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self.state.select_rows(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        mask = self.state.key_mask
+        if mask is not None:
+            self.state.select_rows(torch.arange(mask.shape[0], device=mask.device).repeat_interleave(repeats))
 
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float, dense_fn: DenseAttention, module: torch.nn.Module,

@@ -29,7 +29,8 @@ from transformers import DynamicCache
 
 from . import compiled
 from .attention import ATTENTION_NAME, RUN_KWARG, Handler, attention_input, attention_modules
-from .chunked_prefill import ChunkedPrefill as ChunkedPrefillRun
+from .caches import new_cache
+from .checks import check_press
 from .chunked_prefill import start_chunked_prefill
 from .decode_compression import DecodeRun, hidden_scorer
 from .hf import cache_kwarg, check_left_padded, check_supported, input_shape, prefill_key_mask
@@ -38,7 +39,7 @@ from .press_cache import PressCache, SequenceState
 from .tensor_parallel import head_shard
 
 if TYPE_CHECKING:
-    from ..pipeline import Pipeline
+    from ...pipeline import Pipeline
 
 
 def next_positions(position_ids: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
@@ -103,15 +104,20 @@ class _Route:
         given_key = "past_key_values" if "past_key_values" in kwargs else self.cache_key
         cache = kwargs.get(given_key)
         if not isinstance(cache, PressCache):
-            fresh = cache is None or (type(cache) is DynamicCache and cache.get_seq_length() == 0)
+            offloaded = getattr(cache, "offloading", False)
+            fresh = cache is None or (type(cache) is DynamicCache and cache.get_seq_length() == 0 and not offloaded)
             if press is None:
                 return args, kwargs
+            if cache is not None and (offloaded or (not fresh and cache.get_seq_length() == 0)):
+                raise ValueError(f"a press compresses into its own cache and cannot use this {type(cache).__name__}"
+                                 f"{' (offloaded)' if offloaded else ''}: leave cache_implementation unset (or "
+                                 "pass an empty DynamicCache) under a press")
             if not fresh:
                 assert cache is not None
                 warnings.warn(f"{type(cache).__name__} already holds {cache.get_seq_length()} tokens that were "
                               "not compressed by this press; the forward runs uncompressed", stacklevel=3)
                 return args, kwargs
-            cache = press.evictor.new_cache(self.model.config)
+            cache = new_cache(press, self.model.config)
         shape, _ = input_shape(args, kwargs)
         _check_sliding_window(self.model, cache.get_seq_length() + shape[1])
         kwargs.pop("past_key_values", None)
@@ -121,6 +127,9 @@ class _Route:
             cache.state = SequenceState(n_layers=len(cache.layers), key_mask=key_mask)
             if press.chunks_prompt(shape[1]):
                 return start_chunked_prefill(self.model, press, cache, args, kwargs, self.cache_key)
+        if kwargs.get("output_attentions") or getattr(self.model.config, "output_attentions", False):
+            raise ValueError("output_attentions=True is not supported through a press cache (its attention returns "
+                             "no weights); call the model without it")
         run = self._handler(press, cache, args, kwargs, shape)
         kwargs[self.cache_key] = cache
         kwargs[RUN_KWARG] = run
@@ -145,19 +154,15 @@ class _Route:
         return DecodeRun(cache=cache, model=self.model, hidden_scorer=hidden_scorer(press) if prefill else None)
 
     def _post_hook(self, module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
-        run = kwargs.get(RUN_KWARG)
-        if not isinstance(run, (PrefillRun, DecodeRun, ChunkedPrefillRun)):
-            return None  # another handler (fan-out capture, a model pass) owns this forward
-        if not (isinstance(run, ChunkedPrefillRun) and not run.last):
-            run.cache.routed = False
-        return run.after_forward(output)
+        run: Handler | None = kwargs.get(RUN_KWARG)
+        return None if run is None else run.after_forward(output)
 
 
 def _hand_hidden_states(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of an attention module: its input hidden states go to the forward's handler."""
-    record = getattr(kwargs.get(RUN_KWARG), "record_hidden", None)
-    if record is not None:
-        record(int(module.layer_idx), attention_input(args, kwargs))  # type: ignore[arg-type]
+    run: Handler | None = kwargs.get(RUN_KWARG)
+    if run is not None:
+        run.record_hidden(int(module.layer_idx), attention_input(args, kwargs))  # type: ignore[arg-type]
 
 
 _ROUTES: WeakKeyDictionary[torch.nn.Module, _Route] = WeakKeyDictionary()
@@ -218,7 +223,7 @@ def apply_press(press: Pipeline, model: Any, compile: bool | None = None) -> Ite
     if press.is_noop:
         yield model
         return
-    press.check_model(model)
+    check_press(press, model)
     device = next(model.parameters()).device
     compiling = compiled.compile_enabled(compile, device)
     hidden = press.scorer.reads_hidden_states

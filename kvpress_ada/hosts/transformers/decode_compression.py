@@ -18,16 +18,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..observation import LayerView
-from .attention import dense_attention, keep_every_layer, layer_view, record_entry_scores
-from .press_cache import HeldEntries, PressCache
+from ...observation import Budget
+from .attention import Handler, dense_attention, layer_view, record_entry_scores
+from .eviction import Eviction
+from .press_cache import PressCache
 
 if TYPE_CHECKING:
-    from ..pipeline import Pipeline
+    from ...pipeline import Pipeline
 
 
 @dataclass
-class DecodeRun:
+class DecodeRun(Handler):
     """The handler of a forward on a cache that is not a prefill under a press (decode steps, a
     question appended to a compressed context, a cache used after :func:`~kvpress_ada.attach`).
     ``press``: the press whose decode compression runs in this forward (``None``: attend only);
@@ -37,7 +38,12 @@ class DecodeRun:
     model: torch.nn.Module
     press: Pipeline | None = None
     hidden_scorer: Any = None
-    pending: dict[int, tuple[LayerView, HeldEntries]] = field(default_factory=dict)  # model scope
+    eviction: Eviction | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        press = self.press
+        self.eviction = None if press is None else Eviction(
+            press, self.cache, at_end=type(press.layers).needs_all_layers, spare=press.decode_interval)
 
     @classmethod
     def for_step(cls, cache: PressCache, model: torch.nn.Module, press: Pipeline, tokens: int) -> "DecodeRun":
@@ -83,14 +89,18 @@ class DecodeRun:
         return self.press is None and self.hidden_scorer is None
 
     def after_forward(self, output: Any) -> Any:
-        pending, self.pending = self.pending, {}
-        if output is not None and pending:  # model scope: every layer compacts in this forward, at once
-            press = self.press
-            assert press is not None and press.decode_interval is not None
-            keys = next(iter(pending.values()))[0].keys
-            seen = torch.full((keys.shape[0],), self.cache.get_seq_length(0), dtype=torch.long, device=keys.device)
-            keep_every_layer(press, self.cache, pending, press.decode_budget_for(seen), spare=press.decode_interval)
+        """End of the forward: under a model-scope layer schedule every layer compacts here, at once."""
+        self.cache.routed = False
+        if self.eviction is not None:
+            self.eviction.every_layer(output, lambda: self._budget(0))
         return output
+
+    def _budget(self, layer_idx: int) -> Budget:
+        """The decode budget of layer ``layer_idx``'s rows, which have seen its ``get_seq_length`` tokens."""
+        assert self.press is not None
+        rows = self.cache.head_lengths(layer_idx)
+        seen = torch.full((rows.shape[0],), self.cache.get_seq_length(layer_idx), dtype=torch.long, device=rows.device)
+        return self.press.decode_budget_for(seen)
 
     def _after_attention(self, module: torch.nn.Module, query: torch.Tensor, scaling: float) -> None:
         """Record the layer's queries and compact it when ``decode_interval`` tokens arrived since its
@@ -104,21 +114,17 @@ class DecodeRun:
         recent = query.detach() if held is None else torch.cat([held, query.detach()], dim=2)
         recent = recent[:, :, recent.shape[2] - min(window, recent.shape[2]):]
         state.queries[layer_idx] = recent
+        state.recorded[layer_idx] += query.shape[2]
         if state.since[layer_idx] < press.decode_interval:
             return
+        assert self.eviction is not None
         with torch.no_grad():
             entries = self.cache.view(layer_idx)
             view = layer_view(press.scorer, self.model, module, len(self.cache.layers), entries, recent, scaling,
                               state=state)
-            if type(press.layers).needs_all_layers:
-                self.pending[layer_idx] = (view, entries)
-            else:
-                B = entries.keys.shape[0]
-                seen = torch.full((B,), self.cache.get_seq_length(layer_idx), dtype=torch.long,
-                                  device=entries.keys.device)
-                keep = press.keep([view], press.decode_budget_for(seen))[0]
-                self.cache.retain(layer_idx, keep, entries, spare=press.decode_interval)
+            self.eviction.layer(layer_idx, view, entries, lambda: self._budget(layer_idx))
         state.since[layer_idx] = 0
+        state.recorded[layer_idx] = 0
         state.compactions[layer_idx] += 1
 
 

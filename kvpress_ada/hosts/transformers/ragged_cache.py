@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .. import kernels
-from ..kernels.reference import CHUNK
+from ... import kernels
+from ...kernels.reference import CHUNK
 from .entries import gather_slots, left_pad_index, ragged_index, real_entries
 from .press_cache import DenseAttention, HeldEntries, PressCache, layer_count
 

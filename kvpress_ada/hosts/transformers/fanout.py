@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from ..scorers.base import PassScorer
-from .attention import RUN_KWARG, attention_routed, layer_view, recording_attention_inputs
+from ...scorers.base import PassScorer
+from .attention import RUN_KWARG, Handler, attention_routed, layer_view, recording_attention_inputs
+from .caches import new_cache
+from .checks import check_press
 from .hf import cache_kwarg, check_left_padded, check_supported, prefill_key_mask
 from .model_pass import model_pass_scores
 from .press_cache import HeldEntries
@@ -35,18 +37,25 @@ class LayerCapture:
 
 
 @dataclass
-class CaptureRun:
-    """A :class:`~kvpress_ada.integration.press_context.PrefillHandler` that records each layer's
-    prefill instead of compressing it (every layer's forward is its prefill)."""
+class CaptureRun(Handler):
+    """The handler that records each layer's prefill instead of compressing it (every layer's forward
+    is its prefill)."""
 
     layers: dict[int, LayerCapture] = field(default_factory=dict)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def capture_hidden(self, layer_idx: int, hidden: torch.Tensor) -> None:
+    def record_hidden(self, layer_idx: int, hidden: torch.Tensor) -> None:
         self.hidden[layer_idx] = hidden
 
     def handles_prefill(self, layer_idx: int) -> bool:
         return True
+
+    @property
+    def traceable(self) -> bool:
+        return False
+
+    def after_forward(self, output: Any) -> Any:
+        return output
 
     def after_prefill(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       scaling: float) -> None:
@@ -110,7 +119,7 @@ class Prefill:
             return [torch.ones(c.keys.shape[:3], dtype=torch.bool, device=c.keys.device) for c in self.layers]
         press.check_fan_out(self.seq_len)
         press.check_context(int(self.key_mask.sum(-1).min()))
-        press.check_model(self.model)
+        check_press(press, self.model)
         scorer = press.scorer
         maps = self.pass_scores(scorer) if isinstance(scorer, PassScorer) else [None] * len(self.layers)
         views = [self.view(press.scorer, i, m) for i, m in enumerate(maps)]
@@ -148,12 +157,12 @@ class Prefill:
                 cache.update(c.keys.clone(), c.values.clone(), i)
             return cache
         keep_masks = self.keep_masks(press) if keep_masks is None else keep_masks
-        cache = press.evictor.new_cache(self.model.config)
-        cache.state.key_mask = self.key_mask
+        compressed = new_cache(press, self.model.config)
+        compressed.state.key_mask = self.key_mask
         for i, (c, keep) in enumerate(zip(self.layers, keep_masks)):
-            cache.update(c.keys, c.values, i)
-            cache.retain(i, keep)
-        return cache
+            compressed.update(c.keys, c.values, i)
+            compressed.retain(i, keep)
+        return compressed
 
 
 @torch.inference_mode()
@@ -170,7 +179,7 @@ def capture_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     kwargs = {"input_ids": input_ids, "use_cache": True, cache_kwarg(model): cache, RUN_KWARG: run}
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
-    with attention_routed(model), recording_attention_inputs(model, run.capture_hidden, hidden_states):
+    with attention_routed(model), recording_attention_inputs(model, run.record_hidden, hidden_states):
         out = model(**kwargs)
     layers = [run.layers[i] for i in range(len(run.layers))]
     return Prefill(model=model, layers=layers, key_mask=key_mask, full_cache=cache, logits=out.logits[:, -1],

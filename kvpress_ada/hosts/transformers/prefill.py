@@ -9,19 +9,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..observation import LayerView
-from ..scorers.base import PassScorer
-from .attention import dense_attention, layer_view, record_entry_scores
+from ...observation import Budget, LayerView
+from ...scorers.base import PassScorer
+from .attention import Handler, dense_attention, layer_view, record_entry_scores
+from .eviction import Eviction
 from .model_pass import model_pass_scores
 from .press_cache import PressCache
 from .tensor_parallel import HeadShard
 
 if TYPE_CHECKING:
-    from ..pipeline import Pipeline
+    from ...pipeline import Pipeline
 
 
 @dataclass
-class PrefillRun:
+class PrefillRun(Handler):
     """The handler of one prefill forward under ``press`` (``key_mask [B, L]``: its real tokens)."""
 
     press: Pipeline
@@ -31,10 +32,17 @@ class PrefillRun:
     input_ids: torch.Tensor | None = None
     next_position: torch.Tensor | None = None  # [B] RoPE position after the prefill (model passes)
     shard: HeadShard | None = None  # tensor parallelism: this rank's kv heads
-    pending: dict[int, LayerView] = field(default_factory=dict)
+    eviction: Eviction = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.eviction = Eviction(self.press, self.cache, at_end=self.press.evicts_at_end)
 
     def handles_prefill(self, layer_idx: int) -> bool:
         return not self.cache.is_compressed(layer_idx)
+
+    @property
+    def traceable(self) -> bool:
+        return False
 
     def record_hidden(self, layer_idx: int, hidden: torch.Tensor) -> None:
         """The hidden states entering layer ``layer_idx``'s attention (a scorer reading them scores here)."""
@@ -47,12 +55,11 @@ class PrefillRun:
         held = self.cache.view(layer_idx)
         view = layer_view(self.press.scorer, self.model, module, len(self.cache.layers), held, query, scaling,
                           self.shard, state=self.cache.state)
-        if self.press.evicts_at_end:
-            self.pending[layer_idx] = view
-        else:
-            keep = self.press.keep([view], self.press.prefill_budget(self.key_mask.sum(-1)))[0]
-            self.cache.retain(layer_idx, keep, held)
+        if self.eviction.layer(layer_idx, view, held, self._budget):
             self._done(layer_idx)
+
+    def _budget(self) -> Budget:
+        return self.press.prefill_budget(self.key_mask.sum(-1))
 
     def _done(self, layer_idx: int) -> None:
         """Layer ``layer_idx`` is compressed: its entries' hidden-state scores are needed only by
@@ -66,23 +73,21 @@ class PrefillRun:
                                  scaling, dense_attention, module, **kwargs)
 
     def after_forward(self, output: Any) -> Any:
-        """End of the forward (``output`` is ``None`` when it raised): evict every layer at once when
-        the press waited for all of them."""
-        pending, self.pending = self.pending, {}
-        if output is None or len(pending) != len(self.cache.layers):
-            return output  # nothing waited, or the forward failed part-way (the error is already raised)
-        views = [pending[i] for i in range(len(pending))]
-        scorer = self.press.scorer
-        if isinstance(scorer, PassScorer):
-            assert self.next_position is not None
-            # let go of the prefill tensors while the pass grows the cache: they are re-read after it
-            empty = torch.empty(0)
-            views = [replace(v, keys=empty, values=empty) for v in views]
-            maps = model_pass_scores(self.model, scorer, self.cache, self.input_ids, self.key_mask,
-                                     self.next_position)
-            views = [replace(v, keys=h.keys, values=h.values, pass_scores=m)
-                     for v, h, m in zip(views, (self.cache.view(i) for i in range(len(views))), maps)]
-        for i, keep in enumerate(self.press.keep(views, self.press.prefill_budget(self.key_mask.sum(-1)))):
-            self.cache.retain(i, keep)
+        """End of the forward: evict every layer at once when the press waited for all of them (after the
+        scorer's own model pass, for a scorer that has one)."""
+        self.cache.routed = False
+        prepare = self._with_pass_scores if isinstance(self.press.scorer, PassScorer) else None
+        for i in self.eviction.every_layer(output, self._budget, prepare):
             self._done(i)
         return output
+
+    def _with_pass_scores(self, views: list[LayerView]) -> list[LayerView]:
+        """The views with what the scorer's model pass measured (the pass grows the cache, so the prefill's
+        tensors are let go during it and re-read after)."""
+        assert self.next_position is not None and isinstance(self.press.scorer, PassScorer)
+        empty = torch.empty(0)
+        views[:] = [replace(v, keys=empty, values=empty) for v in views]
+        maps = model_pass_scores(self.model, self.press.scorer, self.cache, self.input_ids, self.key_mask,
+                                 self.next_position)
+        return [replace(v, keys=h.keys, values=h.values, pass_scores=m)
+                for v, h, m in zip(views, (self.cache.view(i) for i in range(len(views))), maps)]

@@ -20,17 +20,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from ..observation import LayerView
-from .attention import RUN_KWARG, keep_every_layer, layer_view, record_entry_scores
+from ...observation import Budget
+from .attention import RUN_KWARG, Handler, layer_view, record_entry_scores
+from .eviction import Eviction
 from .hf import check_left_padded, prefill_key_mask
-from .press_cache import HeldEntries, PressCache
+from .press_cache import PressCache
 
 if TYPE_CHECKING:
-    from ..pipeline import Pipeline
+    from ...pipeline import Pipeline
 
 
 @dataclass
-class ChunkedPrefill:
+class ChunkedPrefill(Handler):
     """The handler of every chunk forward of one chunked prefill (see the module docstring)."""
 
     press: Pipeline
@@ -41,10 +42,17 @@ class ChunkedPrefill:
     index: int = 0  # chunk being run
     logits_wanted: list[int] = field(default_factory=list)  # logits of each chunk the caller asked for
     logits: list[torch.Tensor] = field(default_factory=list)
-    pending: dict[int, tuple[LayerView, HeldEntries]] = field(default_factory=dict)  # model scope: this chunk's
+    eviction: Eviction = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.eviction = Eviction(self.press, self.cache, at_end=self.press.evicts_at_end)
 
     def handles_prefill(self, layer_idx: int) -> bool:
         return False  # every chunk goes through attend()
+
+    @property
+    def traceable(self) -> bool:
+        return False
 
     def record_hidden(self, layer_idx: int, hidden: torch.Tensor) -> None:
         """The chunk's hidden states entering layer ``layer_idx``'s attention (a scorer reading them scores here)."""
@@ -60,11 +68,12 @@ class ChunkedPrefill:
         return self.index == len(self.chunks) - 1
 
     def after_forward(self, output: Any) -> Any:
-        pending, self.pending = self.pending, {}
-        if output is not None and pending:  # model scope: every layer of this chunk at once
-            keep_every_layer(self.press, self.cache, pending, self._budget())
-            for i in pending:
-                self._done(i)
+        """End of a chunk's forward: a model-scope press evicts every layer of the chunk at once; the
+        cache stays routed until the last chunk's forward ends."""
+        if self.last:
+            self.cache.routed = False
+        for i in self.eviction.every_layer(output, self._budget):
+            self._done(i)
         if not self.last:
             return output  # a nested chunk forward: the pre-hook collects its logits
         if output is not None and self.logits:
@@ -89,15 +98,11 @@ class ChunkedPrefill:
                                    torch.arange(start, stop, device=query.device), scaling)
             view = layer_view(self.press.scorer, self.model, module, len(self.cache.layers), held, query, scaling,
                               state=self.cache.state)
-            if self.press.evicts_at_end:
-                self.pending[layer_idx] = (view, held)
-            else:
-                keep = self.press.keep([view], self._budget())[0]
-                self.cache.retain(layer_idx, keep, held)
+            if self.eviction.layer(layer_idx, view, held, self._budget):
                 self._done(layer_idx)
         return out.transpose(1, 2).contiguous(), None
 
-    def _budget(self):
+    def _budget(self) -> Budget:
         """The budget after the current chunk: the one-shot press's, capped at the tokens seen so far."""
         seen = self.key_mask[:, :self.chunks[self.index][1]].sum(-1)
         return self.press.prefill_budget(self.key_mask.sum(-1), seen=seen)

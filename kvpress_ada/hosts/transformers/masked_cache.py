@@ -43,6 +43,31 @@ class MaskedLayer(DynamicLayer):
         super().reset()
         self.keep = None
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """``DynamicLayer.crop``; refuses to crop entries the keep mask covers (compressed ones)."""
+        if self.keep is not None and self.keys is not None:
+            appended = self.keys.shape[2] - self.keep.shape[-1]
+            if -tokens_to_remove > appended:
+                raise ValueError(f"cannot crop {-tokens_to_remove} tokens: only {appended} were appended after "
+                                 "compression (compressed entries cannot be restored)")
+        super().crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: the keep mask follows its keys and values."""
+        super().reorder_cache(beam_idx)
+        if self.keep is not None:
+            self.keep = self.keep.index_select(0, beam_idx.to(self.keep.device))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.keep is not None:
+            self.keep = self.keep[indices]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.keep is not None:
+            self.keep = self.keep.repeat_interleave(repeats, dim=0)
+
     def view(self, key_mask: torch.Tensor | None = None) -> HeldEntries:
         """The visible entries (kept prefix entries and everything appended since), left-padded; the
         dense layer itself before compression (``key_mask``: the prefill's real tokens)."""

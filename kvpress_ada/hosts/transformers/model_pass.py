@@ -26,9 +26,9 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from ..kernels.lse_attention import attention_with_lse, full_prefix_then_causal, prefix_then_causal_parts
-from ..scorers.base import PassChunk, PassScorer
-from .attention import RUN_KWARG, attention_routed, output_weight, recording_attention_inputs
+from ...kernels.lse_attention import attention_with_lse, full_prefix_then_causal, prefix_then_causal_parts
+from ...scorers.base import PassChunk, PassScorer
+from .attention import RUN_KWARG, Handler, attention_routed, output_weight, recording_attention_inputs
 from .hf import cache_kwarg
 
 _TOKENIZERS: WeakKeyDictionary[torch.nn.Module, Any] = WeakKeyDictionary()
@@ -73,7 +73,7 @@ def check_pass_inputs(model: Any, scorer: PassScorer) -> None:
 
 
 @dataclass
-class PassRun:
+class PassRun(Handler):
     """The prefill handler of one pass: every layer's forward hands its queries to the scorer."""
 
     scorer: PassScorer
@@ -85,13 +85,22 @@ class PassRun:
     def handles_prefill(self, layer_idx: int) -> bool:
         return False  # the pass's attention runs in :meth:`attend`, which also yields the scores
 
+    @property
+    def traceable(self) -> bool:
+        return False
+
+    def after_forward(self, output: Any) -> Any:
+        return output
+
     def after_prefill(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       scaling: float) -> None:
         raise RuntimeError("PassRun runs every layer's attention itself")  # pragma: no cover
 
-    def record_hidden_norm(self, layer_idx: int, hidden: torch.Tensor) -> None:
-        """The norm of each pass token's hidden state entering layer ``layer_idx``'s attention."""
-        self.hidden_norms[layer_idx] = torch.linalg.vector_norm(hidden.float(), dim=-1)
+    def record_hidden(self, layer_idx: int, hidden: torch.Tensor) -> None:
+        """The norm of each pass token's hidden state entering layer ``layer_idx``'s attention (kept only
+        when the scorer's ``pass_reads_hidden_states()`` asks for it)."""
+        if self.scorer.pass_reads_hidden_states():
+            self.hidden_norms[layer_idx] = torch.linalg.vector_norm(hidden.float(), dim=-1)
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:
@@ -146,7 +155,7 @@ def model_pass_scores(model: Any, scorer: PassScorer, cache: Any, context_ids: t
         positions = next_position[:, None] + (chunk.mask.long().cumsum(-1) - 1).clamp(min=0)
         mask = torch.cat([key_mask, chunk.mask], dim=1).long()
         run = PassRun(scorer=scorer, chunk=chunk)
-        recording = recording_attention_inputs(model, run.record_hidden_norm, scorer.pass_reads_hidden_states())
+        recording = recording_attention_inputs(model, run.record_hidden, scorer.pass_reads_hidden_states())
         with attention_routed(model), recording:
             model(input_ids=chunk.ids, attention_mask=mask, position_ids=positions, use_cache=True,
                   logits_to_keep=1, **{cache_kwarg(model): cache, RUN_KWARG: run})

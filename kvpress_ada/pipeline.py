@@ -17,6 +17,7 @@ from .observation import Budget, LayerView, Observation
 from .scorers import SCORERS, Scorer
 from .storage import STORAGES, FullPrecision, Storage
 
+MAX_BUDGET = 2**31 - 1  # tokens per kv head: the ragged cache's offsets are int32
 _REGISTRIES = {"scorer": SCORERS, "allocator": ALLOCATORS, "layers": LAYER_SCHEDULES, "evictor": EVICTORS,
                "storage": STORAGES}
 
@@ -42,10 +43,11 @@ class Pipeline(OneLineErrors):
     evictor: SerializeAsAny[Evictor] = Field(default_factory=TopK)
     storage: SerializeAsAny[Storage] = Field(default_factory=FullPrecision)
     compression_ratio: float | None = Field(None, ge=0.0, lt=1.0)
-    budget: int | None = Field(None, ge=1)
+    budget: int | None = Field(None, ge=1, le=MAX_BUDGET)
     prefill_chunk: int | None = Field(None, ge=1, description="prefill the context in chunks of this many tokens, "
                                                                 "compressing after each chunk (None: one pass)")
-    decode_budget: int | None = Field(None, ge=1, description="average tokens per kv head kept while generating")
+    decode_budget: int | None = Field(None, ge=1, le=MAX_BUDGET,
+                                      description="average tokens per kv head kept while generating")
     decode_interval: int | None = Field(None, ge=1, description="generated tokens between two decode compactions")
 
     @field_validator("scorer", "allocator", "layers", "evictor", "storage", mode="before")

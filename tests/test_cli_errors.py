@@ -63,6 +63,8 @@ def one_line(err: str) -> str:
     ("cut.json", '{"scorer": ', "not valid JSON: EOF while parsing a value at line 1 column 11"),
     ("ratio.json", '{"scorer": {"name": "snapkv"}, "compression_ratio": 2}',
      "invalid pipeline: compression_ratio: Input should be less than 1"),
+    ("nan.yaml", "scorer: snapkv\nallocator: {name: threshold, tau: .nan}\n",
+     "invalid pipeline: allocator.tau: Input should be a finite number"),
 ])
 def test_bad_config_one_line_exit_2(tmp_path, loads, capsys, name, text, message):
     config = tmp_path / name

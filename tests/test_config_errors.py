@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kvpress_ada import Pipeline, SnapKV, preset
+from kvpress_ada import Pipeline, SnapKV, Threshold, preset
 from kvpress_ada.components import ConfigError
 from kvpress_ada.harness.cli import main
 
@@ -22,6 +22,14 @@ from kvpress_ada.harness.cli import main
     (lambda: Pipeline.model_validate_json('{"scorer": "snapkv", "budget": 0}'),
      "Pipeline: budget: Input should be greater than or equal to 1"),
     (lambda: Pipeline(scorer="kvzip", budget=8, prefill_chunk=4), "Pipeline: prefill_chunk=4 is not supported"),
+    (lambda: Pipeline(scorer="snapkv", budget=10**30),
+     "Pipeline: budget: Input should be less than or equal to 2147483647"),
+    (lambda: Pipeline(scorer="snapkv", decode_budget=10**30, decode_interval=4),
+     "Pipeline: decode_budget: Input should be less than or equal to 2147483647"),
+    (lambda: Pipeline(scorer="snapkv", allocator=Threshold(tau=float("nan"))),
+     "Threshold: tau: Input should be a finite"),
+    (lambda: Pipeline(scorer="snapkv", allocator={"name": "threshold", "tau": float("inf")}),
+     "Pipeline: allocator.tau: Input should be a finite"),
 ])
 def test_construction_refusal_is_one_line_and_still_a_validation_error(build, message):
     with pytest.raises(ValidationError) as info:

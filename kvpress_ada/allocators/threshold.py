@@ -25,7 +25,7 @@ class Threshold(HeadAllocator):
     ``tau`` to mean the same everywhere (e.g. a surrogate's log scores)."""
 
     name: Literal["threshold"] = "threshold"
-    tau: float = Field(description="keep every entry whose score is at least this")
+    tau: float = Field(allow_inf_nan=False, description="keep every entry whose score is at least this (finite)")
     floor: int = Field(1, ge=0, description="entries each kv head keeps at least (its best ones)")
 
     head_local: ClassVar[bool] = True

@@ -25,6 +25,8 @@ def version(path: str, file: Path, what: str, make: str, error: type[Exception])
     except OSError:
         hint = "" if path.startswith(BUILTIN_PREFIX) else f"; make one with `{make}`"
         raise error(f"{what} file {path!r} not found ({file}){hint}") from None
+    if file.is_dir():
+        raise error(f"{what} path {path!r} is a directory ({file}); pass the {what} file itself")
     return str(file), stat.st_mtime_ns, stat.st_size
 
 

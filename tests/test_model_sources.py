@@ -373,3 +373,16 @@ def test_cli_model_that_does_not_exist_is_one_line(tmp_path, capsys):
     assert err[-1] == ("kvpress-ada eval: error: model path '/nonexistent' does not exist; pass a directory holding "
                        "a transformers checkpoint, a hub id, or a named model (default, qwen2.5-coder-0.5b, "
                        "qwen2.5-coder-1.5b)")
+
+
+@pytest.mark.parametrize("name, close", [("defualt", "default"), ("qwen2.5-coder-0.5", "qwen2.5-coder-0.5b")])
+def test_a_misspelled_named_model_suggests_the_close_name_without_the_hub(name, close, monkeypatch):
+    import transformers
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the hub was asked")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_hub)
+    with pytest.raises(ModelLoadError) as ei:
+        models.load(name)
+    assert f"did you mean {close!r}" in _one_line(ei.value)

@@ -185,6 +185,11 @@ def test_missing_file_one_line():
         sur.load("builtin:nope")
 
 
+def test_a_directory_as_surrogate_path_is_said_so(tmp_path):
+    with pytest.raises(sur.SurrogateError, match=r"surrogate path '.*' is a directory"):
+        sur.load(str(tmp_path))
+
+
 # ----------------------------------------------------------------------------- shipped files
 @pytest.mark.parametrize("path, kind", [(sur.SHIPPED_MLP, "mlp"), (sur.SHIPPED_LINEAR, "linear")])
 def test_shipped_surrogates_fit_the_default_model(path, kind):

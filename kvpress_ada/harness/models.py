@@ -17,6 +17,7 @@ raises :class:`ModelLoadError` with what to do.
 
 from __future__ import annotations
 
+import difflib
 import os
 from typing import Any
 
@@ -147,6 +148,10 @@ def _existing_path(name: str | os.PathLike) -> str:
                 f"model path {text!r} does not exist; pass a directory holding a transformers checkpoint, a "
                 f"hub id, or a named model ({', '.join(source_names())})")
         return path
+    close = difflib.get_close_matches(text, source_names(), n=1, cutoff=0.8)
+    if close and not os.path.exists(text):  # a misspelled named model, before any wait on the hub
+        raise ModelLoadError(f"unknown model {text!r}: did you mean {close[0]!r}? Named models: "
+                             f"{', '.join(source_names())}; or a local directory or a hub id")
     return text
 
 

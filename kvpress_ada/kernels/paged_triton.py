@@ -1,0 +1,106 @@
+"""Triton kernel of :func:`kvpress_ada.kernels.paged.paged_attention` (imports triton).
+
+One program per (packed token, kv head): the GQA group's queries of that token (padded to a
+``BLOCK_M >= 16`` tile for ``tl.dot``) stream the row's pages one page at a time with an online
+softmax (fp32), reading only the entries the token sees. A token that sees nothing writes exact
+zeros. Long rows are read by one program (no split-K yet: the decode batch of a serving engine
+gives ``tokens x kv heads`` programs already). Under ``TRITON_INTERPRET=1`` it runs on CPU tensors
+(fp32/fp16 only: the interpreter's bf16 ``tl.dot`` is wrong).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .paged import token_rows
+
+__all__ = ["paged_attention_triton"]
+
+
+@triton.jit
+def _paged_attn_kernel(
+    Q_ptr, K_ptr, V_ptr, TABLE_ptr, LEN_ptr, REQ_ptr, AHEAD_ptr, OUT_ptr,
+    qk_scale,  # scale * log2(e)
+    H_kv, G, M_PAGES,
+    stride_qt, stride_qh,
+    stride_kp, stride_ks,
+    stride_vp, stride_vs,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    request = tl.load(REQ_ptr + t)
+    row = request * H_kv + h
+    n = tl.load(LEN_ptr + row).to(tl.int32) - tl.load(AHEAD_ptr + t).to(tl.int32)  # entries this token sees
+
+    offs_g = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_valid = offs_g < G
+    q = tl.load(Q_ptr + t.to(tl.int64) * stride_qt + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                mask=g_valid[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    offs_s = tl.arange(0, PAGE)
+    for start in range(0, n, PAGE):
+        page = tl.load(TABLE_ptr + row.to(tl.int64) * M_PAGES + start // PAGE).to(tl.int64)
+        inside = (start + offs_s) < n
+        k = tl.load(K_ptr + page * stride_kp + offs_s[:, None] * stride_ks + offs_d[None, :],
+                    mask=inside[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(inside[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(V_ptr + page * stride_vp + offs_s[:, None] * stride_vs + offs_d[None, :],
+                    mask=inside[:, None], other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(OUT_ptr + t.to(tl.int64) * stride_ot + (h * G + offs_g)[:, None] * stride_oh + offs_d[None, :],
+             out.to(OUT_ptr.dtype.element_ty), mask=g_valid[:, None])
+
+
+def paged_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
+                           row_lengths: torch.Tensor, query_start: torch.Tensor, scale: float) -> torch.Tensor:
+    """Launch :func:`_paged_attn_kernel` (inputs validated by :func:`~kvpress_ada.kernels.paged.paged_attention`)."""
+    T, H_q, D = q.shape
+    R, M = page_table.shape
+    N = query_start.shape[0] - 1
+    H_kv = R // N
+    G = H_q // H_kv
+    S = k_pages.shape[1]
+    if S & (S - 1) or D & (D - 1) or D < 16:
+        raise ValueError(f"the Triton paged attention kernel needs a power-of-two page size and head dim >= 16, "
+                         f"got page size {S}, head dim {D} (use the torch backend otherwise)")
+    request, ahead = token_rows(query_start, T)
+    out = torch.empty_like(q)
+    table = page_table.to(torch.int32).contiguous()
+    _paged_attn_kernel[(T, H_kv)](
+        q, k_pages, v_pages, table, row_lengths.contiguous(), request, ahead, out,
+        scale * math.log2(math.e), H_kv, G, M,
+        q.stride(0), q.stride(1),
+        k_pages.stride(0), k_pages.stride(1),
+        v_pages.stride(0), v_pages.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=D, PAGE=S, BLOCK_M=max(16, triton.next_power_of_2(G)),
+        IEEE=q.dtype == torch.float32,
+    )
+    return out

@@ -8,7 +8,9 @@ Ops (``torch.library`` custom ops in ``kernels.ops``, compile with ``fullgraph=T
 
 * :func:`ragged_attention` - FlashDecoding-style split-K attention over variable-length rows;
 * :func:`compact` - gather each row's kept tokens into the ragged layout;
-* :func:`append` - in-place append of new tokens, ``row_lengths += Q``.
+* :func:`append` - in-place append of new tokens, ``row_lengths += Q``;
+* :func:`quantized_attention`, :func:`quantized_append`, :func:`quantized_compact` - the same over
+  rows of int8 / int4 records (:mod:`.quantized`: the scheme, :func:`quantize`, :func:`dequantize`).
 
 Modules: ``support`` (what the kernels support and which backend runs them: supported head
 dims, ``$TRITON_INTERPRET`` read as Triton reads it, triton availability, backend choice),
@@ -23,6 +25,8 @@ CPU tensors needs ``TRITON_INTERPRET=1`` set before ``triton_kernels`` is import
 """
 
 from .ops import append, compact, ragged_attention
+from .quantized import dequantize, quantize, record_width
+from .quantized_ops import quantized_append, quantized_attention, quantized_compact
 from .reference import append_ref, compact_ref, ragged_attention_ref
 from .support import (
     BACKENDS,
@@ -40,6 +44,12 @@ __all__ = [
     "ragged_attention",
     "compact",
     "append",
+    "quantize",
+    "dequantize",
+    "record_width",
+    "quantized_attention",
+    "quantized_append",
+    "quantized_compact",
     "use_backend",
     "get_backend",
     "resolve_backend",

@@ -15,10 +15,11 @@ integers followed by that token's scales and zero points (as llama.cpp's ``Q4_1`
 
     [ integers: head_dim * bits / 8 bytes | scales: head_dim / group x dtype | zeros: head_dim / group x dtype ]
 
-int8: one byte per channel; int4: two channels per byte, channel ``2j`` in the low nibble of byte
-``j`` and ``2j + 1`` in the high one. A token is quantized on its own, so a ragged row appends in
-place and every row-level operation of the full-precision cache (compaction, append, re-layout,
-gather) moves records as plain bytes. Free slots are zero bytes: they read back as 0, never NaN.
+int8: one byte per channel; int4: two channels per byte, channel ``j`` in the low nibble of byte
+``j`` and channel ``j + head_dim / 2`` in its high nibble (unpacking is two whole-half operations).
+A token is quantized on its own, so a ragged row appends in place and every row-level operation of
+the full-precision cache (compaction, append, re-layout, gather) moves records as plain bytes.
+Free slots are zero bytes: they read back as 0, never NaN.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def record_width(head_dim: int, bits: int, group: int, dtype: torch.dtype) -> in
 
 
 def check_record(head_dim: int, bits: int, group: int, dtype: torch.dtype) -> None:
-    """Raise ``ValueError`` when no record holds ``head_dim`` channels of ``dtype`` in ``bits``-bit groups of ``group``."""
+    """Raise ``ValueError`` when no record holds ``head_dim`` channels of ``dtype`` as ``bits``-bit integers in
+    groups of ``group``."""
     if bits not in BITS:
         raise ValueError(f"bits={bits}: records hold {' or '.join(map(str, BITS))}-bit integers")
     if group <= 0 or group % 2 or head_dim % group:
@@ -88,7 +90,7 @@ def quantize(x: Tensor, bits: int, group: int) -> Tensor:
     q = (xf - zero[..., None]).div_(torch.where(sf > 0, sf, 1.0)[..., None]).round_().clamp_(0, levels)
     q = q.to(torch.uint8).reshape(*lead, D)
     if bits == 4:
-        q = q[..., 0::2] | (q[..., 1::2] << 4)
+        q = q[..., : D // 2] | (q[..., D // 2:] << 4)
     scales = scale.contiguous().view(torch.uint8)
     zeros = zero.to(x.dtype).contiguous().view(torch.uint8)
     return torch.cat([q, scales, zeros], dim=-1)
@@ -120,9 +122,12 @@ def dequantize(records: Tensor, head_dim: int, bits: int, group: int, dtype: tor
     ints, scale, zero = record_scales(records, head_dim, bits, group, dtype)
     *lead, _ = records.shape
     if bits == 4:
-        ints = torch.stack((ints & 15, ints >> 4), dim=-1)
-    q = ints.reshape(*lead, head_dim // group, group).float()
-    out = torch.addcmul(zero.float()[..., None], q, scale.float()[..., None]).reshape(*lead, head_dim)
+        ints = torch.cat((ints & 15, ints >> 4), dim=-1)
+    # uint8 * float32 converts and scales in one pass (cheaper than addcmul's broadcast on CPU)
+    q = ints.reshape(*lead, head_dim // group, group)
+    # (scales and zeros made contiguous first: broadcasting a strided view is several times slower)
+    scale, zero = scale.float().contiguous()[..., None], zero.float().contiguous()[..., None]
+    out = (q * scale).add_(zero).reshape(*lead, head_dim)
     target = dtype if out_dtype is None else out_dtype
     return out if target == torch.float32 else out.to(target)
 

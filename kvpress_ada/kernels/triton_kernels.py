@@ -38,6 +38,7 @@ __all__ = [
     "ragged_attention_triton",
     "compact_triton",
     "default_config",
+    "merge_splits",
 ]
 
 
@@ -411,32 +412,41 @@ def ragged_attention_triton(
             num_warps=num_warps,
             num_stages=num_stages,
         )
-        _ragged_attn_reduce_kernel[(R, M_total)](
-            out,
-            row_lengths,
-            pm,
-            pl,
-            pacc,
-            R,
-            H_kv,
-            G,
-            Q,
-            split,
-            out.stride(0),
-            out.stride(1),
-            out.stride(2),
-            pm.stride(0),
-            pacc.stride(0),
-            pacc.stride(1),
-            HEAD_DIM=D,
-            R_PAD=r_pad,
-            BLOCK_S=32 if D <= 128 else 16,
-            num_warps=4,
-            num_stages=2,
-        )
+        merge_splits(out, row_lengths, pm, pl, pacc, H_kv, G, split)
     else:
         out.zero_()
     return out
+
+
+def merge_splits(out: torch.Tensor, row_lengths: torch.Tensor, pm: torch.Tensor, pl: torch.Tensor,
+                 pacc: torch.Tensor, H_kv: int, G: int, split: int) -> None:
+    """Second launch of a split-K ragged attention: merge the online-softmax partials ``(pm, pl, pacc)``
+    of every split into ``out [B, H_q, Q, D]`` (shared by the full-precision and quantized kernels)."""
+    R = row_lengths.shape[0]
+    Q, D = out.shape[2], out.shape[3]
+    _ragged_attn_reduce_kernel[(R, G * Q)](
+        out,
+        row_lengths,
+        pm,
+        pl,
+        pacc,
+        R,
+        H_kv,
+        G,
+        Q,
+        split,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        pm.stride(0),
+        pacc.stride(0),
+        pacc.stride(1),
+        HEAD_DIM=D,
+        R_PAD=max(16, _next_pow2(R)),
+        BLOCK_S=32 if D <= 128 else 16,
+        num_warps=4,
+        num_stages=2,
+    )
 
 
 def compact_triton(

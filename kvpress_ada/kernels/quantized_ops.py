@@ -1,0 +1,178 @@
+"""``torch.library`` custom ops over quantized records (layout and scheme: :mod:`.quantized`).
+
+Like the full-precision ops of :mod:`.ops`: each op has a ``register_fake``, so a decode step that
+calls it compiles with ``fullgraph=True`` and no graph break, and its body picks the backend at run
+time (:func:`~.support.resolve_backend`: Triton on CUDA, the torch reference on CPU). The public
+wrappers validate shapes and dtypes with one-line errors; in plain eager mode on plain tensors they
+call the implementation directly (no custom-op dispatch per layer and step).
+
+* :func:`quantized_attention` - ragged attention that dequantizes the rows it reads;
+* :func:`quantized_append` - quantize new tokens and append their records in place;
+* :func:`quantized_compact` - quantize each row's kept entries into the ragged layout.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from .quantized import quantized_append_ref, quantized_attention_ref, quantized_compact_ref, record_width
+from .support import resolve_backend, triton_available
+
+__all__ = ["quantized_attention", "quantized_append", "quantized_compact"]
+
+_triton_mod: list[ModuleType] = []
+
+
+def _triton() -> ModuleType:
+    """Import the Triton kernel lazily (triton is an optional dependency)."""
+    if not _triton_mod:
+        if not triton_available():
+            raise RuntimeError("the 'triton' kernel backend was requested but triton is not installed "
+                               "(pip install triton, or use_backend('torch'))")
+        from . import quantized_triton
+
+        _triton_mod.append(quantized_triton)
+    return _triton_mod[0]
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_records(k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor | None,
+                   head_dim: int, bits: int, group: int, dtype: torch.dtype) -> None:
+    width = record_width(head_dim, bits, group, dtype)
+    for name, rec in (("k_rec", k_rec), ("v_rec", v_rec)):
+        if rec.dim() != 2 or rec.dtype != torch.uint8:
+            raise ValueError(f"{name} must be uint8 [N, width], got {rec.dtype} {tuple(rec.shape)}")
+        if rec.shape[1] != width:
+            raise ValueError(f"{name} rows are {rec.shape[1]} bytes; {bits}-bit records of head_dim={head_dim} in "
+                             f"groups of {group} ({dtype}) are {width}")
+        if not rec.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if rec.device != row_offsets.device:
+            raise ValueError(f"{name} is on {rec.device} but row_offsets is on {row_offsets.device}")
+    if k_rec.shape != v_rec.shape:
+        raise ValueError(f"k_rec {tuple(k_rec.shape)} and v_rec {tuple(v_rec.shape)} differ in shape")
+    for name, index in (("row_offsets", row_offsets), ("row_lengths", row_lengths)):
+        if index is not None and (index.dim() != 1 or index.dtype not in (torch.int32, torch.int64)):
+            raise ValueError(f"{name} must be int32 (or int64) [R], got {index.dtype} {tuple(index.shape)}")
+    if row_lengths is not None and row_lengths.shape != row_offsets.shape:
+        raise ValueError(f"row_lengths {tuple(row_lengths.shape)} and row_offsets {tuple(row_offsets.shape)} differ")
+
+
+def _rows(name: str, x: Tensor, row_offsets: Tensor, same_heads: bool) -> None:
+    if x.dim() != 4:
+        raise ValueError(f"{name} must be [B, H, Q, D], got shape {tuple(x.shape)}")
+    B, H = x.shape[:2]
+    R = row_offsets.shape[0]
+    if B == 0 or R % B or (same_heads and H != R // B) or (not same_heads and (R // B == 0 or H % (R // B))):
+        raise ValueError(f"{name} of shape {tuple(x.shape)} does not fit {R} cache rows")
+    if x.device != row_offsets.device:
+        raise ValueError(f"{name} is on {x.device} but the cache is on {row_offsets.device}")
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("kvpress_ada::quantized_attention", mutates_args=())
+def _quantized_attention_op(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor,
+                            scale: float, bits: int, group: int, split_size: int = 0) -> Tensor:
+    """Raw op behind :func:`quantized_attention` (no validation): backend dispatch."""
+    return _attention_impl(q, k_rec, v_rec, row_offsets, row_lengths, scale, bits, group, split_size)
+
+
+def _attention_impl(q, k_rec, v_rec, row_offsets, row_lengths, scale, bits, group, split_size):
+    if q.numel() == 0:
+        return torch.zeros_like(q)
+    if resolve_backend(q.device, q.shape[-1]) == "triton":
+        return _triton().quantized_attention_triton(q, k_rec, v_rec, row_offsets, row_lengths, scale, bits, group,
+                                                    split_size=split_size)
+    return quantized_attention_ref(q, k_rec, v_rec, row_offsets, row_lengths, scale, bits, group)
+
+
+@_quantized_attention_op.register_fake
+def _(q, k_rec, v_rec, row_offsets, row_lengths, scale, bits, group, split_size=0):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("kvpress_ada::quantized_append", mutates_args=("k_rec", "v_rec", "row_lengths"))
+def _quantized_append_op(k_new: Tensor, v_new: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor,
+                         row_lengths: Tensor, bits: int, group: int) -> None:
+    """Raw op behind :func:`quantized_append` (no validation); torch ops on every backend."""
+    if k_new.numel():
+        quantized_append_ref(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, bits, group)
+
+
+@_quantized_append_op.register_fake
+def _(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, bits, group):
+    return None
+
+
+@torch.library.custom_op("kvpress_ada::quantized_compact", mutates_args=("k_rec", "v_rec"))
+def _quantized_compact_op(keys: Tensor, values: Tensor, keep: Tensor, row_offsets: Tensor, k_rec: Tensor,
+                          v_rec: Tensor, bits: int, group: int) -> None:
+    """Raw op behind :func:`quantized_compact` (no validation); torch ops on every backend."""
+    if keys.numel():
+        quantized_compact_ref(keys, values, keep, row_offsets, k_rec, v_rec, bits, group)
+
+
+@_quantized_compact_op.register_fake
+def _(keys, values, keep, row_offsets, k_rec, v_rec, bits, group):
+    return None
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _direct(*tensors: Tensor) -> bool:
+    return not torch.compiler.is_compiling() and all(type(t) is Tensor for t in tensors)
+
+
+def quantized_attention(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor,
+                        scale: float, bits: int, group: int, split_size: int = 0) -> Tensor:
+    """Ragged attention (contract of :func:`~.ops.ragged_attention`: ``q [B, H_q, Q, D]``, bottom-right
+    causal, 0 for a query that sees nothing, output in ``q.dtype``) over rows of quantized records
+    ``k_rec, v_rec uint8 [N_cap, width]`` made from entries of ``q.dtype``, dequantized as they are read.
+    Triton path: the split-K kernel of the full-precision cache, dequantizing each K/V tile in registers."""
+    _check_records(k_rec, v_rec, row_offsets, row_lengths, q.shape[-1], bits, group, q.dtype)
+    _rows("q", q, row_offsets, same_heads=False)
+    args = (q, k_rec, v_rec, row_offsets, row_lengths, float(scale), int(bits), int(group), int(split_size))
+    if _direct(q, k_rec, v_rec, row_offsets, row_lengths):
+        return _attention_impl(*args)
+    return _quantized_attention_op(*args)
+
+
+def quantized_append(k_new: Tensor, v_new: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor,
+                     row_lengths: Tensor, bits: int, group: int) -> None:
+    """Quantize ``k_new, v_new [B, H_kv, Q, D]`` and write their records at ``row_offsets[r] + row_lengths[r] + i``,
+    then ``row_lengths += Q`` (in place, no host sync). The caller guarantees the capacity."""
+    _check_records(k_rec, v_rec, row_offsets, row_lengths, k_new.shape[-1], bits, group, k_new.dtype)
+    _rows("k_new", k_new, row_offsets, same_heads=True)
+    if k_new.shape != v_new.shape or k_new.dtype != v_new.dtype:
+        raise ValueError(f"k_new {k_new.dtype} {tuple(k_new.shape)} and v_new {v_new.dtype} {tuple(v_new.shape)} "
+                         "differ")
+    if _direct(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths):
+        if k_new.numel():
+            quantized_append_ref(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, bits, group)
+        return
+    _quantized_append_op(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, int(bits), int(group))
+
+
+def quantized_compact(keys: Tensor, values: Tensor, keep: Tensor, row_offsets: Tensor, k_rec: Tensor,
+                      v_rec: Tensor, bits: int, group: int) -> None:
+    """Quantize row ``b * H_kv + h``'s kept entries (``keep`` bool ``[B, H_kv, L]`` over ``keys, values
+    [B, H_kv, L, D]``) into ``k_rec[row_offsets[r] + j]``, ascending positions. The caller guarantees the
+    capacity and sets ``row_lengths`` to the counts."""
+    _check_records(k_rec, v_rec, row_offsets, None, keys.shape[-1], bits, group, keys.dtype)
+    _rows("keys", keys, row_offsets, same_heads=True)
+    if keep.dtype != torch.bool or tuple(keep.shape) != tuple(keys.shape[:3]) or keys.shape != values.shape:
+        raise ValueError(f"keep must be a bool [B, H_kv, L] mask over keys and values of one shape, got keep "
+                         f"{keep.dtype} {tuple(keep.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}")
+    if _direct(keys, values, keep, row_offsets, k_rec, v_rec):
+        if keys.numel():
+            quantized_compact_ref(keys, values, keep, row_offsets, k_rec, v_rec, bits, group)
+        return
+    _quantized_compact_op(keys, values, keep, row_offsets, k_rec, v_rec, int(bits), int(group))

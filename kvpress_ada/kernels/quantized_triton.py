@@ -1,0 +1,163 @@
+"""Triton ragged attention over quantized records (layout: :mod:`.quantized`).
+
+The split-K scheme of :mod:`.triton_kernels` (FlashDecoding over variable-length rows: an in-kernel
+prefix sum maps each program to its (row, split), the GQA group x queries packed into one tile, a
+second launch merging the splits' online-softmax partials: :func:`~.triton_kernels.merge_splits`)
+with one change: each ``[BLOCK_N, D]`` tile of keys or values is read as integers plus the scales
+and zero points of its tokens and dequantized in registers (float32), then cast to the query's dtype
+for ``tl.dot``. The cache is read at ``bits / 16`` of a 16-bit cache's bytes plus the scales.
+
+Importing this module imports triton; set ``TRITON_INTERPRET=1`` before importing it to run on CPU
+tensors (fp32/fp16 only: the interpreter's bf16 ``tl.dot`` is wrong).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .quantized import check_record
+from .support import check_head_dim
+from .triton_kernels import default_config, merge_splits
+
+__all__ = ["quantized_attention_triton"]
+
+
+@triton.jit
+def _dequantized_tile(REC_ptr, SC_ptr, rows, kv_mask, offs_d, rec_width, sc_width,
+                      HEAD_DIM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
+    """``[BLOCK_N, HEAD_DIM]`` float32 entries of the records at ``rows`` (int64 ``[BLOCK_N, 1]``)."""
+    if BITS == 8:
+        ints = tl.load(REC_ptr + rows * rec_width + offs_d[None, :], mask=kv_mask, other=0)
+    else:  # channel j in the low nibble of byte j, channel j + D/2 in its high nibble
+        half = HEAD_DIM // 2
+        byte = tl.load(REC_ptr + rows * rec_width + (offs_d % half)[None, :], mask=kv_mask, other=0)
+        ints = (byte >> ((offs_d // half) * 4).to(tl.uint8)[None, :]) & 15
+    n_groups = HEAD_DIM // GROUP
+    first_scale = (HEAD_DIM * BITS // 8) // (SC_ptr.dtype.element_ty.primitive_bitwidth // 8)
+    sc_ptrs = SC_ptr + rows * sc_width + first_scale + (offs_d // GROUP)[None, :]
+    scale = tl.load(sc_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+    zero = tl.load(sc_ptrs + n_groups, mask=kv_mask, other=0.0).to(tl.float32)
+    return ints.to(tl.float32) * scale + zero
+
+
+@triton.jit
+def _quantized_split_kernel(
+    Q_ptr, K_ptr, V_ptr, KS_ptr, VS_ptr, OFF_ptr, LEN_ptr, PM_ptr, PL_ptr, PACC_ptr,
+    qk_scale,  # scale * log2(e)
+    R, H_kv, G, NQ, M_TOTAL, SPLIT,
+    stride_qb, stride_qh, stride_qq,
+    rec_width,  # bytes per record
+    sc_width,  # scale-dtype elements per record
+    stride_pm, stride_pacc_s, stride_pacc_m,
+    HEAD_DIM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    mt = tl.program_id(1)
+    ridx = tl.arange(0, R_PAD)
+    lens = tl.load(LEN_ptr + ridx, mask=ridx < R, other=0).to(tl.int32)
+    nsp = (lens + SPLIT - 1) // SPLIT
+    cum = tl.cumsum(nsp, axis=0)
+    total = tl.sum(nsp, axis=0)
+    if pid < total:
+        row = tl.sum((cum <= pid).to(tl.int32), axis=0)
+        first = tl.sum(tl.where(ridx == row, cum - nsp, 0), axis=0)
+        local = pid - first
+        n = tl.load(LEN_ptr + row).to(tl.int32)
+        base = tl.load(OFF_ptr + row).to(tl.int64)
+        lo = local * SPLIT
+        hi = tl.minimum(lo + SPLIT, n)
+        b = row // H_kv
+        h = row % H_kv
+
+        offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        m_valid = offs_m < M_TOTAL
+        g = offs_m // NQ
+        qi = offs_m % NQ
+        q_ptrs = (Q_ptr + b.to(tl.int64) * stride_qb + (h * G + g).to(tl.int64)[:, None] * stride_qh
+                  + qi[:, None] * stride_qq + offs_d[None, :])
+        q = tl.load(q_ptrs, mask=m_valid[:, None], other=0.0)
+        limit = n - (NQ - 1 - qi)  # bottom-right causal: query i sees the first n - (Q - 1 - i) entries
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        offs_j = tl.arange(0, BLOCK_N)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + offs_j
+            kv_mask = (offs_n < hi)[:, None]
+            rows = base + offs_n.to(tl.int64)[:, None]
+            k = _dequantized_tile(K_ptr, KS_ptr, rows, kv_mask, offs_d, rec_width, sc_width,
+                                  HEAD_DIM, BITS, GROUP).to(q.dtype)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * qk_scale
+            vis = (offs_n[None, :] < limit[:, None]) & (offs_n < hi)[None, :]
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = _dequantized_tile(V_ptr, VS_ptr, rows, kv_mask, offs_d, rec_width, sc_width,
+                                  HEAD_DIM, BITS, GROUP).to(q.dtype)
+            if IEEE:
+                pv = tl.dot(p.to(q.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(q.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        slot = pid.to(tl.int64)
+        tl.store(PM_ptr + slot * stride_pm + offs_m, m_i, mask=m_valid)
+        tl.store(PL_ptr + slot * stride_pm + offs_m, l_i, mask=m_valid)
+        tl.store(PACC_ptr + slot * stride_pacc_s + offs_m[:, None] * stride_pacc_m + offs_d[None, :], acc,
+                 mask=m_valid[:, None])
+
+
+def quantized_attention_triton(q: torch.Tensor, k_rec: torch.Tensor, v_rec: torch.Tensor, row_offsets: torch.Tensor,
+                               row_lengths: torch.Tensor, scale: float, bits: int, group: int, *,
+                               split_size: int = 0) -> torch.Tensor:
+    """Split-K ragged attention over quantized records (two launches, no host sync); inputs validated by
+    :func:`~.quantized_ops.quantized_attention`. ``split_size`` 0: :func:`~.triton_kernels.default_config`."""
+    B, H_q, Q, D = q.shape
+    check_head_dim(D)
+    check_record(D, bits, group, q.dtype)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    R = row_offsets.shape[0]
+    H_kv = R // B
+    G = H_q // H_kv
+    M_total = G * Q
+    n_cap = k_rec.shape[0]
+    cfg = default_config(D, M_total, n_cap, q.dtype, q.device)
+    block_m, block_n, split = cfg["block_m"], cfg["block_n"], split_size or cfg["split_size"]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if R == 0:
+        return out.zero_()
+    m_tiles = triton.cdiv(M_total, block_m)
+    slots = triton.cdiv(n_cap, split) + R
+    pm = torch.empty(slots, m_tiles * block_m, device=q.device, dtype=torch.float32)
+    pl = torch.empty_like(pm)
+    pacc = torch.empty(slots, m_tiles * block_m, D, device=q.device, dtype=torch.float32)
+    itemsize = q.dtype.itemsize
+    ks, vs = k_rec.view(q.dtype), v_rec.view(q.dtype)  # the same bytes, indexed in scale-sized elements
+    _quantized_split_kernel[(slots, m_tiles)](
+        q, k_rec, v_rec, ks, vs, row_offsets, row_lengths, pm, pl, pacc,
+        float(scale) * math.log2(math.e), R, H_kv, G, Q, M_total, split,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_rec.shape[1], k_rec.shape[1] // itemsize,
+        pm.stride(0), pacc.stride(0), pacc.stride(1),
+        HEAD_DIM=D, BITS=bits, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
+        R_PAD=max(16, 1 << max(0, (R - 1).bit_length())), IEEE=q.dtype == torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    merge_splits(out, row_lengths, pm, pl, pacc, H_kv, G, split)
+    return out

@@ -1,0 +1,255 @@
+"""Quantized records of the ragged cache: quantize -> dequantize within the scheme's bound, the record
+layout, append / compact, attention over records against attention over their dequantized entries
+(torch reference, Triton interpreted on CPU), one-line refusals."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpress_ada import kernels
+from kvpress_ada.kernels import quantized as qz
+from kvpress_ada.kernels.reference import CHUNK, ragged_attention_ref
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# rounding of one value read back in its dtype (relative); float32 arithmetic for float32 entries
+READ_BACK = {torch.float32: 2e-6, torch.float16: 2**-11, torch.bfloat16: 2**-8}
+SMALLEST = {torch.float32: 1e-45, torch.float16: 2**-24, torch.bfloat16: 2**-133}  # smallest subnormal
+
+
+@st.composite
+def entries(draw):
+    """``[n, D]`` entries of one dtype: gaussian rows, constant rows, rows with a few large outliers."""
+    dtype = draw(st.sampled_from(DTYPES))
+    D = draw(st.sampled_from([16, 32, 64, 128]))
+    group = draw(st.sampled_from([g for g in (16, 32, 64, 128) if D % g == 0]))
+    n = draw(st.integers(1, 12))
+    seed = draw(st.integers(0, 2**16))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, D, generator=gen) * draw(st.sampled_from([1e-3, 1.0, 30.0]))
+    kind = draw(st.sampled_from(["gaussian", "constant", "outliers", "offset"]))
+    if kind == "constant":
+        x[:] = x[:, :1]
+    elif kind == "outliers":
+        cols = torch.randint(0, D, (3,), generator=gen)
+        x[:, cols] *= draw(st.sampled_from([50.0, 1000.0]))
+    elif kind == "offset":
+        x += draw(st.sampled_from([-200.0, 5.0, 900.0]))
+    half_range = torch.finfo(dtype).max / 2  # finite entries (a model's keys and values are)
+    return x.clamp(-half_range, half_range).to(dtype), group
+
+
+@settings(max_examples=120, deadline=None)
+@given(entries(), st.sampled_from([4, 8]))
+def test_round_trip_within_half_a_scale(case, bits):
+    x, group = case
+    n, D = x.shape
+    records = kernels.quantize(x, bits, group)
+    assert records.dtype == torch.uint8 and records.shape == (n, kernels.record_width(D, bits, group, x.dtype))
+    _, scale, zero = qz.record_scales(records, D, bits, group, x.dtype)
+    back = kernels.dequantize(records, D, bits, group, x.dtype, out_dtype=torch.float32)
+    err = (back - x.float()).abs().view(n, D // group, group)
+    bound = scale.float()[..., None] / 2 + 1e-6 * x.float().abs().view(n, D // group, group).amax(-1, keepdim=True)
+    assert (err <= bound * (1 + 1e-5)).all(), float((err - bound).max())
+    # the group's range is covered and no wider than one step of the dtype's rounding of the scale
+    lo, hi = x.float().view(n, D // group, group).aminmax(dim=-1)
+    assert torch.equal(zero.float(), lo)
+    levels = (1 << bits) - 1
+    assert (scale.float() * levels >= (hi - lo) * (1 - 1e-6)).all()
+    step = torch.clamp(2 * READ_BACK[x.dtype] * (hi - lo) / levels, min=SMALLEST[x.dtype])  # one rounding step
+    assert (scale.float() - (hi - lo) / levels <= step).all()
+    # read back in the entries' dtype: the same values up to that dtype's rounding
+    same = kernels.dequantize(records, D, bits, group, x.dtype)
+    assert same.dtype == x.dtype
+    assert ((same.float() - back).abs() <= READ_BACK[x.dtype] * back.abs() + 1e-30).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_constant_groups_and_zeros_read_back_exactly(dtype, bits):
+    x = torch.tensor([[3.25] * 16 + [-7.0] * 16, [0.0] * 32]).to(dtype)
+    back = kernels.dequantize(kernels.quantize(x, bits, 16), 32, bits, 16, dtype)
+    assert torch.equal(back, x)
+    free = torch.zeros(3, kernels.record_width(32, bits, 16, dtype), dtype=torch.uint8)  # a free slot
+    assert torch.equal(kernels.dequantize(free, 32, bits, 16, dtype), torch.zeros(3, 32, dtype=dtype))
+
+
+def test_record_layout():
+    """int4: channel j in the low nibble of byte j, channel j + D/2 in the high one; then the scales and
+    the zero points, in the entries' dtype; width = D * bits / 8 + 2 * (D / group) * itemsize."""
+    D, group = 32, 16
+    x = torch.arange(D, dtype=torch.float32)[None]  # group 0: 0..15, group 1: 16..31, scale 1, 15/15
+    rec = kernels.quantize(x, 4, group)
+    assert rec.shape[-1] == 16 + 2 * 2 * 4 == kernels.record_width(D, 4, group, torch.float32)
+    low, high = rec[0, :16] & 15, rec[0, :16] >> 4
+    assert low.tolist() == list(range(16)) and high.tolist() == list(range(16))
+    assert rec[0, 16:24].view(torch.float32).tolist() == [1.0, 1.0]
+    assert rec[0, 24:32].view(torch.float32).tolist() == [0.0, 16.0]
+    rec8 = kernels.quantize(x.half(), 8, group)
+    assert rec8.shape[-1] == 32 + 2 * 2 * 2 == kernels.record_width(D, 8, group, torch.float16)
+
+
+def test_scale_rounds_up_in_16_bit_dtypes():
+    """A scale rounded to the nearest bfloat16 could fall below (max - min) / levels and clip the top of
+    the group; it is rounded up instead."""
+    x = torch.tensor([[0.0] * 15 + [1.0]], dtype=torch.bfloat16)  # (1 - 0) / 15 is not a bfloat16
+    _, scale, _ = qz.record_scales(kernels.quantize(x, 4, 16), 16, 4, 16, torch.bfloat16)
+    assert scale.float().item() * 15 >= 1.0
+
+
+def _cache(lens, D, dtype, gap=3, seed=0):
+    """Rows of ``lens`` entries in a flat buffer (rows out of order, gaps between them)."""
+    g = torch.Generator().manual_seed(seed)
+    offs, at = [], 0
+    for n in lens:
+        offs.append(at)
+        at += n + gap
+    order = list(range(len(lens)))[::-1]
+    offsets = torch.tensor([offs[i] for i in order], dtype=torch.int32)
+    k = (torch.randn(at, D, generator=g) * 2).to(dtype)
+    v = torch.randn(at, D, generator=g).to(dtype)
+    return k, v, offsets, torch.tensor([lens[i] for i in order], dtype=torch.int32)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.sampled_from([4, 8]),
+       st.integers(1, 2), st.integers(1, 3), st.sampled_from([1, 3]), st.sampled_from([1, 4]),
+       st.lists(st.integers(0, 70), min_size=6, max_size=6), st.integers(0, 999))
+def test_reference_attention_equals_attention_on_dequantized(dtype, bits, B, H_kv, G, Q, lens, seed):
+    D, group = 32, 16
+    R = B * H_kv
+    k, v, offs, lens_t = _cache(lens[:R], D, dtype, seed=seed)
+    k_rec, v_rec = kernels.quantize(k, bits, group), kernels.quantize(v, bits, group)
+    q = torch.randn(B, H_kv * G, Q, D, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    out = kernels.quantized_attention(q, k_rec, v_rec, offs, lens_t, D ** -0.5, bits, group)
+    deq_k = kernels.dequantize(k_rec, D, bits, group, dtype, torch.float32)
+    deq_v = kernels.dequantize(v_rec, D, bits, group, dtype, torch.float32)
+    ref = ragged_attention_ref(q.float(), deq_k, deq_v, offs, lens_t, D ** -0.5)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_reference_attention_loop_free_layout(monkeypatch):
+    """Many short rows in a chunk-aligned layout (the layer's own): the loop-free split-K path over the
+    dequantized records gives the per-row loop's answer."""
+    from kvpress_ada.kernels import reference
+
+    D, group, bits = 16, 16, 4
+    lens = torch.tensor([3, 17, 0, 40, 9, 30, 1, 25], dtype=torch.int32)
+    offs = torch.arange(8, dtype=torch.int32) * 2 * CHUNK
+    k = torch.randn(8 * 2 * CHUNK, D)
+    k_rec, v_rec = kernels.quantize(k, bits, group), kernels.quantize(k.flip(0), bits, group)
+    q = torch.randn(2, 8, 1, D)
+    calls = []
+    chunked = reference.ragged_attention_chunked
+    monkeypatch.setattr(reference, "ragged_attention_chunked", lambda *a, **k: calls.append(1) or chunked(*a, **k))
+    out = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, 0.25, bits, group)
+    monkeypatch.setattr(reference, "LOOP_FREE", False)
+    loop = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, 0.25, bits, group)
+    assert calls == [1]
+    torch.testing.assert_close(out, loop, atol=1e-5, rtol=1e-5)
+
+
+def test_append_and_compact_write_records_in_place():
+    D, group, bits = 32, 16, 8
+    B, H, L = 2, 2, 9
+    keys, values = torch.randn(B, H, L, D), torch.randn(B, H, L, D)
+    keep = torch.rand(B, H, L, generator=torch.Generator().manual_seed(1)) < 0.5
+    width = kernels.record_width(D, bits, group, torch.float32)
+    offs = torch.tensor([0, 16, 32, 48], dtype=torch.int32)
+    k_rec, v_rec = torch.zeros(64, width, dtype=torch.uint8), torch.zeros(64, width, dtype=torch.uint8)
+    kernels.quantized_compact(keys, values, keep, offs, k_rec, v_rec, bits, group)
+    lengths = keep.sum(-1).reshape(-1).to(torch.int32)
+    for r in range(B * H):
+        b, h = divmod(r, H)
+        n = int(lengths[r])
+        assert torch.equal(k_rec[16 * r:16 * r + n], kernels.quantize(keys[b, h][keep[b, h]], bits, group))
+        assert torch.equal(v_rec[16 * r:16 * r + n], kernels.quantize(values[b, h][keep[b, h]], bits, group))
+        assert not k_rec[16 * r + n:16 * (r + 1)].any()
+    new_k, new_v = torch.randn(B, H, 2, D), torch.randn(B, H, 2, D)
+    before = lengths.clone()
+    kernels.quantized_append(new_k, new_v, k_rec, v_rec, offs, lengths, bits, group)
+    assert torch.equal(lengths, before + 2)
+    for r in range(B * H):
+        b, h = divmod(r, H)
+        at = 16 * r + int(before[r])
+        assert torch.equal(k_rec[at:at + 2], kernels.quantize(new_k[b, h], bits, group))
+        assert torch.equal(v_rec[at:at + 2], kernels.quantize(new_v[b, h], bits, group))
+
+
+def test_ops_compile_fullgraph():
+    """The quantized ops trace as custom ops: ``fullgraph=True``, no graph break."""
+    from torch._dynamo.utils import counters
+
+    D, group, bits = 32, 16, 4
+    k, v, offs, lens = _cache([5, 12, 0, 7], D, torch.float32)
+    k_rec, v_rec = kernels.quantize(k, bits, group), kernels.quantize(v, bits, group)
+
+    def step(q, k_new, v_new, k_rec, v_rec, offs, lens):
+        kernels.quantized_append(k_new, v_new, k_rec, v_rec, offs, lens, bits, group)
+        return kernels.quantized_attention(q, k_rec, v_rec, offs, lens, 0.2, bits, group)
+
+    counters.clear()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    q, k_new, v_new = torch.randn(2, 4, 1, D), torch.randn(2, 2, 1, D), torch.randn(2, 2, 1, D)
+    eager_args = [k_rec.clone(), v_rec.clone(), offs, lens.clone()]
+    expected = step(q, k_new, v_new, *eager_args)
+    got_lens = lens.clone()
+    got = compiled(q, k_new, v_new, k_rec, v_rec, offs, got_lens)
+    torch.testing.assert_close(got, expected)
+    assert torch.equal(got_lens, eager_args[3]) and torch.equal(k_rec, eager_args[0])
+    assert counters["graph_break"] == {}
+
+
+def test_one_line_refusals():
+    with pytest.raises(ValueError, match="group=24 must be even and divide head_dim=64"):
+        kernels.quantize(torch.randn(2, 64), 4, 24)
+    with pytest.raises(ValueError, match="bits=2"):
+        kernels.quantize(torch.randn(2, 64), 2, 32)
+    with pytest.raises(ValueError, match="not torch.float64"):
+        kernels.quantize(torch.randn(2, 64, dtype=torch.float64), 8, 32)
+    rec = kernels.quantize(torch.randn(4, 32), 8, 16)
+    offs, lens = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([2, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="rows are 48 bytes; 4-bit records .* are 32"):
+        kernels.quantized_attention(torch.randn(1, 2, 1, 32), rec, rec, offs, lens, 1.0, 4, 16)
+
+
+# ----------------------------------------------------------------------------- triton
+
+triton = pytest.importorskip("triton")
+needs_interpreter = pytest.mark.skipif(not torch.cuda.is_available() and not kernels.triton_interpret(),
+                                       reason="Triton on CPU needs TRITON_INTERPRET=1 (set in conftest.py)")
+
+
+@needs_interpreter
+@settings(max_examples=12, deadline=None)
+@given(st.sampled_from([torch.float32, torch.float16]), st.sampled_from([4, 8]), st.sampled_from([16, 32]),
+       st.sampled_from([16, 64]), st.sampled_from([1, 3]),
+       st.lists(st.integers(0, 60), min_size=4, max_size=4), st.sampled_from([16, 32]), st.integers(0, 999))
+def test_triton_matches_reference(dtype, bits, group, D, Q, lens, split, seed):
+    """Interpreted on CPU (float32 / float16 only: the interpreter's bfloat16 ``tl.dot`` is wrong)."""
+    from kvpress_ada.kernels.quantized_triton import quantized_attention_triton
+
+    if D % group:
+        group = D
+    k, v, offs, lens_t = _cache(lens, D, dtype, seed=seed)
+    k_rec, v_rec = kernels.quantize(k, bits, group), kernels.quantize(v, bits, group)
+    q = torch.randn(2, 6, Q, D, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    got = quantized_attention_triton(q, k_rec, v_rec, offs, lens_t, D ** -0.5, bits, group, split_size=split)
+    ref = qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, D ** -0.5, bits, group)
+    assert torch.isfinite(got).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@needs_interpreter
+def test_triton_backend_through_the_op():
+    k, v, offs, lens = _cache([0, 9, 33], 16, torch.float32)
+    k_rec, v_rec = kernels.quantize(k, 4, 16), kernels.quantize(v, 4, 16)
+    q = torch.randn(3, 2, 1, 16)
+    with kernels.use_backend("triton"):
+        got = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, 0.25, 4, 16)
+    ref = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, 0.25, 4, 16)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert lens[2] == 0 and torch.equal(got[2], torch.zeros_like(got[2]))  # an empty row attends to nothing: 0, not NaN

@@ -165,6 +165,8 @@ def start_chunked_prefill(model: Any, press: Pipeline, cache: PressCache, args: 
     name = "inputs_embeds" if args == () and kwargs.get("input_ids") is None else "input_ids"
     source = args[0] if args else kwargs.pop(name)
     mask = kwargs.pop("attention_mask", None)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:  # generate's mask for a compileable cache: its padding
+        mask = key_mask.long()
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
         raise ValueError("chunked prefill takes a 2-D attention_mask [batch, tokens] (or none)")
     positions = kwargs.pop("position_ids", None)

@@ -50,12 +50,16 @@ def input_shape(args: tuple, kwargs: dict) -> tuple[torch.Size, torch.device]:
 def prefill_key_mask(args: tuple, kwargs: dict) -> torch.Tensor:
     """``[B, L]`` bool mask of the real (non-padding) tokens of a forward's inputs.
 
-    Uses a 2-D ``attention_mask`` of the inputs' shape when given; all True otherwise.
+    Uses a 2-D ``attention_mask`` of the inputs' shape when given, or the last query's row of a 4-D one
+    (``[B, 1, T, T]``, bool or additive: what ``generate`` builds for a compileable cache); all True otherwise.
     """
     shape, device = input_shape(args, kwargs)
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape == shape:
         return mask.to(device=device, dtype=torch.bool)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[0] == shape[0] and mask.shape[-1] == shape[1]:
+        allowed = mask[:, 0, -1, :]  # a left-padded prefill: the last query sees every real token
+        return (allowed if allowed.dtype == torch.bool else allowed == 0).to(device)
     return torch.ones(shape, dtype=torch.bool, device=device)
 
 

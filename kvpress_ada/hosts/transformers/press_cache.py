@@ -1,6 +1,6 @@
 """The contract every cache a press compresses into follows, and the one base class they share.
 
-An :class:`~kvpress_ada.evictors.Evictor` builds its cache with ``new_cache(config)``; the cache is
+The host builds a press's cache (:func:`~.caches.new_cache`, from its evictor and storage); the cache is
 a transformers ``Cache`` made of :class:`PressLayer` objects. A layer gives one view of what it
 holds (:meth:`PressLayer.view`, dense while its prefill is in flight) and takes back one keep mask
 over that view (:meth:`PressLayer.retain`, which drops or hides the rest);

@@ -1,0 +1,223 @@
+"""Pages owned per (layer, kv head): the storage a serving host gives each sequence (KV-Compress's
+layout, arXiv 2410.00161), written once for every host that pages.
+
+A :class:`PagePool` holds one layer's pages, ``k_pages, v_pages [P, S, D]`` (its own tensors, or views
+of an engine's KV tensor, e.g. vLLM's CPU ``[blocks, H_kv, S, 2 * D]`` viewed as ``[blocks * H_kv, S,
+2 * D]`` and split in halves), the sequence position of every slot, and the free pages. A
+:class:`PagedSequence` is one sequence's entries in one layer: for each kv head its own pages (a page
+holds entries of one head only) and its length, so a head that keeps 10 entries holds one page while
+its neighbour holds 40. Eviction (:meth:`PagePool.retain`) compacts each head's kept entries into fresh
+pages and returns the old ones: pages held are ``sum over heads of ceil(kept / S)``, always.
+:meth:`PagePool.table` gives the page table and lengths that
+:func:`~kvpress_ada.kernels.paged.paged_attention` reads; :meth:`PagePool.view` the left-padded view
+:meth:`Pipeline.keep <kvpress_ada.Pipeline.keep>` selects from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class PoolExhausted(RuntimeError):
+    """No free page is left in the pool (the host must preempt a sequence or admit fewer)."""
+
+
+@dataclass
+class PagedSequence:
+    """One sequence's entries in one layer: per kv head, the ids of its pages and its length."""
+
+    heads: int
+    pages: list[list[int]] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.pages:
+            self.pages = [[] for _ in range(self.heads)]
+            self.lengths = [0] * self.heads
+
+    @property
+    def pages_held(self) -> int:
+        return sum(len(p) for p in self.pages)
+
+
+class PagePool:
+    """One layer's pages (see the module docstring): ``k_pages, v_pages [P, S, D]``, the position of the
+    entry in each slot (``-1``: none), and the ids of the free pages."""
+
+    def __init__(self, k_pages: torch.Tensor, v_pages: torch.Tensor):
+        if k_pages.shape != v_pages.shape or k_pages.dim() != 3:
+            raise ValueError(f"k_pages and v_pages must both be [pages, page_size, head_dim], got "
+                             f"{tuple(k_pages.shape)} and {tuple(v_pages.shape)}")
+        self.k_pages, self.v_pages = k_pages, v_pages
+        P, S, _ = k_pages.shape
+        self.page_size = S
+        self.positions = torch.full((P, S), -1, dtype=torch.int32, device=k_pages.device)
+        self._free = list(range(P - 1, -1, -1))  # a stack: the lowest ids are taken first
+
+    @classmethod
+    def allocate(cls, pages: int, page_size: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> "PagePool":
+        """A pool with tensors of its own."""
+        shape = (pages, page_size, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    def grow(self, extra: int) -> None:
+        """Add ``extra`` free pages (new tensors, the held pages copied over: their ids stay valid). Only for
+        a pool with tensors of its own, never for views of an engine's memory."""
+        P, S, D = self.k_pages.shape
+        k_pages = self.k_pages.new_zeros(P + extra, S, D)
+        v_pages = self.v_pages.new_zeros(P + extra, S, D)
+        positions = self.positions.new_full((P + extra, S), -1)
+        k_pages[:P], v_pages[:P], positions[:P] = self.k_pages, self.v_pages, self.positions
+        self.k_pages, self.v_pages, self.positions = k_pages, v_pages, positions
+        self._free[:0] = range(P + extra - 1, P - 1, -1)  # taken after the pages already free
+
+    # ------------------------------------------------------------------ pages
+    @property
+    def capacity(self) -> int:
+        return self.k_pages.shape[0]
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def take(self, n: int) -> list[int]:
+        """``n`` free page ids (raises :class:`PoolExhausted`, taking none, when fewer are free)."""
+        if n > len(self._free):
+            raise PoolExhausted(f"{n} pages needed, {len(self._free)} of {self.capacity} free")
+        taken = [self._free.pop() for _ in range(n)]
+        return taken
+
+    def give(self, ids: list[int]) -> None:
+        """Return pages to the pool."""
+        if ids:
+            self.positions[torch.tensor(ids, dtype=torch.long, device=self.positions.device)] = -1
+            self._free.extend(reversed(ids))
+
+    def release(self, seq: PagedSequence) -> None:
+        """Every page of ``seq`` back to the pool (a finished or aborted sequence)."""
+        for h in range(seq.heads):
+            self.give(seq.pages[h])
+            seq.pages[h], seq.lengths[h] = [], 0
+
+    def pages_needed(self, seq: PagedSequence, tokens: int) -> int:
+        """New pages ``seq`` takes to append ``tokens`` entries to every head."""
+        S = self.page_size
+        return sum(-(-(n + tokens) // S) - len(p) for n, p in zip(seq.lengths, seq.pages))
+
+    # ------------------------------------------------------------------ entries
+    def append(self, seqs: list[PagedSequence], keys: torch.Tensor, values: torch.Tensor,
+               positions: torch.Tensor, counts: list[int]) -> None:
+        """Append packed tokens: sequence ``n`` takes the next ``counts[n]`` of ``keys, values [T, H_kv, D]``
+        and ``positions [T]`` (every head of it the same tokens). Pages are taken before anything is
+        written: on :class:`PoolExhausted` nothing changed."""
+        needed = sum(self.pages_needed(seq, c) for seq, c in zip(seqs, counts))
+        if needed > self.free_pages:
+            raise PoolExhausted(f"{needed} pages needed to append, {self.free_pages} of {self.capacity} free")
+        S = self.page_size
+        slots: list[int] = []  # flat slot of token t, head h, in (t, h) order
+        per_seq: list[list[list[int]]] = []
+        for seq, c in zip(seqs, counts):
+            heads = []
+            for h in range(seq.heads):
+                n = seq.lengths[h]
+                seq.pages[h].extend(self.take(-(-(n + c) // S) - len(seq.pages[h])))
+                heads.append([seq.pages[h][j // S] * S + j % S for j in range(n, n + c)])
+                seq.lengths[h] = n + c
+            per_seq.append(heads)
+        for heads in per_seq:
+            slots.extend(heads[h][i] for i in range(len(heads[0]) if heads else 0) for h in range(len(heads)))
+        if not slots:
+            return
+        index = torch.tensor(slots, dtype=torch.long, device=self.k_pages.device)
+        D = keys.shape[-1]
+        self.k_pages.view(-1, D).index_copy_(0, index, keys.reshape(-1, D).to(self.k_pages.dtype))
+        self.v_pages.view(-1, D).index_copy_(0, index, values.reshape(-1, D).to(self.v_pages.dtype))
+        H = keys.shape[1]
+        self.positions.view(-1).index_copy_(0, index, positions.to(torch.int32).repeat_interleave(H))
+
+    def table(self, seqs: list[PagedSequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(page_table [N * H_kv, M], row_lengths [N * H_kv])`` int32 of ``seqs`` on the pool's device
+        (row ``n * H_kv + h``; ``-1`` pads the table)."""
+        rows = [p for seq in seqs for p in seq.pages]
+        M = max((len(p) for p in rows), default=0) or 1
+        table = torch.full((len(rows), M), -1, dtype=torch.int32)
+        for r, p in enumerate(rows):
+            table[r, :len(p)] = torch.tensor(p, dtype=torch.int32)
+        lengths = torch.tensor([n for seq in seqs for n in seq.lengths], dtype=torch.int32)
+        device = self.k_pages.device
+        return table.to(device), lengths.to(device)
+
+    def view(self, seqs: list[PagedSequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys, values [N, H_kv, W, D], present [N, H_kv, W], positions [N, H_kv, W])``: each head's entries
+        in the order they were stored, at the end of a ``W``-slot row (left padding, ``W`` the longest head;
+        zeros and position ``-1`` where absent)."""
+        N, H = len(seqs), seqs[0].heads if seqs else 0
+        S, D = self.page_size, self.k_pages.shape[-1]
+        lengths = torch.tensor([n for seq in seqs for n in seq.lengths], dtype=torch.long).view(N, H)
+        W = int(lengths.max()) if lengths.numel() else 0
+        slot = torch.arange(W) - (W - lengths[..., None])  # entry index of each view slot
+        present = slot >= 0
+        table, _ = self.table(seqs)
+        table = table.cpu().long().view(N, H, -1)
+        entry = slot.clamp(min=0)
+        flat = table.gather(2, (entry // S).clamp(max=table.shape[-1] - 1)) * S + entry % S
+        flat = torch.where(present, flat, 0).to(self.k_pages.device)
+        present = present.to(self.k_pages.device)
+        keys = self.k_pages.reshape(-1, D).index_select(0, flat.reshape(-1)).view(N, H, W, D)
+        values = self.v_pages.reshape(-1, D).index_select(0, flat.reshape(-1)).view(N, H, W, D)
+        positions = self.positions.view(-1).index_select(0, flat.reshape(-1)).view(N, H, W).long()
+        zero = torch.zeros((), dtype=keys.dtype, device=keys.device)
+        return (torch.where(present[..., None], keys, zero), torch.where(present[..., None], values, zero),
+                present, torch.where(present, positions, -1))
+
+    def retain(self, seqs: list[PagedSequence], keep: torch.Tensor) -> None:
+        """Keep the entries of :meth:`view` where ``keep [N, H_kv, W]`` is True (in their order), each head
+        in fresh pages; the old pages return to the pool. Never needs more pages than it frees."""
+        keys, values, present, positions = self.view(seqs)
+        keep = keep & present
+        counts = keep.sum(-1).tolist()
+        for seq in seqs:  # the view holds copies: the old pages can go first, so this never runs out
+            self.release(seq)
+        N, H = keep.shape[:2]
+        order = torch.argsort(keep.to(torch.uint8), dim=-1, stable=True, descending=True)  # kept first, in order
+        for n, seq in enumerate(seqs):
+            for h in range(H):
+                c = counts[n][h]
+                seq.pages[h] = self.take(-(-c // self.page_size))
+            picked = order[n, :, :max(counts[n], default=0)]
+            W = picked.shape[-1]
+            mask = torch.arange(W, device=keep.device)[None, :] < torch.tensor(counts[n], device=keep.device)[:, None]
+            rows_k = keys[n].gather(1, picked[..., None].expand(H, W, keys.shape[-1]))
+            rows_v = values[n].gather(1, picked[..., None].expand(H, W, keys.shape[-1]))
+            rows_p = positions[n].gather(1, picked)
+            seq.lengths = [0] * H
+            self.append_heads(seq, rows_k, rows_v, rows_p, mask)
+
+    def append_heads(self, seq: PagedSequence, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                     mask: torch.Tensor) -> None:
+        """Write head ``h``'s entries ``keys[h][mask[h]]`` (``[H_kv, W, D]``, positions ``[H_kv, W]``) after
+        its current length, into pages it already holds."""
+        S, D = self.page_size, keys.shape[-1]
+        slots: list[int] = []
+        picked: list[torch.Tensor] = []
+        counts = mask.sum(-1).tolist()
+        for h in range(seq.heads):
+            n = seq.lengths[h]
+            slots.extend(seq.pages[h][j // S] * S + j % S for j in range(n, n + counts[h]))
+            picked.append(mask[h].nonzero()[:, 0] + h * keys.shape[1])
+            seq.lengths[h] = n + counts[h]
+        if not slots:
+            return
+        index = torch.tensor(slots, dtype=torch.long, device=self.k_pages.device)
+        source = torch.cat(picked)
+        self.k_pages.view(-1, D).index_copy_(0, index, keys.reshape(-1, D).index_select(0, source))
+        self.v_pages.view(-1, D).index_copy_(0, index, values.reshape(-1, D).index_select(0, source))
+        self.positions.view(-1).index_copy_(0, index, positions.reshape(-1).index_select(0, source).to(torch.int32))
+
+    def nbytes(self, seqs: list[PagedSequence]) -> int:
+        """Bytes of keys and values the pages of ``seqs`` hold (whole pages: what they keep others from)."""
+        per_page = self.page_size * self.k_pages.shape[-1] * (self.k_pages.element_size() + self.v_pages.element_size())
+        return sum(seq.pages_held for seq in seqs) * per_page

@@ -132,6 +132,12 @@ def test_max_new_tokens_0_refused(command, loads, capsys):
     (["demo", "--context", "100"],
      "kvpress-ada demo: error: --context 100 is too small for task 'passkey' with this tokenizer; "
      "use --context >= 236"),
+    (["eval", *SMALL[:4], "--tasks", "passkey,multikey", "--n", "1", "--context", "100"],
+     "kvpress-ada eval: error: --context 100 is too small for tasks 'passkey', 'multikey' with this tokenizer; "
+     "use --context >= 541"),
+    (["distill", "--tasks", "passkey,multikey", "--context", "100"],
+     "kvpress-ada distill: error: --context 100 is too small for tasks 'passkey', 'multikey' with this tokenizer; "
+     "use --context >= 542"),
 ])
 def test_context_too_small_for_task_exit_2(argv, message, loads, tmp_path, capsys):
     code, err = run([*argv, "--model", "tiny"] + (["--out", str(tmp_path)] if argv[0] == "eval" else []), capsys)

@@ -134,6 +134,23 @@ def _samples(task: str, tok, n: int, context: int, seed: int) -> list:
                          f"use --context >= {err.minimum}") from None
 
 
+def _check_tasks_fit(tasks: list[str], tok, context: int, seed: int) -> None:
+    """Exit 2 before any prefill when ``context`` cannot hold one of ``tasks``, naming the size that
+    holds every one of them."""
+    from kvpress_ada.harness.eval.tasks import ContextTooSmall, make_samples
+
+    small: dict[str, int] = {}
+    for task in tasks:
+        try:
+            make_samples(task, tok, 1, context, seed=seed)
+        except ContextTooSmall as err:
+            small[task] = err.minimum
+    if small:
+        names = ", ".join(map(repr, small))
+        raise UsageError(f"--context {context} is too small for task{'s' if len(small) > 1 else ''} {names} with "
+                         f"this tokenizer; use --context >= {max(small.values())}")
+
+
 def _check_common(args) -> None:
     if args.context < 64:
         raise UsageError(f"--context must be >= 64 tokens, got {args.context}")
@@ -417,6 +434,7 @@ def cmd_eval(args) -> int:
     for entry in entries:  # a calibration made for another model: exit 2 before any sample runs
         _check_press_model(entry.label, entry.press, model)
     # round robin over tasks (sample i is task i % len(tasks)): a run cut short covers every task alike
+    _check_tasks_fit(tasks, tok, args.context, args.seed)
     per_task = [_samples(task, tok, args.n, args.context, args.seed) for task in tasks]
     samples = [s for group in zip(*per_task) for s in group]
     mine = set(world.shard(len(samples)))
@@ -513,8 +531,7 @@ def _file_job(args, tasks: list[str], example: str) -> tuple[Path, Any, Any]:
     _prepare_out(str(out.parent if str(out.parent) else "."))
     model, tok = _load_model(args.model)
     _check_context(model, args.context)
-    for task in tasks:  # a context too small for a task: exit 2 before any prefill
-        _samples(task, tok, 1, args.context, args.seed)
+    _check_tasks_fit(tasks, tok, args.context, args.seed)
     return out, model, tok
 
 
@@ -554,9 +571,17 @@ def _distill_inputs(args) -> list[str]:
     if args.seed < CALIBRATION_SEED:
         raise UsageError(f"--seed must be >= {CALIBRATION_SEED}: training never uses evaluation's seeds "
                          f"(eval uses --seed 0), got {args.seed}")
-    for option, value in (("--width", args.width), ("--epochs", args.epochs), ("--max-tokens", args.max_tokens)):
-        if value < 1:
+    from kvpress_ada.harness.distill import DEFAULT_EPOCHS, DEFAULT_MAX_TOKENS, DEFAULT_WIDTH
+
+    mlp_only = (("--width", "width", DEFAULT_WIDTH), ("--epochs", "epochs", DEFAULT_EPOCHS),
+                ("--max-tokens", "max_tokens", DEFAULT_MAX_TOKENS))
+    for option, name, default in mlp_only:
+        value = getattr(args, name)
+        if value is not None and args.kind == "linear":
+            raise UsageError(f"{option} applies to --kind mlp only (a linear surrogate is fit in closed form)")
+        if value is not None and value < 1:
             raise UsageError(f"{option} must be >= 1, got {value}")
+        setattr(args, name, default if value is None else value)
     return tasks
 
 
@@ -677,9 +702,9 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--tasks", default="", help="comma-separated synthetic tasks (default: all, listed below)")
     dist.add_argument("--context", type=int, default=1000, help="text length in tokens (>= 64)")
     dist.add_argument("--seed", type=int, default=10_000, help="first training seed (>= 10000; eval uses 0)")
-    dist.add_argument("--width", type=int, default=64, help="the MLP's hidden width (mlp)")
-    dist.add_argument("--epochs", type=int, default=8, help="passes over the training tokens (mlp)")
-    dist.add_argument("--max-tokens", type=int, default=32_768, help="training tokens per layer, at most (mlp)")
+    dist.add_argument("--width", type=int, help="the MLP's hidden width (mlp only; default 64)")
+    dist.add_argument("--epochs", type=int, help="passes over the training tokens (mlp only; default 8)")
+    dist.add_argument("--max-tokens", type=int, help="training tokens per layer, at most (mlp only; default 32768)")
     dist.add_argument("--out", default="surrogate.safetensors", help="the surrogate file to write (safetensors)")
     dist.add_argument("--no-progress", action="store_true")
     dist.add_argument("--threads", type=int, help=threads_help)

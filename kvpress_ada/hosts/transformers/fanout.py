@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from ...scorers.base import PassScorer
 from .attention import RUN_KWARG, Handler, attention_routed, layer_view, recording_attention_inputs
-from .caches import new_cache
+from .caches import new_cache, ragged_cache
 from .checks import check_press
 from .hf import cache_kwarg, check_left_padded, check_supported, prefill_key_mask
 from .model_pass import model_pass_scores
@@ -142,7 +142,11 @@ class Prefill:
         if self.key_mask.shape[0] != 1:
             raise ValueError("compressed_batch stacks presses of a batch-1 prefill, not batch "
                              f"{self.key_mask.shape[0]}")
-        cache = RaggedCache(config=self.model.config)
+        storages = {p.storage for p in presses}
+        if len(storages) > 1:
+            raise ValueError("compressed_batch stacks presses of one storage, got "
+                             f"{sorted(s.label for s in storages)}: batch each storage apart")
+        cache = ragged_cache(presses[0].storage, self.model.config) if presses else RaggedCache(self.model.config)
         E = len(presses)
         for i, c in enumerate(self.layers):
             cache.update(c.keys.expand(E, -1, -1, -1), c.values.expand(E, -1, -1, -1), i)

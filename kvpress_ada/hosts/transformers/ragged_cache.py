@@ -58,10 +58,12 @@ class RaggedLayer(CacheLayerMixin):
         self._kept_positions = torch.empty(0, dtype=torch.int32)  # sequence index of each compressed entry, row order
         self._compressed_at = 0  # tokens seen when the layer was last compressed (appended ones follow)
         self.shape = (0, 0, 0)  # (B, H_kv, D)
+        self.head_dim = 0  # D of the entries (set by the first update)
 
     # ------------------------------------------------------------------ HF API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
+        self.head_dim = key_states.shape[-1]
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
@@ -79,8 +81,7 @@ class RaggedLayer(CacheLayerMixin):
         if not torch.compiler.is_compiling() and self._reserved != q:
             self.reserve(q)  # eager callers need not reserve; a compiled step was reserved by its caller
         self._reserved = 0
-        kernels.append(key_states.detach(), value_states.detach(), self.k_flat, self.v_flat, self.row_offsets,
-                       self.row_lengths)
+        self._append_entries(key_states.detach(), value_states.detach())
         return self.k_flat, self.v_flat
 
     def reserve(self, q: int) -> None:
@@ -139,26 +140,25 @@ class RaggedLayer(CacheLayerMixin):
         free slots per row (default ``decode_reserve``). ``positions [B, H_kv, L]``: each dense entry's
         index in the sequence (default: its index in the dense cache)."""
         keys, values = self._dense()
-        B, H, L, D = keys.shape
+        B, H, L, _ = keys.shape
         if keep.shape != (B, H, L):
             raise ValueError(f"keep mask of shape {tuple(keep.shape)} does not match the layer's cache {(B, H, L)}")
         counts = keep.sum(-1).reshape(-1).to(torch.int32)
         self._base = counts.tolist()  # one host sync per layer, at compression time only
-        self.shape = (B, H, D)
+        self.shape = (B, H, self.head_dim)
         self._appended = 0
         if positions is None:
             positions = torch.arange(L, device=keys.device).expand(B, H, L)
         self._kept_positions = positions.expand(B, H, L)[keep].to(torch.int32)
         self._compressed_at = self.seen
         self._layout(self.decode_reserve if spare is None else spare, counts)
-        kernels.compact(keys, values, keep, self.row_offsets, self.k_flat, self.v_flat)
+        self._compact_entries(keys, values, keep)
         self.keys = self.values = None
         self.compressed = True
 
     def _layout(self, spare: int, lengths: torch.Tensor) -> None:
         """Allocate flat storage with at least ``spare`` free slots per row after ``lengths`` tokens,
         every row's capacity a multiple of ``CHUNK``."""
-        B, H, D = self.shape
         host = [n + self._appended for n in self._base]
         caps = [-(-(n + spare) // CHUNK) * CHUNK for n in host]
         offsets = [0] * len(caps)
@@ -170,8 +170,7 @@ class RaggedLayer(CacheLayerMixin):
         # inside it would otherwise recompile for every mix of the two kinds across layers.
         with torch.inference_mode(False):
             # zeros, not empty: kernels mask the free slots' scores, but 0 * NaN garbage would still be NaN
-            self.k_flat = torch.zeros(total, D, dtype=self.dtype, device=self.device)
-            self.v_flat = torch.zeros(total, D, dtype=self.dtype, device=self.device)
+            self.k_flat, self.v_flat = self._empty_slots(total), self._empty_slots(total)
             self.row_offsets = torch.tensor(offsets, dtype=torch.int32, device=self.device)
             self.row_lengths = torch.zeros(len(caps), dtype=torch.int32, device=self.device)
         self.row_lengths.copy_(lengths.reshape(-1))
@@ -201,8 +200,7 @@ class RaggedLayer(CacheLayerMixin):
         B, H, _ = self.shape
         index, present = ragged_index(self.row_offsets, self.row_lengths, (B, H))
         positions = torch.where(present, self._view_positions(present.shape[-1]), -1)
-        return HeldEntries(gather_slots(self.k_flat, index, present), gather_slots(self.v_flat, index, present),
-                           present & real_entries(key_mask, positions), positions)
+        return HeldEntries(*self._read_slots(index, present), present & real_entries(key_mask, positions), positions)
 
     def _view_positions(self, width: int) -> torch.Tensor:
         """``[B, H, width]`` sequence index of each slot of :meth:`view`: the compressed entries' recorded
@@ -237,9 +235,30 @@ class RaggedLayer(CacheLayerMixin):
         if not self.compressed:
             return dense_fn(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         with torch.no_grad():
-            out = kernels.ragged_attention(query, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths,
-                                           scaling)
+            out = self._attention(query, scaling)
         return out.transpose(1, 2).contiguous(), None
+
+    # ------------------------------------------------ storage of a slot (a subclass stores it otherwise)
+    def _empty_slots(self, total: int) -> torch.Tensor:
+        """A zeroed buffer of ``total`` slots (zeros, not empty: kernels mask the free slots' scores, but
+        ``0 * NaN`` garbage would still be NaN)."""
+        return torch.zeros(total, self.head_dim, dtype=self.dtype, device=self.device)
+
+    def _compact_entries(self, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor) -> None:
+        """Write each row's kept entries of ``keys, values [B, H_kv, L, ...]`` from its offset."""
+        kernels.compact(keys, values, keep, self.row_offsets, self.k_flat, self.v_flat)
+
+    def _append_entries(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append ``keys, values [B, H_kv, Q, D]`` to every row in place (``row_lengths += Q``)."""
+        kernels.append(keys, values, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths)
+
+    def _read_slots(self, index: torch.Tensor, present: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[B, H_kv, W, D]`` at flat ``index`` (zeros where not ``present``)."""
+        return gather_slots(self.k_flat, index, present), gather_slots(self.v_flat, index, present)
+
+    def _attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """``[B, H_q, Q, D]`` attention of ``query`` over the rows."""
+        return kernels.ragged_attention(query, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths, scaling)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("beam search is not supported with RaggedCache (rows are ragged per head); "
@@ -270,7 +289,7 @@ class RaggedLayer(CacheLayerMixin):
         B, H, D = self.shape
         offsets = self.row_offsets.tolist() + [self.k_flat.shape[0]]
         caps = [b - a for a, b in zip(offsets, offsets[1:])]
-        per_slot = D * (self.k_flat.element_size() + self.v_flat.element_size())
+        per_slot = self.k_flat[0].nbytes + self.v_flat[0].nbytes if self.k_flat.shape[0] else 0
         return [sum(caps[b * H:(b + 1) * H]) * per_slot for b in range(B)]
 
     def head_lengths(self) -> torch.Tensor:
@@ -315,7 +334,11 @@ class RaggedCache(PressCache):
     """
 
     def __init__(self, config: Any = None, num_layers: int | None = None, decode_reserve: int = 8):
-        super().__init__(layers=[RaggedLayer(decode_reserve) for _ in range(layer_count(config, num_layers))])
+        super().__init__(layers=[self._new_layer(decode_reserve) for _ in range(layer_count(config, num_layers))])
+
+    def _new_layer(self, decode_reserve: int) -> RaggedLayer:
+        """One empty layer (a cache of another storage returns its own layer class)."""
+        return RaggedLayer(decode_reserve)
 
     @property
     def compressed(self) -> bool:

@@ -1,0 +1,91 @@
+"""QuantizedRaggedCache: the ragged cache with its kept entries stored as int8 or int4 records.
+
+A layer is a :class:`~.ragged_cache.RaggedLayer` (same rows, offsets, reserve, re-layout, crop, compiled
+decode step) whose slots hold one ``uint8`` record per token instead of ``head_dim`` floats: the
+integers with the token's scales and zero points (:mod:`kvpress_ada.kernels.quantized`). The dense
+prefill stays in full precision until the layer is compressed, so selection reads full-precision
+entries; compression quantizes the kept entries, a decode token is quantized when it is appended, and
+attention dequantizes the rows as it reads them. :meth:`~.ragged_cache.RaggedLayer.view` gives the
+dequantized entries (what a later selection, a decode compaction or the next chunk of a chunked prefill
+reads: what is stored), and keeping part of a compressed layer moves the kept records as they are
+(never quantized twice). ``nbytes()`` counts the records, scales and zero points included.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ... import kernels
+from ...kernels.quantized import dequantize, record_width
+from ...storage import Storage
+from .entries import gather_slots, ragged_index
+from .press_cache import HeldEntries
+from .ragged_cache import RaggedCache, RaggedLayer
+
+
+class QuantizedRaggedLayer(RaggedLayer):
+    """One layer of a :class:`QuantizedRaggedCache`: ``bits``-bit records in groups of ``group`` channels."""
+
+    def __init__(self, bits: int, group: int, decode_reserve: int = 8, growth: float = 0.125):
+        super().__init__(decode_reserve, growth)
+        self.bits, self.group = bits, group
+
+    def _empty_slots(self, total: int) -> torch.Tensor:
+        width = record_width(self.head_dim, self.bits, self.group, self.dtype)
+        return torch.zeros(total, width, dtype=torch.uint8, device=self.device)
+
+    def _compact_entries(self, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor) -> None:
+        if keys.dtype == torch.uint8:  # records of this layer (see retain): moved as they are
+            kernels.compact_ref(keys, values, keep, self.row_offsets, self.k_flat, self.v_flat)
+        else:
+            kernels.quantized_compact(keys, values, keep, self.row_offsets, self.k_flat, self.v_flat, self.bits,
+                                      self.group)
+
+    def _append_entries(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        kernels.quantized_append(keys, values, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths,
+                                 self.bits, self.group)
+
+    def _read_slots(self, index: torch.Tensor, present: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def read(records: torch.Tensor) -> torch.Tensor:
+            return dequantize(gather_slots(records, index, present), self.head_dim, self.bits, self.group, self.dtype)
+
+        return read(self.k_flat), read(self.v_flat)
+
+    def _attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        return kernels.quantized_attention(query, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths,
+                                           scaling, self.bits, self.group)
+
+    def retain(self, keep: torch.Tensor, held: HeldEntries, spare: int | None = None) -> None:
+        """As :meth:`RaggedLayer.retain`; on a compressed layer the kept entries' records move unchanged
+        (``held`` is this layer's :meth:`view`, so its slots map to the layer's rows)."""
+        if not self.compressed:
+            super().retain(keep, held, spare)
+            return
+        if keep.shape != held.valid.shape:
+            raise ValueError(f"keep mask of shape {tuple(keep.shape)} does not match the layer's view "
+                             f"{tuple(held.valid.shape)}")
+        B, H, _ = self.shape
+        index, present = ragged_index(self.row_offsets, self.row_lengths, (B, H))
+        if present.shape != keep.shape:
+            raise ValueError(f"the view of shape {tuple(keep.shape)} is not this layer's ({tuple(present.shape)})")
+        self.keys, self.values = gather_slots(self.k_flat, index, present), gather_slots(self.v_flat, index, present)
+        self.compressed = False
+        self.compress(keep & held.valid & present, spare=spare, positions=held.positions)
+
+
+class QuantizedRaggedCache(RaggedCache):
+    """A :class:`~.ragged_cache.RaggedCache` of :class:`QuantizedRaggedLayer` objects for a quantized
+    ``storage`` (:class:`~kvpress_ada.storage.Int8` or :class:`~kvpress_ada.storage.Int4`)."""
+
+    def __init__(self, storage: Storage, config: Any = None, num_layers: int | None = None,
+                 decode_reserve: int = 8):
+        bits = type(storage).bits
+        if bits is None:
+            raise ValueError(f"storage={storage.label!r} is not quantized: use RaggedCache")
+        self.storage, self.bits, self.group = storage, bits, int(getattr(storage, "group_size"))
+        super().__init__(config=config, num_layers=num_layers, decode_reserve=decode_reserve)
+
+    def _new_layer(self, decode_reserve: int) -> RaggedLayer:
+        return QuantizedRaggedLayer(self.bits, self.group, decode_reserve)

@@ -1,0 +1,298 @@
+"""Quantized storage (``Pipeline(storage=Int8() | Int4())``) in every mode of the transformers host.
+
+Two oracles: the full-precision press (selection never depends on the storage: a one-shot press keeps the
+same positions), and a full-precision ragged cache whose entries are rounded through quantize ->
+dequantize when kept or appended (:class:`RoundedCache`): whatever a mode reads after compression
+(attention, a decode compaction's view, the next chunk), the quantized cache must give what that cache
+gives, since both hold the same values."""
+
+import pytest
+import torch
+from conftest import build_model, build_tokenizer
+from torch._dynamo.utils import counters
+
+from kvpress_ada import Int4, Int8, Mask, Pipeline, RaggedCache, generate, preset
+from kvpress_ada.hosts.transformers import compiled
+from kvpress_ada.hosts.transformers.fanout import capture_prefill
+from kvpress_ada.hosts.transformers.hf import cache_kwarg, output_cache
+from kvpress_ada.hosts.transformers.quantized_cache import QuantizedRaggedCache, QuantizedRaggedLayer
+from kvpress_ada.hosts.transformers.ragged_cache import RaggedLayer
+from kvpress_ada.kernels import dequantize, quantize, record_width
+from kvpress_ada.kernels.reference import CHUNK
+from kvpress_ada.presets import portable_preset_names
+from kvpress_ada.scorers import SnapKV
+
+STORAGES = [Int8(group_size=16), Int4(group_size=16)]  # the tiny models' head dim is 16
+IDS = pytest.mark.parametrize("storage", STORAGES, ids=["int8", "int4"])
+
+
+class RoundedLayer(RaggedLayer):
+    """Full-precision ragged layer whose kept and appended entries are rounded through the storage's
+    quantize -> dequantize; entries it already holds are moved as they are (test oracle)."""
+
+    def __init__(self, bits, group, decode_reserve=8):
+        super().__init__(decode_reserve)
+        self.bits, self.group, self._moving = bits, group, False
+
+    def _round(self, x):
+        return dequantize(quantize(x, self.bits, self.group), x.shape[-1], self.bits, self.group, x.dtype)
+
+    def _compact_entries(self, keys, values, keep):
+        if not self._moving:
+            keys, values = self._round(keys), self._round(values)
+        super()._compact_entries(keys, values, keep)
+
+    def _append_entries(self, keys, values):
+        super()._append_entries(self._round(keys), self._round(values))
+
+    def retain(self, keep, held, spare=None):
+        self._moving = self.compressed
+        try:
+            super().retain(keep, held, spare)
+        finally:
+            self._moving = False
+
+
+class RoundedCache(RaggedCache):
+    def __init__(self, storage, config):
+        self.bits, self.group = type(storage).bits, storage.group_size
+        super().__init__(config=config)
+
+    def _new_layer(self, decode_reserve):
+        return RoundedLayer(self.bits, self.group, decode_reserve)
+
+
+_MODELS = {}
+
+
+def _model(arch="llama", **overrides):
+    key = (arch, tuple(sorted(overrides.items())))
+    if key not in _MODELS:
+        _MODELS[key] = build_model(arch, **overrides)
+    return _MODELS[key]
+
+
+def _batch(lengths=(90, 70), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    L = max(lengths)
+    ids = torch.randint(5, 100, (len(lengths), L), generator=g)
+    mask = torch.zeros(len(lengths), L, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        mask[b, L - n:] = 1
+        ids[b, :L - n] = 0
+    return ids, mask
+
+
+def _run(model, press, ids, mask=None, cache=None, new_tokens=5):
+    """Greedy generation under ``press`` (into ``cache`` when given): (sequences, logits, cache)."""
+    kwargs = {} if cache is None else {cache_kwarg(model): cache}
+    with torch.no_grad(), press(model):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kwargs)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1), output_cache(out)
+
+
+def _assert_like_rounded(model, press, storage, ids, mask=None, new_tokens=5):
+    """``press`` with ``storage`` against the same full-precision press decoding into a RoundedCache."""
+    tokens, logits, cache = _run(model, press.model_copy(update={"storage": storage}), ids, mask,
+                                 new_tokens=new_tokens)
+    ref_tokens, ref_logits, ref = _run(model, press, ids, mask, RoundedCache(storage, model.config), new_tokens)
+    assert isinstance(cache, QuantizedRaggedCache) and type(ref) is RoundedCache
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    for i in range(len(cache.layers)):
+        assert torch.equal(cache.head_lengths(i), ref.head_lengths(i))
+        mine, theirs = cache.layers[i].view(), ref.layers[i].view()
+        assert torch.equal(mine.positions, theirs.positions)
+        torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-6, rtol=0)
+    return cache
+
+
+def _held_bytes(cache):
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.k_flat, layer.v_flat))
+
+
+# ----------------------------------------------------------------------------- selection and bytes
+
+
+@IDS
+@pytest.mark.parametrize("name", portable_preset_names())
+def test_every_preset_keeps_the_full_precision_positions(storage, name):
+    """One-shot presets (KVzip's model pass included), batch 2 with left padding: selection reads the
+    full-precision prefill, so the kept positions are those of full-precision storage."""
+    model = _model()
+    ids, mask = _batch()
+    caches = {}
+    for st in ("full", storage):
+        with torch.no_grad(), preset(name, compression_ratio=0.6, storage=st)(model):
+            caches[st if st == "full" else "quantized"] = output_cache(model(ids, attention_mask=mask,
+                                                                             use_cache=True))
+    full, quantized = caches["full"], caches["quantized"]
+    assert isinstance(quantized, QuantizedRaggedCache) and not isinstance(full, QuantizedRaggedCache)
+    for i in range(len(full.layers)):
+        assert torch.equal(quantized.head_lengths(i), full.head_lengths(i))
+        got, ref = quantized.layers[i].view(), full.layers[i].view()
+        assert torch.equal(got.positions, ref.positions) and torch.equal(got.valid, ref.valid)
+        step = 1 / 15 if storage.bits == 4 else 1 / 255
+        spread = ref.keys.amax(-1, keepdim=True) - ref.keys.amin(-1, keepdim=True)  # bounds each group's range
+        assert ((got.keys - ref.keys).abs() <= spread * step / 2 + 1e-6).all()
+    assert quantized.nbytes() < full.nbytes()
+
+
+@IDS
+def test_nbytes_are_the_records_held(storage):
+    """``nbytes()`` = bytes of the tensors held, scales and zero points included: each row's slots (kept
+    entries + the decode reserve, whole chunks) x one record of ``D * bits / 8 + 2 * (D / group) * 4`` bytes,
+    for keys and values; ``batch_nbytes`` splits the same bytes by batch row."""
+    model = _model()
+    ids, mask = _batch()
+    with torch.no_grad(), preset("ada_snapkv", compression_ratio=0.6, storage=storage)(model):
+        cache = output_cache(model(ids, attention_mask=mask, use_cache=True))
+    D = model.config.hidden_size // model.config.num_attention_heads
+    width = record_width(D, storage.bits, 16, torch.float32)
+    assert width == D * storage.bits // 8 + 2 * (D // 16) * 4
+    slots = sum(int((-(-(cache.head_lengths(i) + 8) // CHUNK) * CHUNK).sum()) for i in range(len(cache.layers)))
+    assert cache.nbytes() == _held_bytes(cache) == slots * width * 2
+    assert sum(cache.batch_nbytes()) == cache.nbytes()
+    assert all(layer.k_flat.dtype == torch.uint8 for layer in cache.layers)
+
+
+# ----------------------------------------------------------------------------- modes
+
+
+@IDS
+def test_one_shot_left_padded_batch_equals_rounded_cache(storage):
+    _assert_like_rounded(_model(), preset("ada_snapkv", compression_ratio=0.6), storage, *_batch())
+
+
+@IDS
+def test_batch_row_equals_row_alone(storage):
+    model = _model()
+    ids, mask = _batch(lengths=(90, 71), seed=4)
+    press = preset("ada_pyramidkv", compression_ratio=0.5, storage=storage)
+    tokens, logits, cache = _run(model, press, ids, mask, new_tokens=6)
+    for b in range(2):
+        n = int(mask[b].sum())
+        alone_tokens, alone_logits, alone = _run(model, press, ids[b:b + 1, -n:], new_tokens=6)
+        assert torch.equal(tokens[b], alone_tokens[0])
+        torch.testing.assert_close(logits[b], alone_logits[0], atol=1e-4, rtol=0)
+        assert cache.batch_nbytes()[b] == alone.nbytes()
+        for i in range(len(cache.layers)):
+            assert torch.equal(cache.head_lengths(i)[b], alone.head_lengths(i)[0])
+
+
+@IDS
+def test_chunked_prefill_equals_rounded_cache(storage):
+    """Each chunk attends to (and the next selection reads) the dequantized entries kept so far."""
+    press = preset("ada_snapkv", budget=14, prefill_chunk=12, scorer=SnapKV(window=4, kernel=3))
+    _assert_like_rounded(_model(), press, storage, *_batch(lengths=(60, 41), seed=2))
+
+
+@IDS
+def test_decode_compression_equals_rounded_cache_and_moves_records(storage):
+    """Decode compactions read the dequantized view and keep the records unchanged (never re-quantized)."""
+    press = Pipeline(scorer=SnapKV(window=4, kernel=3), budget=16, decode_budget=10, decode_interval=4)
+    cache = _assert_like_rounded(_model(), press, storage, *_batch(lengths=(30, 24), seed=3), new_tokens=14)
+    assert min(cache.state.compactions) >= 2
+    layer = cache.layers[0]
+    before = layer.view()
+    keep = before.valid & (torch.rand(before.valid.shape, generator=torch.Generator().manual_seed(0)) < 0.6)
+    layer.retain(keep, before)
+    after = layer.view()
+    assert torch.equal(after.valid.sum(-1), keep.sum(-1))
+    kept_before = [before.keys[b, h][keep[b, h]] for b in range(2) for h in range(2)]
+    kept_after = [after.keys[b, h][after.valid[b, h]] for b in range(2) for h in range(2)]
+    assert all(torch.equal(x, y) for x, y in zip(kept_before, kept_after))
+
+
+@IDS
+def test_relayout_and_crop_keep_the_records(storage):
+    """Appends past the decode reserve re-lay the layer out (records copied as bytes); crop drops appended ones."""
+    model = _model()
+    ids, _ = _batch(lengths=(80,))
+    _, _, cache = _run(model, preset("snapkv", compression_ratio=0.5, storage=storage), ids, new_tokens=30)
+    layer = cache.layers[0]
+    assert isinstance(layer, QuantizedRaggedLayer) and layer._appended == 29
+    held = layer.view()  # every row holds as many entries here (a uniform press): no left padding
+    assert held.valid.all() and layer.k_flat.shape[0] > (-(-(40 + 8) // CHUNK) * CHUNK) * 2  # re-laid out
+    layer.crop(-3)
+    assert torch.equal(layer.view().keys, held.keys[..., :-3, :])
+    assert torch.equal(layer.head_lengths(), cache.head_lengths(0))
+
+
+def test_generate_questions_and_contexts_batch(tokenizer=None):
+    """``kvpress_ada.generate``: a left-padded batch of contexts and two questions (crop between them)
+    answers like each context alone."""
+    model, tok = _model(), build_tokenizer()
+    press = preset("ada_snapkv", compression_ratio=0.5, storage=Int4(group_size=16))
+    contexts = ["In 1947 the pass key was 4821. The garden had seven doors. " * 2, "The gate code is 77. " * 3]
+    questions = ["What is the pass key?", "How many doors?"]
+    batch = generate(model, tok, contexts, questions, press=press, max_new_tokens=4)
+    alone = [generate(model, tok, c, questions, press=press, max_new_tokens=4) for c in contexts]
+    assert batch == alone
+
+
+@IDS
+def test_fanout_equals_running_the_press(storage):
+    model = _model()
+    ids, _ = _batch(lengths=(80,), seed=5)
+    presses = [preset(name, compression_ratio=0.6, storage=storage) for name in ("ada_snapkv", "kvzip")]
+    prefill = capture_prefill(model, ids)
+    for press in presses:
+        derived = prefill.compressed_cache(press)
+        with torch.no_grad(), press(model):
+            ran = output_cache(model(ids, use_cache=True))
+        assert isinstance(derived, QuantizedRaggedCache)
+        for a, b in zip(derived.layers, ran.layers):
+            assert torch.equal(a.k_flat, b.k_flat) and torch.equal(a.v_flat, b.v_flat)
+            assert torch.equal(a.row_lengths, b.row_lengths)
+    masks = [prefill.keep_masks(p) for p in presses]
+    batch = prefill.compressed_batch(presses, masks)
+    assert isinstance(batch, QuantizedRaggedCache)
+    for e, press in enumerate(presses):
+        alone = prefill.compressed_cache(press, masks[e])
+        assert batch.batch_nbytes()[e] == alone.nbytes()
+        for i in range(len(batch.layers)):
+            got, ref = batch.layers[i].view(), alone.layers[i].view()
+            assert torch.equal(got.keys[e][got.valid[e]], ref.keys[0][ref.valid[0]])
+    with pytest.raises(ValueError, match="one storage"):
+        prefill.compressed_batch([presses[0], preset("ada_snapkv", compression_ratio=0.6)], masks)
+
+
+def test_compiled_decode_step_has_no_graph_break(monkeypatch):
+    """int4 decode steps through the shared compiled forward (``fullgraph=True``): same tokens as eager,
+    no graph break, one graph over re-layouts."""
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    monkeypatch.delenv(compiled.ENV_VAR, raising=False)
+    model = build_model("llama", num_hidden_layers=2)
+    press = preset("ada_snapkv", compression_ratio=0.5, storage=Int4(group_size=16))
+    ids = torch.randint(5, 100, (1, 70), generator=torch.Generator().manual_seed(7))
+    counters.clear()
+    outs = []
+    for compile in (False, True):
+        with torch.no_grad(), press(model, compile=compile):
+            step = model.__dict__.get("forward")
+            outs.append(model.generate(ids, max_new_tokens=41, min_new_tokens=41, do_sample=False))
+        if compile:
+            assert isinstance(step, compiled.DecodeForward) and step.calls == 40
+    assert torch.equal(outs[0], outs[1])
+    assert counters["graph_break"] == {}, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_one_line_refusals():
+    with pytest.raises(ValueError, match="group_size=24 is not supported"):
+        Int4(group_size=24)
+    with pytest.raises(ValueError, match="Mask"):
+        Pipeline(scorer=SnapKV(), compression_ratio=0.5, evictor=Mask(), storage="int4")
+    model = _model()
+    press = preset("snapkv", compression_ratio=0.5, storage="int4")  # group 32 > the tiny head dim 16
+    with pytest.raises(ValueError, match=r"Int4\(group_size=32\) needs a head dimension divisible by it") as err:
+        with press(model):
+            pass
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="not quantized"):
+        QuantizedRaggedCache(storage=preset("snapkv", compression_ratio=0.5).storage, num_layers=2)

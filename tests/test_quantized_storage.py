@@ -296,3 +296,57 @@ def test_one_line_refusals():
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="not quantized"):
         QuantizedRaggedCache(storage=preset("snapkv", compression_ratio=0.5).storage, num_layers=2)
+
+
+# ----------------------------------------------------------------------------- presets and the command line
+
+
+def test_ratio_zero_keeps_every_entry_quantized():
+    """No eviction with a quantized storage is not a no-op: every real entry is kept, as a record."""
+    model = _model()
+    ids, mask = _batch()
+    press = preset("ada_snapkv", compression_ratio=0.0, storage=Int4(group_size=16))
+    assert not press.is_noop and press.compresses_prefill
+    with torch.no_grad(), press(model):
+        cache = output_cache(model(ids, attention_mask=mask, use_cache=True))
+    assert isinstance(cache, QuantizedRaggedCache)
+    assert cache.head_lengths(0).tolist() == [[90, 90], [70, 70]]
+    assert preset("ada_snapkv", compression_ratio=0.0).is_noop
+
+
+@pytest.fixture(scope="module")
+def head_dim_32_model_dir(tmp_path_factory):
+    """A tiny Llama whose head dim (32) the default group size divides."""
+    path = tmp_path_factory.mktemp("tiny32")
+    build_model("llama", hidden_size=128, max_position_embeddings=4096).save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def test_cli_storage(head_dim_32_model_dir, tmp_path, capsys):
+    import json
+
+    from kvpress_ada.harness.cli import main
+
+    runs = {}
+    for storage in ("full", "int4"):
+        out = tmp_path / storage
+        assert main(["eval", "--model", head_dim_32_model_dir, "--presets", "snapkv", "--storage", storage,
+                     "--ratios", "0,0.5", "--tasks", "passkey", "--n", "1", "--context", "200",
+                     "--max-new-tokens", "2", "--out", str(out), "--no-progress"]) == 0
+        runs[storage] = json.loads((out / "results.json").read_text())
+    capsys.readouterr()
+    rows = {s: {(r["label"], r["ratio"]): r["kv_bytes"] for r in run["records"]} for s, run in runs.items()}
+    assert rows["int4"][("full", 0.0)] == rows["full"][("full", 0.0)]  # the reference row stays full precision
+    # int4 records of head dim 32, groups of 32, float32 scale and zero point: 16 + 8 bytes against 128
+    assert rows["int4"][("snapkv", 0.5)] * 128 == rows["full"][("snapkv", 0.5)] * 24  # same slots, smaller
+    assert rows["int4"][("snapkv", 0.0)] < 0.25 * rows["full"][("full", 0.0)]  # every entry, quantized
+    assert main(["demo", "--model", head_dim_32_model_dir, "--context", "200", "--max-new-tokens", "2",
+                 "--storage", "int8", "--preset", "snapkv"]) == 0
+    assert "snapkv" in capsys.readouterr().out
+    config = tmp_path / "masked.yaml"
+    config.write_text("scorer: snapkv\nevictor: mask\ncompression_ratio: 0.5\n")
+    assert main(["eval", "--model", head_dim_32_model_dir, "--presets", "", "--config", str(config),
+                 "--storage", "int4", "--out", str(tmp_path / "masked")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--storage int4" in err and "Mask" in err and len(err.splitlines()) == 1

@@ -167,6 +167,19 @@ def _check_decode(args) -> None:
         raise UsageError(f"--decode-budget and --decode-interval must be >= 1, got {budget} and {interval}")
 
 
+def _with_storage(press, args):
+    """``press`` storing its kept entries as ``--storage`` says (unchanged for ``full``)."""
+    if getattr(args, "storage", "full") == "full":
+        return press
+    from kvpress_ada.pipeline import Pipeline
+
+    try:
+        return Pipeline.model_validate({**press.model_dump(), "storage": args.storage})
+    except ValueError as err:
+        raise UsageError(f"--storage {args.storage}: " + str(err).splitlines()[-1].removeprefix("Value error, ")
+                         ) from None
+
+
 def _with_decode(press, args):
     """``press`` with the decode compression of ``--decode-budget/--decode-interval`` (unchanged without)."""
     if args.decode_budget is None:
@@ -228,7 +241,8 @@ def cmd_demo(args) -> int:
         raise UsageError(f"--ratio must be in [0, 1) (fraction of KV entries evicted), got {args.ratio}")
     _check_common(args)
     _check_decode(args)
-    presses = {name: _with_decode(preset(name, compression_ratio=args.ratio), args) for name in names}
+    presses = {name: _with_storage(_with_decode(preset(name, compression_ratio=args.ratio), args), args)
+               for name in names}
     model, tok = _load_model(args.model)
     _check_context(model, args.context)
     for name, press in presses.items():
@@ -411,7 +425,7 @@ def cmd_eval(args) -> int:
             return code
     _check_decode(args)
     entries = _with_prefill_chunk(grid(presets, ratios) + grid(configs, ratios), args.prefill_chunk)
-    entries = [replace(e, press=_with_decode(e.press, args)) for e in entries]
+    entries = [replace(e, press=_with_storage(_with_decode(e.press, args), args)) for e in entries]
     settings = _settings(args, tasks, entries)
     out = _prepare_out(args.out)
     world = init("gloo")  # one process without torchrun; the evaluation collectives are small python objects
@@ -619,6 +633,12 @@ def _tasks_epilog() -> str:
     return "tasks (--tasks):\n" + "\n".join(f"  {t.name:<{width}}  {t.description}" for t in TASKS.values())
 
 
+def _storage_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--storage", choices=("full", "int8", "int4"), default="full",
+                        help="how the presses store the entries they keep: full precision (default), or int8 / "
+                             "int4 per token in groups of 32 channels with a scale and zero point per group")
+
+
 def _decode_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-budget", type=int, metavar="B",
                         help="decode compression: compact the cache back to B tokens per kv head while generating")
@@ -639,6 +659,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--preset", default=DEMO_PRESET, help=f"the press shown (default {DEMO_PRESET})")
     demo.add_argument("--compare", default="", help="more presets shown side by side at the same ratio, "
                       "comma-separated (e.g. ada_snapkv,streamingllm)")
+    _storage_argument(demo)
     demo.add_argument("--ratio", type=float, default=0.75, help="fraction of KV entries evicted, in [0, 1)")
     demo.add_argument("--context", type=int, default=1000, help="document length in tokens (>= 64)")
     demo.add_argument("--question-aware", action="store_true", help="compress context and question together")
@@ -651,6 +672,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="accuracy / fidelity / eviction loss / KV bytes for presets x ratios",
                         epilog=_tasks_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     ev.add_argument("--presets", default=DEFAULT_PRESETS, help="comma-separated preset names, each once")
+    _storage_argument(ev)
     ev.add_argument("--ratios", default=DEFAULT_RATIOS, help="comma-separated compression ratios in [0, 1), each once")
     ev.add_argument("--tasks", default="passkey,multikey", help="comma-separated synthetic tasks (listed below)")
     ev.add_argument("--n", type=int, default=32, help="samples per task")

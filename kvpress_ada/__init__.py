@@ -16,7 +16,16 @@ from .allocators import (
 )
 from .components import ConfigError
 from .evictors import Evictor, Mask, TopK, register_evictor
-from .hosts.transformers import SUPPORTED_MODEL_TYPES, MaskedCache, PressCache, RaggedCache, attach, check_press, detach
+from .hosts.transformers import (
+    SUPPORTED_MODEL_TYPES,
+    MaskedCache,
+    PressCache,
+    QuantizedRaggedCache,
+    RaggedCache,
+    attach,
+    check_press,
+    detach,
+)
 from .hosts.transformers.generation import generate
 from .hosts.transformers.model_pass import use_tokenizer
 from .observation import Budget, LayerView, Observation
@@ -51,6 +60,6 @@ __all__ = [
     "TopK", "Mask", "Storage", "FullPrecision", "Int8", "Int4", "register_storage", "check_press",
     "Scorer", "HeadAllocator", "LayerSchedule", "Evictor", "Observation", "LayerView", "Budget",
     "register_scorer", "register_allocator", "register_evictor",
-    "RaggedCache", "MaskedCache", "SUPPORTED_MODEL_TYPES",
+    "RaggedCache", "QuantizedRaggedCache", "MaskedCache", "SUPPORTED_MODEL_TYPES",
     "PressCache", "attach", "detach", "ConfigError",
 ]

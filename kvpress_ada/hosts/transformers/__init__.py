@@ -14,6 +14,7 @@ from .checks import check_press
 from .hf import SUPPORTED_MODEL_TYPES, cache_kwarg, check_left_padded, check_supported, output_cache, prefill_key_mask
 from .masked_cache import MaskedCache, MaskedLayer
 from .press_cache import HeldEntries, PressCache, PressLayer
+from .quantized_cache import QuantizedRaggedCache, QuantizedRaggedLayer
 from .ragged_cache import RaggedCache, RaggedLayer
 from .routing import apply_press, attach, detach
 
@@ -34,6 +35,7 @@ class TransformersHost:
 HOST = register_host(TransformersHost())
 
 __all__ = ["ATTENTION_NAME", "HOST", "SUPPORTED_MODEL_TYPES", "Handler", "HeldEntries", "MaskedCache", "MaskedLayer",
-           "PressCache", "PressLayer", "RaggedCache", "RaggedLayer", "TransformersHost", "apply_press", "attach",
+           "PressCache", "PressLayer", "QuantizedRaggedCache", "QuantizedRaggedLayer", "RaggedCache", "RaggedLayer",
+           "TransformersHost", "apply_press", "attach",
            "check_press", "detach", "cache_kwarg", "check_left_padded", "check_supported", "new_cache",
            "output_cache", "prefill_key_mask"]

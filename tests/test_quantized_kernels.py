@@ -202,6 +202,22 @@ def test_ops_compile_fullgraph():
     assert counters["graph_break"] == {}
 
 
+def test_raw_ops_opcheck():
+    """``torch.library.opcheck`` accepts the quantized ops' schemas, fake kernels and mutation claims."""
+    D, group, bits = 32, 16, 4
+    k, v, offs, lens = _cache([5, 0, 7], D, torch.float32)
+    k_rec, v_rec = kernels.quantize(k, bits, group), kernels.quantize(v, bits, group)
+    q = torch.randn(3, 2, 2, D)
+    torch.library.opcheck(torch.ops.kvpress_ada.quantized_attention, (q, k_rec, v_rec, offs, lens, 0.5, bits, group))
+    new = torch.randn(3, 1, 1, D)
+    torch.library.opcheck(torch.ops.kvpress_ada.quantized_append,
+                          (new, new.flip(-1), k_rec.clone(), v_rec.clone(), offs, lens.clone(), bits, group))
+    keys = torch.randn(3, 1, 4, D)
+    keep = torch.tensor([True, False, True, True]).expand(3, 1, 4).contiguous()
+    torch.library.opcheck(torch.ops.kvpress_ada.quantized_compact,
+                          (keys, keys.neg(), keep, offs, k_rec.clone(), v_rec.clone(), bits, group))
+
+
 def test_one_line_refusals():
     with pytest.raises(ValueError, match="group=24 must be even and divide head_dim=64"):
         kernels.quantize(torch.randn(2, 64), 4, 24)

@@ -40,9 +40,11 @@ def _compile(kernel, types, consts, num_warps, num_stages, arch):
 
 
 def check(dtype: str, head_dim: int, m_total: int, arch: int = 90) -> dict:
-    """Compile the split, reduce and compact kernels for one (dtype, head_dim, G*Q)."""
+    """Compile the split, reduce and compact kernels, and the split kernel over int8 / int4 records (groups of
+    32 channels), for one (dtype, head_dim, G*Q)."""
     import torch
 
+    from . import quantized_triton as qt
     from . import triton_kernels as tk
     from .support import triton_interpret
 
@@ -61,6 +63,17 @@ def check(dtype: str, head_dim: int, m_total: int, arch: int = 90) -> dict:
         cfg["num_stages"],
         arch,
     )
+    for bits in (8, 4):
+        out[f"quantized_split_int{bits}"] = _compile(
+            qt._quantized_split_kernel,
+            {"Q_ptr": t, "K_ptr": "*u8", "V_ptr": "*u8", "KS_ptr": t, "VS_ptr": t, "OFF_ptr": "*i32",
+             "qk_scale": "fp32", **f32},
+            dict(HEAD_DIM=head_dim, BITS=bits, GROUP=min(32, head_dim), BLOCK_M=cfg["block_m"],
+                 BLOCK_N=cfg["block_n"], R_PAD=16, IEEE=dtype == "fp32"),
+            cfg["num_warps"],
+            cfg["num_stages"],
+            arch,
+        )
     out["reduce"] = _compile(
         tk._ragged_attn_reduce_kernel,
         {"O_ptr": t, **f32},

@@ -1,0 +1,233 @@
+"""A press applied to the requests a serving engine runs: their pages per (layer, kv head), their
+attention, and their eviction as they advance, for any engine that packs tokens the usual way
+(``q [T, H_q, D]``, each request's new tokens contiguous and in order).
+
+An engine host calls, per layer and step, :meth:`PagedServing.attend` with the layer's post-RoPE
+tensors of the step's tokens; it appends each request's keys and values to its pages, runs
+:func:`~kvpress_ada.kernels.paged.paged_attention`, and evicts where the press says so, exactly as the
+transformers host's handlers do (through :meth:`Pipeline.keep <kvpress_ada.Pipeline.keep>`):
+
+* end of a request's prefill (the step that brings its last prompt token): the one-shot budget of its
+  prompt length, scored with its last ``query_window()`` queries;
+* a press with ``prefill_chunk``: after every step that brings part of a longer prompt (the engine's own
+  chunks), the one-shot budget capped at the tokens seen, scored with the step's queries;
+* a press with ``decode_budget``: every ``decode_interval`` generated tokens, its decode budget.
+
+A layer schedule that compares layers (``AdaLayer``) waits for :meth:`PagedServing.end_step`, which
+evicts every layer of the due requests at once. Pages freed by an eviction return to the layer's pool
+at once (what lets an engine admit more requests); :meth:`PagedServing.release` returns a finished or
+aborted request's pages. Positions are the engine's (true sequence positions), so RoPE continues from
+the true length while a row holds fewer entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ..kernels.paged import paged_attention
+from ..observation import Budget, LayerView
+from .paging import PagedSequence, PagePool
+
+if TYPE_CHECKING:
+    from ..pipeline import Pipeline
+
+LayerInfo = Callable[[int], dict[str, Any]]
+
+
+def check_servable(press: Pipeline) -> None:
+    """Raise a one-line ``ValueError`` for a press a serving engine cannot apply yet."""
+    scorer = type(press.scorer)
+    if scorer.needs_model_pass:
+        raise ValueError(f"scorer {scorer.__name__} scores with its own model pass over each request's context, "
+                         "which a serving engine does not run: use a one-pass scorer (e.g. snapkv, kvzap)")
+    if scorer.reads_hidden_states:
+        raise ValueError(f"scorer {scorer.__name__} reads the hidden states entering attention, which this "
+                         "serving host does not record yet: use an attention scorer (e.g. snapkv, ada_snapkv)")
+    if press.storage.quantized:
+        raise ValueError(f"storage={press.storage.label!r} has no paged layer yet: use storage='full' when serving")
+
+
+@dataclass
+class ServedRequest:
+    """One request's state: its pages per layer, tokens written per layer, the recent queries per layer
+    (what its next eviction scores with) and the generated tokens since each layer's last compaction."""
+
+    prompt_len: int
+    seqs: list[PagedSequence]
+    written: list[int]
+    queries: list[torch.Tensor | None]
+    since: list[int]
+
+    @property
+    def pages_held(self) -> int:
+        return sum(seq.pages_held for seq in self.seqs)
+
+
+@dataclass
+class _Due:
+    """Requests of one layer that evict in this step, and the budget they evict to."""
+
+    ids: list[str]
+    budget: Budget
+    step_queries: list[torch.Tensor] | None = None  # what each request scores with (None: its recent queries)
+
+
+@dataclass
+class PagedServing:
+    """Every layer's :class:`PagePool` and the :class:`ServedRequest` of every running request under ``press``
+    (see the module docstring). ``layer_info(layer_idx)`` gives what some scorers read besides the
+    tensors (``output_weight``, ``rope_inv_freq``); ``None`` when the press's scorer reads neither."""
+
+    press: Pipeline
+    pools: list[PagePool]
+    n_kv_heads: int
+    layer_info: LayerInfo | None = None
+    requests: dict[str, ServedRequest] = field(default_factory=dict)
+    _pending: dict[int, list[tuple[_Due, LayerView]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_servable(self.press)
+
+    # ------------------------------------------------------------------ requests
+    def add(self, request_id: str, prompt_len: int) -> None:
+        """A new request with a prompt of ``prompt_len`` tokens (no page taken yet)."""
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} is already running")
+        if self.press.compresses_prefill:
+            self.press.check_context(prompt_len)
+        L = len(self.pools)
+        self.requests[request_id] = ServedRequest(prompt_len, [PagedSequence(self.n_kv_heads) for _ in range(L)],
+                                                  [0] * L, [None] * L, [0] * L)
+
+    def release(self, request_id: str) -> int:
+        """Return every page of a finished, aborted or preempted request; the pages returned."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return 0
+        held = request.pages_held
+        for pool, seq in zip(self.pools, request.seqs):
+            pool.release(seq)
+        return held
+
+    def pages_held(self) -> int:
+        return sum(r.pages_held for r in self.requests.values())
+
+    def free_pages(self) -> int:
+        return sum(pool.free_pages for pool in self.pools)
+
+    def pages_to_append(self, request_id: str, tokens: int) -> int:
+        """Pages request ``request_id`` takes over all layers to write ``tokens`` more tokens."""
+        request = self.requests[request_id]
+        return sum(pool.pages_needed(seq, tokens) for pool, seq in zip(self.pools, request.seqs))
+
+    # ------------------------------------------------------------------ one layer, one step
+    def attend(self, layer_idx: int, request_ids: list[str], query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, positions: torch.Tensor, counts: list[int], scaling: float) -> torch.Tensor:
+        """Layer ``layer_idx`` of one engine step: request ``request_ids[n]`` brings the next ``counts[n]`` of the
+        packed ``query [T, H_q, D]``, ``key``/``value [T, H_kv, D]`` and ``positions [T]``. Writes them, returns
+        the attention output ``[T, H_q, D]`` and evicts what is due in this layer (see the module docstring)."""
+        pool = self.pools[layer_idx]
+        requests = [self.requests[i] for i in request_ids]
+        seqs = [r.seqs[layer_idx] for r in requests]
+        pool.append(seqs, key, value, positions, counts)
+        table, lengths = pool.table(seqs)
+        start = torch.tensor([0] + counts, device=query.device).cumsum(0).to(torch.int32)
+        out = paged_attention(query, pool.k_pages, pool.v_pages, table, lengths, start, scaling)
+        due = self._advance(layer_idx, request_ids, requests, query, counts)
+        with torch.no_grad():
+            for group in due:
+                view = self._view(layer_idx, group, scaling)
+                if type(self.press.layers).needs_all_layers:
+                    self._pending.setdefault(layer_idx, []).append((group, view))
+                else:
+                    self._keep(layer_idx, group, self.press.keep([view], group.budget)[0])
+        return out
+
+    def end_step(self) -> None:
+        """After every layer of a step: a layer schedule comparing layers evicts the due requests here."""
+        pending, self._pending = self._pending, {}
+        if not pending:
+            return
+        if len(pending) != len(self.pools):
+            raise RuntimeError(f"an eviction across layers saw {len(pending)} of {len(self.pools)} layers")
+        with torch.no_grad():
+            for g in range(len(pending[0])):
+                group = pending[0][g][0]
+                masks = self.press.keep([pending[i][g][1] for i in range(len(self.pools))], group.budget)
+                for i, keep in enumerate(masks):
+                    self._keep(i, group, keep)
+
+    # ------------------------------------------------------------------ internals
+    def _advance(self, layer_idx: int, ids: list[str], requests: list[ServedRequest], query: torch.Tensor,
+                 counts: list[int]) -> list[_Due]:
+        """Count the step's tokens, keep each request's recent queries, and group the requests that evict now."""
+        press, window = self.press, self.press.scorer.query_window()
+        ends: list[tuple[str, torch.Tensor]] = []
+        chunks: list[tuple[str, torch.Tensor]] = []
+        compacts: list[str] = []
+        t = 0
+        for rid, request, c in zip(ids, requests, counts):
+            q = query[t:t + c].detach().transpose(0, 1)  # [H_q, c, D]
+            t += c
+            before = request.written[layer_idx]
+            request.written[layer_idx] = before + c
+            held = request.queries[layer_idx]
+            recent = q if held is None else torch.cat([held, q], dim=1)
+            recent = recent if window is None else recent[:, max(0, recent.shape[1] - window):]
+            request.queries[layer_idx] = recent
+            prompt = request.prompt_len
+            if before < prompt <= before + c:  # this step brings the last prompt token
+                if press.compresses_prefill:  # scored with the prompt's last queries (a chunked press: the chunk's)
+                    ends.append((rid, q if press.prefill_chunk is not None else recent))
+                request.queries[layer_idx] = None  # decode compactions score with generated tokens' queries only
+                request.since[layer_idx] = max(0, before + c - prompt)
+            elif before + c < prompt and press.prefill_chunk is not None and press.compresses_prefill:
+                chunks.append((rid, q))
+            elif before >= prompt and press.compresses_decode:
+                request.since[layer_idx] += c
+                assert press.decode_interval is not None
+                if request.since[layer_idx] >= press.decode_interval:
+                    compacts.append(rid)
+                    request.since[layer_idx] = 0
+        due = []
+        device = query.device
+        if ends:
+            lengths = torch.tensor([self.requests[i].prompt_len for i, _ in ends], device=device)
+            due.append(_Due([i for i, _ in ends], press.prefill_budget(lengths), step_queries=[qq for _, qq in ends]))
+        if chunks:
+            lengths = torch.tensor([self.requests[i].prompt_len for i, _ in chunks], device=device)
+            seen = torch.tensor([self.requests[i].written[layer_idx] for i, _ in chunks], device=device)
+            due.append(_Due([i for i, _ in chunks], press.prefill_budget(lengths, seen=seen),
+                            step_queries=[qq for _, qq in chunks]))
+        if compacts:
+            seen = torch.tensor([self.requests[i].written[layer_idx] for i in compacts], device=device)
+            due.append(_Due(compacts, press.decode_budget_for(seen)))
+        return due
+
+    def _view(self, layer_idx: int, group: _Due, scaling: float) -> LayerView:
+        pool = self.pools[layer_idx]
+        requests = [self.requests[i] for i in group.ids]
+        keys, values, present, positions = pool.view([r.seqs[layer_idx] for r in requests])
+        queries: list[torch.Tensor] = []
+        for i, r in enumerate(requests):
+            q = group.step_queries[i] if group.step_queries is not None else r.queries[layer_idx]
+            if q is None:
+                raise RuntimeError(f"layer {layer_idx}: a request evicts before any of its queries reached the layer")
+            queries.append(q)
+        n = min(q.shape[1] for q in queries)
+        window = self.press.scorer.query_window()
+        n = n if window is None else min(n, window, keys.shape[2])
+        stacked = torch.stack([q[:, q.shape[1] - n:] for q in queries])  # [B, H_q, n, D]
+        info = self.layer_info(layer_idx) if self.layer_info is not None else {}
+        scorer = self.press.scorer
+        return LayerView(keys=keys, values=values, valid=present, queries=stacked, layer_idx=layer_idx,
+                         n_layers=len(self.pools), scaling=scaling, positions=positions,
+                         output_weight=info.get("output_weight") if scorer.needs_output_weight else None,
+                         rope_inv_freq=info.get("rope_inv_freq") if scorer.needs_rope else None)
+
+    def _keep(self, layer_idx: int, group: _Due, keep: torch.Tensor) -> None:
+        pool = self.pools[layer_idx]
+        pool.retain([self.requests[i].seqs[layer_idx] for i in group.ids], keep)

@@ -1,0 +1,202 @@
+"""The press applied to requests the way a serving engine runs them (hosts/serving.py): a tiny Llama
+driven token by token with packed per-layer tensors, requests arriving at different times, against the
+transformers host on each request alone: the same kept positions per (layer, kv head) and the same
+greedy tokens; pages held are the kept entries rounded up per head and all return on release."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from kvpress_ada import AdaHead, AdaLayer, Pipeline, RaggedCache, SnapKV, preset
+from kvpress_ada.hosts.paging import PagePool
+from kvpress_ada.hosts.serving import PagedServing, check_servable
+from kvpress_ada.hosts.transformers.hf import cache_kwarg
+
+ENGINE = "kvpress_ada_test_engine"
+
+
+def _engine_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """A layer of the made-up engine: the step's tokens of one request go to the serving state."""
+    step = kwargs.get("engine_step")
+    if step is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    serving, rid, positions = step
+    B, H_q, Q, D = query.shape
+    scale = float(module.scaling if scaling is None else scaling)
+    out = serving.attend(int(module.layer_idx), [rid], query[0].transpose(0, 1), key[0].transpose(0, 1),
+                         value[0].transpose(0, 1), positions, [Q], scale)
+    return out.view(1, Q, H_q, D), None
+
+
+AttentionInterface.register(ENGINE, _engine_attention)
+
+
+class Engine:
+    """Greedy decoding of several requests through one PagedServing, one request per forward (packed: B = 1)."""
+
+    def __init__(self, model, press, pages=400, page_size=8, chunk=None):
+        cfg = model.config
+        D = cfg.hidden_size // cfg.num_attention_heads
+        self.model, self.chunk = model, chunk
+        pools = [PagePool.allocate(pages, page_size, D, torch.float32) for _ in range(cfg.num_hidden_layers)]
+
+        def layer_info(i):
+            attn = model.model.layers[i].self_attn
+            return {"output_weight": attn.o_proj.weight.detach(), "rope_inv_freq": model.model.rotary_emb.inv_freq}
+
+        self.serving = PagedServing(press, pools, cfg.num_key_value_heads, layer_info)
+        self.tokens: dict[str, list[int]] = {}
+        self.done: dict[str, int] = {}
+
+    def step(self, rid, ids: torch.Tensor, start: int) -> int:
+        positions = torch.arange(start, start + ids.shape[1])
+        previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation(ENGINE)
+        try:
+            with torch.no_grad():
+                logits = self.model(input_ids=ids, position_ids=positions[None], use_cache=False,
+                                    engine_step=(self.serving, rid, positions)).logits
+        finally:
+            self.model.set_attn_implementation(previous)
+        self.serving.end_step()
+        return int(logits[0, -1].argmax())
+
+    def prefill(self, rid, prompt: torch.Tensor) -> None:
+        self.serving.add(rid, prompt.shape[1])
+        bounds = [(0, prompt.shape[1])] if self.chunk is None else self.chunk(prompt.shape[1])
+        for a, b in bounds:
+            token = self.step(rid, prompt[:, a:b], a)
+        self.tokens[rid] = [token]
+        self.done[rid] = prompt.shape[1]
+
+    def decode(self, rid) -> None:
+        token = self.step(rid, torch.tensor([[self.tokens[rid][-1]]]), self.done[rid])
+        self.done[rid] += 1
+        self.tokens[rid].append(token)
+
+    def kept(self, rid) -> list[list[list[int]]]:
+        request = self.serving.requests[rid]
+        out = []
+        for pool, seq in zip(self.serving.pools, request.seqs):
+            _, _, present, positions = pool.view([seq])
+            out.append([sorted(positions[0, h][present[0, h]].tolist()) for h in range(seq.heads)])
+        return out
+
+
+def _alone(model, press, prompt, new_tokens):
+    """The transformers host: greedy tokens and kept positions per (layer, kv head) of one request."""
+    cache = RaggedCache(config=model.config)
+    with torch.no_grad(), press(model):
+        out = model.generate(prompt, do_sample=False, max_new_tokens=new_tokens, **{cache_kwarg(model): cache})
+    kept = []
+    for i in range(len(cache.layers)):
+        held = cache.view(i)
+        kept.append([sorted(held.positions[0, h][held.valid[0, h]].tolist()) for h in range(held.valid.shape[1])])
+    return out[0, prompt.shape[1]:].tolist(), kept
+
+
+def _prompt(n, seed):
+    return torch.randint(5, 100, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+SERVED = ["snapkv", "ada_snapkv", "pyramidkv", "ada_pyramidkv", "streamingllm", "h2o", "tova", "knorm",
+          "expected_attention", "ada_expected_attention", "criticalkv", "ada_criticalkv", "lagkv", "keydiff"]
+MODES = {"one-shot": {}, "decode": {"decode_budget": 20, "decode_interval": 4}, "chunked": {"prefill_chunk": 24}}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", SERVED)
+def test_staggered_requests_keep_and_generate_what_each_keeps_alone(llama, name, mode):
+    try:
+        press = preset(name, compression_ratio=0.5, **MODES[mode])
+    except ValueError:
+        pytest.skip(f"{name} does not run in {mode} mode")  # refused at construction
+    engine = Engine(llama, press, chunk=press.chunks if press.prefill_chunk else None)
+    prompts = {"a": _prompt(90, 1), "b": _prompt(71, 2), "c": _prompt(100, 3)}
+    new = 9
+    engine.prefill("a", prompts["a"])
+    for _ in range(3):
+        engine.decode("a")
+    engine.prefill("b", prompts["b"])
+    engine.decode("b")
+    engine.prefill("c", prompts["c"])
+    while any(len(engine.tokens[r]) < new for r in prompts):
+        for r in prompts:
+            if len(engine.tokens[r]) < new:
+                engine.decode(r)
+    for r, prompt in prompts.items():
+        tokens, kept = _alone(llama, press, prompt, new)
+        # the engine writes a generated token's entry when it feeds it back: the last one is not in the cache
+        assert engine.kept(r) == kept, (name, mode, r)
+        assert engine.tokens[r] == tokens, (name, mode, r)
+
+
+def test_model_scope_schedule_evicts_every_layer_at_the_end_of_the_step(llama):
+    press = Pipeline(scorer=SnapKV(), layers=AdaLayer(), compression_ratio=0.6)
+    engine = Engine(llama, press)
+    prompt = _prompt(77, 4)
+    engine.prefill("a", prompt)
+    for _ in range(4):
+        engine.decode("a")
+    tokens, kept = _alone(llama, press, prompt, 5)
+    assert engine.kept("a") == kept and engine.tokens["a"] == tokens
+
+
+def test_pages_held_are_the_kept_entries_and_return_on_release(llama):
+    press = preset("ada_snapkv", compression_ratio=0.75)
+    engine = Engine(llama, press, pages=200, page_size=8)
+    free = engine.serving.free_pages()
+    engine.prefill("a", _prompt(96, 5))
+    request = engine.serving.requests["a"]
+    lengths = [n for seq in request.seqs for n in seq.lengths]
+    assert sum(lengths) == 24 * 2 * len(request.seqs)  # round(0.25 * 96) per kv head on average, exact total
+    assert request.pages_held == sum(-(-n // 8) for n in lengths)
+    held = request.pages_held
+    assert engine.serving.free_pages() == free - held
+    assert engine.serving.release("a") == held and engine.serving.free_pages() == free
+    assert all(seq.pages_held == 0 for seq in request.seqs)
+
+
+def test_packed_requests_in_one_step_equal_each_request_stepped_alone():
+    """One layer: three requests' tokens packed into one attend() call give the outputs, pages and evictions
+    of three separate calls."""
+    press = Pipeline(scorer=SnapKV(window=8), allocator=AdaHead(alpha=0.2), compression_ratio=0.5)
+    g = torch.Generator().manual_seed(0)
+    counts = [70, 1, 66]
+    T, H_q, H, D = sum(counts), 4, 2, 16
+    q, k, v = torch.randn(T, H_q, D, generator=g), torch.randn(T, H, D, generator=g), torch.randn(T, H, D, generator=g)
+    positions = torch.cat([torch.arange(c) + (30 if c == 1 else 0) for c in counts])
+
+    def served():
+        s = PagedServing(press, [PagePool.allocate(100, 8, D, torch.float32)], H)
+        s.add("x", 70)
+        s.add("y", 30)  # already past its prompt: a decode token
+        s.add("z", 66)
+        s.attend(0, ["y"], torch.randn(30, H_q, D, generator=torch.Generator().manual_seed(9)),
+                 torch.randn(30, H, D, generator=torch.Generator().manual_seed(10)),
+                 torch.randn(30, H, D, generator=torch.Generator().manual_seed(11)), torch.arange(30), [30], 0.25)
+        return s
+
+    together = served()
+    out = together.attend(0, ["x", "y", "z"], q, k, v, positions, counts, 0.25)
+    alone = served()
+    parts, t = [], 0
+    for rid, c in zip(["x", "y", "z"], counts):
+        parts.append(alone.attend(0, [rid], q[t:t + c], k[t:t + c], v[t:t + c], positions[t:t + c], [c], 0.25))
+        t += c
+    assert torch.allclose(out, torch.cat(parts), atol=1e-6)
+    for rid in "xyz":
+        a, b = together.requests[rid].seqs[0], alone.requests[rid].seqs[0]
+        assert a.lengths == b.lengths
+        va, vb = together.pools[0].view([a]), alone.pools[0].view([b])
+        assert torch.equal(va[3], vb[3]) and torch.equal(va[0], vb[0])
+
+
+def test_what_a_serving_engine_cannot_apply_is_refused_in_one_line():
+    for name, words in (("kvzip", "model pass"), ("kvzap", "hidden states")):
+        with pytest.raises(ValueError) as err:
+            check_servable(preset(name, compression_ratio=0.5))
+        assert "\n" not in str(err.value) and words in str(err.value)

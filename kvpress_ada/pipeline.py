@@ -116,9 +116,11 @@ class Pipeline(OneLineErrors):
 
     @property
     def compresses_prefill(self) -> bool:
-        """Whether the prefill is compressed (a ``budget``, a ``compression_ratio`` above 0, or an
-        allocator that keeps what clears a threshold)."""
-        return self.budget is not None or bool(self.compression_ratio) or type(self.allocator).sets_budget
+        """Whether the prefill is compressed (a ``budget``, a ``compression_ratio`` above 0, an
+        allocator that keeps what clears a threshold, or a quantized storage: at ratio 0 it keeps every
+        entry, quantized)."""
+        return (self.budget is not None or bool(self.compression_ratio) or type(self.allocator).sets_budget
+                or self.storage.quantized)
 
     @property
     def compresses_decode(self) -> bool:
@@ -273,7 +275,13 @@ class Pipeline(OneLineErrors):
         """The scorer's checked fp32 scores ``[B, H_kv, L]`` of one view, ``-inf`` where not valid."""
         parts = []
         for obs in view.observations():
+            read = [t for t in (obs.keys, obs.values, obs.queries)  # inference tensors track no version
+                    if isinstance(t, torch.Tensor) and not t.is_inference()]
+            versions = None if torch.compiler.is_compiling() else [t._version for t in read]
             scores = self.scorer.score(obs)
+            if versions is not None and versions != [t._version for t in read]:
+                raise RuntimeError(f"scorer {type(self.scorer).__name__} modified its observation's keys, values or "
+                                   "queries in place (they are the cache's own tensors); compute on copies")
             self._check_scores(scores, obs)
             parts.append(scores.float())
         scores = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

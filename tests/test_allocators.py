@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -165,3 +166,31 @@ def test_fit_to_valid_totals_caps_and_best_entries(B, H, L, seed):
             threshold = left.sort(descending=True).values[extra - 1]
             granted = topk_mask(scores[b:b + 1], fitted[b:b + 1])[0] & ~chosen[b] & valid[b]
             assert int(granted.sum()) == extra and bool((scores[b][granted] >= threshold).all())
+
+
+@pytest.mark.parametrize("value", [0.5, float("inf")])
+def test_ada_splits_ties_spanning_heads_fairly(value):
+    """All-equal (or all-protected) scores carry no preference between heads: each keeps its share."""
+    scores = torch.full((2, 4, 50), value)
+    scores[1, :, :10] = float("-inf")  # left padding of the second row
+    counts = AdaHead(alpha=0.0).allocate(scores, torch.tensor([26, 26]), comparable=True)
+    assert counts.sum(-1).tolist() == [104, 104]
+    assert (counts.amax(-1) - counts.amin(-1)).tolist() == [0, 0]
+    assert flat_topk_counts(scores, torch.tensor([6, 7])).tolist() == [[2, 2, 1, 1], [2, 2, 2, 1]]
+
+
+def test_a_scorer_editing_its_observation_in_place_is_refused():
+    from conftest import build_model
+
+    from kvpress_ada import Pipeline, SnapKV
+
+    class Vandal(SnapKV):
+        def score(self, obs):
+            obs.keys.zero_()
+            return super().score(obs)
+
+    model = build_model("llama")
+    ids = torch.randint(4, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), Pipeline(scorer=Vandal(window=4), compression_ratio=0.5)(model):
+        with pytest.raises(RuntimeError, match="Vandal modified its observation's keys"):
+            model(input_ids=ids, use_cache=True)

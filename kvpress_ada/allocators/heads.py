@@ -83,9 +83,10 @@ class AdaHead(HeadAllocator):
 def flat_topk_counts(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """How many of the top ``k[b]`` entries of the flattened ``[H * L]`` scores fall in each head;
     ties (exact, or within the float noise ``kvpress_ada.ranking`` defines) go to the lower
-    (head, position) index."""
+    (position, head) index, so a tie spanning heads is split across them in turn."""
     B, H, L = scores.shape
-    return top_k(scores.reshape(B, H * L), k, recent_first=False).view(B, H, L).sum(-1)
+    by_position = scores.transpose(1, 2).reshape(B, L * H)
+    return top_k(by_position, k, recent_first=False).view(B, L, H).sum(1)
 
 
 def fit_to_valid(scores: torch.Tensor, counts: torch.Tensor, valid: torch.Tensor,

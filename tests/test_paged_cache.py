@@ -28,11 +28,17 @@ def _check_pool(pool: PagePool, seqs: list[PagedSequence]) -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(steps=st.lists(st.tuples(st.sampled_from(["append", "retain", "release"]), st.integers(0, 2),
-                                st.integers(1, 9), st.integers(0, 2**16)), min_size=1, max_size=12))
-def test_the_pool_holds_exactly_the_entries_rounded_up_per_head(steps):
+                                st.integers(1, 9), st.integers(0, 2**16)), min_size=1, max_size=12),
+       engine_view=st.booleans())
+def test_the_pool_holds_exactly_the_entries_rounded_up_per_head(steps, engine_view):
     """Random appends, evictions and releases over 3 sequences of 2 kv heads: every entry written is read
-    back with its position until evicted, and pages held == sum of ceil(entries / page size)."""
-    pool = PagePool.allocate(40, 4, 8, torch.float32)
+    back with its position until evicted, and pages held == sum of ceil(entries / page size); on pages of
+    its own or on strided views of an engine tensor ``[pages, 2, S, D]`` (keys, then values)."""
+    if engine_view:
+        memory = torch.zeros(40, 2, 4, 8)
+        pool = PagePool(memory[:, 0], memory[:, 1])
+    else:
+        pool = PagePool.allocate(40, 4, 8, torch.float32)
     seqs = [PagedSequence(2) for _ in range(3)]
     truth: list[list[list[tuple[int, torch.Tensor]]]] = [[[], []] for _ in seqs]  # (position, key) per head
     clock = 0

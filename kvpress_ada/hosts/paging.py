@@ -131,12 +131,9 @@ class PagePool:
             slots.extend(heads[h][i] for i in range(len(heads[0]) if heads else 0) for h in range(len(heads)))
         if not slots:
             return
-        index = torch.tensor(slots, dtype=torch.long, device=self.k_pages.device)
-        D = keys.shape[-1]
-        self.k_pages.view(-1, D).index_copy_(0, index, keys.reshape(-1, D).to(self.k_pages.dtype))
-        self.v_pages.view(-1, D).index_copy_(0, index, values.reshape(-1, D).to(self.v_pages.dtype))
-        H = keys.shape[1]
-        self.positions.view(-1).index_copy_(0, index, positions.to(torch.int32).repeat_interleave(H))
+        D, H = keys.shape[-1], keys.shape[1]
+        self._write(torch.tensor(slots, dtype=torch.long, device=self.k_pages.device), keys.reshape(-1, D),
+                    values.reshape(-1, D), positions.repeat_interleave(H))
 
     def table(self, seqs: list[PagedSequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(page_table [N * H_kv, M], row_lengths [N * H_kv])`` int32 of ``seqs`` on the pool's device
@@ -166,9 +163,10 @@ class PagePool:
         flat = table.gather(2, (entry // S).clamp(max=table.shape[-1] - 1)) * S + entry % S
         flat = torch.where(present, flat, 0).to(self.k_pages.device)
         present = present.to(self.k_pages.device)
-        keys = self.k_pages.reshape(-1, D).index_select(0, flat.reshape(-1)).view(N, H, W, D)
-        values = self.v_pages.reshape(-1, D).index_select(0, flat.reshape(-1)).view(N, H, W, D)
-        positions = self.positions.view(-1).index_select(0, flat.reshape(-1)).view(N, H, W).long()
+        page, slot = flat.reshape(-1) // S, flat.reshape(-1) % S
+        keys = self.k_pages[page, slot].view(N, H, W, D)
+        values = self.v_pages[page, slot].view(N, H, W, D)
+        positions = self.positions[page, slot].view(N, H, W).long()
         zero = torch.zeros((), dtype=keys.dtype, device=keys.device)
         return (torch.where(present[..., None], keys, zero), torch.where(present[..., None], values, zero),
                 present, torch.where(present, positions, -1))
@@ -211,11 +209,18 @@ class PagePool:
             seq.lengths[h] = n + counts[h]
         if not slots:
             return
-        index = torch.tensor(slots, dtype=torch.long, device=self.k_pages.device)
         source = torch.cat(picked)
-        self.k_pages.view(-1, D).index_copy_(0, index, keys.reshape(-1, D).index_select(0, source))
-        self.v_pages.view(-1, D).index_copy_(0, index, values.reshape(-1, D).index_select(0, source))
-        self.positions.view(-1).index_copy_(0, index, positions.reshape(-1).index_select(0, source).to(torch.int32))
+        self._write(torch.tensor(slots, dtype=torch.long, device=self.k_pages.device),
+                    keys.reshape(-1, D).index_select(0, source), values.reshape(-1, D).index_select(0, source),
+                    positions.reshape(-1).index_select(0, source))
+
+    def _write(self, flat: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Entries ``keys, values [n, D]`` and ``positions [n]`` into the slots ``flat [n]`` (``page * S + slot``);
+        indexing by (page, slot) serves strided page views of an engine tensor as well as pages of our own."""
+        page, slot = flat // self.page_size, flat % self.page_size
+        self.k_pages[page, slot] = keys.to(self.k_pages.dtype)
+        self.v_pages[page, slot] = values.to(self.v_pages.dtype)
+        self.positions[page, slot] = positions.to(torch.int32)
 
     def nbytes(self, seqs: list[PagedSequence]) -> int:
         """Bytes of keys and values the pages of ``seqs`` hold (whole pages: what they keep others from)."""

@@ -77,8 +77,8 @@ class _Due:
 
 @dataclass
 class PagedServing:
-    """Every layer's :class:`PagePool` and the :class:`ServedRequest` of every running request under ``press``
-    (see the module docstring). ``layer_info(layer_idx)`` gives what some scorers read besides the
+    """Every layer's :class:`PagePool` (one per layer, or one shared by all) and the :class:`ServedRequest` of
+    every running request under ``press`` (see the module docstring). ``layer_info(layer_idx)`` gives what some scorers read besides the
     tensors (``output_weight``, ``rope_inv_freq``); ``None`` when the press's scorer reads neither."""
 
     press: Pipeline
@@ -116,7 +116,8 @@ class PagedServing:
         return sum(r.pages_held for r in self.requests.values())
 
     def free_pages(self) -> int:
-        return sum(pool.free_pages for pool in self.pools)
+        """Free pages over the distinct pools (every layer may share one pool)."""
+        return sum(pool.free_pages for pool in {id(p): p for p in self.pools}.values())
 
     def pages_to_append(self, request_id: str, tokens: int) -> int:
         """Pages request ``request_id`` takes over all layers to write ``tokens`` more tokens."""

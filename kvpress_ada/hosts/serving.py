@@ -78,8 +78,9 @@ class _Due:
 @dataclass
 class PagedServing:
     """Every layer's :class:`PagePool` (one per layer, or one shared by all) and the :class:`ServedRequest` of
-    every running request under ``press`` (see the module docstring). ``layer_info(layer_idx)`` gives what some scorers read besides the
-    tensors (``output_weight``, ``rope_inv_freq``); ``None`` when the press's scorer reads neither."""
+    every running request under ``press`` (see the module docstring). ``layer_info(layer_idx)`` gives what
+    some scorers read besides the tensors (``output_weight``, ``rope_inv_freq``); ``None`` when the press's
+    scorer reads neither."""
 
     press: Pipeline
     pools: list[PagePool]

@@ -73,3 +73,67 @@ def test_setup_commands_unchanged():
     lines = (ROOT / "README.md").read_text().splitlines()
     for command in SETUP:
         assert command in lines
+
+
+def _readme_api_block() -> str:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## The Python API"):]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+
+
+def test_readme_api_example_uses_every_import_and_names_each_press_once():
+    tree = ast.parse(_readme_api_block())
+    imported = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for a in node.names}
+    used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+    assert imported <= used, f"imported but unused: {imported - used}"
+    assigned = [t.id for node in ast.walk(tree) if isinstance(node, ast.Assign) for t in node.targets
+                if isinstance(t, ast.Name)]
+    assert len(assigned) == len(set(assigned)), f"a name is assigned twice: {assigned}"
+
+
+def test_readme_says_what_a_new_user_needs():
+    readme = (ROOT / "README.md").read_text()
+    assert "attention_mask" in readme  # a padded batch needs it
+    assert re.search(r"`--context`[^.]*at least 64", readme)
+    assert "MiB registry download" in readme and ", offline)" not in readme  # the first run downloads
+    assert "eager 1.68x" not in readme and re.search(r"median of three runs", readme)
+
+
+@pytest.mark.parametrize("doc", [ROOT / "README.md", ROOT / "docs" / "usage.md", ROOT / "docs" / "design.md"],
+                         ids=lambda p: p.name)
+def test_docs_state_the_budget_rule_the_pipeline_enforces(doc):
+    text = doc.read_text()
+    assert "at most one of `compression_ratio`" not in text and "give at most one" not in text
+    assert "exactly one" in text
+
+
+def test_qwen_details_link_points_to_the_qwen_section():
+    readme = (ROOT / "README.md").read_text()
+    slices = readme[readme.index("Qwen2.5-Coder slices are joined"):]
+    link = re.search(r"\]\(docs/usage\.md#([\w-]+)\)", slices)
+    assert link and "qwen" in link.group(1)
+
+
+def test_python_m_modules_in_the_docs_exist():
+    import importlib.util
+
+    for doc in DOCS:
+        for module in re.findall(r"python3? -m\s+(kvpress_ada[\w.]*)", doc.read_text()):
+            assert importlib.util.find_spec(module) is not None, f"{doc.name}: python -m {module} does not exist"
+
+
+def test_cli_help_is_plain_text_and_sizes_say_mib():
+    from kvpress_ada.harness.cli import build_parser
+
+    assert "``" not in build_parser().format_help()
+    for source in (ROOT / "kvpress_ada" / "harness").glob("*.py"):
+        assert not re.search(r"2\s*\*\*\s*20[^\n]*\bMB\b", source.read_text()), f"{source.name}: MiB printed as MB"
+
+
+def test_benchmark_results_in_git_hold_no_per_sample_records():
+    tracked = _tracked()
+    if tracked is None:
+        pytest.skip("not a git checkout")
+    results = [f for f in tracked if f.startswith("benchmarks/results/")]
+    per_sample = [f for f in results if re.search(r"(quality_(agnostic|aware)|results|partial[^/]*)\.json$", f)]
+    assert per_sample == []

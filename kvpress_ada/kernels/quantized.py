@@ -121,13 +121,23 @@ def dequantize(records: Tensor, head_dim: int, bits: int, group: int, dtype: tor
     in float32 and returned in ``out_dtype`` (default ``dtype``)."""
     ints, scale, zero = record_scales(records, head_dim, bits, group, dtype)
     *lead, _ = records.shape
-    if bits == 4:
-        ints = torch.cat((ints & 15, ints >> 4), dim=-1)
+    n_groups = head_dim // group
+    # (scales and zeros made contiguous first: broadcasting a strided view is several times slower on CPU)
+    scale, zero = scale.float().contiguous(), zero.float().contiguous()
+    if bits == 8:
+        q = ints.reshape(*lead, n_groups, group)
+    else:  # both nibbles masked in place (no shift): the high ones read as 16 q, so their scale is scale / 16
+        half = head_dim // 2
+        q = torch.empty(*lead, 2, half, dtype=torch.uint8, device=records.device)
+        torch.bitwise_and(ints, 15, out=q[..., 0, :])
+        torch.bitwise_and(ints, 240, out=q[..., 1, :])
+        per_half = max(n_groups // 2, 1)  # groups in each half (a group of head_dim spans both)
+        q = q.view(*lead, 2, per_half, half // per_half)
+        scale = scale.view(*lead, -1, per_half).expand(*lead, 2, per_half).clone()
+        scale[..., 1, :] *= 1 / 16
+        zero = zero.view(*lead, -1, per_half).expand(*lead, 2, per_half)
     # uint8 * float32 converts and scales in one pass (cheaper than addcmul's broadcast on CPU)
-    q = ints.reshape(*lead, head_dim // group, group)
-    # (scales and zeros made contiguous first: broadcasting a strided view is several times slower)
-    scale, zero = scale.float().contiguous()[..., None], zero.float().contiguous()[..., None]
-    out = (q * scale).add_(zero).reshape(*lead, head_dim)
+    out = (q * scale[..., None]).add_(zero[..., None]).reshape(*lead, head_dim)
     target = dtype if out_dtype is None else out_dtype
     return out if target == torch.float32 else out.to(target)
 
@@ -139,8 +149,9 @@ def quantized_append_ref(k_new: Tensor, v_new: Tensor, k_rec: Tensor, v_rec: Ten
     B, H, Q, _ = k_new.shape
     start = row_offsets.to(torch.int64) + row_lengths.to(torch.int64)
     dst = (start.unsqueeze(1) + torch.arange(Q, device=start.device)).reshape(-1)
-    k_rec.index_copy_(0, dst, quantize(k_new, bits, group).reshape(B * H * Q, -1))
-    v_rec.index_copy_(0, dst, quantize(v_new, bits, group).reshape(B * H * Q, -1))
+    records = quantize(torch.stack((k_new, v_new)), bits, group).view(2, B * H * Q, -1)  # one pass for both
+    k_rec.index_copy_(0, dst, records[0])
+    v_rec.index_copy_(0, dst, records[1])
     row_lengths.add_(Q)
 
 
@@ -165,8 +176,7 @@ def quantized_attention_ref(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets
     from entries of ``q.dtype``. The CPU path: the layer's records are dequantized to float32 in one
     vectorised pass (transient, one layer at a time) and attended by the full-precision reference, whose
     row-layout paths (batched, per row, loop-free split-K) apply unchanged."""
-    D = q.shape[-1]
-    k = dequantize(k_rec, D, bits, group, q.dtype, torch.float32)
-    v = dequantize(v_rec, D, bits, group, q.dtype, torch.float32)
-    out = ragged_attention_ref(q.float(), k, v, row_offsets, row_lengths, scale)
+    D, N = q.shape[-1], k_rec.shape[0]
+    kv = dequantize(torch.cat((k_rec, v_rec)), D, bits, group, q.dtype, torch.float32)  # one pass for both
+    out = ragged_attention_ref(q.float(), kv[:N], kv[N:], row_offsets, row_lengths, scale)
     return out if q.dtype == torch.float32 else out.to(q.dtype)

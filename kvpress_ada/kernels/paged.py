@@ -121,7 +121,10 @@ def _impl(q, k_pages, v_pages, page_table, row_lengths, query_start, scale):
     if q.numel() == 0:
         return torch.zeros_like(q)
     if resolve_backend(q.device, q.shape[-1]) == "triton":
-        return _triton().paged_attention_triton(q, k_pages, v_pages, page_table, row_lengths, query_start, scale)
+        request, ahead = token_rows(query_start, q.shape[0])
+        kv_heads = page_table.shape[0] // (query_start.shape[0] - 1)
+        return _triton().paged_attention_triton(q, k_pages, v_pages, page_table, row_lengths, request, ahead,
+                                                kv_heads, scale)
     return paged_attention_ref(q, k_pages, v_pages, page_table, row_lengths, query_start, scale)
 
 

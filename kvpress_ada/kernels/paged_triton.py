@@ -16,8 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged import token_rows
-
 __all__ = ["paged_attention_triton"]
 
 
@@ -79,18 +77,18 @@ def _paged_attn_kernel(
 
 
 def paged_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
-                           row_lengths: torch.Tensor, query_start: torch.Tensor, scale: float) -> torch.Tensor:
-    """Launch :func:`_paged_attn_kernel` (inputs validated by :func:`~kvpress_ada.kernels.paged.paged_attention`)."""
+                           row_lengths: torch.Tensor, request: torch.Tensor, ahead: torch.Tensor, H_kv: int,
+                           scale: float) -> torch.Tensor:
+    """Launch :func:`_paged_attn_kernel` (inputs validated by :func:`~kvpress_ada.kernels.paged.paged_attention`;
+    ``request, ahead [T]``: each token's request and the later tokens of it, from ``paged.token_rows``; ``H_kv``
+    kv heads per request)."""
     T, H_q, D = q.shape
-    R, M = page_table.shape
-    N = query_start.shape[0] - 1
-    H_kv = R // N
+    M = page_table.shape[1]
     G = H_q // H_kv
     S = k_pages.shape[1]
     if S & (S - 1) or D & (D - 1) or D < 16:
         raise ValueError(f"the Triton paged attention kernel needs a power-of-two page size and head dim >= 16, "
                          f"got page size {S}, head dim {D} (use the torch backend otherwise)")
-    request, ahead = token_rows(query_start, T)
     out = torch.empty_like(q)
     table = page_table.to(torch.int32).contiguous()
     _paged_attn_kernel[(T, H_kv)](

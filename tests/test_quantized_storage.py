@@ -378,3 +378,23 @@ def test_tensor_parallel_two_ranks_equal_one_process(tmp_path):
     data = json.loads(report.read_text())
     failed = {name: r["problems"] for ranked in data["ranks"] for name, r in ranked.items() if not r["ok"]}
     assert data["world_size"] == 2 and not failed and proc.returncode == 0, (failed, proc.stderr[-2000:])
+
+
+def test_fanout_evaluation_mixes_storages():
+    """The evaluator batches fan-out entries per storage: a grid of full / int8 / int4 presses answers as
+    separate runs do, and each quantized row records fewer bytes than its full-precision one."""
+    from kvpress_ada.harness.eval import Sample
+    from kvpress_ada.harness.eval.runner import Entry, evaluate, evaluate_separately
+
+    model, tok = _model("llama", hidden_size=128), build_tokenizer()
+    samples = [Sample(context="The pass key is 4821. " + "Blue doors and seven gates. " * 4,
+                      question="What is the pass key?", answers=["4821"], task="passkey", metric="string_match_all")]
+    entries = [Entry(f"{name}/{st}", r, preset(name, compression_ratio=r, storage=st))
+               for name in ("snapkv", "ada_snapkv") for st in ("full", "int8", "int4") for r in (0.0, 0.5)]
+    result = evaluate(model, tok, samples, entries, max_new_tokens=4, progress=False)
+    separate = evaluate_separately(model, tok, samples, entries, max_new_tokens=4, progress=False)
+    assert [r.answer for r in result.records if r.label != "full"] == separate[0]
+    kv = {(r.label, r.ratio): r.kv_bytes for r in result.records}
+    for name in ("snapkv", "ada_snapkv"):
+        assert kv[(f"{name}/int4", 0.5)] < kv[(f"{name}/int8", 0.5)] < kv[(f"{name}/full", 0.5)]
+        assert kv[(f"{name}/int4", 0.0)] < kv[(f"{name}/int8", 0.0)] < kv[("full", 0.0)]

@@ -172,8 +172,7 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
             on_entry()
 
     batched = [i for i, e in enumerate(entries) if batch_entries > 1 and _batchable(e.press, length)]
-    for start in range(0, len(batched), batch_entries):
-        group = batched[start:start + batch_entries]
+    for group in _batches(entries, batched, batch_entries):
         presses = [entries[i].press for i in group]
         keeps = [prefill.keep_masks(p) for p in presses]
         cache = prefill.compressed_batch(presses, keeps)
@@ -205,6 +204,17 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
         del cache
     records += [results[i] for i in range(len(entries))]
     return records
+
+
+def _batches(entries: list[Entry], batched: list[int], size: int) -> list[list[int]]:
+    """``batched`` (indices into ``entries``) in groups of at most ``size`` of one storage each (a batch cache
+    holds one storage kind)."""
+    by_storage: dict[str, list[int]] = {}
+    for i in batched:
+        press = entries[i].press
+        assert press is not None
+        by_storage.setdefault(press.storage.label, []).append(i)
+    return [members[s:s + size] for members in by_storage.values() for s in range(0, len(members), size)]
 
 
 def _batchable(press: Pipeline | None, length: int) -> bool:

@@ -216,3 +216,39 @@ def test_what_the_host_cannot_serve_is_refused_in_one_line(model_dir, tmp_path):
     with pytest.raises(ValueError) as err:
         engine_kwargs("snapkv", model_dir, ratio=1.5)
     assert "\n" not in str(err.value) and "compression_ratio" in str(err.value)
+
+
+def _run_to_completion(llm, prompts, max_tokens):
+    """Every prompt submitted at once; the peak number of running requests and each request's tokens."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    peak, done = 0, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = list(out.outputs[0].token_ids)
+        peak = max(peak, len(scheduler.running))
+    return peak, [done[i] for i in range(len(prompts))], scheduler
+
+
+def test_evicted_blocks_let_more_requests_run_under_the_same_kv_memory(model_dir, hf_model):
+    """40 blocks of 32 tokens, 12 requests of 150 prompt + 24 new tokens: vLLM alone runs at most 7 at once; with
+    Ada-SnapKV at r = 0.75 the freed blocks admit every request, and each generates its tokens alone."""
+    prompts = [[5 + (i * 7 + j * 3 + (j * j) % 13) % 90 for j in range(150)] for i in range(12)]
+    engine = dict(num_gpu_blocks_override=40, max_num_seqs=32)
+    plain_peak, _, _ = _run_to_completion(_serve(model_dir, None, prompts=prompts[:1], max_tokens=1, **engine)[0],
+                                          prompts, 24)
+    press = _small_window(preset("ada_snapkv", compression_ratio=0.75))
+    llm = _serve(model_dir, press, prompts=prompts[:1], max_tokens=1, **engine)[0]
+    peak, tokens, scheduler = _run_to_completion(llm, prompts, 24)
+    assert plain_peak <= 7 and peak == 12, (plain_peak, peak)
+    for i in (0, 5, 11):
+        assert tokens[i] == _alone(hf_model, press, prompts[i], 24)[0], i
+    llm.llm_engine.step()  # the worker learns of the last finished requests one step later
+    assert STATE.serving.requests == {}
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 39  # every block back (one is vLLM's null)

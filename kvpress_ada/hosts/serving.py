@@ -60,6 +60,7 @@ class ServedRequest:
     written: list[int]
     queries: list[torch.Tensor | None]
     since: list[int]
+    evicted: bool = False  # whether the press has evicted from it (it then holds fewer pages than tokens)
 
     @property
     def pages_held(self) -> int:
@@ -233,3 +234,5 @@ class PagedServing:
     def _keep(self, layer_idx: int, group: _Due, keep: torch.Tensor) -> None:
         pool = self.pools[layer_idx]
         pool.retain([self.requests[i].seqs[layer_idx] for i in group.ids], keep)
+        for i in group.ids:
+            self.requests[i].evicted = True

@@ -21,6 +21,7 @@ from ..transformers.hf import SUPPORTED_MODEL_TYPES
 
 CONFIG_KEY = "kvpress_ada"
 WORKER = "kvpress_ada.hosts.vllm.worker.PressWorker"
+SCHEDULER = "kvpress_ada.hosts.vllm.scheduler.PressScheduler"
 #: engine settings the host cannot serve, with what to use instead
 _REFUSED = {
     "enable_prefix_caching": "prefix caching shares blocks by position, which eviction breaks: "
@@ -53,8 +54,9 @@ def engine_kwargs(press: Pipeline | str | dict, model: str, ratio: float | None 
     for key, reason in _REFUSED.items():
         if engine.get(key):
             raise ValueError(f"{key}={engine[key]!r}: {reason}")
-    if engine.get("worker_cls") not in (None, WORKER):
-        raise ValueError(f"worker_cls={engine['worker_cls']!r}: the press runs in its own worker ({WORKER})")
+    for key, ours in (("worker_cls", WORKER), ("scheduler_cls", SCHEDULER)):
+        if engine.get(key) not in (None, ours):
+            raise ValueError(f"{key}={engine[key]!r}: a press runs with its own ({ours})")
     if engine.get("tensor_parallel_size", 1) != 1 or engine.get("pipeline_parallel_size", 1) != 1:
         raise ValueError("a press runs on one worker: use tensor_parallel_size=1 and pipeline_parallel_size=1")
     config = Path(model) / "config.json"
@@ -66,7 +68,7 @@ def engine_kwargs(press: Pipeline | str | dict, model: str, ratio: float | None 
     extra = dict(engine.pop("additional_config", None) or {})
     extra[CONFIG_KEY] = {"press": pipeline.model_dump(mode="json")}
     return {"model": model, "block_size": 32, **engine, "enable_prefix_caching": False, "worker_cls": WORKER,
-            "additional_config": extra}
+            "scheduler_cls": SCHEDULER, "additional_config": extra}
 
 
 def press_of(additional_config: dict | None) -> Pipeline | None:

@@ -1,18 +1,44 @@
 """The worker of an engine serving a press: each step, it hands the backend its model runner (whose batch
-order maps rows to requests), returns the pages of finished, aborted and preempted requests, and runs the
-evictions that wait for every layer (a model-scope schedule) after the step's forward."""
+order maps rows to requests), returns the pages of finished, aborted and preempted requests, runs the
+evictions that wait for every layer (a model-scope schedule) after the step's forward, and reports to the
+scheduler the pages each evicted-from request holds (:mod:`.scheduler`). Its layers' KV spec is
+:class:`~.scheduler.PressAttentionSpec`, so the engine core counts their blocks with the press's manager."""
 
 from __future__ import annotations
 
+import copy
+from dataclasses import fields
 from typing import Any
 
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from .backend import STATE
+from .scheduler import REPORT, PressAttentionSpec
 
 
 class PressWorker(CPUWorker):
     """vLLM's CPU worker plus the host's bookkeeping (see the module docstring)."""
+
+    def get_kv_cache_spec(self) -> Any:
+        specs = super().get_kv_cache_spec()
+        return {name: PressAttentionSpec(**{f.name: getattr(spec, f.name) for f in fields(spec) if f.init})
+                if type(spec) is FullAttentionSpec else spec for name, spec in specs.items()}
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        return self._report(super().sample_tokens(grammar_output))
+
+    def _report(self, output: Any) -> Any:
+        """A copy of ``output`` carrying the pages of every evicted-from request (never vLLM's shared empty output)."""
+        serving = STATE.serving
+        if output is None or serving is None:
+            return output
+        pages = {rid: max(seq.pages_held for seq in r.seqs) for rid, r in serving.requests.items() if r.evicted}
+        if not pages:
+            return output
+        output = copy.copy(output)
+        setattr(output, REPORT, pages)
+        return output
 
     def execute_model(self, scheduler_output: Any) -> Any:
         serving = STATE.start_step(self.vllm_config, self.model_runner)
@@ -22,4 +48,4 @@ class PressWorker(CPUWorker):
         out = super().execute_model(scheduler_output)
         if STATE.serving is not None:
             STATE.serving.end_step()
-        return out
+        return self._report(out)

@@ -200,3 +200,16 @@ def test_what_a_serving_engine_cannot_apply_is_refused_in_one_line():
         with pytest.raises(ValueError) as err:
             check_servable(preset(name, compression_ratio=0.5))
         assert "\n" not in str(err.value) and words in str(err.value)
+
+
+def test_a_prompt_shorter_than_the_scorer_needs_is_served_whole(llama):
+    """A server answers a short request rather than failing it: nothing of it is evicted."""
+    press = preset("snapkv", compression_ratio=0.5, decode_budget=8, decode_interval=2)  # window 64
+    engine = Engine(llama, press)
+    engine.prefill("short", _prompt(40, 7))
+    for _ in range(5):
+        engine.decode("short")
+    assert engine.kept("short") == [[list(range(45))] * 2] * len(llama.model.layers)
+    with torch.no_grad():
+        plain = llama.generate(_prompt(40, 7), do_sample=False, max_new_tokens=6)
+    assert engine.tokens["short"] == plain[0, 40:].tolist()

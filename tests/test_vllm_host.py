@@ -252,3 +252,47 @@ def test_evicted_blocks_let_more_requests_run_under_the_same_kv_memory(model_dir
     llm.llm_engine.step()  # the worker learns of the last finished requests one step later
     assert STATE.serving.requests == {}
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 39  # every block back (one is vLLM's null)
+
+
+def test_kvpress_ada_serve_answers_an_openai_completion_with_a_compressed_cache(model_dir, hf_model):
+    """The server ``kvpress-ada serve`` starts (its own processes, as users run it) answers a completion request
+    with the text the transformers host generates under the same press."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    server = subprocess.Popen([sys.executable, "-m", "kvpress_ada.harness.cli", "serve", "--model", model_dir,
+                               "--preset", "snapkv", "--ratio", "0.5", "--port", str(port), "--max-model-len", "512"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    prompt = "The garden had seven doors and a blue gate; the pass key was 4821. " * 2
+    try:
+        deadline = time.time() + 240
+        while True:
+            assert server.poll() is None, "the server exited"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                break
+            except OSError:
+                assert time.time() < deadline, "the server did not start in 240 s"
+                time.sleep(1)
+        body = json.dumps({"model": model_dir, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(request, timeout=60).read())["choices"][0]["text"]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+    tokenizer = build_tokenizer()
+    ids = tokenizer(prompt)["input_ids"]
+    assert len(ids) >= 64  # snapkv's window: the press compresses this prompt
+    expected = tokenizer.decode(_alone(hf_model, preset("snapkv", compression_ratio=0.5), ids, 8)[0],
+                                skip_special_tokens=True)
+    assert answer == expected

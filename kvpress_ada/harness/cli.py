@@ -633,6 +633,51 @@ def _tasks_epilog() -> str:
     return "tasks (--tasks):\n" + "\n".join(f"  {t.name:<{width}}  {t.description}" for t in TASKS.values())
 
 
+def cmd_serve(args) -> int:
+    """vLLM's OpenAI-compatible server with the press (the vLLM host: ``kvpress_ada.hosts.vllm``)."""
+    import importlib.util
+    import subprocess
+
+    from kvpress_ada.harness.models import SOURCES
+    from kvpress_ada.hosts.vllm import engine_kwargs, server_args
+
+    if args.config and args.preset:
+        raise UsageError("give --preset (with --ratio) or --config, not both")
+    if not 0 <= args.ratio < 1:
+        raise UsageError(f"--ratio must be in [0, 1) (fraction of KV entries evicted), got {args.ratio}")
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port must be in 1..65535, got {args.port}")
+    press = _load_config(args.config) if args.config else (args.preset or DEMO_PRESET)
+    ratio = None if args.config else args.ratio
+    if args.model in SOURCES:
+        model = args.model if args.dry_run else str(_ensure_named(args.model))
+    elif Path(args.model).is_dir():
+        model = args.model
+    else:
+        raise UsageError(f"--model {args.model!r}: not a named model ({', '.join(SOURCES)}) nor a local directory")
+    engine = {"dtype": args.dtype, "enforce_eager": True, "max_model_len": args.max_model_len}
+    try:
+        kwargs = engine_kwargs(press, model, ratio=ratio, **engine)
+    except ValueError as err:
+        raise UsageError(" ".join(str(err).split())) from None
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *server_args(kwargs),
+               "--host", args.host, "--port", str(args.port)]
+    print(shlex.join(command), flush=True)
+    if args.dry_run:
+        return 0
+    if importlib.util.find_spec("vllm") is None:
+        raise UsageError("serve runs vLLM: install the vLLM host in its own venv first "
+                         "(pip install torch==2.13.0 -e '.[vllm]', then pip uninstall -y torchvision torchaudio "
+                         "torchcodec)")
+    return subprocess.call(command)
+
+
+def _ensure_named(name: str) -> Path:
+    from kvpress_ada.harness.default_model import ensure_model
+
+    return ensure_model(name)
+
+
 def _storage_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--storage", choices=("full", "int8", "int4"), default="full",
                         help="how the presses store the entries they keep: full precision (default), or int8 / "
@@ -697,6 +742,18 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--workers", type=int, help="evaluate in N local processes (launches torchrun --standalone "
                                                 "--nproc-per-node N; samples sharded, one results.json)")
     ev.set_defaults(func=cmd_eval)
+    srv = sub.add_parser("serve", help="vLLM's OpenAI-compatible server with the press (needs the vLLM host: "
+                         "pip install '.[vllm]')")
+    srv.add_argument("--model", default="default", help=model_help)
+    srv.add_argument("--preset", help=f"the press (default {DEMO_PRESET})")
+    srv.add_argument("--ratio", type=float, default=0.75, help="fraction of KV entries evicted, in [0, 1)")
+    srv.add_argument("--config", help="a Pipeline YAML/JSON file instead of --preset/--ratio")
+    srv.add_argument("--host", default="127.0.0.1", help="address the server listens on (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    srv.add_argument("--max-model-len", type=int, default=8192, help="longest prompt + answer, in tokens")
+    srv.add_argument("--dry-run", action="store_true", help="print the server's command line and stop")
+    srv.set_defaults(func=cmd_serve, threads=None)
     cal = sub.add_parser("calibrate", help="measure per-(layer, kv head) budget shares of a scorer (KVzip) once "
                                            "per model, for the Calibrated allocator",
                          epilog=_tasks_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -42,7 +42,7 @@ def check_servable(press: Pipeline) -> None:
     scorer = type(press.scorer)
     if scorer.needs_model_pass:
         raise ValueError(f"scorer {scorer.__name__} scores with its own model pass over each request's context, "
-                         "which a serving engine does not run: use a one-pass scorer (e.g. snapkv, kvzap)")
+                         "which a serving engine does not run: use a one-pass attention scorer (snapkv, ...)")
     if scorer.reads_hidden_states:
         raise ValueError(f"scorer {scorer.__name__} reads the hidden states entering attention, which this "
                          "serving host does not record yet: use an attention scorer (e.g. snapkv, ada_snapkv)")
@@ -61,6 +61,7 @@ class ServedRequest:
     queries: list[torch.Tensor | None]
     since: list[int]
     evicted: bool = False  # whether the press has evicted from it (it then holds fewer pages than tokens)
+    whole: bool = False  # too short for the press's scorer: served without eviction
 
     @property
     def pages_held(self) -> int:
@@ -95,14 +96,15 @@ class PagedServing:
 
     # ------------------------------------------------------------------ requests
     def add(self, request_id: str, prompt_len: int) -> None:
-        """A new request with a prompt of ``prompt_len`` tokens (no page taken yet)."""
+        """A new request with a prompt of ``prompt_len`` tokens (no page taken yet). A prompt shorter than the press's
+        scorer needs (:meth:`Pipeline.check_context <kvpress_ada.Pipeline.check_context>`) is served whole: a
+        server answers it rather than failing it."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already running")
-        if self.press.compresses_prefill:
-            self.press.check_context(prompt_len)
         L = len(self.pools)
         self.requests[request_id] = ServedRequest(prompt_len, [PagedSequence(self.n_kv_heads) for _ in range(L)],
-                                                  [0] * L, [None] * L, [0] * L)
+                                                  [0] * L, [None] * L, [0] * L,
+                                                  whole=prompt_len < self.press.scorer.min_context())
 
     def release(self, request_id: str) -> int:
         """Return every page of a finished, aborted or preempted request; the pages returned."""
@@ -182,6 +184,8 @@ class PagedServing:
             recent = recent if window is None else recent[:, max(0, recent.shape[1] - window):]
             request.queries[layer_idx] = recent
             prompt = request.prompt_len
+            if request.whole:
+                continue
             if before < prompt <= before + c:  # this step brings the last prompt token
                 if press.compresses_prefill:  # scored with the prompt's last queries (a chunked press: the chunk's)
                     ends.append((rid, q if press.prefill_chunk is not None else recent))

@@ -32,16 +32,11 @@ _REFUSED = {
 
 
 def press_from(press: Pipeline | str | dict, ratio: float | None = None) -> Pipeline:
-    """A press from a :class:`Pipeline`, a preset name (with ``ratio``), a Pipeline dict or a YAML/JSON file."""
+    """A press from a :class:`Pipeline`, a preset name (with ``ratio``) or a Pipeline dict (a parsed YAML/JSON)."""
     if isinstance(press, Pipeline):
-        return press if ratio is None else press.model_copy(update={"compression_ratio": ratio})
+        return press if ratio is None else Pipeline.model_validate({**press.model_dump(), "compression_ratio": ratio})
     if isinstance(press, dict):
         return Pipeline.model_validate(press if ratio is None else {**press, "compression_ratio": ratio})
-    path = Path(press)
-    if path.suffix in (".yaml", ".yml", ".json") and path.is_file():
-        import yaml
-
-        return press_from(yaml.safe_load(path.read_text()), ratio)
     return preset(press, compression_ratio=ratio)
 
 
@@ -75,3 +70,18 @@ def press_of(additional_config: dict | None) -> Pipeline | None:
     """The press an engine was configured with (``None``: the host is off)."""
     entry = (additional_config or {}).get(CONFIG_KEY)
     return None if entry is None else Pipeline.model_validate(entry["press"])
+
+
+def server_args(kwargs: dict[str, Any]) -> list[str]:
+    """:func:`engine_kwargs` as command-line options of vLLM's OpenAI-compatible server (``--block-size 32``,
+    ``--no-enable-prefix-caching``, ``--additional-config JSON``, ...); ``model`` becomes ``--model``."""
+    args: list[str] = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, dict):
+            args += [flag, json.dumps(value)]
+        elif value is not None:
+            args += [flag, str(value)]
+    return args

@@ -1,0 +1,54 @@
+"""``kvpress-ada serve``: the command line it hands vLLM's OpenAI-compatible server (``--dry-run``, no vLLM
+needed), and one-line refusals (exit 2) for what the vLLM host cannot serve."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from kvpress_ada.harness.cli import main
+
+
+def _dry_run(capsys, *args):
+    code = main(["serve", "--dry-run", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_server_command_carries_the_press_and_turns_the_host_on(capsys, tmp_path):
+    code, out, _ = _dry_run(capsys, "--model", str(tmp_path), "--preset", "ada_snapkv", "--ratio", "0.75",
+                            "--port", "8123")
+    assert code == 0
+    argv = shlex.split(out.strip())
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    option = {argv[i]: argv[i + 1] for i in range(3, len(argv) - 1) if argv[i].startswith("--")}
+    assert option["--model"] == str(tmp_path) and option["--host"] == "127.0.0.1" and option["--port"] == "8123"
+    assert option["--worker-cls"].endswith("PressWorker") and option["--scheduler-cls"].endswith("PressScheduler")
+    assert "--no-enable-prefix-caching" in argv and option["--block-size"] == "32"
+    press = json.loads(option["--additional-config"])["kvpress_ada"]["press"]
+    assert press["scorer"]["name"] == "snapkv" and press["allocator"]["name"] == "ada"
+    assert press["compression_ratio"] == 0.75
+
+
+def test_a_pipeline_file_is_served(capsys, tmp_path):
+    config = tmp_path / "press.yaml"
+    config.write_text("scorer: {name: streamingllm}\nbudget: 256\n")
+    code, out, _ = _dry_run(capsys, "--model", str(tmp_path), "--config", str(config))
+    press = json.loads(shlex.split(out)[shlex.split(out).index("--additional-config") + 1])["kvpress_ada"]["press"]
+    assert code == 0 and press["scorer"]["name"] == "streamingllm" and press["budget"] == 256
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--preset", "kvzip"], "model pass"),
+    (["--preset", "kvzap"], "hidden states"),
+    (["--ratio", "1.2"], "--ratio"),
+    (["--model", "/no/such/dir"], "/no/such/dir"),
+    (["--preset", "snapkv", "--config", "x.yaml"], "not both"),
+    (["--preset", "snapkvv"], "snapkvv"),
+    (["--port", "0"], "--port"),
+])
+def test_what_cannot_be_served_is_refused_in_one_line(capsys, tmp_path, args, words):
+    code, out, err = _dry_run(capsys, *(["--model", str(tmp_path)] if "--model" not in args else []), *args)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and words in err, err

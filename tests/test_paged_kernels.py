@@ -161,3 +161,14 @@ def test_the_op_compiles_without_a_graph_break():
     with use_backend("torch"):
         assert torch.allclose(compiled(q, k_pages, v_pages, table, lens, start),
                               step(q, k_pages, v_pages, table, lens, start), atol=1e-6)
+
+
+def test_a_fresh_prefill_takes_the_causal_path_and_agrees_with_the_oracle():
+    """Every head of the request holds exactly its Q new tokens (a prefill from nothing): the plain causal path."""
+    lengths = [[40, 40], [7, 7]]
+    counts = [40, 7]
+    k_pages, v_pages, table, lens, dk, dv = paged_layout(lengths, 8, 16, seed=11)
+    q = torch.randn(sum(counts), 4, 16, generator=torch.Generator().manual_seed(12))
+    start = torch.tensor([0, 40, 47], dtype=torch.int32)
+    out = paged_attention_ref(q, k_pages, v_pages, table, lens, start, 0.4)
+    assert torch.allclose(out.double(), oracle(q, dk, dv, lengths, counts, 0.4), atol=1e-5)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .support import resolve_backend, triton_available
@@ -76,6 +77,11 @@ def paged_attention_ref(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table:
         keys = k_pages.index_select(0, pages.reshape(-1)).view(H_kv, -1, D)[:, :width].float()
         values = v_pages.index_select(0, pages.reshape(-1)).view(H_kv, -1, D)[:, :width].float()
         Q = t1 - t0
+        if Q == width and bool((lengths[n] == width).all()):  # a fresh prefill: plain causal attention
+            out[t0:t1] = F.scaled_dot_product_attention(
+                q[t0:t1].float().transpose(0, 1)[None], keys[None], values[None], is_causal=True, scale=scale,
+                enable_gqa=G > 1)[0].transpose(0, 1)
+            continue
         qg = q[t0:t1].float().view(Q, H_kv, G, D).permute(1, 2, 0, 3).reshape(H_kv, G * Q, D)
         s = torch.bmm(qg, keys.transpose(1, 2)).mul_(scale).view(H_kv, G, Q, width)
         ahead = torch.arange(Q - 1, -1, -1, device=q.device)

@@ -1,0 +1,153 @@
+"""Serving inside vLLM with and without a press, under the same KV memory: concurrency, throughput, time to
+first token, and accuracy through the engine against the transformers host on the same samples.
+
+Every configuration gets a fresh in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with the same number
+of KV blocks (``--kv-blocks``, vLLM's ``num_gpu_blocks_override``); all requests (task samples: context, then
+the question, in the model's chat template) are submitted at once and the engine is stepped to completion.
+Reported per configuration: peak running requests, output tokens/s over the whole run, median and p90 time to
+first token, the task's accuracy, and, with ``--reference`` (the transformers host, batch 1, same press, same
+prompt ids), its accuracy and the fraction of requests whose tokens equal it. Run in the vLLM venv:
+
+    python benchmarks/serving.py --model default --presets ada_snapkv,snapkv --ratio 0.75 --requests 24 \\
+        --context 1000 --new-tokens 32 --kv-blocks 140 --reference --out benchmarks/results/serving_default.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from common import machine_info, write_json  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from kvpress_ada.harness.eval.scoring import METRICS  # noqa: E402
+from kvpress_ada.harness.eval.tasks import make_samples  # noqa: E402
+from kvpress_ada.harness.models import SOURCES  # noqa: E402
+from kvpress_ada.hosts.transformers.generation import split_prompt  # noqa: E402
+from kvpress_ada.hosts.vllm import engine_kwargs, press_from  # noqa: E402
+
+
+def prompts_for(tokenizer, task: str, n: int, context: int, seed: int):
+    samples = make_samples(task, tokenizer, n, context, seed=seed)
+    ids = []
+    for s in samples:
+        head, tail = split_prompt(tokenizer, s.context, s.question)
+        ids.append(tokenizer(head + tail, add_special_tokens=False)["input_ids"])
+    return samples, ids
+
+
+def serve(model_dir: str, press, ids: list[list[int]], new_tokens: int, kv_blocks: int, dtype: str) -> dict:
+    """One engine, every request at once: per-request tokens and first-token times, peak running, wall time."""
+    import gc
+
+    from vllm import LLM, SamplingParams
+
+    engine_args = dict(enforce_eager=True, dtype=dtype, max_model_len=max(len(p) for p in ids) + new_tokens + 8,
+                       seed=0, num_gpu_blocks_override=kv_blocks, max_num_seqs=len(ids))
+    llm = LLM(**engine_kwargs(press, model_dir, **engine_args)) if press is not None else \
+        LLM(model=model_dir, block_size=32, enable_prefix_caching=False, **engine_args)
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    for i, p in enumerate(ids):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    first: dict[int, float] = {}
+    tokens: dict[int, list[int]] = {}
+    peak, steps = 0, 0
+    with tqdm(total=len(ids), desc="press" if press is not None else "vLLM", unit="req") as bar:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                i = int(out.request_id)
+                if i not in first and out.outputs[0].token_ids:
+                    first[i] = time.perf_counter() - start
+                if out.finished:
+                    tokens[i] = list(out.outputs[0].token_ids)
+                    bar.update(1)
+            peak = max(peak, len(scheduler.running))
+            steps += 1
+    wall = time.perf_counter() - start
+    del llm, engine, scheduler
+    gc.collect()
+    ttft = sorted(first.values())
+    return {"tokens": [tokens[i] for i in range(len(ids))], "peak_running": peak, "steps": steps, "wall_s": wall,
+            "output_tokens_per_s": len(ids) * new_tokens / wall, "ttft_median_s": statistics.median(ttft),
+            "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))]}
+
+
+def transformers_reference(model_dir: str, press, ids: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy tokens of each prompt alone through the transformers host with the same press (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvpress_ada import RaggedCache
+    from kvpress_ada.hosts.transformers.hf import cache_kwarg
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # as the engine's ignore_eos
+    out = []
+    for p in tqdm(ids, desc="transformers host", unit="req"):
+        cache = RaggedCache(config=model.config)
+        with torch.no_grad(), press(model):
+            gen = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=new_tokens,
+                                 **{cache_kwarg(model): cache})
+        out.append(gen[0, len(p):].tolist())
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default", help="a named model or a local directory")
+    parser.add_argument("--presets", default="ada_snapkv", help="comma-separated presets")
+    parser.add_argument("--ratio", type=float, default=0.75)
+    parser.add_argument("--task", default="passkey")
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--context", type=int, default=1000)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--kv-blocks", type=int, required=True, help="KV blocks of 32 tokens for every engine")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reference", action="store_true", help="also run the transformers host on each sample")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from kvpress_ada.harness.default_model import ensure_model
+
+    model_dir = str(ensure_model(args.model)) if args.model in SOURCES else args.model
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    samples, ids = prompts_for(tokenizer, args.task, args.requests, args.context, args.seed)
+    metric = METRICS[samples[0].metric]
+
+    def accuracy(tokens: list[list[int]]) -> float:
+        preds = [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+        return sum(metric(p, s.answers) for p, s in zip(preds, samples)) / len(samples)
+
+    payload = {"command": " ".join(sys.argv), "machine": machine_info(), "args": vars(args),
+               "prompt_tokens": [len(p) for p in ids], "runs": {}}
+    configs = [("vLLM (full cache)", None)] + [(name, press_from(name, args.ratio))
+                                               for name in args.presets.split(",")]
+    for label, press in configs:
+        run = serve(model_dir, press, ids, args.new_tokens, args.kv_blocks, args.dtype)
+        run["accuracy"] = accuracy(run["tokens"])
+        if press is not None and args.reference:
+            reference = transformers_reference(model_dir, press, ids, args.new_tokens)
+            run["transformers_accuracy"] = accuracy(reference)
+            run["equal_to_transformers"] = sum(a == b for a, b in zip(run["tokens"], reference)) / len(ids)
+        run.pop("tokens")
+        payload["runs"][label] = run
+        print(label, {k: round(v, 3) if isinstance(v, float) else v for k, v in run.items()}, flush=True)
+        write_json(args.out, payload)  # after every configuration: a cut run keeps what it measured
+
+
+if __name__ == "__main__":
+    main()

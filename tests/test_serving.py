@@ -213,3 +213,28 @@ def test_a_prompt_shorter_than_the_scorer_needs_is_served_whole(llama):
     with torch.no_grad():
         plain = llama.generate(_prompt(40, 7), do_sample=False, max_new_tokens=6)
     assert engine.tokens["short"] == plain[0, 40:].tolist()
+
+
+@pytest.mark.parametrize("name", ["snapkv", "ada_snapkv", "streamingllm"])
+def test_a_request_computed_again_with_its_generated_tokens_meets_the_same_eviction(llama, name):
+    """A preempted request comes back as one step holding its prompt and what it had generated: the press still
+    evicts at the prompt's end, so the kept entries and the next tokens are those of the uninterrupted run."""
+    press = _small_window_press(name)
+    prompt = _prompt(90, 8)
+    first = Engine(llama, press)
+    first.prefill("r", prompt)
+    for _ in range(6):
+        first.decode("r")
+    again = Engine(llama, press)
+    again.serving.add("r", prompt.shape[1])
+    replay = torch.cat([prompt, torch.tensor([first.tokens["r"][:6]])], dim=1)
+    token = again.step("r", replay, 0)
+    assert token == first.tokens["r"][6]
+    assert again.kept("r") == first.kept("r")
+
+
+def _small_window_press(name):
+    press = preset(name, compression_ratio=0.5)
+    if "window" in type(press.scorer).model_fields:
+        press = press.model_copy(update={"scorer": press.scorer.model_copy(update={"window": 16})})
+    return press

@@ -296,3 +296,29 @@ def test_kvpress_ada_serve_answers_an_openai_completion_with_a_compressed_cache(
     expected = tokenizer.decode(_alone(hf_model, preset("snapkv", compression_ratio=0.5), ids, 8)[0],
                                 skip_special_tokens=True)
     assert answer == expected
+
+
+def test_a_preempted_request_generates_the_tokens_of_an_uninterrupted_run(model_dir, hf_model, monkeypatch):
+    """Too few blocks for three requests: vLLM preempts and later computes them again with what they had
+    generated; the press still evicts at each prompt's end, so every request generates its tokens alone."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    preempted = []
+    preempt = Scheduler._preempt_request
+
+    def counted(self, request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return preempt(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "_preempt_request", counted)
+    press = _small_window(preset("snapkv", compression_ratio=0.5))
+    llm = _serve(model_dir, press, prompts=PROMPTS[:1], max_tokens=1, num_gpu_blocks_override=BLOCKS,
+                 max_model_len=32 * (BLOCKS - 1))[0]
+    preempted.clear()
+    _, tokens, _ = _run_to_completion(llm, PROMPTS, 60)
+    assert preempted, "no request was preempted: the test needs fewer blocks"
+    for i, prompt in enumerate(PROMPTS):
+        assert tokens[i] == _alone(hf_model, press, prompt, 60)[0], i
+
+
+BLOCKS = 8

@@ -22,6 +22,7 @@ the true length while a row holds fewer entries.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -133,7 +134,29 @@ class PagedServing:
                value: torch.Tensor, positions: torch.Tensor, counts: list[int], scaling: float) -> torch.Tensor:
         """Layer ``layer_idx`` of one engine step: request ``request_ids[n]`` brings the next ``counts[n]`` of the
         packed ``query [T, H_q, D]``, ``key``/``value [T, H_kv, D]`` and ``positions [T]``. Writes them, returns
-        the attention output ``[T, H_q, D]`` and evicts what is due in this layer (see the module docstring)."""
+        the attention output ``[T, H_q, D]`` and evicts what is due in this layer (see the module docstring).
+
+        A step that brings a prompt's end and tokens after it (a preempted request computed again with what it had
+        generated) runs in two parts, up to the prompt's end and then the rest, so the rest meets the evicted
+        layer as it did the first time (exact for a press that evicts layer by layer)."""
+        requests = [self.requests[i] for i in request_ids]
+        head = [min(c, r.prompt_len - r.written[layer_idx]) if r.written[layer_idx] < r.prompt_len else c
+                for r, c in zip(requests, counts)]
+        if head == counts:
+            return self._attend(layer_idx, request_ids, query, key, value, positions, counts, scaling)
+        starts = [0] + list(itertools.accumulate(counts))
+        first = torch.cat([torch.arange(a, a + h) for a, h in zip(starts, head)]).to(query.device)
+        rest = torch.cat([torch.arange(a + h, a + c) for a, h, c in zip(starts, head, counts)]).to(query.device)
+        out = torch.empty_like(query)
+        out[first] = self._attend(layer_idx, request_ids, query[first], key[first], value[first], positions[first],
+                                  head, scaling)
+        tail = [(i, c - h) for i, h, c in zip(request_ids, head, counts) if c > h]
+        out[rest] = self._attend(layer_idx, [i for i, _ in tail], query[rest], key[rest], value[rest], positions[rest],
+                                 [n for _, n in tail], scaling)
+        return out
+
+    def _attend(self, layer_idx: int, request_ids: list[str], query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, positions: torch.Tensor, counts: list[int], scaling: float) -> torch.Tensor:
         pool = self.pools[layer_idx]
         requests = [self.requests[i] for i in request_ids]
         seqs = [r.seqs[layer_idx] for r in requests]

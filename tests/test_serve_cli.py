@@ -42,7 +42,6 @@ def test_a_pipeline_file_is_served(capsys, tmp_path):
 
 @pytest.mark.parametrize("args, words", [
     (["--preset", "kvzip"], "model pass"),
-    (["--preset", "kvzap"], "hidden states"),
     (["--ratio", "1.2"], "--ratio"),
     (["--model", "/no/such/dir"], "/no/such/dir"),
     (["--preset", "snapkv", "--config", "x.yaml"], "not both"),
@@ -52,3 +51,14 @@ def test_a_pipeline_file_is_served(capsys, tmp_path):
 def test_what_cannot_be_served_is_refused_in_one_line(capsys, tmp_path, args, words):
     code, out, err = _dry_run(capsys, *(["--model", str(tmp_path)] if "--model" not in args else []), *args)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and words in err, err
+
+
+def test_a_press_made_for_another_model_is_refused_in_one_line(capsys, tmp_path):
+    from conftest import build_model
+
+    build_model("llama").config.save_pretrained(tmp_path)
+    code, out, err = _dry_run(capsys, "--model", str(tmp_path), "--preset", "kvzap")  # the default model's surrogate
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "surrogate" in err, err
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    code, out, err = _dry_run(capsys, "--model", str(tmp_path), "--preset", "snapkv")
+    assert code == 2 and "gpt2" in err and len(err.strip().splitlines()) == 1

@@ -10,7 +10,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvpress_ada import AdaHead, AdaLayer, Pipeline, RaggedCache, SnapKV, preset
+from kvpress_ada import AdaHead, AdaLayer, KVzap, Pipeline, RaggedCache, SnapKV, preset
 from kvpress_ada.hosts.paging import PagePool
 from kvpress_ada.hosts.serving import PagedServing, check_servable
 from kvpress_ada.hosts.transformers.hf import cache_kwarg
@@ -23,11 +23,12 @@ def _engine_attention(module, query, key, value, attention_mask, scaling=None, d
     step = kwargs.get("engine_step")
     if step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    serving, rid, positions = step
+    serving, rid, positions, hidden = step
     B, H_q, Q, D = query.shape
     scale = float(module.scaling if scaling is None else scaling)
-    out = serving.attend(int(module.layer_idx), [rid], query[0].transpose(0, 1), key[0].transpose(0, 1),
-                         value[0].transpose(0, 1), positions, [Q], scale)
+    layer = int(module.layer_idx)
+    out = serving.attend(layer, [rid], query[0].transpose(0, 1), key[0].transpose(0, 1),
+                         value[0].transpose(0, 1), positions, [Q], scale, hidden=hidden.get(layer))
     return out.view(1, Q, H_q, D), None
 
 
@@ -55,11 +56,20 @@ class Engine:
         positions = torch.arange(start, start + ids.shape[1])
         previous = self.model.config._attn_implementation
         self.model.set_attn_implementation(ENGINE)
+        hidden: dict[int, torch.Tensor] = {}  # hidden states entering each layer's attention, as an engine hands them
+
+        def record(module, args, kwargs):
+            hidden[int(module.layer_idx)] = kwargs.get("hidden_states", args[0] if args else None)[0]
+
+        hooks = [layer.self_attn.register_forward_pre_hook(record, with_kwargs=True)
+                 for layer in self.model.model.layers]
         try:
             with torch.no_grad():
                 logits = self.model(input_ids=ids, position_ids=positions[None], use_cache=False,
-                                    engine_step=(self.serving, rid, positions)).logits
+                                    engine_step=(self.serving, rid, positions, hidden)).logits
         finally:
+            for hook in hooks:
+                hook.remove()
             self.model.set_attn_implementation(previous)
         self.serving.end_step()
         return int(logits[0, -1].argmax())
@@ -196,10 +206,34 @@ def test_packed_requests_in_one_step_equal_each_request_stepped_alone():
 
 
 def test_what_a_serving_engine_cannot_apply_is_refused_in_one_line():
-    for name, words in (("kvzip", "model pass"), ("kvzap", "hidden states")):
+    for press, words in ((preset("kvzip", compression_ratio=0.5), "model pass"),
+                         (preset("snapkv", compression_ratio=0.5, storage="int8"), "storage")):
         with pytest.raises(ValueError) as err:
-            check_servable(preset(name, compression_ratio=0.5))
+            check_servable(press)
         assert "\n" not in str(err.value) and words in str(err.value)
+
+
+@pytest.mark.parametrize("mode", ["one-shot", "decode", "chunked"])
+def test_a_scorer_reading_hidden_states_keeps_what_it_keeps_on_the_transformers_host(llama, tmp_path, mode):
+    """KVzap scores each entry from the hidden state its token brought, recorded with the entry in its page."""
+    from conftest import random_surrogate
+
+    from kvpress_ada import surrogate as sur
+
+    path = tmp_path / "surrogate.safetensors"
+    sur.save(random_surrogate(llama.config, seed=5), path)
+    press = preset("kvzap", compression_ratio=0.5, **MODES[mode]).model_copy(
+        update={"scorer": KVzap(path=str(path), window=8)})
+    engine = Engine(llama, press, chunk=press.chunks if press.prefill_chunk else None)
+    prompts = {"a": _prompt(90, 11), "b": _prompt(75, 12)}
+    engine.prefill("a", prompts["a"])
+    engine.prefill("b", prompts["b"])
+    for _ in range(8):
+        engine.decode("a")
+        engine.decode("b")
+    for r, prompt in prompts.items():
+        tokens, kept = _alone(llama, press, prompt, 9)
+        assert engine.kept(r) == kept and engine.tokens[r] == tokens, (mode, r)
 
 
 def test_a_prompt_shorter_than_the_scorer_needs_is_served_whole(llama):

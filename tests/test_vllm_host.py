@@ -322,3 +322,27 @@ def test_a_preempted_request_generates_the_tokens_of_an_uninterrupted_run(model_
 
 
 BLOCKS = 8
+
+
+@pytest.mark.parametrize("mode", ["one-shot", "decode"])
+def test_kvzap_scores_from_the_hidden_states_vllm_hands_its_attention(model_dir, hf_model, tmp_path, mode):
+    """KVzap (a random surrogate made for this model) keeps the transformers host's positions and tokens."""
+    from conftest import random_surrogate
+
+    from kvpress_ada import KVzap
+    from kvpress_ada import surrogate as sur
+
+    path = tmp_path / "surrogate.safetensors"
+    sur.save(random_surrogate(hf_model.config, seed=5), path)
+    extra = {"decode_budget": 24, "decode_interval": 4} if mode == "decode" else {}
+    press = preset("kvzap", compression_ratio=0.5, **extra).model_copy(update={"scorer": KVzap(path=str(path))})
+    _, tokens, kept = _serve(model_dir, press, max_tokens=10, max_num_batched_tokens=48)
+    for i, prompt in enumerate(PROMPTS):
+        alone_tokens, alone_kept = _alone(hf_model, press, prompt, 10)
+        assert (kept[i], tokens[i]) == (alone_kept, alone_tokens), i
+
+
+def test_a_surrogate_made_for_another_model_is_refused_before_the_engine_starts(model_dir):
+    with pytest.raises(ValueError) as err:
+        engine_kwargs("kvzap", model_dir, ratio=0.5)  # the shipped surrogate is the default model's
+    assert "\n" not in str(err.value) and "surrogate" in str(err.value)

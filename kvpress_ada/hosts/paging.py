@@ -54,6 +54,7 @@ class PagePool:
         P, S, _ = k_pages.shape
         self.page_size = S
         self.positions = torch.full((P, S), -1, dtype=torch.int32, device=k_pages.device)
+        self.scores = torch.zeros((P, S), dtype=torch.float32, device=k_pages.device)  # hidden-state scores
         self._free = list(range(P - 1, -1, -1))  # a stack: the lowest ids are taken first
 
     @classmethod
@@ -70,8 +71,9 @@ class PagePool:
         k_pages = self.k_pages.new_zeros(P + extra, S, D)
         v_pages = self.v_pages.new_zeros(P + extra, S, D)
         positions = self.positions.new_full((P + extra, S), -1)
-        k_pages[:P], v_pages[:P], positions[:P] = self.k_pages, self.v_pages, self.positions
-        self.k_pages, self.v_pages, self.positions = k_pages, v_pages, positions
+        scores = self.scores.new_zeros((P + extra, S))
+        k_pages[:P], v_pages[:P], positions[:P], scores[:P] = self.k_pages, self.v_pages, self.positions, self.scores
+        self.k_pages, self.v_pages, self.positions, self.scores = k_pages, v_pages, positions, scores
         self._free[:0] = range(P + extra - 1, P - 1, -1)  # taken after the pages already free
 
     # ------------------------------------------------------------------ pages
@@ -109,10 +111,11 @@ class PagePool:
 
     # ------------------------------------------------------------------ entries
     def append(self, seqs: list[PagedSequence], keys: torch.Tensor, values: torch.Tensor,
-               positions: torch.Tensor, counts: list[int]) -> None:
-        """Append packed tokens: sequence ``n`` takes the next ``counts[n]`` of ``keys, values [T, H_kv, D]``
-        and ``positions [T]`` (every head of it the same tokens). Pages are taken before anything is
-        written: on :class:`PoolExhausted` nothing changed."""
+               positions: torch.Tensor, counts: list[int], scores: torch.Tensor | None = None) -> None:
+        """Append packed tokens: sequence ``n`` takes the next ``counts[n]`` of ``keys, values [T, H_kv, D]``,
+        ``positions [T]`` (every head of it the same tokens) and, for a scorer reading hidden states, the
+        entries' ``scores [T, H_kv]``. Pages are taken before anything is written: on :class:`PoolExhausted`
+        nothing changed."""
         needed = sum(self.pages_needed(seq, c) for seq, c in zip(seqs, counts))
         if needed > self.free_pages:
             raise PoolExhausted(f"{needed} pages needed to append, {self.free_pages} of {self.capacity} free")
@@ -133,7 +136,8 @@ class PagePool:
             return
         D, H = keys.shape[-1], keys.shape[1]
         self._write(torch.tensor(slots, dtype=torch.long, device=self.k_pages.device), keys.reshape(-1, D),
-                    values.reshape(-1, D), positions.repeat_interleave(H))
+                    values.reshape(-1, D), positions.repeat_interleave(H),
+                    None if scores is None else scores.reshape(-1))
 
     def table(self, seqs: list[PagedSequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(page_table [N * H_kv, M], row_lengths [N * H_kv])`` int32 of ``seqs`` on the pool's device
@@ -147,23 +151,28 @@ class PagePool:
         device = self.k_pages.device
         return table.to(device), lengths.to(device)
 
+    def _slots(self, seqs: list[PagedSequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         tuple[int, int, int]]:
+        """``(page [N*H*W], slot [N*H*W], present [N, H, W], (N, H, W))`` of the left-padded view of ``seqs``."""
+        N, H = len(seqs), seqs[0].heads if seqs else 0
+        S = self.page_size
+        lengths = torch.tensor([n for seq in seqs for n in seq.lengths], dtype=torch.long).view(N, H)
+        W = int(lengths.max()) if lengths.numel() else 0
+        index = torch.arange(W) - (W - lengths[..., None])  # entry index of each view slot
+        present = index >= 0
+        table, _ = self.table(seqs)
+        table = table.cpu().long().view(N, H, -1)
+        entry = index.clamp(min=0)
+        flat = table.gather(2, (entry // S).clamp(max=table.shape[-1] - 1)) * S + entry % S
+        flat = torch.where(present, flat, 0).to(self.k_pages.device).reshape(-1)
+        return flat // S, flat % S, present.to(self.k_pages.device), (N, H, W)
+
     def view(self, seqs: list[PagedSequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(keys, values [N, H_kv, W, D], present [N, H_kv, W], positions [N, H_kv, W])``: each head's entries
         in the order they were stored, at the end of a ``W``-slot row (left padding, ``W`` the longest head;
         zeros and position ``-1`` where absent)."""
-        N, H = len(seqs), seqs[0].heads if seqs else 0
-        S, D = self.page_size, self.k_pages.shape[-1]
-        lengths = torch.tensor([n for seq in seqs for n in seq.lengths], dtype=torch.long).view(N, H)
-        W = int(lengths.max()) if lengths.numel() else 0
-        slot = torch.arange(W) - (W - lengths[..., None])  # entry index of each view slot
-        present = slot >= 0
-        table, _ = self.table(seqs)
-        table = table.cpu().long().view(N, H, -1)
-        entry = slot.clamp(min=0)
-        flat = table.gather(2, (entry // S).clamp(max=table.shape[-1] - 1)) * S + entry % S
-        flat = torch.where(present, flat, 0).to(self.k_pages.device)
-        present = present.to(self.k_pages.device)
-        page, slot = flat.reshape(-1) // S, flat.reshape(-1) % S
+        page, slot, present, (N, H, W) = self._slots(seqs)
+        D = self.k_pages.shape[-1]
         keys = self.k_pages[page, slot].view(N, H, W, D)
         values = self.v_pages[page, slot].view(N, H, W, D)
         positions = self.positions[page, slot].view(N, H, W).long()
@@ -171,10 +180,16 @@ class PagePool:
         return (torch.where(present[..., None], keys, zero), torch.where(present[..., None], values, zero),
                 present, torch.where(present, positions, -1))
 
+    def view_scores(self, seqs: list[PagedSequence]) -> torch.Tensor:
+        """``[N, H_kv, W]`` the hidden-state scores of the entries of :meth:`view` (0 where absent)."""
+        page, slot, present, shape = self._slots(seqs)
+        return torch.where(present, self.scores[page, slot].view(shape), 0.0)
+
     def retain(self, seqs: list[PagedSequence], keep: torch.Tensor) -> None:
         """Keep the entries of :meth:`view` where ``keep [N, H_kv, W]`` is True (in their order), each head
         in fresh pages; the old pages return to the pool. Never needs more pages than it frees."""
         keys, values, present, positions = self.view(seqs)
+        scores = self.view_scores(seqs)
         keep = keep & present
         counts = keep.sum(-1).tolist()
         for seq in seqs:  # the view holds copies: the old pages can go first, so this never runs out
@@ -192,12 +207,12 @@ class PagePool:
             rows_v = values[n].gather(1, picked[..., None].expand(H, W, keys.shape[-1]))
             rows_p = positions[n].gather(1, picked)
             seq.lengths = [0] * H
-            self.append_heads(seq, rows_k, rows_v, rows_p, mask)
+            self.append_heads(seq, rows_k, rows_v, rows_p, mask, scores[n].gather(1, picked))
 
     def append_heads(self, seq: PagedSequence, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                     mask: torch.Tensor) -> None:
-        """Write head ``h``'s entries ``keys[h][mask[h]]`` (``[H_kv, W, D]``, positions ``[H_kv, W]``) after
-        its current length, into pages it already holds."""
+                     mask: torch.Tensor, scores: torch.Tensor | None = None) -> None:
+        """Write head ``h``'s entries ``keys[h][mask[h]]`` (``[H_kv, W, D]``, positions and hidden-state scores
+        ``[H_kv, W]``) after its current length, into pages it already holds."""
         S, D = self.page_size, keys.shape[-1]
         slots: list[int] = []
         picked: list[torch.Tensor] = []
@@ -212,15 +227,20 @@ class PagePool:
         source = torch.cat(picked)
         self._write(torch.tensor(slots, dtype=torch.long, device=self.k_pages.device),
                     keys.reshape(-1, D).index_select(0, source), values.reshape(-1, D).index_select(0, source),
-                    positions.reshape(-1).index_select(0, source))
+                    positions.reshape(-1).index_select(0, source),
+                    None if scores is None else scores.reshape(-1).index_select(0, source))
 
-    def _write(self, flat: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """Entries ``keys, values [n, D]`` and ``positions [n]`` into the slots ``flat [n]`` (``page * S + slot``);
-        indexing by (page, slot) serves strided page views of an engine tensor as well as pages of our own."""
+    def _write(self, flat: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+               scores: torch.Tensor | None = None) -> None:
+        """Entries ``keys, values [n, D]``, ``positions [n]`` (and ``scores [n]``) into the slots ``flat [n]``
+        (``page * S + slot``); indexing by (page, slot) serves strided page views of an engine tensor as well as
+        pages of our own."""
         page, slot = flat // self.page_size, flat % self.page_size
         self.k_pages[page, slot] = keys.to(self.k_pages.dtype)
         self.v_pages[page, slot] = values.to(self.v_pages.dtype)
         self.positions[page, slot] = positions.to(torch.int32)
+        if scores is not None:
+            self.scores[page, slot] = scores.float()
 
     def nbytes(self, seqs: list[PagedSequence]) -> int:
         """Bytes of keys and values the pages of ``seqs`` hold (whole pages: what they keep others from)."""

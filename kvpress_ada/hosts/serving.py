@@ -44,9 +44,6 @@ def check_servable(press: Pipeline) -> None:
     if scorer.needs_model_pass:
         raise ValueError(f"scorer {scorer.__name__} scores with its own model pass over each request's context, "
                          "which a serving engine does not run: use a one-pass attention scorer (snapkv, ...)")
-    if scorer.reads_hidden_states:
-        raise ValueError(f"scorer {scorer.__name__} reads the hidden states entering attention, which this "
-                         "serving host does not record yet: use an attention scorer (e.g. snapkv, ada_snapkv)")
     if press.storage.quantized:
         raise ValueError(f"storage={press.storage.label!r} has no paged layer yet: use storage='full' when serving")
 
@@ -131,10 +128,13 @@ class PagedServing:
 
     # ------------------------------------------------------------------ one layer, one step
     def attend(self, layer_idx: int, request_ids: list[str], query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, positions: torch.Tensor, counts: list[int], scaling: float) -> torch.Tensor:
+               value: torch.Tensor, positions: torch.Tensor, counts: list[int], scaling: float,
+               hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Layer ``layer_idx`` of one engine step: request ``request_ids[n]`` brings the next ``counts[n]`` of the
-        packed ``query [T, H_q, D]``, ``key``/``value [T, H_kv, D]`` and ``positions [T]``. Writes them, returns
-        the attention output ``[T, H_q, D]`` and evicts what is due in this layer (see the module docstring).
+        packed ``query [T, H_q, D]``, ``key``/``value [T, H_kv, D]`` and ``positions [T]`` (and ``hidden [T,
+        hidden_size]``, the hidden states entering the attention, for a scorer that reads them: each entry is
+        scored once, as it arrives). Writes them, returns the attention output ``[T, H_q, D]`` and evicts what
+        is due in this layer (see the module docstring).
 
         A step that brings a prompt's end and tokens after it (a preempted request computed again with what it had
         generated) runs in two parts, up to the prompt's end and then the rest, so the rest meets the evicted
@@ -142,25 +142,33 @@ class PagedServing:
         requests = [self.requests[i] for i in request_ids]
         head = [min(c, r.prompt_len - r.written[layer_idx]) if r.written[layer_idx] < r.prompt_len else c
                 for r, c in zip(requests, counts)]
+        scores = None
+        if self.press.scorer.reads_hidden_states:
+            if hidden is None:
+                raise ValueError(f"{type(self.press.scorer).__name__} scores entries from the hidden states entering "
+                                 "attention: pass them to attend(hidden=...)")
+            with torch.no_grad():
+                scores = self.press.scorer.entry_scores(hidden[None], layer_idx)[0].float().transpose(0, 1)
         if head == counts:
-            return self._attend(layer_idx, request_ids, query, key, value, positions, counts, scaling)
+            return self._attend(layer_idx, request_ids, query, key, value, positions, counts, scaling, scores)
         starts = [0] + list(itertools.accumulate(counts))
         first = torch.cat([torch.arange(a, a + h) for a, h in zip(starts, head)]).to(query.device)
         rest = torch.cat([torch.arange(a + h, a + c) for a, h, c in zip(starts, head, counts)]).to(query.device)
         out = torch.empty_like(query)
         out[first] = self._attend(layer_idx, request_ids, query[first], key[first], value[first], positions[first],
-                                  head, scaling)
+                                  head, scaling, None if scores is None else scores[first])
         tail = [(i, c - h) for i, h, c in zip(request_ids, head, counts) if c > h]
         out[rest] = self._attend(layer_idx, [i for i, _ in tail], query[rest], key[rest], value[rest], positions[rest],
-                                 [n for _, n in tail], scaling)
+                                 [n for _, n in tail], scaling, None if scores is None else scores[rest])
         return out
 
     def _attend(self, layer_idx: int, request_ids: list[str], query: torch.Tensor, key: torch.Tensor,
-                value: torch.Tensor, positions: torch.Tensor, counts: list[int], scaling: float) -> torch.Tensor:
+                value: torch.Tensor, positions: torch.Tensor, counts: list[int], scaling: float,
+                scores: torch.Tensor | None) -> torch.Tensor:
         pool = self.pools[layer_idx]
         requests = [self.requests[i] for i in request_ids]
         seqs = [r.seqs[layer_idx] for r in requests]
-        pool.append(seqs, key, value, positions, counts)
+        pool.append(seqs, key, value, positions, counts, scores)
         table, lengths = pool.table(seqs)
         start = torch.tensor([0] + counts, device=query.device).cumsum(0).to(torch.int32)
         out = paged_attention(query, pool.k_pages, pool.v_pages, table, lengths, start, scaling)
@@ -240,7 +248,8 @@ class PagedServing:
     def _view(self, layer_idx: int, group: _Due, scaling: float) -> LayerView:
         pool = self.pools[layer_idx]
         requests = [self.requests[i] for i in group.ids]
-        keys, values, present, positions = pool.view([r.seqs[layer_idx] for r in requests])
+        seqs = [r.seqs[layer_idx] for r in requests]
+        keys, values, present, positions = pool.view(seqs)
         queries: list[torch.Tensor] = []
         for i, r in enumerate(requests):
             q = group.step_queries[i] if group.step_queries is not None else r.queries[layer_idx]
@@ -256,7 +265,8 @@ class PagedServing:
         return LayerView(keys=keys, values=values, valid=present, queries=stacked, layer_idx=layer_idx,
                          n_layers=len(self.pools), scaling=scaling, positions=positions,
                          output_weight=info.get("output_weight") if scorer.needs_output_weight else None,
-                         rope_inv_freq=info.get("rope_inv_freq") if scorer.needs_rope else None)
+                         rope_inv_freq=info.get("rope_inv_freq") if scorer.needs_rope else None,
+                         entry_scores=pool.view_scores(seqs) if scorer.reads_hidden_states else None)
 
     def _keep(self, layer_idx: int, group: _Due, keep: torch.Tensor) -> None:
         pool = self.pools[layer_idx]

@@ -60,6 +60,9 @@ def engine_kwargs(press: Pipeline | str | dict, model: str, ratio: float | None 
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model type {model_type!r}: the vLLM host serves "
                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        from transformers import AutoConfig
+
+        pipeline.check_config(AutoConfig.from_pretrained(model))  # a surrogate or calibration made for another model
     extra = dict(engine.pop("additional_config", None) or {})
     extra[CONFIG_KEY] = {"press": pipeline.model_dump(mode="json")}
     return {"model": model, "block_size": 32, **engine, "enable_prefix_caching": False, "worker_cls": WORKER,

@@ -12,7 +12,7 @@ and which finished.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,13 +34,30 @@ class HostState:
     press: Pipeline | None = None
     serving: PagedServing | None = None
     runner: Any = None
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # this step's hidden states entering attention
 
     def start_step(self, vllm_config: Any, runner: Any) -> PagedServing | None:
         """Called by the worker before each step: the serving state (built at the first step) or ``None``."""
         self.runner = runner
         if self.press is not None and self.serving is None:
             self.serving = _build_serving(self.press, vllm_config, runner)
+            if self.press.scorer.reads_hidden_states:
+                self._record_hidden_states(runner.model)
+        self.hidden.clear()
         return self.serving
+
+    def _record_hidden_states(self, model: Any) -> None:
+        """A forward pre-hook on every decoder layer's attention module keeps the hidden states entering it
+        (``forward(positions, hidden_states)``), for a scorer that scores entries from them."""
+        def record(module: Any, args: tuple, kwargs: dict) -> None:
+            hidden = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
+            if isinstance(hidden, torch.Tensor):
+                self.hidden[index[id(module)]] = hidden
+
+        layers = model.model.layers
+        index = {id(layer.self_attn): i for i, layer in enumerate(layers)}
+        for layer in layers:
+            layer.self_attn.register_forward_pre_hook(record, with_kwargs=True)
 
 
 STATE = HostState()
@@ -100,8 +117,10 @@ class PressAttentionImpl(CPUAttentionBackendImpl):
                 serving.add(rid, int(batch.num_prompt_tokens[i]))
         seq_lens = attn_metadata.seq_lens.tolist()
         positions = torch.cat([torch.arange(n - c, n) for n, c in zip(seq_lens, counts)]).to(query.device)
-        out = serving.attend(extract_layer_index(layer.layer_name), ids, query[:T], key[:T], value[:T], positions,
-                             counts, self.scale)
+        layer_idx = extract_layer_index(layer.layer_name)
+        hidden = STATE.hidden.get(layer_idx)
+        out = serving.attend(layer_idx, ids, query[:T], key[:T], value[:T], positions, counts, self.scale,
+                             hidden=None if hidden is None else hidden[:T])
         output[:T].copy_(out.view_as(output[:T]))
         return output
 

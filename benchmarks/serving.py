@@ -97,7 +97,7 @@ def transformers_reference(model_dir: str, press, ids: list[list[int]], new_toke
     for p in tqdm(ids, desc="transformers host", unit="req"):
         cache = RaggedCache(config=model.config)
         with torch.no_grad(), press(model):
-            ids = torch.tensor([p])  # every token real: generate would take the chat template's pad-id tokens for padding
+            ids = torch.tensor([p])  # all real: generate would read the chat template's pad-id tokens as padding
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
                                  **{cache_kwarg(model): cache})
         out.append(gen[0, len(p):].tolist())

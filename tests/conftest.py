@@ -74,6 +74,18 @@ def llama():
     return build_model("llama")
 
 
+def left_padded_batch(seed: int = 0, lengths=(90, 70)) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` of random rows of ``lengths`` tokens, left-padded to the longest."""
+    g = torch.Generator().manual_seed(seed)
+    L = max(lengths)
+    ids = torch.randint(5, 100, (len(lengths), L), generator=g)
+    mask = torch.zeros(len(lengths), L, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        mask[b, L - n:] = 1
+        ids[b, : L - n] = 0
+    return ids, mask
+
+
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level tokenizer (ids < VOCAB) with a small chat template."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers

@@ -3,6 +3,7 @@
 
 import pytest
 import torch
+from conftest import left_padded_batch
 from test_scorer_registry import scorer_names
 
 from kvpress_ada import Mask, Pipeline, RaggedCache, generate, preset
@@ -12,17 +13,6 @@ from kvpress_ada.scorers import SCORERS
 
 CONTEXT = "In 1947 the pass key was 4821. The garden had seven doors and a blue gate. " * 2
 QUESTIONS = ["What is the pass key?", "How many doors?"]
-
-
-def _batch(seed=0, lengths=(90, 70)):
-    g = torch.Generator().manual_seed(seed)
-    L = max(lengths)
-    ids = torch.randint(5, 100, (len(lengths), L), generator=g)
-    mask = torch.zeros(len(lengths), L, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        mask[b, L - n:] = 1
-        ids[b, : L - n] = 0
-    return ids, mask
 
 
 @pytest.mark.parametrize("name", portable_preset_names())  # calibrated: test_calibrated.py
@@ -37,7 +27,7 @@ def test_preset_generate_every_arch(arch_model, tokenizer, name):
 @pytest.mark.parametrize("name", portable_preset_names())  # calibrated: test_calibrated.py
 def test_preset_model_generate_ragged_matches_mask(arch_model, name):
     """TopK + RaggedCache generates exactly what the Mask reference generates, batch 2, left padding."""
-    ids, mask = _batch()
+    ids, mask = left_padded_batch()
     outs = {}
     for evictor in ("topk", "mask"):
         overrides = {"evictor": Mask()} if evictor == "mask" else {}
@@ -56,7 +46,7 @@ def test_every_registered_scorer_ragged_matches_mask(llama, name):
     """Every registered scorer (default fields; presets or not), ragged vs the Mask reference."""
     if getattr(SCORERS.get(name), "model_specific", False):
         pytest.skip("tied to one model by its file (KVzap's surrogate): ragged == Mask is in tests/test_kvzap.py")
-    ids, mask = _batch(seed=3)
+    ids, mask = left_padded_batch(seed=3)
     outs = {}
     for evictor in ("topk", "mask"):
         press = Pipeline(scorer=SCORERS.get(name)(), evictor=evictor, compression_ratio=0.5)
@@ -69,7 +59,7 @@ def test_every_registered_scorer_ragged_matches_mask(llama, name):
 
 
 def test_ratio_zero_is_bit_identical(arch_model):
-    ids, mask = _batch(seed=1)
+    ids, mask = left_padded_batch(seed=1)
     ref = arch_model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, output_scores=True,
                               return_dict_in_generate=True)
     with preset("ada_snapkv", compression_ratio=0.0)(arch_model):
@@ -81,7 +71,7 @@ def test_ratio_zero_is_bit_identical(arch_model):
 
 def test_padding_never_kept_nor_counted(llama):
     lengths = (100, 64)
-    ids, mask = _batch(seed=2, lengths=lengths)
+    ids, mask = left_padded_batch(seed=2, lengths=lengths)
     with preset("ada_snapkv", compression_ratio=0.5)(llama):
         out = llama(ids, attention_mask=mask, use_cache=True)
     cache = output_cache(out)

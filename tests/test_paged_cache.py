@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import left_padded_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -99,17 +100,6 @@ def test_growing_a_pool_keeps_the_pages_held():
     assert torch.equal(pool.view([seq])[0][0, 0], keys[:, 0])
 
 
-def _batch(lengths=(90, 70), seed=0):
-    g = torch.Generator().manual_seed(seed)
-    L = max(lengths)
-    ids = torch.randint(5, 100, (len(lengths), L), generator=g)
-    mask = torch.zeros(len(lengths), L, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        mask[b, L - n:] = 1
-        ids[b, : L - n] = 0
-    return ids, mask
-
-
 MODES = {"one-shot": {}, "decode": {"decode_budget": 24, "decode_interval": 4},
          "chunked": {"prefill_chunk": 32}}
 
@@ -132,7 +122,7 @@ def test_paged_keeps_and_generates_what_ragged_does(llama, tokenizer, name, mode
         press = preset(name, compression_ratio=0.5, **MODES[mode])
     except ValueError:
         pytest.skip(f"{name} does not run in {mode} mode")  # refused at construction (e.g. a model pass)
-    ids, mask = _batch()
+    ids, mask = left_padded_batch()
     key = cache_kwarg(llama)
     results = []
     for cache in (RaggedCache(config=llama.config), PagedCache(config=llama.config, page_size=8)):
@@ -145,7 +135,7 @@ def test_paged_keeps_and_generates_what_ragged_does(llama, tokenizer, name, mode
 
 
 def test_pages_held_are_the_kept_entries_rounded_up_per_head(llama):
-    ids, mask = _batch()
+    ids, mask = left_padded_batch()
     cache = PagedCache(config=llama.config, page_size=8, reserve_pages=0)
     with torch.no_grad(), preset("ada_snapkv", compression_ratio=0.75)(llama):
         llama(input_ids=ids, attention_mask=mask, **{cache_kwarg(llama): cache})
@@ -158,7 +148,7 @@ def test_pages_held_are_the_kept_entries_rounded_up_per_head(llama):
 def test_a_cache_given_to_generate_keeps_what_the_default_cache_keeps(llama, cache_class):
     """generate builds a 4-D mask for a compileable cache (RaggedCache): the padding it encodes still counts
     as padding (it once counted as real tokens: every row kept half of the padded length)."""
-    ids, mask = _batch()
+    ids, mask = left_padded_batch()
     press = preset("snapkv", compression_ratio=0.5)
     given = cache_class(config=llama.config)
     with torch.no_grad(), press(llama):

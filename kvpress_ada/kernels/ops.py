@@ -31,6 +31,7 @@ from .support import (
     get_backend,
     resolve_backend,
     triton_available,
+    triton_module,
     use_backend,
 )
 
@@ -50,21 +51,8 @@ __all__ = [
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
-_triton_mod: list[ModuleType] = []
-
-
 def _triton() -> ModuleType:
-    """Import ``triton_kernels`` lazily (triton is an optional dependency)."""
-    if not _triton_mod:
-        if not triton_available():
-            raise RuntimeError(
-                "the 'triton' kernel backend was requested but triton is not installed "
-                "(pip install triton, or use_backend('torch'))"
-            )
-        from . import triton_kernels
-
-        _triton_mod.append(triton_kernels)
-    return _triton_mod[0]
+    return triton_module("triton_kernels")
 
 
 # ----------------------------------------------------------------------------- validation

@@ -17,29 +17,15 @@ kernels; a token that sees nothing outputs 0). Query heads ``h*G .. h*G+G-1`` re
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .support import resolve_backend, triton_available
+from .support import resolve_backend, triton_module
 
 __all__ = ["paged_attention", "paged_attention_ref", "token_rows"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_triton_mod: list[ModuleType] = []
-
-
-def _triton() -> ModuleType:
-    if not _triton_mod:
-        if not triton_available():
-            raise RuntimeError("the 'triton' kernel backend was requested but triton is not installed "
-                               "(pip install triton, or use_backend('torch'))")
-        from . import paged_triton
-
-        _triton_mod.append(paged_triton)
-    return _triton_mod[0]
 
 
 def token_rows(query_start: Tensor, n_tokens: int) -> tuple[Tensor, Tensor]:
@@ -129,8 +115,8 @@ def _impl(q, k_pages, v_pages, page_table, row_lengths, query_start, scale):
     if resolve_backend(q.device, q.shape[-1]) == "triton":
         request, ahead = token_rows(query_start, q.shape[0])
         kv_heads = page_table.shape[0] // (query_start.shape[0] - 1)
-        return _triton().paged_attention_triton(q, k_pages, v_pages, page_table, row_lengths, request, ahead,
-                                                kv_heads, scale)
+        kernel = triton_module("paged_triton").paged_attention_triton
+        return kernel(q, k_pages, v_pages, page_table, row_lengths, request, ahead, kv_heads, scale)
     return paged_attention_ref(q, k_pages, v_pages, page_table, row_lengths, query_start, scale)
 
 

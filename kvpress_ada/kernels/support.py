@@ -16,9 +16,11 @@ only when a Triton op runs).
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import warnings
+from types import ModuleType
 
 import torch
 
@@ -33,6 +35,7 @@ __all__ = [
     "resolve_backend",
     "triton_available",
     "triton_interpret",
+    "triton_module",
     "use_backend",
 ]
 
@@ -160,3 +163,12 @@ def resolve_backend(device: torch.device, head_dim: int | None = None) -> str:
             "kvpress_ada) or use_backend('torch')"
         )
     return name
+
+
+def triton_module(name: str) -> ModuleType:
+    """The kernel module ``kvpress_ada.kernels.<name>`` (it imports triton), imported when a Triton op first runs:
+    triton stays an optional dependency."""
+    if not triton_available():
+        raise RuntimeError("the 'triton' kernel backend was requested but triton is not installed "
+                           "(pip install triton, or use_backend('torch'))")
+    return importlib.import_module(f"{__package__}.{name}")

@@ -21,7 +21,7 @@ SMALLEST = {torch.float32: 1e-45, torch.float16: 2**-24, torch.bfloat16: 2**-133
 def entries(draw):
     """``[n, D]`` entries of one dtype: gaussian rows, constant rows, rows with a few large outliers."""
     dtype = draw(st.sampled_from(DTYPES))
-    D = draw(st.sampled_from([16, 32, 64, 128]))
+    D = draw(st.sampled_from([16, 32, 64, 96, 128]))  # 96: int4 groups of 32 straddle its two halves
     group = draw(st.sampled_from([g for g in (16, 32, 64, 128) if D % g == 0]))
     n = draw(st.integers(1, 12))
     seed = draw(st.integers(0, 2**16))
@@ -87,6 +87,17 @@ def test_record_layout():
     assert rec[0, 24:32].view(torch.float32).tolist() == [0.0, 16.0]
     rec8 = kernels.quantize(x.half(), 8, group)
     assert rec8.shape[-1] == 32 + 2 * 2 * 2 == kernels.record_width(D, 8, group, torch.float16)
+
+
+@pytest.mark.parametrize("D, group", [(96, 32), (80, 16), (64, 64)])
+def test_int4_groups_across_the_nibble_halves(D, group):
+    """Groups that straddle the low- and high-nibble halves of an int4 record (or span both) read back
+    within half a scale."""
+    x = torch.randn(20, D, generator=torch.Generator().manual_seed(D)) * torch.linspace(0.1, 10, D)
+    rec = kernels.quantize(x, 4, group)
+    _, scale, _ = qz.record_scales(rec, D, 4, group, torch.float32)
+    err = (kernels.dequantize(rec, D, 4, group, torch.float32) - x).abs().view(20, D // group, group).amax(-1)
+    assert (err <= scale / 2 * (1 + 1e-5)).all()
 
 
 def test_scale_rounds_up_in_16_bit_dtypes():

@@ -124,10 +124,12 @@ def dequantize(records: Tensor, head_dim: int, bits: int, group: int, dtype: tor
     n_groups = head_dim // group
     # (scales and zeros made contiguous first: broadcasting a strided view is several times slower on CPU)
     scale, zero = scale.float().contiguous(), zero.float().contiguous()
+    half = head_dim // 2
     if bits == 8:
         q = ints.reshape(*lead, n_groups, group)
+    elif half % group and group != head_dim:  # a group straddles the two halves (e.g. head dim 96, groups of 32)
+        q = torch.cat((ints & 15, ints >> 4), dim=-1).view(*lead, n_groups, group)
     else:  # both nibbles masked (no shift): a high nibble reads as 16 q, so its scale is scale / 16
-        half = head_dim // 2
         per_half = max(n_groups // 2, 1)  # groups in each half (a group of head_dim spans both)
         q = torch.cat((ints & 15, ints & 240), dim=-1).view(*lead, 2, per_half, half // per_half)
         scale = scale.view(*lead, -1, per_half).expand(*lead, 2, per_half).clone()

@@ -13,29 +13,13 @@ call the implementation directly (no custom-op dispatch per layer and step).
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 from torch import Tensor
 
 from .quantized import quantized_append_ref, quantized_attention_ref, quantized_compact_ref, record_width
-from .support import resolve_backend, triton_available
+from .support import resolve_backend, triton_module
 
 __all__ = ["quantized_attention", "quantized_append", "quantized_compact"]
-
-_triton_mod: list[ModuleType] = []
-
-
-def _triton() -> ModuleType:
-    """Import the Triton kernel lazily (triton is an optional dependency)."""
-    if not _triton_mod:
-        if not triton_available():
-            raise RuntimeError("the 'triton' kernel backend was requested but triton is not installed "
-                               "(pip install triton, or use_backend('torch'))")
-        from . import quantized_triton
-
-        _triton_mod.append(quantized_triton)
-    return _triton_mod[0]
 
 
 # ----------------------------------------------------------------------------- validation
@@ -88,8 +72,8 @@ def _attention_impl(q, k_rec, v_rec, row_offsets, row_lengths, scale, bits, grou
     if q.numel() == 0:
         return torch.zeros_like(q)
     if resolve_backend(q.device, q.shape[-1]) == "triton":
-        return _triton().quantized_attention_triton(q, k_rec, v_rec, row_offsets, row_lengths, scale, bits, group,
-                                                    split_size=split_size)
+        kernel = triton_module("quantized_triton").quantized_attention_triton
+        return kernel(q, k_rec, v_rec, row_offsets, row_lengths, scale, bits, group, split_size=split_size)
     return quantized_attention_ref(q, k_rec, v_rec, row_offsets, row_lengths, scale, bits, group)
 
 

@@ -346,3 +346,16 @@ def test_a_surrogate_made_for_another_model_is_refused_before_the_engine_starts(
     with pytest.raises(ValueError) as err:
         engine_kwargs("kvzap", model_dir, ratio=0.5)  # the shipped surrogate is the default model's
     assert "\n" not in str(err.value) and "surrogate" in str(err.value)
+
+
+def test_bf16_serves_with_the_kept_counts_of_fp32(model_dir):
+    """bf16 weights and pages: every request keeps as many entries per (layer, kv head) as in fp32 (the budgets
+    do not depend on the dtype; which entries may differ by rounding) and generates in-vocabulary tokens."""
+    press = _small_window(preset("ada_snapkv", compression_ratio=0.5))
+    _, tokens32, kept32 = _serve(model_dir, press, max_tokens=6)
+    _, tokens16, kept16 = _serve(model_dir, press, max_tokens=6, dtype="bfloat16")
+    def per_layer(kept):  # entries each layer of each request holds, over its kv heads
+        return [[sum(len(head) for head in layer) for layer in request] for request in kept]
+
+    assert per_layer(kept16) == per_layer(kept32)
+    assert all(len(t) == 6 and all(0 <= x < 128 for x in t) for t in tokens16)

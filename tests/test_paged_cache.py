@@ -156,3 +156,12 @@ def test_a_cache_given_to_generate_keeps_what_the_default_cache_keeps(llama, cac
         default = output_cache(llama(input_ids=ids, attention_mask=mask))
     assert given.state.key_mask.sum(-1).tolist() == [90, 70]
     assert given.head_lengths(0).tolist() == default.head_lengths(0).tolist() == [[45, 45], [35, 35]]
+
+
+@pytest.mark.parametrize("storage", ["int8", "int4"])
+def test_a_full_precision_cache_given_to_a_quantized_press_is_refused_in_one_line(llama, storage):
+    ids, mask = left_padded_batch()
+    quantized = {"name": storage, "group_size": 16}  # the tiny model's head dim
+    with preset("snapkv", compression_ratio=0.5, storage=quantized)(llama), pytest.raises(ValueError) as err:
+        llama(input_ids=ids, attention_mask=mask, **{cache_kwarg(llama): PagedCache(config=llama.config)})
+    assert "\n" not in str(err.value) and storage in str(err.value) and "PagedCache" in str(err.value)

@@ -173,6 +173,11 @@ class PressCache(Cache):
         """Entries each (batch, kv head) of layer ``layer_idx`` attends to, ``LongTensor[B, H_kv]``."""
         return self.layer(layer_idx).head_lengths()
 
+    def stores(self, storage: Any) -> bool:
+        """Whether this cache keeps entries as ``storage`` (a :class:`~kvpress_ada.storage.Storage`) says: full
+        precision here; a quantized cache overrides it."""
+        return not storage.quantized
+
     def nbytes(self) -> int:
         """Bytes held for keys and values of all layers, plus the hidden-state scores a scorer reading
         hidden states keeps with the sequence (:meth:`SequenceState.nbytes`)."""

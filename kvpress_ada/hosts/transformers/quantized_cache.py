@@ -89,3 +89,6 @@ class QuantizedRaggedCache(RaggedCache):
 
     def _new_layer(self, decode_reserve: int) -> RaggedLayer:
         return QuantizedRaggedLayer(self.bits, self.group, decode_reserve)
+
+    def stores(self, storage: Any) -> bool:
+        return storage == self.storage

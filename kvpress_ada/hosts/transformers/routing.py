@@ -122,6 +122,10 @@ class _Route:
         _check_sliding_window(self.model, cache.get_seq_length() + shape[1])
         kwargs.pop("past_key_values", None)
         if press is not None and cache.get_seq_length() == 0:  # a prefill under the press
+            if not cache.stores(press.storage):
+                raise ValueError(f"this {type(cache).__name__} does not store entries as the press's "
+                                 f"storage={press.storage.label!r}: pass no cache (the press builds one) or a cache "
+                                 "of that storage")
             key_mask = prefill_key_mask(args, kwargs)
             check_left_padded(key_mask)
             cache.state = SequenceState(n_layers=len(cache.layers), key_mask=key_mask)

@@ -8,7 +8,7 @@ gives, since both hold the same values."""
 
 import pytest
 import torch
-from conftest import build_model, build_tokenizer
+from conftest import build_model, build_tokenizer, left_padded_batch
 from torch._dynamo.utils import counters
 
 from kvpress_ada import Int4, Int8, Mask, Pipeline, RaggedCache, generate, preset
@@ -72,17 +72,6 @@ def _model(arch="llama", **overrides):
     return _MODELS[key]
 
 
-def _batch(lengths=(90, 70), seed=0):
-    g = torch.Generator().manual_seed(seed)
-    L = max(lengths)
-    ids = torch.randint(5, 100, (len(lengths), L), generator=g)
-    mask = torch.zeros(len(lengths), L, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        mask[b, L - n:] = 1
-        ids[b, :L - n] = 0
-    return ids, mask
-
-
 def _run(model, press, ids, mask=None, cache=None, new_tokens=5):
     """Greedy generation under ``press`` (into ``cache`` when given): (sequences, logits, cache)."""
     kwargs = {} if cache is None else {cache_kwarg(model): cache}
@@ -126,7 +115,7 @@ def test_every_preset_keeps_the_full_precision_positions(storage, name):
     """One-shot presets (KVzip's model pass included), batch 2 with left padding: selection reads the
     full-precision prefill, so the kept positions are those of full-precision storage."""
     model = _model()
-    ids, mask = _batch()
+    ids, mask = left_padded_batch()
     caches = {}
     for st in ("full", storage):
         with torch.no_grad(), preset(name, compression_ratio=0.6, storage=st)(model):
@@ -150,7 +139,7 @@ def test_nbytes_are_the_records_held(storage):
     entries + the decode reserve, whole chunks) x one record of ``D * bits / 8 + 2 * (D / group) * 4`` bytes,
     for keys and values; ``batch_nbytes`` splits the same bytes by batch row."""
     model = _model()
-    ids, mask = _batch()
+    ids, mask = left_padded_batch()
     with torch.no_grad(), preset("ada_snapkv", compression_ratio=0.6, storage=storage)(model):
         cache = output_cache(model(ids, attention_mask=mask, use_cache=True))
     D = model.config.hidden_size // model.config.num_attention_heads
@@ -167,13 +156,13 @@ def test_nbytes_are_the_records_held(storage):
 
 @IDS
 def test_one_shot_left_padded_batch_equals_rounded_cache(storage):
-    _assert_like_rounded(_model(), preset("ada_snapkv", compression_ratio=0.6), storage, *_batch())
+    _assert_like_rounded(_model(), preset("ada_snapkv", compression_ratio=0.6), storage, *left_padded_batch())
 
 
 @IDS
 def test_batch_row_equals_row_alone(storage):
     model = _model()
-    ids, mask = _batch(lengths=(90, 71), seed=4)
+    ids, mask = left_padded_batch(lengths=(90, 71), seed=4)
     press = preset("ada_pyramidkv", compression_ratio=0.5, storage=storage)
     tokens, logits, cache = _run(model, press, ids, mask, new_tokens=6)
     for b in range(2):
@@ -190,14 +179,14 @@ def test_batch_row_equals_row_alone(storage):
 def test_chunked_prefill_equals_rounded_cache(storage):
     """Each chunk attends to (and the next selection reads) the dequantized entries kept so far."""
     press = preset("ada_snapkv", budget=14, prefill_chunk=12, scorer=SnapKV(window=4, kernel=3))
-    _assert_like_rounded(_model(), press, storage, *_batch(lengths=(60, 41), seed=2))
+    _assert_like_rounded(_model(), press, storage, *left_padded_batch(lengths=(60, 41), seed=2))
 
 
 @IDS
 def test_decode_compression_equals_rounded_cache_and_moves_records(storage):
     """Decode compactions read the dequantized view and keep the records unchanged (never re-quantized)."""
     press = Pipeline(scorer=SnapKV(window=4, kernel=3), budget=16, decode_budget=10, decode_interval=4)
-    cache = _assert_like_rounded(_model(), press, storage, *_batch(lengths=(30, 24), seed=3), new_tokens=14)
+    cache = _assert_like_rounded(_model(), press, storage, *left_padded_batch(lengths=(30, 24), seed=3), new_tokens=14)
     assert min(cache.state.compactions) >= 2
     layer = cache.layers[0]
     before = layer.view()
@@ -214,7 +203,7 @@ def test_decode_compression_equals_rounded_cache_and_moves_records(storage):
 def test_relayout_and_crop_keep_the_records(storage):
     """Appends past the decode reserve re-lay the layer out (records copied as bytes); crop drops appended ones."""
     model = _model()
-    ids, _ = _batch(lengths=(80,))
+    ids, _ = left_padded_batch(lengths=(80,))
     _, _, cache = _run(model, preset("snapkv", compression_ratio=0.5, storage=storage), ids, new_tokens=30)
     layer = cache.layers[0]
     assert isinstance(layer, QuantizedRaggedLayer) and layer._appended == 29
@@ -240,7 +229,7 @@ def test_generate_questions_and_contexts_batch(tokenizer=None):
 @IDS
 def test_fanout_equals_running_the_press(storage):
     model = _model()
-    ids, _ = _batch(lengths=(80,), seed=5)
+    ids, _ = left_padded_batch(lengths=(80,), seed=5)
     presses = [preset(name, compression_ratio=0.6, storage=storage) for name in ("ada_snapkv", "kvzip")]
     prefill = capture_prefill(model, ids)
     for press in presses:
@@ -309,7 +298,7 @@ def test_one_line_refusals():
 def test_ratio_zero_keeps_every_entry_quantized():
     """No eviction with a quantized storage is not a no-op: every real entry is kept, as a record."""
     model = _model()
-    ids, mask = _batch()
+    ids, mask = left_padded_batch()
     press = preset("ada_snapkv", compression_ratio=0.0, storage=Int4(group_size=16))
     assert not press.is_noop and press.compresses_prefill
     with torch.no_grad(), press(model):
@@ -409,7 +398,7 @@ def test_bfloat16_model_keeps_16_bit_scales():
     """A bf16 model: records carry bf16 scales and zero points (int4, head dim 16, groups of 16: 8 + 2 * 2 bytes),
     attention runs over them and answers in bf16; the same greedy tokens as the rounded full-precision cache."""
     model = build_model("llama").to(torch.bfloat16)
-    ids, mask = _batch(lengths=(80, 66), seed=6)
+    ids, mask = left_padded_batch(lengths=(80, 66), seed=6)
     storage = Int4(group_size=16)
     cache = _assert_like_rounded(model, preset("snapkv", compression_ratio=0.5), storage, ids, mask, new_tokens=4,
                                  atol=2e-2, appended_atol=0.1)

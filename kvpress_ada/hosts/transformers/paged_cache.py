@@ -16,20 +16,17 @@ import math
 from typing import Any
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
 
 from ...kernels.paged import paged_attention
 from ..paging import PagedSequence, PagePool
 from .entries import real_entries
-from .press_cache import DenseAttention, HeldEntries, PressCache, layer_count
+from .press_cache import DenseAttention, DenseUntilKept, HeldEntries, PressCache, layer_count
 
 
-class PagedLayer(CacheLayerMixin):
+class PagedLayer(DenseUntilKept):
     """One layer: dense while prefill is in flight, paged per (row, kv head) once it keeps a selection."""
 
     is_compileable = False
-    is_sliding = False
-    is_croppable = True
 
     def __init__(self, page_size: int = 32, reserve_pages: int = 1, growth: float = 0.25):
         super().__init__()
@@ -39,11 +36,7 @@ class PagedLayer(CacheLayerMixin):
         self.reset()
 
     def reset(self) -> None:
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.is_initialized = False
-        self.compressed = False
-        self.seen = 0
+        self._reset_dense()
         self.pool: PagePool | None = None
         self.seqs: list[PagedSequence] = []
         self._appended = 0  # tokens appended to every row since the layer last kept a selection
@@ -59,11 +52,7 @@ class PagedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         B, H, q, D = key_states.shape
         if not self.compressed:
-            self.seen += q
-            keys = key_states if self.keys is None else torch.cat([self.keys, key_states], dim=-2)
-            values = value_states if self.values is None else torch.cat([self.values, value_states], dim=-2)
-            self.keys, self.values = keys.detach(), values.detach()
-            return keys, values
+            return self._update_dense(key_states, value_states)
         pool = self._pool()
         self._make_room(sum(pool.pages_needed(seq, q) for seq in self.seqs))
         positions = torch.arange(self.seen, self.seen + q, device=key_states.device).repeat(B)
@@ -73,38 +62,19 @@ class PagedLayer(CacheLayerMixin):
         self._appended += q
         return pool.k_pages, pool.v_pages
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return (query_length, 0) if self.compressed else (self.seen + query_length, 0)
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` tokens appended since the layer last kept a selection."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
-        n = -tokens_to_remove
-        if n == 0 or not self.is_initialized:
-            return
-        if not self.compressed:
-            assert self.keys is not None and self.values is not None
-            self.keys, self.values = self.keys[..., :-n, :], self.values[..., :-n, :]
-        else:
-            if n > self._appended:
-                raise ValueError(f"cannot crop {n} tokens: only {self._appended} were appended after compression "
-                                 "(compressed context entries cannot be restored)")
-            pool = self._pool()
-            self._appended -= n
-            for seq in self.seqs:
-                for h in range(seq.heads):
-                    seq.lengths[h] -= n
-                    keep = -(-seq.lengths[h] // self.page_size)
-                    pool.give(seq.pages[h][keep:])
-                    seq.pages[h] = seq.pages[h][:keep]
-        self.seen -= n
+    def _crop_kept(self, n: int) -> None:
+        """Drop the last ``n`` tokens appended since the layer last kept a selection (their pages go back)."""
+        if n > self._appended:
+            raise ValueError(f"cannot crop {n} tokens: only {self._appended} were appended after compression "
+                             "(compressed context entries cannot be restored)")
+        pool = self._pool()
+        self._appended -= n
+        for seq in self.seqs:
+            for h in range(seq.heads):
+                seq.lengths[h] -= n
+                keep = -(-seq.lengths[h] // self.page_size)
+                pool.give(seq.pages[h][keep:])
+                seq.pages[h] = seq.pages[h][:keep]
 
     # ------------------------------------------------------------- press API
     def _pool(self) -> PagePool:
@@ -120,10 +90,7 @@ class PagedLayer(CacheLayerMixin):
 
     def view(self, key_mask: torch.Tensor | None = None) -> HeldEntries:
         if not self.compressed:
-            assert self.keys is not None and self.values is not None, "cannot view a layer that holds no tokens"
-            B, H, L, _ = self.keys.shape
-            positions = torch.arange(L, device=self.keys.device).expand(B, H, L)
-            return HeldEntries(self.keys, self.values, real_entries(key_mask, positions), positions, uniform=True)
+            return self._dense_view(key_mask)
         keys, values, present, positions = self._pool().view(self.seqs)
         return HeldEntries(keys, values, present & real_entries(key_mask, positions), positions)
 
@@ -192,10 +159,7 @@ class PagedLayer(CacheLayerMixin):
 
     def head_lengths(self) -> torch.Tensor:
         if not self.compressed:
-            if self.keys is None:
-                return torch.zeros(0, 0, dtype=torch.long)
-            B, H, L, _ = self.keys.shape
-            return torch.full((B, H), L, dtype=torch.long, device=self.keys.device)
+            return self._dense_head_lengths()
         return torch.tensor([seq.lengths for seq in self.seqs], dtype=torch.long, device=self.device)
 
 

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .entries import real_entries
 
 DenseAttention = Callable[..., tuple[torch.Tensor, Any]]
 
@@ -62,6 +64,79 @@ class PressLayer(Protocol):
                scaling: float, dense_fn: DenseAttention, module: torch.nn.Module,
                **kwargs: Any) -> tuple[torch.Tensor, Any]:
         """Attention output ``[B, Q, H_q, D]`` of ``query`` over this layer (after ``update``)."""
+
+
+class DenseUntilKept(CacheLayerMixin):
+    """The part every compressing layer shares: dense (the forward's keys and values, concatenated, stored
+    detached) until it first keeps a selection (``compressed``), then whatever its subclass stores. ``seen``
+    counts the tokens fed (context + appended): RoPE positions continue from it. A subclass stores its kept
+    entries and implements :meth:`_crop_kept`."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def _reset_dense(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.is_initialized = False
+        self.compressed = False
+        self.seen = 0
+
+    def _update_dense(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append a dense forward's keys and values (stored detached: the cache never pins the autograd graph)."""
+        self.seen += key_states.shape[-2]
+        keys = key_states if self.keys is None else torch.cat([self.keys, key_states], dim=-2)
+        values = value_states if self.values is None else torch.cat([self.values, value_states], dim=-2)
+        self.keys, self.values = keys.detach(), values.detach()
+        return keys, values
+
+    def _dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None or self.values is None:
+            raise ValueError("cannot compress a layer that holds no tokens")
+        return self.keys, self.values
+
+    def _dense_view(self, key_mask: torch.Tensor | None) -> HeldEntries:
+        keys, values = self._dense()
+        B, H, L, _ = keys.shape
+        positions = torch.arange(L, device=keys.device).expand(B, H, L)
+        return HeldEntries(keys, values, real_entries(key_mask, positions), positions, uniform=True)
+
+    def _dense_head_lengths(self) -> torch.Tensor:
+        if self.keys is None:
+            return torch.zeros(0, 0, dtype=torch.long)
+        B, H, L, _ = self.keys.shape
+        return torch.full((B, H), L, dtype=torch.long, device=self.keys.device)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.compressed:
+            # a compressed layer attends by its own (bottom-right causal) rule and ignores the mask transformers
+            # builds, so that mask stays query-sized: a fixed shape for compiled decoding
+            return query_length, 0
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (negative count, as in transformers 5); once compressed, only
+        tokens appended since the layer last kept a selection (:meth:`_crop_kept`)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        n = -tokens_to_remove
+        if n == 0 or not self.is_initialized:
+            return
+        if not self.compressed:
+            keys, values = self._dense()
+            self.keys, self.values = keys[..., :-n, :], values[..., :-n, :]
+        else:
+            self._crop_kept(n)
+        self.seen -= n
+
+    def _crop_kept(self, n: int) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
 
 
 @dataclass

@@ -19,21 +19,18 @@ import math
 from typing import Any
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
 
 from ... import kernels
 from ...kernels.reference import CHUNK
 from .entries import gather_slots, left_pad_index, ragged_index, real_entries
-from .press_cache import DenseAttention, HeldEntries, PressCache, layer_count
+from .press_cache import DenseAttention, DenseUntilKept, HeldEntries, PressCache, layer_count
 
 
-class RaggedLayer(CacheLayerMixin):
+class RaggedLayer(DenseUntilKept):
     """One layer: dense while prefill is in flight, ragged once :meth:`compress` ran. Stored tensors
     are detached: with grad mode on, the cache holds ``nbytes()`` and no autograd graph."""
 
     is_compileable = True
-    is_sliding = False
-    is_croppable = True
 
     def __init__(self, decode_reserve: int = 8, growth: float = 0.125):
         super().__init__()
@@ -44,11 +41,7 @@ class RaggedLayer(CacheLayerMixin):
         self._clear()
 
     def _clear(self) -> None:
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.is_initialized = False
-        self.compressed = False
-        self.seen = 0  # logical tokens seen (context + appended): RoPE positions continue from it
+        self._reset_dense()
         self.k_flat = self.v_flat = torch.empty(0)
         self.row_offsets = self.row_lengths = torch.empty(0, dtype=torch.int32)
         self._base: list[int] = []  # host copy of each row's length right after compression
@@ -72,12 +65,7 @@ class RaggedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[-2]
         if not self.compressed:
-            self.seen += q
-            keys = key_states if self.keys is None else torch.cat([self.keys, key_states], dim=-2)
-            values = value_states if self.values is None else torch.cat([self.values, value_states], dim=-2)
-            # stored detached (same storage): the cache never pins the forward's autograd graph
-            self.keys, self.values = keys.detach(), values.detach()
-            return keys, values
+            return self._update_dense(key_states, value_states)
         if not torch.compiler.is_compiling() and self._reserved != q:
             self.reserve(q)  # eager callers need not reserve; a compiled step was reserved by its caller
         self._reserved = 0
@@ -94,47 +82,18 @@ class RaggedLayer(CacheLayerMixin):
         self._spare -= q
         self._reserved = q
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if self.compressed:
-            # ragged attention applies its own (bottom-right causal) rule and ignores the mask that
-            # transformers builds, so keep that mask query-sized: a fixed shape for compiled decoding
-            return query_length, 0
-        return self.seen + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
-
     def reset(self) -> None:
         self._clear()
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` tokens (negative count, as in transformers 5)."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
-        n = -tokens_to_remove
-        if n == 0 or not self.is_initialized:
-            return
-        if not self.compressed:
-            keys, values = self._dense()
-            self.keys, self.values = keys[..., :-n, :], values[..., :-n, :]
-        else:
-            if n > self._appended:
-                raise ValueError(f"cannot crop {n} tokens: only {self._appended} were appended after compression "
-                                 "(compressed context entries cannot be restored)")
-            self._appended -= n
-            self._spare += n
-            self.row_lengths.sub_(n)  # in place: the compiled step may hold its address
-        self.seen -= n
+    def _crop_kept(self, n: int) -> None:
+        if n > self._appended:
+            raise ValueError(f"cannot crop {n} tokens: only {self._appended} were appended after compression "
+                             "(compressed context entries cannot be restored)")
+        self._appended -= n
+        self._spare += n
+        self.row_lengths.sub_(n)  # in place: the compiled step may hold its address
 
     # --------------------------------------------------------------- ragged API
-    def _dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys is None or self.values is None:
-            raise ValueError("cannot compress a layer that holds no tokens")
-        return self.keys, self.values
-
     def compress(self, keep: torch.Tensor, spare: int | None = None, positions: torch.Tensor | None = None) -> None:
         """Compact the dense cache to the entries where ``keep [B, H_kv, L]`` is True, leaving ``spare``
         free slots per row (default ``decode_reserve``). ``positions [B, H_kv, L]``: each dense entry's
@@ -193,10 +152,7 @@ class RaggedLayer(CacheLayerMixin):
         """What each row holds, left-padded (the dense prefill itself before compression, ``key_mask``
         its real tokens). One host sync (the longest row)."""
         if not self.compressed:
-            keys, values = self._dense()
-            B, H, L, _ = keys.shape
-            positions = torch.arange(L, device=keys.device).expand(B, H, L)
-            return HeldEntries(keys, values, real_entries(key_mask, positions), positions, uniform=True)
+            return self._dense_view(key_mask)
         B, H, _ = self.shape
         index, present = ragged_index(self.row_offsets, self.row_lengths, (B, H))
         positions = torch.where(present, self._view_positions(present.shape[-1]), -1)
@@ -294,10 +250,7 @@ class RaggedLayer(CacheLayerMixin):
 
     def head_lengths(self) -> torch.Tensor:
         if not self.compressed:
-            if self.keys is None:
-                return torch.zeros(0, 0, dtype=torch.long)
-            B, H, L, _ = self.keys.shape
-            return torch.full((B, H), L, dtype=torch.long, device=self.keys.device)
+            return self._dense_head_lengths()
         B, H, _ = self.shape
         return self.row_lengths.view(B, H).long()
 

@@ -121,6 +121,14 @@ class PagedServing:
         """Free pages over the distinct pools (every layer may share one pool)."""
         return sum(pool.free_pages for pool in {id(p): p for p in self.pools}.values())
 
+    def pages_per_layer(self, request_id: str) -> int:
+        """What request ``request_id`` holds, in pages of one layer: its pages over all layers spread evenly when
+        every layer shares one pool (a page serves any layer), else its fullest layer's."""
+        seqs = self.requests[request_id].seqs
+        if all(pool is self.pools[0] for pool in self.pools):
+            return -(-sum(seq.pages_held for seq in seqs) // len(seqs))
+        return max(seq.pages_held for seq in seqs)
+
     def pages_to_append(self, request_id: str, tokens: int) -> int:
         """Pages request ``request_id`` takes over all layers to write ``tokens`` more tokens."""
         request = self.requests[request_id]

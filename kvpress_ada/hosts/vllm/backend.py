@@ -2,12 +2,13 @@
 pages owned per (request, kv head) and attends with :func:`~kvpress_ada.kernels.paged.paged_attention`
 (through :class:`~kvpress_ada.hosts.serving.PagedServing`); without one, it is vLLM's own backend.
 
-The pages are carved out of the KV tensor vLLM reserved for the layer (``[blocks, H_kv, S, 2 * D]`` viewed
-as ``[blocks * H_kv, 2, S, D]``: a page holds ``S`` keys then ``S`` values of one head, in our plain layout;
-vLLM's ISA-specific layout is never read). Each layer has its pool of ``blocks * H_kv`` pages: a request
-never holds more pages in a layer than ``H_kv`` times the blocks vLLM gave it, so a pool cannot run out
-while vLLM's accounting holds. The worker (:mod:`.worker`) tells :data:`STATE` which requests a step runs
-and which finished.
+The pages are carved out of the KV tensors vLLM reserved (a layer's ``[blocks, H_kv, S, 2 * D]`` viewed as
+``[blocks * H_kv, 2, S, D]``: a page holds ``S`` keys then ``S`` values of one head, in our plain layout;
+vLLM's ISA-specific layout is never read). When the layers' tensors lie one after the other in one storage
+(vLLM 0.32 on CPU) they make one pool of ``layers * blocks * H_kv`` pages for every (layer, kv head); else each
+layer has its pool. Either way a request never holds more pages than ``H_kv`` times its real blocks per layer
+(:mod:`.scheduler`), so a pool cannot run out while vLLM's accounting holds. The worker (:mod:`.worker`) tells
+:data:`STATE` which requests a step runs and which finished.
 """
 
 from __future__ import annotations
@@ -64,16 +65,26 @@ STATE = HostState()
 
 
 def _build_serving(press: Pipeline, vllm_config: Any, runner: Any) -> PagedServing:
-    """One pool per layer over the KV tensors vLLM reserved (the static forward context's attention layers)."""
+    """The pools over the KV tensors vLLM reserved (the static forward context's attention layers): one pool for
+    every layer when the layers' tensors lie one after the other in one storage (vLLM 0.32 on CPU: a page then
+    serves any (layer, kv head) and a request is counted by its pages over all layers), else one per layer."""
     context = vllm_config.compilation_config.static_forward_context
     layers = sorted(((extract_layer_index(name), module) for name, module in context.items()
                      if isinstance(getattr(module, "kv_cache", None), torch.Tensor)), key=lambda x: x[0])
-    pools = []
-    for _, module in layers:
-        kv = module.kv_cache
-        blocks, heads, size, two_d = kv.shape
-        pages = kv.view(blocks * heads, 2, size, two_d // 2)
-        pools.append(PagePool(pages[:, 0], pages[:, 1]))
+    caches = [module.kv_cache for _, module in layers]
+    blocks, heads, size, two_d = caches[0].shape
+    stride = caches[0].numel() * caches[0].element_size()
+    if all(c.is_contiguous() and c.shape == caches[0].shape and c.data_ptr() == caches[0].data_ptr() + i * stride
+           for i, c in enumerate(caches)):
+        pages = torch.as_strided(caches[0], (len(caches) * blocks * heads, 2, size, two_d // 2),
+                                 (2 * size * two_d // 2, size * two_d // 2, two_d // 2, 1))
+        shared = PagePool(pages[:, 0], pages[:, 1])
+        pools = [shared] * len(caches)
+    else:
+        pools = []
+        for kv in caches:
+            one = kv.view(blocks * heads, 2, size, two_d // 2)
+            pools.append(PagePool(one[:, 0], one[:, 1]))
     model = runner.model if runner is not None else None
     decoder = getattr(model, "model", None)
 
@@ -84,7 +95,7 @@ def _build_serving(press: Pipeline, vllm_config: Any, runner: Any) -> PagedServi
             info["output_weight"] = attn.o_proj.weight.detach()
         return info
 
-    return PagedServing(press, pools, int(layers[0][1].kv_cache.shape[1]), layer_info)
+    return PagedServing(press, pools, int(heads), layer_info)
 
 
 class PressAttentionImpl(CPUAttentionBackendImpl):

@@ -1,14 +1,15 @@
 """Blocks freed by eviction, seen by vLLM's admission (engine-core side of the vLLM host).
 
 vLLM counts a request's KV memory in blocks (``cdiv(tokens, block_size)``, each block holding one page per
-(layer, kv head)). Once the press has evicted from a request, the worker reports ``pages``: the most pages the
-request holds in any layer. Such a request then needs only ``ceil(pages / H_kv) + cdiv(new_tokens, block_size)``
-real blocks for a step that brings ``new_tokens`` (a head takes at most ``cdiv(new_tokens, S)`` new pages; never
-more than vLLM's own count), and
-:class:`PressBlockManager` keeps exactly that many real blocks among its table entries (the others are vLLM's
+(layer, kv head)). Once the press has evicted from a request, the worker reports ``pages``: what it holds in
+pages of one layer (its pages over all layers spread evenly when one pool serves every layer, else its fullest
+layer's: :meth:`~kvpress_ada.hosts.serving.PagedServing.pages_per_layer`). Such a request then needs only
+``ceil(pages / H_kv) + cdiv(new_tokens, block_size)`` real blocks for a step that brings ``new_tokens`` (a head
+takes at most ``cdiv(new_tokens, S)`` new pages; never more than vLLM's own count), and :class:`PressBlockManager`
+keeps exactly that many real blocks among its table entries (the others are vLLM's
 null block, as for a sliding window), returning the rest to the block pool, so more requests are admitted.
-Since no layer's pages exceed ``H_kv`` times the request's real blocks, the pools carved out of vLLM's KV
-tensors (:mod:`.backend`) never run out. Requests not evicted from are counted exactly as vLLM counts them.
+Since a request's pages never exceed ``H_kv`` times its real blocks per layer, the pools carved out of vLLM's
+KV tensors (:mod:`.backend`) never run out. Requests not evicted from are counted exactly as vLLM counts them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-#: the attribute of a ModelRunnerOutput that carries the worker's report: request id -> most pages in a layer
+#: the attribute of a ModelRunnerOutput that carries the worker's report: request id -> its pages in one layer
 REPORT = "kvpress_pages"
 
 
@@ -36,7 +37,7 @@ class PressBlockManager(FullAttentionManager):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.pages: dict[str, int] = {}  # request id -> most pages in one layer (requests evicted from)
+        self.pages: dict[str, int] = {}  # request id -> its pages in one layer (requests evicted from)
         self.heads = int(self.kv_cache_spec.num_kv_heads)
         self._target: dict[str, int] = {}
 

@@ -33,7 +33,7 @@ class PressWorker(CPUWorker):
         serving = STATE.serving
         if output is None or serving is None:
             return output
-        pages = {rid: max(seq.pages_held for seq in r.seqs) for rid, r in serving.requests.items() if r.evicted}
+        pages = {rid: serving.pages_per_layer(rid) for rid, r in serving.requests.items() if r.evicted}
         if not pages:
             return output
         output = copy.copy(output)

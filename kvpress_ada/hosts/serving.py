@@ -129,11 +129,6 @@ class PagedServing:
             return -(-sum(seq.pages_held for seq in seqs) // len(seqs))
         return max(seq.pages_held for seq in seqs)
 
-    def pages_to_append(self, request_id: str, tokens: int) -> int:
-        """Pages request ``request_id`` takes over all layers to write ``tokens`` more tokens."""
-        request = self.requests[request_id]
-        return sum(pool.pages_needed(seq, tokens) for pool, seq in zip(self.pools, request.seqs))
-
     # ------------------------------------------------------------------ one layer, one step
     def attend(self, layer_idx: int, request_ids: list[str], query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, positions: torch.Tensor, counts: list[int], scaling: float,

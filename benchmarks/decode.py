@@ -248,7 +248,9 @@ def plot(ctx_results: dict, threads_list: list[int], path: Path, model_name: str
     fig.suptitle(f"Greedy decode throughput, {model_name} model (CPU)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    from kvpress_ada.harness.eval.report import save_figure
+
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 

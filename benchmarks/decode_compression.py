@@ -254,7 +254,9 @@ def plot(payload: dict, path: Path) -> None:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from kvpress_ada.harness.eval.report import save_figure
+
+    save_figure(fig, path, dpi=120)
 
 
 def readme_rows(payload: dict) -> str:

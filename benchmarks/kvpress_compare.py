@@ -1212,7 +1212,9 @@ def plot_report(report, path: Path) -> Path | None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from kvpress_ada.harness.eval.report import save_figure
+
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 

@@ -193,7 +193,9 @@ def memory_plot(payload: dict, path: Path) -> None:
                  "(CPU, fp32)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    from kvpress_ada.harness.eval.report import save_figure
+
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -650,7 +652,9 @@ def staged_plot(payload: dict, path: Path) -> None:
     fig.suptitle(f"{s['model']}, {','.join(s['tasks'])}, budget {s['budget']} tokens per kv head, chunk {s['chunk']}, "
                  f"{s['threads']} thread(s)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from kvpress_ada.harness.eval.report import save_figure
+
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 

@@ -253,7 +253,9 @@ def plot(results: list[dict], path: Path, model_name: str) -> None:
     fig.suptitle(f"KV cache and peak memory over the loaded model, {model_name} model (CPU)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    from kvpress_ada.harness.eval.report import save_figure
+
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 

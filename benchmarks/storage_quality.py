@@ -115,7 +115,9 @@ def plot(summary: list[dict], path: Path, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from kvpress_ada.harness.eval.report import save_figure
+
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 

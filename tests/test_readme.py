@@ -137,6 +137,30 @@ def test_benchmark_results_in_git_hold_no_per_sample_records():
     results = [f for f in tracked if f.startswith("benchmarks/results/")]
     per_sample = [f for f in results if re.search(r"(quality_(agnostic|aware)|results|partial[^/]*)\.json$", f)]
     assert per_sample == []
+    size = sum((ROOT / f).stat().st_size for f in results if (ROOT / f).is_file())
+    assert size <= 5 * 10**6, f"benchmarks/results holds {size / 1e6:.2f} MB in git (summaries and plots: at most 5 MB)"
+
+
+def test_plots_are_saved_as_small_palette_pngs(tmp_path):
+    """Committed plots go through save_figure: a 256-colour palette PNG, a fraction of matplotlib's RGBA file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from kvpress_ada.harness.eval.report import save_figure
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for k in range(5):
+        ax.plot(range(50), [((i * (k + 3)) % 17) / 17 for i in range(50)], marker="o", label=str(k))
+    ax.legend()
+    fig.savefig(tmp_path / "rgba.png", dpi=120)
+    save_figure(fig, tmp_path / "palette.png", dpi=120)
+    plt.close(fig)
+    assert Image.open(tmp_path / "palette.png").mode == "P"
+    assert (tmp_path / "palette.png").stat().st_size < 0.6 * (tmp_path / "rgba.png").stat().st_size
+    assert Image.open(tmp_path / "palette.png").size == Image.open(tmp_path / "rgba.png").size
 
 
 def test_the_padding_contract_states_its_dtype_caveat():

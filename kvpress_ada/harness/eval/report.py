@@ -19,6 +19,21 @@ def format_table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
+    """Save a matplotlib figure as a 256-colour palette PNG (a plot's few colours survive; the file is about a
+    third of an RGBA one, so committed plots stay small)."""
+    import io
+
+    from PIL import Image
+
+    path = Path(path)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    image = Image.open(buffer).convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT)
+    image.save(path, format="PNG", optimize=True)
+    return path
+
+
 def _number(value) -> str:
     return "-" if value is None else f"{value:.3f}"
 
@@ -48,8 +63,7 @@ def plot_accuracy(summary: list[dict], path: str | Path, title: str = "") -> Pat
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
+    path = save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path
 

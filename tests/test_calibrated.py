@@ -4,11 +4,17 @@ import json
 
 import pytest
 import torch
-from conftest import _COMMON, build_model, build_tokenizer, default_model_config, qwen_coder_0_5b_config
+from conftest import (
+    _COMMON,
+    build_model,
+    build_tokenizer,
+    default_model_config,
+    left_padded_batch,
+    qwen_coder_0_5b_config,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_lagkv_keydiff import _generate
-from test_matrix import _batch
 from transformers import LlamaConfig
 
 from kvpress_ada import Calibrated, CalibratedLayer, Mask, Pipeline, SnapKV, StreamingLLM, preset
@@ -227,7 +233,7 @@ def test_ragged_equals_mask_and_batch_equals_rows(tiny, tiny_calibration, scorer
         return Pipeline(scorer=scorer, layers=CalibratedLayer(path=tiny_calibration),
                         allocator=Calibrated(path=tiny_calibration, alpha=0.2), compression_ratio=0.6, **kw)
 
-    ids, mask = _batch(seed=4)
+    ids, mask = left_padded_batch(seed=4)
     topk = _generate(tiny, press(), ids, mask)
     masked = _generate(tiny, press(evictor=Mask()), ids, mask)
     assert torch.equal(topk.sequences, masked.sequences)
@@ -242,7 +248,7 @@ def test_ragged_equals_mask_and_batch_equals_rows(tiny, tiny_calibration, scorer
 
 def test_kept_counts_follow_the_calibration(tiny, tiny_calibration):
     """In the real cache, each (layer, head) keeps what the calibrated split gives it."""
-    ids, mask = _batch(seed=5, lengths=(90,))
+    ids, mask = left_padded_batch(seed=5, lengths=(90,))
     press = Pipeline(scorer=StreamingLLM(), layers=CalibratedLayer(path=tiny_calibration),
                      allocator=Calibrated(path=tiny_calibration), compression_ratio=0.5)
     with press(tiny):

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from test_matrix import _batch
+from conftest import left_padded_batch
 
 from kvpress_ada import AdaHead, KeyDiff, LagKV, Mask, Observation, Pipeline, preset
 
@@ -249,7 +249,7 @@ def _generate(model, press, ids, mask):
     ("ada_lagkv", {"scorer": LagKV(lag=8, sinks=2, cross_scoring=True)}),
 ])
 def test_presets_ragged_equals_mask_and_batch_equals_rows(llama, name, overrides):
-    ids, mask = _batch(seed=1)
+    ids, mask = left_padded_batch(seed=1)
     topk = _generate(llama, preset(name, compression_ratio=0.6, **overrides), ids, mask)
     masked = _generate(llama, preset(name, compression_ratio=0.6, evictor=Mask(), **overrides), ids, mask)
     assert torch.equal(topk.sequences, masked.sequences)

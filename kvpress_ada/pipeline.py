@@ -275,11 +275,12 @@ class Pipeline(OneLineErrors):
         """The scorer's checked fp32 scores ``[B, H_kv, L]`` of one view, ``-inf`` where not valid."""
         parts = []
         for obs in view.observations():
-            read = [t for t in (obs.keys, obs.values, obs.queries)  # inference tensors track no version
-                    if isinstance(t, torch.Tensor) and not t.is_inference()]
-            versions = None if torch.compiler.is_compiling() else [t._version for t in read]
+            # inference tensors track no version; while torch.compile traces, nothing is checked (no graph break)
+            read = [] if torch.compiler.is_compiling() else [
+                t for t in (obs.keys, obs.values, obs.queries) if isinstance(t, torch.Tensor) and not t.is_inference()]
+            versions = [t._version for t in read]
             scores = self.scorer.score(obs)
-            if versions is not None and versions != [t._version for t in read]:
+            if versions != [t._version for t in read]:
                 raise RuntimeError(f"scorer {type(self.scorer).__name__} modified its observation's keys, values or "
                                    "queries in place (they are the cache's own tensors); compute on copies")
             self._check_scores(scores, obs)

@@ -30,14 +30,20 @@ def _kept(cache) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("evictor", [TopK(), Mask()])
 @pytest.mark.parametrize("assistant", ["prompt_lookup", "assistant_model"])
-def test_assisted_decoding_is_refused_in_one_line(model, evictor, assistant):
+def test_assisted_decoding_is_refused_in_one_line_or_gives_plain_greedy_tokens(model, evictor, assistant):
     ids = _ids(40)
     ids[0, 30:36] = ids[0, 5:11]  # something for the prompt lookup to find
     how = {"prompt_lookup_num_tokens": 3} if assistant == "prompt_lookup" else \
         {"assistant_model": build_model("llama", seed=6)}
     press = Pipeline(scorer=SnapKV(window=4), compression_ratio=0.5, evictor=evictor)
-    with torch.no_grad(), press(model), pytest.raises(ValueError, match="assisted decoding"):
-        model.generate(ids, max_new_tokens=6, do_sample=False, **how)
+    with torch.no_grad(), press(model):
+        plain = model.generate(ids, max_new_tokens=6, do_sample=False)
+        try:
+            assisted = model.generate(ids, max_new_tokens=6, do_sample=False, **how)
+        except ValueError as err:  # refused: in one line, naming assisted decoding
+            assert "assisted decoding" in str(err) and "\n" not in str(err)
+        else:  # a transformers version that never rewinds compressed entries here: plain greedy's tokens exactly
+            assert torch.equal(assisted, plain)
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
 from .entries import gather_slots, pack_left, real_entries
-from .press_cache import DenseAttention, HeldEntries, PressCache, layer_count
+from .press_cache import DenseAttention, HeldEntries, PressCache, layer_count, uncroppable
 
 
 class MaskedLayer(DynamicLayer):
@@ -48,8 +48,7 @@ class MaskedLayer(DynamicLayer):
         if self.keep is not None and self.keys is not None:
             appended = self.keys.shape[2] - self.keep.shape[-1]
             if -tokens_to_remove > appended:
-                raise ValueError(f"cannot crop {-tokens_to_remove} tokens: only {appended} were appended after "
-                                 "compression (compressed entries cannot be restored)")
+                raise uncroppable(-tokens_to_remove, appended)
         super().crop(tokens_to_remove)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -20,7 +20,7 @@ import torch
 from ...kernels.paged import paged_attention
 from ..paging import PagedSequence, PagePool
 from .entries import real_entries
-from .press_cache import DenseAttention, DenseUntilKept, HeldEntries, PressCache, layer_count
+from .press_cache import DenseAttention, DenseUntilKept, HeldEntries, PressCache, layer_count, uncroppable
 
 
 class PagedLayer(DenseUntilKept):
@@ -65,8 +65,7 @@ class PagedLayer(DenseUntilKept):
     def _crop_kept(self, n: int) -> None:
         """Drop the last ``n`` tokens appended since the layer last kept a selection (their pages go back)."""
         if n > self._appended:
-            raise ValueError(f"cannot crop {n} tokens: only {self._appended} were appended after compression "
-                             "(compressed context entries cannot be restored)")
+            raise uncroppable(n, self._appended)
         pool = self._pool()
         self._appended -= n
         for seq in self.seqs:

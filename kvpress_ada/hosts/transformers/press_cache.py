@@ -66,6 +66,14 @@ class PressLayer(Protocol):
         """Attention output ``[B, Q, H_q, D]`` of ``query`` over this layer (after ``update``)."""
 
 
+def uncroppable(n: int, appended: int) -> ValueError:
+    """The one-line refusal of a crop reaching entries a press compressed (what assisted decoding asks for when it
+    rejects a candidate that the press counted as prompt)."""
+    return ValueError(f"cannot crop {n} tokens: only {appended} were appended after compression (compressed entries "
+                      "cannot be restored; assisted decoding, which rewinds rejected candidates, is not supported "
+                      "under a press)")
+
+
 class DenseUntilKept(CacheLayerMixin):
     """The part every compressing layer shares: dense (the forward's keys and values, concatenated, stored
     detached) until it first keeps a selection (``compressed``), then whatever its subclass stores. ``seen``

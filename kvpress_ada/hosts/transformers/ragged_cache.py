@@ -23,7 +23,7 @@ import torch
 from ... import kernels
 from ...kernels.reference import CHUNK
 from .entries import gather_slots, left_pad_index, ragged_index, real_entries
-from .press_cache import DenseAttention, DenseUntilKept, HeldEntries, PressCache, layer_count
+from .press_cache import DenseAttention, DenseUntilKept, HeldEntries, PressCache, layer_count, uncroppable
 
 
 class RaggedLayer(DenseUntilKept):
@@ -87,8 +87,7 @@ class RaggedLayer(DenseUntilKept):
 
     def _crop_kept(self, n: int) -> None:
         if n > self._appended:
-            raise ValueError(f"cannot crop {n} tokens: only {self._appended} were appended after compression "
-                             "(compressed context entries cannot be restored)")
+            raise uncroppable(n, self._appended)
         self._appended -= n
         self._spare += n
         self.row_lengths.sub_(n)  # in place: the compiled step may hold its address

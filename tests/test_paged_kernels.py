@@ -172,3 +172,25 @@ def test_a_fresh_prefill_takes_the_causal_path_and_agrees_with_the_oracle():
     start = torch.tensor([0, 40, 47], dtype=torch.int32)
     out = paged_attention_ref(q, k_pages, v_pages, table, lens, start, 0.4)
     assert torch.allclose(out.double(), oracle(q, dk, dv, lengths, counts, 0.4), atol=1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(lengths=st.lists(st.lists(st.integers(0, 50), min_size=3, max_size=3), min_size=2, max_size=5),
+       seed=st.integers(0, 10_000))
+def test_a_decode_batch_takes_the_batched_path_and_agrees_with_the_oracle(lengths, seed):
+    """One token per request: every request at once; slots past a head's length hold NaN and change nothing."""
+    D, H_q = 16, 6
+    k_pages, v_pages, table, lens, dk, dv = paged_layout(lengths, 8, D, seed=seed)
+    used = {int(p) for p in table.flatten().tolist() if p >= 0}
+    for p in range(k_pages.shape[0]):
+        if p not in used:
+            k_pages[p], v_pages[p] = float("nan"), float("nan")
+    for r, n in enumerate(lens.tolist()):  # the rest of each row's last page
+        last = table[r, (n - 1) // 8] if n else -1
+        if n % 8 and last >= 0:
+            k_pages[last, n % 8:], v_pages[last, n % 8:] = float("nan"), float("nan")
+    q = torch.randn(len(lengths), H_q, D, generator=torch.Generator().manual_seed(seed + 1))
+    start = torch.arange(len(lengths) + 1, dtype=torch.int32)
+    out = paged_attention_ref(q, k_pages, v_pages, table, lens, start, 0.3)
+    assert not torch.isnan(out).any()
+    assert torch.allclose(out.double(), oracle(q, dk, dv, lengths, [1] * len(lengths), 0.3), atol=1e-5)

@@ -54,6 +54,8 @@ def paged_attention_ref(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table:
     starts = query_start.tolist()
     lengths = row_lengths.view(N, H_kv).long()
     longest = lengths.amax(-1).tolist() if N else []
+    if N > 1 and starts == list(range(N + 1)):  # a decode batch, one token per request: every request at once
+        return _decode_batch(q, k_pages, v_pages, page_table, lengths, max(longest), scale).to(q.dtype)
     for n in range(N):
         t0, t1 = starts[n], starts[n + 1]
         width = int(longest[n])
@@ -62,6 +64,8 @@ def paged_attention_ref(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table:
         pages = page_table[n * H_kv:(n + 1) * H_kv, :-(-width // S)].long().clamp(min=0)  # [H_kv, m]
         keys = k_pages.index_select(0, pages.reshape(-1)).view(H_kv, -1, D)[:, :width].float()
         values = v_pages.index_select(0, pages.reshape(-1)).view(H_kv, -1, D)[:, :width].float()
+        # slots past a head's length (the rest of its last page, pages it does not hold) may hold anything
+        values.masked_fill_(torch.arange(width, device=q.device)[None, :, None] >= lengths[n][:, None, None], 0.0)
         Q = t1 - t0
         if Q == width and bool((lengths[n] == width).all()):  # a fresh prefill: plain causal attention
             out[t0:t1] = F.scaled_dot_product_attention(
@@ -78,6 +82,26 @@ def paged_attention_ref(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table:
         o = torch.bmm(p.view(H_kv, G * Q, width), values).view(H_kv, G, Q, D)
         out[t0:t1] = o.permute(2, 0, 1, 3).reshape(Q, H_q, D)
     return out.to(q.dtype)
+
+
+def _decode_batch(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor, lengths: Tensor, width: int,
+                  scale: float) -> Tensor:
+    """:func:`paged_attention_ref` of one token per request (``q [N, H_q, D]``, ``lengths [N, H_kv]``): the pages of
+    every row gathered at once, ``width`` the longest row; fp32 ``[N, H_q, D]``."""
+    N, H_q, D = q.shape
+    H_kv = lengths.shape[1]
+    S = k_pages.shape[1]
+    if width <= 0:
+        return torch.zeros(N, H_q, D, dtype=torch.float32, device=q.device)
+    pages = page_table[:, :-(-width // S)].long().clamp(min=0).reshape(-1)
+    keys = k_pages.index_select(0, pages).view(N, H_kv, -1, D)[:, :, :width].float()
+    values = v_pages.index_select(0, pages).view(N, H_kv, -1, D)[:, :, :width].float()
+    hidden = torch.arange(width, device=q.device)[None, None, :] >= lengths[:, :, None]  # [N, H_kv, width]
+    values.masked_fill_(hidden[..., None], 0.0)
+    s = torch.matmul(q.float().view(N, H_kv, H_q // H_kv, D), keys.transpose(-1, -2)).mul_(scale)
+    s.masked_fill_(hidden[:, :, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num_(0.0)  # a row that holds nothing: 0
+    return torch.matmul(p, values).view(N, H_q, D)
 
 
 def _validate(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor, row_lengths: Tensor,

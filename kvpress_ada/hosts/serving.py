@@ -213,11 +213,14 @@ class PagedServing:
             t += c
             before = request.written[layer_idx]
             request.written[layer_idx] = before + c
-            held = request.queries[layer_idx]
-            recent = q if held is None else torch.cat([held, q], dim=1)
-            recent = recent if window is None else recent[:, max(0, recent.shape[1] - window):]
-            request.queries[layer_idx] = recent
             prompt = request.prompt_len
+            recent = q
+            # recent queries are kept only while an eviction may still read them (not on every decode step)
+            if not request.whole and (press.compresses_decode or (before < prompt and press.compresses_prefill)):
+                held = request.queries[layer_idx]
+                recent = q if held is None else torch.cat([held, q], dim=1)
+                recent = recent if window is None else recent[:, max(0, recent.shape[1] - window):]
+                request.queries[layer_idx] = recent
             if request.whole:
                 continue
             if before < prompt <= before + c:  # this step brings the last prompt token

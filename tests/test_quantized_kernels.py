@@ -1,6 +1,7 @@
-"""Quantized records of the ragged cache: quantize -> dequantize within the scheme's bound, the record
-layout, append / compact, attention over records against attention over their dequantized entries
-(torch reference, Triton interpreted on CPU), one-line refusals."""
+"""Quantized records of the ragged cache: quantize -> dequantize within the scheme's bound (keys: in the
+rotated, centred space), the rotation, the rows' side tensors (anchor, key centre), the record layout,
+append / compact, attention over records against attention over their read-back entries (torch reference,
+Triton interpreted on CPU), one-line refusals."""
 
 import pytest
 import torch
@@ -74,6 +75,75 @@ def test_constant_groups_and_zeros_read_back_exactly(dtype, bits):
     assert torch.equal(kernels.dequantize(free, 32, bits, 16, dtype), torch.zeros(3, 32, dtype=dtype))
 
 
+@settings(max_examples=60, deadline=None)
+@given(entries(), st.sampled_from([4, 8]), st.sampled_from([torch.float16, torch.bfloat16]))
+def test_float32_input_with_16_bit_scales_stays_within_half_a_scale(case, bits, dtype):
+    """What a key record holds (``(k - c) @ R``, float32) is quantized with scales and zero points in the
+    entries' 16-bit dtype: the zero point is rounded down and the scale up, so the range stays covered."""
+    x, group = case
+    x = x.float() * 1.37  # not representable in the 16-bit dtype
+    x = x.clamp(-torch.finfo(dtype).max / 4, torch.finfo(dtype).max / 4)
+    n, D = x.shape
+    records = kernels.quantize(x, bits, group, dtype=dtype)
+    assert records.shape == (n, kernels.record_width(D, bits, group, dtype))
+    _, scale, zero = qz.record_scales(records, D, bits, group, dtype)
+    lo, hi = x.view(n, D // group, group).aminmax(dim=-1)
+    assert (zero.float() <= lo).all()
+    assert (((1 << bits) - 1) * scale.float() + zero.float() >= hi - 1e-6 * hi.abs()).all()
+    back = kernels.dequantize(records, D, bits, group, dtype, out_dtype=torch.float32)
+    err = (back - x).abs().view(n, D // group, group)
+    bound = scale.float()[..., None] / 2 + 1e-6 * x.abs().view(n, D // group, group).amax(-1, keepdim=True)
+    assert (err <= bound * (1 + 1e-5)).all(), float((err - bound).max())
+
+
+@pytest.mark.parametrize("D", [16, 64, 80, 96, 128])
+def test_rotation_is_a_fixed_orthogonal_random_sign_hadamard(D):
+    R = qz.rotation(D)
+    assert R.dtype == torch.float32 and R.shape == (D, D)
+    torch.testing.assert_close(R @ R.T, torch.eye(D), atol=1e-6, rtol=0)
+    block = D & -D  # the largest power of two dividing D: block-diagonal Hadamard (96 -> 3 blocks of 32)
+    assert torch.allclose(R.abs(), torch.block_diag(*[torch.ones(block, block)] * (D // block)) * block ** -0.5)
+    assert torch.equal(R, qz.rotation(D))  # deterministic
+    assert (R[:, 0] < 0).any() and (R[:, 0] > 0).any()  # column 0 of a Hadamard block is all +1: the signs
+
+
+def test_row_side_is_the_first_kept_entry_and_the_mean_of_the_other_keys():
+    keys, values = torch.randn(2, 3, 7, 16), torch.randn(2, 3, 7, 16)
+    keep = torch.rand(2, 3, 7, generator=torch.Generator().manual_seed(3)) < 0.6
+    keep[0, 0] = False  # keeps nothing
+    keep[0, 1] = torch.tensor([False, False, True] + [False] * 4)  # the anchor alone
+    side = qz.row_side(keys, values, keep).view(3, 2, 3, 16)
+    for b in range(2):
+        for h in range(3):
+            pos = keep[b, h].nonzero().flatten()
+            if pos.numel() == 0:
+                assert not side[:, b, h].any()
+                continue
+            assert torch.equal(side[0, b, h], keys[b, h, pos[0]]) and torch.equal(side[1, b, h], values[b, h, pos[0]])
+            centre = keys[b, h, pos[1:]].mean(0) if pos.numel() > 1 else torch.zeros(16)
+            torch.testing.assert_close(side[2, b, h], centre, atol=1e-6, rtol=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(entries(), st.sampled_from([4, 8]))
+def test_keys_round_trip_within_half_a_scale_in_the_rotated_centred_space(case, bits):
+    """A key record holds ``y = (k - c) @ R``: what it reads back is within half a scale of ``y`` per element
+    (the bound of :func:`quantize`, in that space), and :func:`decode_keys` un-rotates and adds the centre."""
+    x, group = case
+    x = x.clamp(-1e3, 1e3)  # the rotation sums D entries: keep 16-bit sums finite
+    n, D = x.shape
+    centre = x.float().mean(0).to(x.dtype)
+    records = qz.encode_keys(x, centre, bits, group)
+    y = (x.float() - centre.float()) @ qz.rotation(D)
+    _, scale, _ = qz.record_scales(records, D, bits, group, x.dtype)
+    got = kernels.dequantize(records, D, bits, group, x.dtype, torch.float32)
+    err = (got - y).abs().view(n, D // group, group)
+    bound = scale.float()[..., None] / 2 + 1e-5 * y.abs().view(n, D // group, group).amax(-1, keepdim=True)
+    assert (err <= bound * (1 + 1e-5) + 1e-30).all(), float((err - bound).max())
+    keys = qz.decode_keys(records, centre, D, bits, group, x.dtype, torch.float32)
+    torch.testing.assert_close(keys, got @ qz.rotation(D).T + centre.float(), atol=1e-5, rtol=1e-5)
+
+
 def test_record_layout():
     """int4: channel j in the low nibble of byte j, channel j + D/2 in the high one; then the scales and
     the zero points, in the entries' dtype; width = D * bits / 8 + 2 * (D / group) * itemsize."""
@@ -122,6 +192,32 @@ def _cache(lens, D, dtype, gap=3, seed=0):
     return k, v, offsets, torch.tensor([lens[i] for i in order], dtype=torch.int32)
 
 
+def _records(k, v, offs, lens, bits, group):
+    """``(k_rec, v_rec, side, centres)`` of a flat cache under the scheme: each row's side tensors from its
+    entries (first entry: anchor; centre: the mean of the other keys), keys centred by their row's centre
+    (``centres [N, D]``: each slot's; 0 in gaps) and rotated."""
+    D = k.shape[1]
+    side = torch.zeros(3, len(offs), D, dtype=k.dtype)
+    centres = torch.zeros_like(k)
+    for r, (o, n) in enumerate(zip(offs.tolist(), lens.tolist())):
+        if n:
+            ones = torch.ones(1, 1, n, dtype=torch.bool)
+            side[:, r] = qz.row_side(k[None, None, o:o + n], v[None, None, o:o + n], ones)[:, 0]
+            centres[o:o + n] = side[2, r]
+    return qz.encode_keys(k, centres, bits, group), kernels.quantize(v, bits, group), side, centres
+
+
+def _read_back(k_rec, v_rec, side, centres, offs, lens, bits, group, dtype):
+    """Float32 keys and values the records of :func:`_records` read back as (a row's first slot: its anchor)."""
+    D = centres.shape[1]
+    keys = qz.decode_keys(k_rec, centres, D, bits, group, dtype, torch.float32)
+    values = kernels.dequantize(v_rec, D, bits, group, dtype, torch.float32)
+    for r, (o, n) in enumerate(zip(offs.tolist(), lens.tolist())):
+        if n:
+            keys[o], values[o] = side[0, r].float(), side[1, r].float()
+    return keys, values
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.sampled_from([4, 8]),
        st.integers(1, 2), st.integers(1, 3), st.sampled_from([1, 3]), st.sampled_from([1, 4]),
@@ -130,11 +226,11 @@ def test_reference_attention_equals_attention_on_dequantized(dtype, bits, B, H_k
     D, group = 32, 16
     R = B * H_kv
     k, v, offs, lens_t = _cache(lens[:R], D, dtype, seed=seed)
-    k_rec, v_rec = kernels.quantize(k, bits, group), kernels.quantize(v, bits, group)
+    k = k + torch.linspace(-3, 5, D).to(dtype)  # an offset per channel (what the centre takes out)
+    k_rec, v_rec, side, centres = _records(k, v, offs, lens_t, bits, group)
     q = torch.randn(B, H_kv * G, Q, D, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
-    out = kernels.quantized_attention(q, k_rec, v_rec, offs, lens_t, D ** -0.5, bits, group)
-    deq_k = kernels.dequantize(k_rec, D, bits, group, dtype, torch.float32)
-    deq_v = kernels.dequantize(v_rec, D, bits, group, dtype, torch.float32)
+    out = kernels.quantized_attention(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, bits, group)
+    deq_k, deq_v = _read_back(k_rec, v_rec, side, centres, offs, lens_t, bits, group, dtype)
     ref = ragged_attention_ref(q.float(), deq_k, deq_v, offs, lens_t, D ** -0.5)
     assert out.dtype == dtype and torch.isfinite(out).all()
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
@@ -150,43 +246,54 @@ def test_reference_attention_loop_free_layout(monkeypatch):
     lens = torch.tensor([3, 17, 0, 40, 9, 30, 1, 25], dtype=torch.int32)
     offs = torch.arange(8, dtype=torch.int32) * 2 * CHUNK
     k = torch.randn(8 * 2 * CHUNK, D)
-    k_rec, v_rec = kernels.quantize(k, bits, group), kernels.quantize(k.flip(0), bits, group)
+    k_rec, v_rec, side, _ = _records(k, k.flip(0), offs, lens, bits, group)
     q = torch.randn(2, 8, 1, D)
     calls = []
     chunked = reference.ragged_attention_chunked
     monkeypatch.setattr(reference, "ragged_attention_chunked", lambda *a, **k: calls.append(1) or chunked(*a, **k))
-    out = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, 0.25, bits, group)
+    out = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.25, bits, group)
     monkeypatch.setattr(reference, "LOOP_FREE", False)
-    loop = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, 0.25, bits, group)
+    loop = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.25, bits, group)
     assert calls == [1]
     torch.testing.assert_close(out, loop, atol=1e-5, rtol=1e-5)
 
 
 def test_append_and_compact_write_records_in_place():
+    """Compaction fixes each row's side tensors and writes its kept entries' records (keys centred by the
+    row's centre, rotated); an append centres new keys the same way, and a row that was empty takes its first
+    appended token as its anchor."""
     D, group, bits = 32, 16, 8
     B, H, L = 2, 2, 9
-    keys, values = torch.randn(B, H, L, D), torch.randn(B, H, L, D)
+    keys, values = torch.randn(B, H, L, D) + 2, torch.randn(B, H, L, D)
     keep = torch.rand(B, H, L, generator=torch.Generator().manual_seed(1)) < 0.5
+    keep[1, 1] = False  # an empty row
     width = kernels.record_width(D, bits, group, torch.float32)
     offs = torch.tensor([0, 16, 32, 48], dtype=torch.int32)
     k_rec, v_rec = torch.zeros(64, width, dtype=torch.uint8), torch.zeros(64, width, dtype=torch.uint8)
-    kernels.quantized_compact(keys, values, keep, offs, k_rec, v_rec, bits, group)
+    side = torch.full((3, B * H, D), float("nan"))
+    kernels.quantized_compact(keys, values, keep, offs, k_rec, v_rec, side, bits, group)
+    assert torch.equal(side, qz.row_side(keys, values, keep))
     lengths = keep.sum(-1).reshape(-1).to(torch.int32)
     for r in range(B * H):
         b, h = divmod(r, H)
         n = int(lengths[r])
-        assert torch.equal(k_rec[16 * r:16 * r + n], kernels.quantize(keys[b, h][keep[b, h]], bits, group))
+        assert torch.equal(k_rec[16 * r:16 * r + n], qz.encode_keys(keys[b, h][keep[b, h]], side[2, r], bits, group))
         assert torch.equal(v_rec[16 * r:16 * r + n], kernels.quantize(values[b, h][keep[b, h]], bits, group))
         assert not k_rec[16 * r + n:16 * (r + 1)].any()
     new_k, new_v = torch.randn(B, H, 2, D), torch.randn(B, H, 2, D)
-    before = lengths.clone()
-    kernels.quantized_append(new_k, new_v, k_rec, v_rec, offs, lengths, bits, group)
+    before, side_before = lengths.clone(), side.clone()
+    kernels.quantized_append(new_k, new_v, k_rec, v_rec, offs, lengths, side, bits, group)
     assert torch.equal(lengths, before + 2)
     for r in range(B * H):
         b, h = divmod(r, H)
         at = 16 * r + int(before[r])
-        assert torch.equal(k_rec[at:at + 2], kernels.quantize(new_k[b, h], bits, group))
+        assert torch.equal(k_rec[at:at + 2], qz.encode_keys(new_k[b, h], side[2, r], bits, group))
         assert torch.equal(v_rec[at:at + 2], kernels.quantize(new_v[b, h], bits, group))
+        if before[r]:
+            assert torch.equal(side[:, r], side_before[:, r])
+        else:  # the empty row's first appended token is its anchor; its centre stays
+            assert torch.equal(side[0, r], new_k[b, h, 0]) and torch.equal(side[1, r], new_v[b, h, 0])
+            assert torch.equal(side[2, r], side_before[2, r])
 
 
 def test_ops_compile_fullgraph():
@@ -195,21 +302,22 @@ def test_ops_compile_fullgraph():
 
     D, group, bits = 32, 16, 4
     k, v, offs, lens = _cache([5, 12, 0, 7], D, torch.float32)
-    k_rec, v_rec = kernels.quantize(k, bits, group), kernels.quantize(v, bits, group)
+    k_rec, v_rec, side, _ = _records(k, v, offs, lens, bits, group)
 
-    def step(q, k_new, v_new, k_rec, v_rec, offs, lens):
-        kernels.quantized_append(k_new, v_new, k_rec, v_rec, offs, lens, bits, group)
-        return kernels.quantized_attention(q, k_rec, v_rec, offs, lens, 0.2, bits, group)
+    def step(q, k_new, v_new, k_rec, v_rec, offs, lens, side):
+        kernels.quantized_append(k_new, v_new, k_rec, v_rec, offs, lens, side, bits, group)
+        return kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.2, bits, group)
 
     counters.clear()
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     q, k_new, v_new = torch.randn(2, 4, 1, D), torch.randn(2, 2, 1, D), torch.randn(2, 2, 1, D)
-    eager_args = [k_rec.clone(), v_rec.clone(), offs, lens.clone()]
+    eager_args = [k_rec.clone(), v_rec.clone(), offs, lens.clone(), side.clone()]
     expected = step(q, k_new, v_new, *eager_args)
     got_lens = lens.clone()
-    got = compiled(q, k_new, v_new, k_rec, v_rec, offs, got_lens)
+    got = compiled(q, k_new, v_new, k_rec, v_rec, offs, got_lens, side)
     torch.testing.assert_close(got, expected)
     assert torch.equal(got_lens, eager_args[3]) and torch.equal(k_rec, eager_args[0])
+    assert torch.equal(side, eager_args[4])  # the empty row's anchor, written inside the graph
     assert counters["graph_break"] == {}
 
 
@@ -217,16 +325,18 @@ def test_raw_ops_opcheck():
     """``torch.library.opcheck`` accepts the quantized ops' schemas, fake kernels and mutation claims."""
     D, group, bits = 32, 16, 4
     k, v, offs, lens = _cache([5, 0, 7], D, torch.float32)
-    k_rec, v_rec = kernels.quantize(k, bits, group), kernels.quantize(v, bits, group)
+    k_rec, v_rec, side, _ = _records(k, v, offs, lens, bits, group)
     q = torch.randn(3, 2, 2, D)
-    torch.library.opcheck(torch.ops.kvpress_ada.quantized_attention, (q, k_rec, v_rec, offs, lens, 0.5, bits, group))
+    torch.library.opcheck(torch.ops.kvpress_ada.quantized_attention,
+                          (q, k_rec, v_rec, offs, lens, side, 0.5, bits, group))
     new = torch.randn(3, 1, 1, D)
     torch.library.opcheck(torch.ops.kvpress_ada.quantized_append,
-                          (new, new.flip(-1), k_rec.clone(), v_rec.clone(), offs, lens.clone(), bits, group))
+                          (new, new.flip(-1), k_rec.clone(), v_rec.clone(), offs, lens.clone(), side.clone(), bits,
+                           group))
     keys = torch.randn(3, 1, 4, D)
     keep = torch.tensor([True, False, True, True]).expand(3, 1, 4).contiguous()
     torch.library.opcheck(torch.ops.kvpress_ada.quantized_compact,
-                          (keys, keys.neg(), keep, offs, k_rec.clone(), v_rec.clone(), bits, group))
+                          (keys, keys.neg(), keep, offs, k_rec.clone(), v_rec.clone(), side.clone(), bits, group))
 
 
 def test_one_line_refusals():
@@ -238,8 +348,13 @@ def test_one_line_refusals():
         kernels.quantize(torch.randn(2, 64, dtype=torch.float64), 8, 32)
     rec = kernels.quantize(torch.randn(4, 32), 8, 16)
     offs, lens = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([2, 2], dtype=torch.int32)
+    side = torch.zeros(3, 2, 32)
     with pytest.raises(ValueError, match="rows are 48 bytes; 4-bit records .* are 32"):
-        kernels.quantized_attention(torch.randn(1, 2, 1, 32), rec, rec, offs, lens, 1.0, 4, 16)
+        kernels.quantized_attention(torch.randn(1, 2, 1, 32), rec, rec, offs, lens, side, 1.0, 4, 16)
+    for bad in (torch.zeros(2, 2, 32), torch.zeros(3, 2, 32, dtype=torch.float16), torch.zeros(3, 3, 32)):
+        with pytest.raises(ValueError, match=r"side must be torch.float32 \[3, 2, 32\]") as err:
+            kernels.quantized_attention(torch.randn(1, 2, 1, 32), rec, rec, offs, lens, bad, 1.0, 8, 16)
+        assert "\n" not in str(err.value)
 
 
 # ----------------------------------------------------------------------------- triton
@@ -261,10 +376,11 @@ def test_triton_matches_reference(dtype, bits, group, D, Q, lens, split, seed):
     if D % group:
         group = D
     k, v, offs, lens_t = _cache(lens, D, dtype, seed=seed)
-    k_rec, v_rec = kernels.quantize(k, bits, group), kernels.quantize(v, bits, group)
+    k = k + torch.linspace(-3, 5, D).to(dtype)
+    k_rec, v_rec, side, _ = _records(k, v, offs, lens_t, bits, group)
     q = torch.randn(2, 6, Q, D, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    got = quantized_attention_triton(q, k_rec, v_rec, offs, lens_t, D ** -0.5, bits, group, split_size=split)
-    ref = qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, D ** -0.5, bits, group)
+    got = quantized_attention_triton(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, bits, group, split_size=split)
+    ref = qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, bits, group)
     assert torch.isfinite(got).all()
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
@@ -273,10 +389,10 @@ def test_triton_matches_reference(dtype, bits, group, D, Q, lens, split, seed):
 @needs_interpreter
 def test_triton_backend_through_the_op():
     k, v, offs, lens = _cache([0, 9, 33], 16, torch.float32)
-    k_rec, v_rec = kernels.quantize(k, 4, 16), kernels.quantize(v, 4, 16)
+    k_rec, v_rec, side, _ = _records(k, v, offs, lens, 4, 16)
     q = torch.randn(3, 2, 1, 16)
     with kernels.use_backend("triton"):
-        got = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, 0.25, 4, 16)
-    ref = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, 0.25, 4, 16)
+        got = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.25, 4, 16)
+    ref = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.25, 4, 16)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     assert lens[2] == 0 and torch.equal(got[2], torch.zeros_like(got[2]))  # an empty row attends to nothing: 0, not NaN

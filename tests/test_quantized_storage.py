@@ -1,10 +1,11 @@
 """Quantized storage (``Pipeline(storage=Int8() | Int4())``) in every mode of the transformers host.
 
 Two oracles: the full-precision press (selection never depends on the storage: a one-shot press keeps the
-same positions), and a full-precision ragged cache whose entries are rounded through quantize ->
-dequantize when kept or appended (:class:`RoundedCache`): whatever a mode reads after compression
-(attention, a decode compaction's view, the next chunk), the quantized cache must give what that cache
-gives, since both hold the same values."""
+same positions), and a full-precision ragged cache whose entries are rounded through the scheme when kept
+or appended (:class:`RoundedCache`: each row's first kept entry exact, keys centred by the row's centre and
+rotated, quantized, read back): whatever a mode reads after compression (attention, a decode compaction's
+view, the next chunk), the quantized cache must give what that cache gives, since both hold the same
+values."""
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from kvpress_ada.hosts.transformers.hf import cache_kwarg, output_cache
 from kvpress_ada.hosts.transformers.quantized_cache import QuantizedRaggedCache, QuantizedRaggedLayer
 from kvpress_ada.hosts.transformers.ragged_cache import RaggedLayer
 from kvpress_ada.kernels import dequantize, quantize, record_width
+from kvpress_ada.kernels.quantized import decode_keys, encode_keys, rotation, row_side
 from kvpress_ada.kernels.reference import CHUNK
 from kvpress_ada.presets import portable_preset_names
 from kvpress_ada.scorers import SnapKV
@@ -27,23 +29,36 @@ IDS = pytest.mark.parametrize("storage", STORAGES, ids=["int8", "int4"])
 
 
 class RoundedLayer(RaggedLayer):
-    """Full-precision ragged layer whose kept and appended entries are rounded through the storage's
-    quantize -> dequantize; entries it already holds are moved as they are (test oracle)."""
+    """Full-precision ragged layer whose kept and appended entries are rounded through the storage's scheme
+    (a row's first entry exact; keys centred by the row's centre, fixed at compression, and rotated); entries
+    it already holds are moved as they are (test oracle)."""
 
     def __init__(self, bits, group, decode_reserve=8):
         super().__init__(decode_reserve)
         self.bits, self.group, self._moving = bits, group, False
 
-    def _round(self, x):
-        return dequantize(quantize(x, self.bits, self.group), x.shape[-1], self.bits, self.group, x.dtype)
+    def _round(self, keys, values, centre):
+        D = keys.shape[-1]
+        return (decode_keys(encode_keys(keys, centre, self.bits, self.group), centre, D, self.bits, self.group,
+                            keys.dtype),
+                dequantize(quantize(values, self.bits, self.group), D, self.bits, self.group, values.dtype))
 
     def _compact_entries(self, keys, values, keep):
         if not self._moving:
-            keys, values = self._round(keys), self._round(values)
+            B, H, _, D = keys.shape
+            side = row_side(keys, values, keep).view(3, B, H, 1, D)
+            self.centre = side[2]
+            first = (keep & (torch.cumsum(keep, -1) == 1))[..., None]
+            rounded = self._round(keys, values, self.centre)
+            keys, values = torch.where(first, keys, rounded[0]), torch.where(first, values, rounded[1])
         super()._compact_entries(keys, values, keep)
 
     def _append_entries(self, keys, values):
-        super()._append_entries(self._round(keys), self._round(values))
+        B, H = keys.shape[:2]
+        first = torch.zeros(keys.shape[:3] + (1,), dtype=torch.bool)
+        first[:, :, 0] = (self.row_lengths == 0).view(B, H, 1)  # an empty row's first token is its anchor
+        rounded = self._round(keys, values, self.centre)
+        super()._append_entries(torch.where(first, keys, rounded[0]), torch.where(first, values, rounded[1]))
 
     def retain(self, keep, held, spare=None):
         self._moving = self.compressed
@@ -103,7 +118,8 @@ def _assert_like_rounded(model, press, storage, ids, mask=None, new_tokens=5, at
 
 
 def _held_bytes(cache):
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.k_flat, layer.v_flat))
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.k_flat, layer.v_flat,
+                                                                                  layer.side))
 
 
 # ----------------------------------------------------------------------------- selection and bytes
@@ -123,13 +139,23 @@ def test_every_preset_keeps_the_full_precision_positions(storage, name):
                                                                              use_cache=True))
     full, quantized = caches["full"], caches["quantized"]
     assert isinstance(quantized, QuantizedRaggedCache) and not isinstance(full, QuantizedRaggedCache)
+    step = 1 / 15 if storage.bits == 4 else 1 / 255
     for i in range(len(full.layers)):
         assert torch.equal(quantized.head_lengths(i), full.head_lengths(i))
-        got, ref = quantized.layers[i].view(), full.layers[i].view()
+        layer = quantized.layers[i]
+        got, ref = layer.view(), full.layers[i].view()
         assert torch.equal(got.positions, ref.positions) and torch.equal(got.valid, ref.valid)
-        step = 1 / 15 if storage.bits == 4 else 1 / 255
-        spread = ref.keys.amax(-1, keepdim=True) - ref.keys.amin(-1, keepdim=True)  # bounds each group's range
-        assert ((got.keys - ref.keys).abs() <= spread * step / 2 + 1e-6).all()
+        # each row's first entry (its anchor) reads back exactly, key and value
+        first = (got.valid & (torch.cumsum(got.valid, -1) == 1))[..., None]
+        assert torch.equal(got.keys * first, ref.keys * first) and torch.equal(got.values * first, ref.values * first)
+        # keys: within half a step of their group's range in the rotated, centred space (one group: D = 16)
+        B, H, _, D = got.keys.shape
+        centre, R = layer.side[2].view(B, H, 1, D), rotation(D)
+        y_got, y_ref = (got.keys - centre) @ R, (ref.keys - centre) @ R
+        spread = y_ref.amax(-1, keepdim=True) - y_ref.amin(-1, keepdim=True)
+        assert ((y_got - y_ref).abs() * got.valid[..., None] <= spread * step / 2 + 1e-5).all()
+        spread = ref.values.amax(-1, keepdim=True) - ref.values.amin(-1, keepdim=True)  # values: per token
+        assert ((got.values - ref.values).abs() <= spread * step / 2 + 1e-6).all()
     assert quantized.nbytes() < full.nbytes()
 
 
@@ -137,7 +163,8 @@ def test_every_preset_keeps_the_full_precision_positions(storage, name):
 def test_nbytes_are_the_records_held(storage):
     """``nbytes()`` = bytes of the tensors held, scales and zero points included: each row's slots (kept
     entries + the decode reserve, whole chunks) x one record of ``D * bits / 8 + 2 * (D / group) * 4`` bytes,
-    for keys and values; ``batch_nbytes`` splits the same bytes by batch row."""
+    for keys and values, plus each row's side tensors (anchor key and value, key centre: ``3 * D * 4`` bytes);
+    ``batch_nbytes`` splits the same bytes by batch row."""
     model = _model()
     ids, mask = left_padded_batch()
     with torch.no_grad(), preset("ada_snapkv", compression_ratio=0.6, storage=storage)(model):
@@ -146,7 +173,8 @@ def test_nbytes_are_the_records_held(storage):
     width = record_width(D, storage.bits, 16, torch.float32)
     assert width == D * storage.bits // 8 + 2 * (D // 16) * 4
     slots = sum(int((-(-(cache.head_lengths(i) + 8) // CHUNK) * CHUNK).sum()) for i in range(len(cache.layers)))
-    assert cache.nbytes() == _held_bytes(cache) == slots * width * 2
+    rows = sum(cache.head_lengths(i).numel() for i in range(len(cache.layers)))
+    assert cache.nbytes() == _held_bytes(cache) == slots * width * 2 + rows * 3 * D * 4
     assert sum(cache.batch_nbytes()) == cache.nbytes()
     assert all(layer.k_flat.dtype == torch.uint8 for layer in cache.layers)
 
@@ -191,12 +219,19 @@ def test_decode_compression_equals_rounded_cache_and_moves_records(storage):
     layer = cache.layers[0]
     before = layer.view()
     keep = before.valid & (torch.rand(before.valid.shape, generator=torch.Generator().manual_seed(0)) < 0.6)
+    keep[0] &= ~(before.valid[0] & (torch.cumsum(before.valid[0], -1) == 1))  # batch row 0 drops its anchors
+    records, offsets = layer.k_flat.clone(), layer.row_offsets.clone()
     layer.retain(keep, before)
     after = layer.view()
     assert torch.equal(after.valid.sum(-1), keep.sum(-1))
-    kept_before = [before.keys[b, h][keep[b, h]] for b in range(2) for h in range(2)]
-    kept_after = [after.keys[b, h][after.valid[b, h]] for b in range(2) for h in range(2)]
-    assert all(torch.equal(x, y) for x, y in zip(kept_before, kept_after))
+    for x, y in ((before.keys, after.keys), (before.values, after.values)):
+        kept_before = [x[b, h][keep[b, h]] for b in range(2) for h in range(2)]
+        kept_after = [y[b, h][after.valid[b, h]] for b in range(2) for h in range(2)]
+        assert all(torch.equal(u, v) for u, v in zip(kept_before, kept_after))  # the new anchors: their read-back
+    assert torch.equal(layer.side[0, :2], torch.stack([before.keys[0, h][keep[0, h]][0] for h in range(2)]))
+    # records move unchanged: row 0's new first slot holds the record its entry had (now read as the anchor)
+    rank = int(keep[0, 0].int().argmax()) - int((~before.valid[0, 0]).sum())  # within the row (view: left-padded)
+    assert torch.equal(layer.k_flat[int(layer.row_offsets[0])], records[int(offsets[0]) + rank])
 
 
 @IDS
@@ -332,8 +367,10 @@ def test_cli_storage(head_dim_32_model_dir, tmp_path, capsys):
     capsys.readouterr()
     rows = {s: {(r["label"], r["ratio"]): r["kv_bytes"] for r in run["records"]} for s, run in runs.items()}
     assert rows["int4"][("full", 0.0)] == rows["full"][("full", 0.0)]  # the reference row stays full precision
-    # int4 records of head dim 32, groups of 32, float32 scale and zero point: 16 + 8 bytes against 128
-    assert rows["int4"][("snapkv", 0.5)] * 128 == rows["full"][("snapkv", 0.5)] * 24  # same slots, smaller
+    # int4 records of head dim 32, groups of 32, float32 scale and zero point: 16 + 8 bytes against 128, plus
+    # each row's side tensors (anchor key and value, key centre: 3 * 32 * 4 bytes; 3 layers x 2 kv heads)
+    side = 3 * 32 * 4 * 3 * 2
+    assert (rows["int4"][("snapkv", 0.5)] - side) * 128 == rows["full"][("snapkv", 0.5)] * 24  # same slots
     assert rows["int4"][("snapkv", 0.0)] < 0.25 * rows["full"][("full", 0.0)]  # every entry, quantized
     assert main(["demo", "--model", head_dim_32_model_dir, "--context", "200", "--max-new-tokens", "2",
                  "--storage", "int8", "--preset", "snapkv"]) == 0

@@ -57,10 +57,11 @@ def check(kernels, qt, tk, bench, dtypes, device, gen, small: bool, group: int) 
                 lens = bench.ada_lengths(B * H_kv, ctx, 0.5, 10.0, gen)
                 lens[0] = 0
                 q, k, v, offs, lens_t = bench.make_ragged(B, H_kv, G, D, Q, lens, dtype, device, gen, gaps=3)
-                k_rec, v_rec = kernels.quantize(k, bits, group), kernels.quantize(v, bits, group)
+                k_rec, v_rec, side = kernels.quantized.quantize_rows(k, v, offs, lens_t, bits, group)
                 scale = D ** -0.5
-                got = qt.quantized_attention_triton(q, k_rec, v_rec, offs, lens_t, scale, bits, group)
-                ref = kernels.quantized.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, scale, bits, group)
+                got = qt.quantized_attention_triton(q, k_rec, v_rec, offs, lens_t, side, scale, bits, group)
+                ref = kernels.quantized.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, side, scale, bits,
+                                                                group)
                 full = kernels.ragged_attention_ref(q, k, v, offs, lens_t, scale)
                 err = (got.float() - ref.float()).abs().max().item()
                 quant_err = (ref.float() - full.float()).abs().max().item()
@@ -84,13 +85,13 @@ def measure(args, kernels, qt, tk, bench, context, B, dtype, device, gen, cuda) 
     row["full_us"] = bench.time_fns(fns, args.iters, cuda) * 1e6
     parts = [f"full {row['full_us']:8.1f} us"]
     for bits in (8, 4):
-        recs = [(c[0], kernels.quantize(c[1], bits, args.group_size), kernels.quantize(c[2], bits, args.group_size),
-                 c[3], c[4]) for c in caches]
-        fns = [lambda c=c, b=bits: qt.quantized_attention_triton(c[0], c[1], c[2], c[3], c[4], scale, b,
+        recs = [(c[0], *kernels.quantized.quantize_rows(c[1], c[2], c[3], c[4], bits, args.group_size), c[3], c[4])
+                for c in caches]  # (q, k_rec, v_rec, side, offsets, lengths)
+        fns = [lambda c=c, b=bits: qt.quantized_attention_triton(c[0], c[1], c[2], c[4], c[5], c[3], scale, b,
                                                                  args.group_size) for c in recs]
         us = bench.time_fns(fns, args.iters, cuda) * 1e6
         row[f"int{bits}_us"] = us
-        row[f"int{bits}_bytes"] = 2 * recs[0][1].shape[0] * recs[0][1].shape[1]
+        row[f"int{bits}_bytes"] = 2 * recs[0][1].shape[0] * recs[0][1].shape[1] + recs[0][3].nbytes
         row[f"int{bits}_vs_full"] = us / row["full_us"]
         parts.append(f"int{bits} {us:8.1f} us ({us / row['full_us']:.2f}x, "
                      f"{row[f'int{bits}_bytes'] / full_bytes:.2f} of the bytes)")

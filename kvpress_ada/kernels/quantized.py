@@ -1,13 +1,27 @@
-"""Quantized entries of the ragged cache: the record layout, quantize / dequantize, and the torch
-reference of ragged attention over quantized rows (the CPU path).
+"""Quantized entries of the ragged cache: the record layout, quantize / dequantize, the rows' side tensors
+(anchor and key centre), and the torch reference of ragged attention over quantized rows (the CPU path).
 
-Scheme: asymmetric integers per token, in groups of ``group`` channels of the head dimension. A group
-``x[0..group)`` is stored as ``zero = min(x)`` and ``scale = (max(x) - zero) / (2^bits - 1)`` (rounded
-*up* to the entries' dtype, so the top of the range stays covered) and integers
-``q = round((x - zero) / scale)`` in ``[0, 2^bits - 1]``; it reads back as ``q * scale + zero``.
-``zero`` is exact (it is one of the entries, already in their dtype), so every element is within
-``scale / 2`` of its original (plus float32 rounding of the arithmetic, and the rounding of the result
-when it is read back in a 16-bit dtype); a constant group (``scale = 0``) reads back exactly.
+Scheme (``docs/design.md``, "Scheme"). Each ragged row (batch ``b``, kv head ``h``) of a layer holds, beside
+its records, three full-precision vectors in the entries' dtype, fixed when the layer is compressed:
+``side [3, rows, D]`` = (anchor key, anchor value, key centre).
+
+* **Anchor**: the row's first entry (its lowest kept position: usually the attention sink) is kept in full
+  precision, key and value. Its slot still holds a record (of the same scheme), which is never read: the
+  anchor is read in its place. An empty row has no anchor until a token is appended to it (that token
+  becomes its anchor); a row whose anchor is evicted takes the read-back value of its new first entry.
+* **Keys**: centred by the row's centre ``c`` (the mean of the row's kept keys, anchor excluded; 0 when the
+  anchor is alone) and rotated by :func:`rotation` ``R`` (a fixed random-sign Hadamard matrix, orthogonal):
+  the record holds ``y = (k - c) @ R`` and reads back as ``dequant(y) @ R^T + c``. Decode tokens appended
+  later are centred with the same ``c``.
+* **Values**: the record holds ``v`` itself.
+
+Integers (:func:`quantize`): asymmetric per token, in groups of ``group`` channels of what the record holds.
+A group ``x[0..group)`` is stored as ``zero = min(x)`` rounded *down* to the storage dtype (exact when ``x``
+is in that dtype, as values are), ``scale = (max(x) - zero) / (2^bits - 1)`` rounded *up* (the top of the
+range stays covered), and integers ``q = round((x - zero) / scale)`` in ``[0, 2^bits - 1]``; it reads back as
+``q * scale + zero``. Every element is within ``scale / 2`` of ``x`` (plus float32 rounding) - for keys in
+the rotated, centred space, where the rotation spreads an outlier channel over every channel of its
+Hadamard block; a constant group (``scale = 0``) reads back exactly.
 
 Record: each token of a key (or value) row is one ``uint8`` row of :func:`record_width` bytes, the
 integers followed by that token's scales and zero points (as llama.cpp's ``Q4_1`` block keeps its
@@ -17,12 +31,18 @@ integers followed by that token's scales and zero points (as llama.cpp's ``Q4_1`
 
 int8: one byte per channel; int4: two channels per byte, channel ``j`` in the low nibble of byte
 ``j`` and channel ``j + head_dim / 2`` in its high nibble (unpacking is two whole-half operations).
-A token is quantized on its own, so a ragged row appends in place and every row-level operation of
-the full-precision cache (compaction, append, re-layout, gather) moves records as plain bytes.
-Free slots are zero bytes: they read back as 0, never NaN.
+A token is quantized on its own (given its row's centre), so a ragged row appends in place and every
+row-level operation of the full-precision cache (compaction, append, re-layout, gather) moves records as
+plain bytes. Free slots are zero bytes: they read back as 0 (values) or the row's centre (keys), never NaN.
+
+Attention never adds the centre back: ``q . k = (q @ R) . y + q . c`` and ``q . c`` is the same for every
+key of a row, so softmax ignores it. Both paths rotate the query once and attend over the records'
+``y`` (the anchor slot: ``(anchor - c) @ R``) and the values (the anchor slot: the anchor value).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -33,9 +53,15 @@ __all__ = [
     "BITS",
     "record_width",
     "check_record",
+    "check_side",
+    "rotation",
     "quantize",
     "dequantize",
     "record_scales",
+    "row_side",
+    "encode_keys",
+    "decode_keys",
+    "quantize_rows",
     "quantized_append_ref",
     "quantized_compact_ref",
     "quantized_attention_ref",
@@ -44,6 +70,8 @@ __all__ = [
 BITS = (4, 8)
 """Integer widths a record can hold."""
 _SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SIGN_SEED = 0
+"""Seed of the rotation's sign vector (``torch.Generator().manual_seed(SIGN_SEED)``, CPU)."""
 
 
 def record_width(head_dim: int, bits: int, group: int, dtype: torch.dtype) -> int:
@@ -63,6 +91,38 @@ def check_record(head_dim: int, bits: int, group: int, dtype: torch.dtype) -> No
         raise ValueError(f"records quantize float32, float16 or bfloat16 entries, not {dtype}")
 
 
+def check_side(side: Tensor, rows: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Raise a one-line ``ValueError`` unless ``side`` is the ``[3, rows, head_dim]`` tensor of ``dtype`` on
+    ``device`` a layer's rows keep (anchor key, anchor value, key centre)."""
+    if tuple(side.shape) != (3, rows, head_dim) or side.dtype != dtype:
+        raise ValueError(f"side must be {dtype} [3, {rows}, {head_dim}] (anchor key, anchor value, key centre of "
+                         f"each row), got {side.dtype} {tuple(side.shape)}")
+    if not side.is_contiguous():
+        raise ValueError("side must be contiguous")
+    if side.device != device:
+        raise ValueError(f"side is on {side.device} but the cache is on {device}")
+
+
+@functools.lru_cache(maxsize=None)
+def _rotation(head_dim: int, device: torch.device) -> Tensor:
+    block = head_dim & -head_dim  # the largest power of two dividing head_dim
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    hadamard = torch.block_diag(*[h / block ** 0.5] * (head_dim // block))
+    gen = torch.Generator().manual_seed(SIGN_SEED)
+    signs = torch.where(torch.rand(head_dim, generator=gen, dtype=torch.float64) < 0.5, -1.0, 1.0)
+    return (signs[:, None] * hadamard).to(torch.float32).to(device)
+
+
+def rotation(head_dim: int, device: torch.device | str = "cpu") -> Tensor:
+    """``R`` float32 ``[head_dim, head_dim]``, orthogonal: ``diag(s) @ H`` with ``s`` a fixed random sign
+    vector (:data:`SIGN_SEED`) and ``H`` the normalised Sylvester-Hadamard matrix of the largest power of two
+    ``P`` dividing ``head_dim``, repeated block-diagonally (``head_dim / P`` blocks). Keys are stored as
+    ``(k - c) @ R``."""
+    return _rotation(int(head_dim), torch.device(device))
+
+
 def _round_up(x: Tensor, dtype: torch.dtype) -> Tensor:
     """``x`` (float32, >= 0) in ``dtype``, rounded up: the stored value is never below ``x``."""
     stored = x.to(dtype)
@@ -73,26 +133,42 @@ def _round_up(x: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.where(low, bumped, stored)
 
 
+def _round_down(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` (float32) in ``dtype``, rounded down: the stored value is never above ``x`` (exact when ``x`` is
+    representable in ``dtype``)."""
+    stored = x.to(dtype)
+    if dtype == torch.float32:
+        return stored
+    high = stored.float() > x
+    bits = stored.view(torch.int16)  # sign and magnitude: one step down is -1 above zero, +1 below
+    below = torch.where(stored > 0, bits - 1, torch.where(stored == 0, torch.full_like(bits, -32767), bits + 1))
+    return torch.where(high, below.view(dtype), stored)
+
+
 def _int_bytes(head_dim: int, bits: int) -> int:
     return head_dim * bits // 8
 
 
-def quantize(x: Tensor, bits: int, group: int) -> Tensor:
-    """Records ``uint8 [..., record_width]`` of ``x [..., D]`` (float32/float16/bfloat16; scales and zero
-    points in ``x.dtype``). See the module docstring for the scheme and its bound."""
+def quantize(x: Tensor, bits: int, group: int, dtype: torch.dtype | None = None) -> Tensor:
+    """Records ``uint8 [..., record_width]`` of ``x [..., D]`` (float32/float16/bfloat16), scales and zero
+    points in ``dtype`` (default ``x.dtype``). See the module docstring for the integers and their bound."""
     *lead, D = x.shape
+    dtype = x.dtype if dtype is None else dtype
     check_record(D, bits, group, x.dtype)
+    check_record(D, bits, group, dtype)
     levels = (1 << bits) - 1
     xf = x.float().reshape(*lead, D // group, group)
-    zero, top = torch.aminmax(xf, dim=-1)  # zero is exact in x.dtype: it is one of the entries
-    scale = _round_up((top - zero) / levels, x.dtype)
+    low, top = torch.aminmax(xf, dim=-1)
+    zero = _round_down(low, dtype)  # exact when x is in dtype: then it is one of the entries
+    zf = zero.float()
+    scale = _round_up((top - zf) / levels, dtype)
     sf = scale.float()
-    q = (xf - zero[..., None]).div_(torch.where(sf > 0, sf, 1.0)[..., None]).round_().clamp_(0, levels)
+    q = (xf - zf[..., None]).div_(torch.where(sf > 0, sf, 1.0)[..., None]).round_().clamp_(0, levels)
     q = q.to(torch.uint8).reshape(*lead, D)
     if bits == 4:
         q = q[..., : D // 2] | (q[..., D // 2:] << 4)
     scales = scale.contiguous().view(torch.uint8)
-    zeros = zero.to(x.dtype).contiguous().view(torch.uint8)
+    zeros = zero.contiguous().view(torch.uint8)
     return torch.cat([q, scales, zeros], dim=-1)
 
 
@@ -117,8 +193,9 @@ def record_scales(records: Tensor, head_dim: int, bits: int, group: int,
 
 def dequantize(records: Tensor, head_dim: int, bits: int, group: int, dtype: torch.dtype,
                out_dtype: torch.dtype | None = None) -> Tensor:
-    """``[..., head_dim]`` entries of ``records`` (made by :func:`quantize` from entries of ``dtype``), computed
-    in float32 and returned in ``out_dtype`` (default ``dtype``)."""
+    """``[..., head_dim]`` what ``records`` hold (made by :func:`quantize` with scales in ``dtype``), computed
+    in float32 and returned in ``out_dtype`` (default ``dtype``). For a key record this is its rotated,
+    centred ``y``: :func:`decode_keys` gives the key."""
     ints, scale, zero = record_scales(records, head_dim, bits, group, dtype)
     *lead, _ = records.shape
     n_groups = head_dim // group
@@ -141,41 +218,118 @@ def dequantize(records: Tensor, head_dim: int, bits: int, group: int, dtype: tor
     return out if target == torch.float32 else out.to(target)
 
 
+# ----------------------------------------------------------------------------- keys and the rows' side tensors
+
+
+def row_side(keys: Tensor, values: Tensor, keep: Tensor) -> Tensor:
+    """``side [3, B * H, D]`` in ``keys.dtype`` of the kept entries (``keep`` bool ``[B, H, L]``) of
+    ``keys, values [B, H, L, D]``: each row's anchor key and value (its first kept entry; zeros for a row
+    keeping nothing) and key centre (the mean of its other kept keys, float32 then rounded; 0 if none)."""
+    B, H, L, D = keys.shape
+    rank = torch.cumsum(keep, dim=-1)
+    first = keep & (rank == 1)
+    any_kept = keep.any(-1)
+    at = first.to(torch.uint8).argmax(-1)[..., None, None].expand(B, H, 1, D)
+    anchor = torch.stack((keys.gather(2, at), values.gather(2, at))).squeeze(3)  # [2, B, H, D]
+    anchor = torch.where(any_kept[..., None], anchor, torch.zeros((), dtype=keys.dtype, device=keys.device))
+    rest = (keep & ~first).to(torch.float32)
+    centre = (rest[..., None, :] @ keys.float()).squeeze(-2) / rest.sum(-1).clamp(min=1)[..., None]
+    return torch.cat((anchor, centre.to(keys.dtype)[None])).reshape(3, B * H, D)
+
+
+def encode_keys(keys: Tensor, centre: Tensor, bits: int, group: int) -> Tensor:
+    """Records of ``keys [..., D]`` centred by ``centre`` (broadcast against them, in their dtype) and
+    rotated: ``quantize((keys - centre) @ R)`` with scales in ``keys.dtype``."""
+    D = keys.shape[-1]
+    y = (keys.float() - centre.float()) @ rotation(D, keys.device)
+    return quantize(y, bits, group, dtype=keys.dtype)
+
+
+def decode_keys(records: Tensor, centre: Tensor, head_dim: int, bits: int, group: int, dtype: torch.dtype,
+                out_dtype: torch.dtype | None = None) -> Tensor:
+    """Keys ``[..., head_dim]`` of key ``records``: ``dequantize(records) @ R^T + centre`` (float32), in
+    ``out_dtype`` (default ``dtype``)."""
+    y = dequantize(records, head_dim, bits, group, dtype, torch.float32)
+    out = (y @ rotation(head_dim, records.device).T).add_(centre.float())
+    target = dtype if out_dtype is None else out_dtype
+    return out if target == torch.float32 else out.to(target)
+
+
+def quantize_rows(k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor, bits: int,
+                  group: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(k_rec, v_rec, side)`` of a full-precision ragged layer ``k_flat, v_flat [N, D]`` (rows at
+    ``row_offsets``, ``row_lengths`` long): each row's side tensors from all its entries (its first entry the
+    anchor), every slot quantized (gaps and free slots with a zero centre). A helper for tests and
+    benchmarks (one host sync per row), not a path of the cache, which quantizes what it keeps."""
+    N, D = k_flat.shape
+    side = torch.zeros(3, row_offsets.shape[0], D, dtype=k_flat.dtype, device=k_flat.device)
+    centres = torch.zeros_like(k_flat)
+    for r, (o, n) in enumerate(zip(row_offsets.tolist(), row_lengths.tolist())):
+        if n:
+            every = torch.ones(1, 1, n, dtype=torch.bool, device=k_flat.device)
+            side[:, r] = row_side(k_flat[None, None, o:o + n], v_flat[None, None, o:o + n], every)[:, 0]
+            centres[o:o + n] = side[2, r]
+    return encode_keys(k_flat, centres, bits, group), quantize(v_flat, bits, group), side
+
+
+# ----------------------------------------------------------------------------- ops (torch reference)
+
+
 def quantized_append_ref(k_new: Tensor, v_new: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor,
-                         row_lengths: Tensor, bits: int, group: int) -> None:
-    """Quantize ``k_new, v_new [B, H_kv, Q, D]`` and append their records at ``row_offsets + row_lengths``
-    (in place), then ``row_lengths += Q``. Device-side index ops only (no host sync)."""
-    B, H, Q, _ = k_new.shape
+                         row_lengths: Tensor, side: Tensor, bits: int, group: int) -> None:
+    """Quantize ``k_new, v_new [B, H_kv, Q, D]`` (keys centred by their row's centre ``side[2]``) and append
+    their records at ``row_offsets + row_lengths`` (in place); a row empty so far takes its first new token as
+    its anchor (``side[0], side[1]``); then ``row_lengths += Q``. Device-side index ops only (no host sync)."""
+    B, H, Q, D = k_new.shape
     start = row_offsets.to(torch.int64) + row_lengths.to(torch.int64)
     dst = (start.unsqueeze(1) + torch.arange(Q, device=start.device)).reshape(-1)
-    records = quantize(torch.stack((k_new, v_new)), bits, group).view(2, B * H * Q, -1)  # one pass for both
-    k_rec.index_copy_(0, dst, records[0])
-    v_rec.index_copy_(0, dst, records[1])
+    k_rec.index_copy_(0, dst, encode_keys(k_new, side[2].view(B, H, 1, D), bits, group).view(B * H * Q, -1))
+    v_rec.index_copy_(0, dst, quantize(v_new, bits, group).view(B * H * Q, -1))
+    empty = (row_lengths == 0).view(1, B * H, 1)
+    first = torch.stack((k_new[:, :, 0], v_new[:, :, 0])).reshape(2, B * H, D)
+    side[:2].copy_(torch.where(empty, first, side[:2]))
     row_lengths.add_(Q)
 
 
 def quantized_compact_ref(keys: Tensor, values: Tensor, keep: Tensor, row_offsets: Tensor, k_rec: Tensor,
-                          v_rec: Tensor, bits: int, group: int) -> None:
-    """Quantize the kept entries of ``keys, values [B, H_kv, L, D]`` (``keep`` bool ``[B, H_kv, L]``) into
-    row ``b * H_kv + h`` of the records, in ascending position order from ``row_offsets``; only kept
-    entries are quantized. The caller sets ``row_lengths`` to the counts."""
-    H = keys.shape[1]
+                          v_rec: Tensor, side: Tensor, bits: int, group: int) -> None:
+    """Fix each row's side tensors from its kept entries (``side.copy_(row_side(keys, values, keep))``), then
+    quantize the kept entries of ``keys, values [B, H_kv, L, D]`` (``keep`` bool ``[B, H_kv, L]``) into row
+    ``b * H_kv + h`` of the records, in ascending position order from ``row_offsets``; only kept entries are
+    quantized (the anchor's too: its record is never read). The caller sets ``row_lengths`` to the counts."""
+    B, H, _, D = keys.shape
+    side.copy_(row_side(keys, values, keep))
     b, h, pos = keep.nonzero(as_tuple=True)
     if b.numel() == 0:
         return
     rank = torch.cumsum(keep, dim=-1, dtype=torch.int64)[b, h, pos] - 1
     dst = row_offsets.to(torch.int64)[b * H + h] + rank
-    k_rec.index_copy_(0, dst, quantize(keys[b, h, pos], bits, group))
+    k_rec.index_copy_(0, dst, encode_keys(keys[b, h, pos], side[2][b * H + h], bits, group))
     v_rec.index_copy_(0, dst, quantize(values[b, h, pos], bits, group))
 
 
+def attention_operands(q: Tensor, side: Tensor) -> tuple[Tensor, Tensor]:
+    """``(q @ R, (anchor key - centre) @ R)`` in float32: the rotated query and each row's anchor in the space
+    its records hold (what both attention paths attend with; see the module docstring)."""
+    R = rotation(q.shape[-1], q.device)
+    return q.float() @ R, (side[0].float() - side[2].float()) @ R
+
+
 def quantized_attention_ref(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor,
-                            scale: float, bits: int, group: int) -> Tensor:
+                            side: Tensor, scale: float, bits: int, group: int) -> Tensor:
     """Ragged attention (contract of :func:`~.reference.ragged_attention_ref`) over quantized records made
-    from entries of ``q.dtype``. The CPU path: the layer's records are dequantized to float32 in one
-    vectorised pass (transient, one layer at a time) and attended by the full-precision reference, whose
-    row-layout paths (batched, per row, loop-free split-K) apply unchanged."""
+    from entries of ``q.dtype``, with the rows' ``side`` tensors. The CPU path: the layer's records are
+    dequantized to float32 in one vectorised pass (transient, one layer at a time), each non-empty row's first
+    slot replaced by its anchor, and the rotated query attends to them with the full-precision reference,
+    whose row-layout paths (batched, per row, loop-free split-K) apply unchanged."""
     D, N = q.shape[-1], k_rec.shape[0]
-    kv = dequantize(torch.cat((k_rec, v_rec)), D, bits, group, q.dtype, torch.float32)  # one pass for both
-    out = ragged_attention_ref(q.float(), kv[:N], kv[N:], row_offsets, row_lengths, scale)
+    pad = torch.zeros(1, k_rec.shape[1], dtype=torch.uint8, device=k_rec.device)  # one dump slot (index 2N)
+    kv = dequantize(torch.cat((k_rec, v_rec, pad)), D, bits, group, q.dtype, torch.float32)  # one pass for both
+    q_rot, anchor_k = attention_operands(q, side)
+    nonempty = row_lengths > 0
+    offs = row_offsets.to(torch.int64)
+    dump = torch.full_like(offs, 2 * N)
+    slots = torch.cat((torch.where(nonempty, offs, dump), torch.where(nonempty, offs + N, dump)))
+    kv.index_copy_(0, slots, torch.cat((anchor_k, side[1].float())))
+    out = ragged_attention_ref(q_rot, kv[:N], kv[N:2 * N], row_offsets, row_lengths, scale)
     return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -8,7 +8,11 @@ call the implementation directly (no custom-op dispatch per layer and step).
 
 * :func:`quantized_attention` - ragged attention that dequantizes the rows it reads;
 * :func:`quantized_append` - quantize new tokens and append their records in place;
-* :func:`quantized_compact` - quantize each row's kept entries into the ragged layout.
+* :func:`quantized_compact` - fix each row's side tensors and quantize its kept entries into the ragged layout.
+
+Every op takes the layer's ``side [3, rows, D]`` (each row's anchor key, anchor value and key centre, in
+the entries' dtype: :mod:`.quantized`); compaction writes it, an append writes the anchor of a row that was
+empty, attention reads it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .quantized import quantized_append_ref, quantized_attention_ref, quantized_compact_ref, record_width
+from .quantized import (
+    check_side,
+    quantized_append_ref,
+    quantized_attention_ref,
+    quantized_compact_ref,
+    record_width,
+)
 from .support import resolve_backend, triton_module
 
 __all__ = ["quantized_attention", "quantized_append", "quantized_compact"]
@@ -25,7 +35,7 @@ __all__ = ["quantized_attention", "quantized_append", "quantized_compact"]
 # ----------------------------------------------------------------------------- validation
 
 
-def _check_records(k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor | None,
+def _check_records(k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor | None, side: Tensor,
                    head_dim: int, bits: int, group: int, dtype: torch.dtype) -> None:
     width = record_width(head_dim, bits, group, dtype)
     for name, rec in (("k_rec", k_rec), ("v_rec", v_rec)):
@@ -45,6 +55,7 @@ def _check_records(k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_length
             raise ValueError(f"{name} must be int32 (or int64) [R], got {index.dtype} {tuple(index.shape)}")
     if row_lengths is not None and row_lengths.shape != row_offsets.shape:
         raise ValueError(f"row_lengths {tuple(row_lengths.shape)} and row_offsets {tuple(row_offsets.shape)} differ")
+    check_side(side, row_offsets.shape[0], head_dim, dtype, row_offsets.device)
 
 
 def _rows(name: str, x: Tensor, row_offsets: Tensor, same_heads: bool) -> None:
@@ -63,48 +74,48 @@ def _rows(name: str, x: Tensor, row_offsets: Tensor, same_heads: bool) -> None:
 
 @torch.library.custom_op("kvpress_ada::quantized_attention", mutates_args=())
 def _quantized_attention_op(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor,
-                            scale: float, bits: int, group: int, split_size: int = 0) -> Tensor:
+                            side: Tensor, scale: float, bits: int, group: int, split_size: int = 0) -> Tensor:
     """Raw op behind :func:`quantized_attention` (no validation): backend dispatch."""
-    return _attention_impl(q, k_rec, v_rec, row_offsets, row_lengths, scale, bits, group, split_size)
+    return _attention_impl(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, bits, group, split_size)
 
 
-def _attention_impl(q, k_rec, v_rec, row_offsets, row_lengths, scale, bits, group, split_size):
+def _attention_impl(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, bits, group, split_size):
     if q.numel() == 0:
         return torch.zeros_like(q)
     if resolve_backend(q.device, q.shape[-1]) == "triton":
         kernel = triton_module("quantized_triton").quantized_attention_triton
-        return kernel(q, k_rec, v_rec, row_offsets, row_lengths, scale, bits, group, split_size=split_size)
-    return quantized_attention_ref(q, k_rec, v_rec, row_offsets, row_lengths, scale, bits, group)
+        return kernel(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, bits, group, split_size=split_size)
+    return quantized_attention_ref(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, bits, group)
 
 
 @_quantized_attention_op.register_fake
-def _(q, k_rec, v_rec, row_offsets, row_lengths, scale, bits, group, split_size=0):
+def _(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, bits, group, split_size=0):
     return torch.empty_like(q)
 
 
-@torch.library.custom_op("kvpress_ada::quantized_append", mutates_args=("k_rec", "v_rec", "row_lengths"))
+@torch.library.custom_op("kvpress_ada::quantized_append", mutates_args=("k_rec", "v_rec", "row_lengths", "side"))
 def _quantized_append_op(k_new: Tensor, v_new: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor,
-                         row_lengths: Tensor, bits: int, group: int) -> None:
+                         row_lengths: Tensor, side: Tensor, bits: int, group: int) -> None:
     """Raw op behind :func:`quantized_append` (no validation); torch ops on every backend."""
     if k_new.numel():
-        quantized_append_ref(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, bits, group)
+        quantized_append_ref(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side, bits, group)
 
 
 @_quantized_append_op.register_fake
-def _(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, bits, group):
+def _(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side, bits, group):
     return None
 
 
-@torch.library.custom_op("kvpress_ada::quantized_compact", mutates_args=("k_rec", "v_rec"))
+@torch.library.custom_op("kvpress_ada::quantized_compact", mutates_args=("k_rec", "v_rec", "side"))
 def _quantized_compact_op(keys: Tensor, values: Tensor, keep: Tensor, row_offsets: Tensor, k_rec: Tensor,
-                          v_rec: Tensor, bits: int, group: int) -> None:
+                          v_rec: Tensor, side: Tensor, bits: int, group: int) -> None:
     """Raw op behind :func:`quantized_compact` (no validation); torch ops on every backend."""
     if keys.numel():
-        quantized_compact_ref(keys, values, keep, row_offsets, k_rec, v_rec, bits, group)
+        quantized_compact_ref(keys, values, keep, row_offsets, k_rec, v_rec, side, bits, group)
 
 
 @_quantized_compact_op.register_fake
-def _(keys, values, keep, row_offsets, k_rec, v_rec, bits, group):
+def _(keys, values, keep, row_offsets, k_rec, v_rec, side, bits, group):
     return None
 
 
@@ -116,47 +127,50 @@ def _direct(*tensors: Tensor) -> bool:
 
 
 def quantized_attention(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor,
-                        scale: float, bits: int, group: int, split_size: int = 0) -> Tensor:
+                        side: Tensor, scale: float, bits: int, group: int, split_size: int = 0) -> Tensor:
     """Ragged attention (contract of :func:`~.ops.ragged_attention`: ``q [B, H_q, Q, D]``, bottom-right
     causal, 0 for a query that sees nothing, output in ``q.dtype``) over rows of quantized records
-    ``k_rec, v_rec uint8 [N_cap, width]`` made from entries of ``q.dtype``, dequantized as they are read.
-    Triton path: the split-K kernel of the full-precision cache, dequantizing each K/V tile in registers."""
-    _check_records(k_rec, v_rec, row_offsets, row_lengths, q.shape[-1], bits, group, q.dtype)
+    ``k_rec, v_rec uint8 [N_cap, width]`` made from entries of ``q.dtype``, with the rows' ``side`` tensors,
+    dequantized as they are read (each non-empty row's first slot reads as its anchor). Triton path: the
+    split-K kernel of the full-precision cache, dequantizing each K/V tile in registers."""
+    _check_records(k_rec, v_rec, row_offsets, row_lengths, side, q.shape[-1], bits, group, q.dtype)
     _rows("q", q, row_offsets, same_heads=False)
-    args = (q, k_rec, v_rec, row_offsets, row_lengths, float(scale), int(bits), int(group), int(split_size))
-    if _direct(q, k_rec, v_rec, row_offsets, row_lengths):
+    args = (q, k_rec, v_rec, row_offsets, row_lengths, side, float(scale), int(bits), int(group), int(split_size))
+    if _direct(q, k_rec, v_rec, row_offsets, row_lengths, side):
         return _attention_impl(*args)
     return _quantized_attention_op(*args)
 
 
 def quantized_append(k_new: Tensor, v_new: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor,
-                     row_lengths: Tensor, bits: int, group: int) -> None:
-    """Quantize ``k_new, v_new [B, H_kv, Q, D]`` and write their records at ``row_offsets[r] + row_lengths[r] + i``,
-    then ``row_lengths += Q`` (in place, no host sync). The caller guarantees the capacity."""
-    _check_records(k_rec, v_rec, row_offsets, row_lengths, k_new.shape[-1], bits, group, k_new.dtype)
+                     row_lengths: Tensor, side: Tensor, bits: int, group: int) -> None:
+    """Quantize ``k_new, v_new [B, H_kv, Q, D]`` (keys centred by their row's centre) and write their records at
+    ``row_offsets[r] + row_lengths[r] + i``; a row empty so far takes its first new token as its anchor
+    (``side``); then ``row_lengths += Q`` (in place, no host sync). The caller guarantees the capacity."""
+    _check_records(k_rec, v_rec, row_offsets, row_lengths, side, k_new.shape[-1], bits, group, k_new.dtype)
     _rows("k_new", k_new, row_offsets, same_heads=True)
     if k_new.shape != v_new.shape or k_new.dtype != v_new.dtype:
         raise ValueError(f"k_new {k_new.dtype} {tuple(k_new.shape)} and v_new {v_new.dtype} {tuple(v_new.shape)} "
                          "differ")
-    if _direct(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths):
+    if _direct(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side):
         if k_new.numel():
-            quantized_append_ref(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, bits, group)
+            quantized_append_ref(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side, bits, group)
         return
-    _quantized_append_op(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, int(bits), int(group))
+    _quantized_append_op(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side, int(bits), int(group))
 
 
 def quantized_compact(keys: Tensor, values: Tensor, keep: Tensor, row_offsets: Tensor, k_rec: Tensor,
-                      v_rec: Tensor, bits: int, group: int) -> None:
-    """Quantize row ``b * H_kv + h``'s kept entries (``keep`` bool ``[B, H_kv, L]`` over ``keys, values
-    [B, H_kv, L, D]``) into ``k_rec[row_offsets[r] + j]``, ascending positions. The caller guarantees the
-    capacity and sets ``row_lengths`` to the counts."""
-    _check_records(k_rec, v_rec, row_offsets, None, keys.shape[-1], bits, group, keys.dtype)
+                      v_rec: Tensor, side: Tensor, bits: int, group: int) -> None:
+    """Write row ``b * H_kv + h``'s side tensors (anchor: its first kept entry; key centre: the mean of its
+    other kept keys) into ``side``, then quantize its kept entries (``keep`` bool ``[B, H_kv, L]`` over
+    ``keys, values [B, H_kv, L, D]``) into ``k_rec[row_offsets[r] + j]``, ascending positions. The caller
+    guarantees the capacity and sets ``row_lengths`` to the counts."""
+    _check_records(k_rec, v_rec, row_offsets, None, side, keys.shape[-1], bits, group, keys.dtype)
     _rows("keys", keys, row_offsets, same_heads=True)
     if keep.dtype != torch.bool or tuple(keep.shape) != tuple(keys.shape[:3]) or keys.shape != values.shape:
         raise ValueError(f"keep must be a bool [B, H_kv, L] mask over keys and values of one shape, got keep "
                          f"{keep.dtype} {tuple(keep.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}")
-    if _direct(keys, values, keep, row_offsets, k_rec, v_rec):
+    if _direct(keys, values, keep, row_offsets, k_rec, v_rec, side):
         if keys.numel():
-            quantized_compact_ref(keys, values, keep, row_offsets, k_rec, v_rec, bits, group)
+            quantized_compact_ref(keys, values, keep, row_offsets, k_rec, v_rec, side, bits, group)
         return
-    _quantized_compact_op(keys, values, keep, row_offsets, k_rec, v_rec, int(bits), int(group))
+    _quantized_compact_op(keys, values, keep, row_offsets, k_rec, v_rec, side, int(bits), int(group))

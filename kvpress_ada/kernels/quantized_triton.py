@@ -3,9 +3,13 @@
 The split-K scheme of :mod:`.triton_kernels` (FlashDecoding over variable-length rows: an in-kernel
 prefix sum maps each program to its (row, split), the GQA group x queries packed into one tile, a
 second launch merging the splits' online-softmax partials: :func:`~.triton_kernels.merge_splits`)
-with one change: each ``[BLOCK_N, D]`` tile of keys or values is read as integers plus the scales
+with two changes: each ``[BLOCK_N, D]`` tile of keys or values is read as integers plus the scales
 and zero points of its tokens and dequantized in registers (float32), then cast to the query's dtype
-for ``tl.dot``. The cache is read at ``bits / 16`` of a 16-bit cache's bytes plus the scales.
+for ``tl.dot``; and the scheme's rows (:mod:`.quantized`): the query is rotated once before the launch
+(``q @ R``, so the keys' ``y = (k - c) @ R`` are never un-rotated and the centre ``c`` shifts every logit
+of a row alike, which softmax ignores), and a row's first slot reads as its anchor (the anchor key in the
+records' space, ``(anchor - c) @ R``, float32, and the anchor value). The cache is read at ``bits / 16``
+of a 16-bit cache's bytes plus the scales.
 
 Importing this module imports triton; set ``TRITON_INTERPRET=1`` before importing it to run on CPU
 tensors (fp32/fp16 only: the interpreter's bf16 ``tl.dot`` is wrong).
@@ -19,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quantized import check_record
+from .quantized import attention_operands, check_record
 from .support import check_head_dim
 from .triton_kernels import default_config, merge_splits
 
@@ -46,7 +50,7 @@ def _dequantized_tile(REC_ptr, SC_ptr, rows, kv_mask, offs_d, rec_width, sc_widt
 
 @triton.jit
 def _quantized_split_kernel(
-    Q_ptr, K_ptr, V_ptr, KS_ptr, VS_ptr, OFF_ptr, LEN_ptr, PM_ptr, PL_ptr, PACC_ptr,
+    Q_ptr, K_ptr, V_ptr, KS_ptr, VS_ptr, AK_ptr, AV_ptr, OFF_ptr, LEN_ptr, PM_ptr, PL_ptr, PACC_ptr,
     qk_scale,  # scale * log2(e)
     R, H_kv, G, NQ, M_TOTAL, SPLIT,
     stride_qb, stride_qh, stride_qq,
@@ -84,6 +88,10 @@ def _quantized_split_kernel(
         q = tl.load(q_ptrs, mask=m_valid[:, None], other=0.0)
         limit = n - (NQ - 1 - qi)  # bottom-right causal: query i sees the first n - (Q - 1 - i) entries
 
+        # the row's anchor (read in place of its first slot): key in the records' space (float32), value
+        anchor_k = tl.load(AK_ptr + row.to(tl.int64) * HEAD_DIM + offs_d)[None, :]
+        anchor_v = tl.load(AV_ptr + row.to(tl.int64) * HEAD_DIM + offs_d).to(tl.float32)[None, :]
+
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -92,8 +100,10 @@ def _quantized_split_kernel(
             offs_n = start + offs_j
             kv_mask = (offs_n < hi)[:, None]
             rows = base + offs_n.to(tl.int64)[:, None]
+            is_anchor = (offs_n == 0)[:, None]
             k = _dequantized_tile(K_ptr, KS_ptr, rows, kv_mask, offs_d, rec_width, sc_width,
-                                  HEAD_DIM, BITS, GROUP).to(q.dtype)
+                                  HEAD_DIM, BITS, GROUP)
+            k = tl.where(is_anchor, anchor_k, k).to(q.dtype)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -107,7 +117,8 @@ def _quantized_split_kernel(
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = _dequantized_tile(V_ptr, VS_ptr, rows, kv_mask, offs_d, rec_width, sc_width,
-                                  HEAD_DIM, BITS, GROUP).to(q.dtype)
+                                  HEAD_DIM, BITS, GROUP)
+            v = tl.where(is_anchor, anchor_v, v).to(q.dtype)
             if IEEE:
                 pv = tl.dot(p.to(q.dtype), v, input_precision="ieee")
             else:
@@ -123,15 +134,18 @@ def _quantized_split_kernel(
 
 
 def quantized_attention_triton(q: torch.Tensor, k_rec: torch.Tensor, v_rec: torch.Tensor, row_offsets: torch.Tensor,
-                               row_lengths: torch.Tensor, scale: float, bits: int, group: int, *,
+                               row_lengths: torch.Tensor, side: torch.Tensor, scale: float, bits: int, group: int, *,
                                split_size: int = 0) -> torch.Tensor:
-    """Split-K ragged attention over quantized records (two launches, no host sync); inputs validated by
-    :func:`~.quantized_ops.quantized_attention`. ``split_size`` 0: :func:`~.triton_kernels.default_config`."""
+    """Split-K ragged attention over quantized records with the rows' ``side`` tensors (two launches, no host
+    sync); inputs validated by :func:`~.quantized_ops.quantized_attention`. ``split_size`` 0:
+    :func:`~.triton_kernels.default_config`."""
     B, H_q, Q, D = q.shape
     check_head_dim(D)
     check_record(D, bits, group, q.dtype)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    dtype = q.dtype
+    q_rot, anchor_k = attention_operands(q, side)
+    q = q_rot.to(dtype).contiguous()
+    anchor_k, anchor_v = anchor_k.contiguous(), side[1].contiguous()
     R = row_offsets.shape[0]
     H_kv = R // B
     G = H_q // H_kv
@@ -150,7 +164,7 @@ def quantized_attention_triton(q: torch.Tensor, k_rec: torch.Tensor, v_rec: torc
     itemsize = q.dtype.itemsize
     ks, vs = k_rec.view(q.dtype), v_rec.view(q.dtype)  # the same bytes, indexed in scale-sized elements
     _quantized_split_kernel[(slots, m_tiles)](
-        q, k_rec, v_rec, ks, vs, row_offsets, row_lengths, pm, pl, pacc,
+        q, k_rec, v_rec, ks, vs, anchor_k, anchor_v, row_offsets, row_lengths, pm, pl, pacc,
         float(scale) * math.log2(math.e), R, H_kv, G, Q, M_total, split,
         q.stride(0), q.stride(1), q.stride(2),
         k_rec.shape[1], k_rec.shape[1] // itemsize,

@@ -2,13 +2,17 @@
 
 A layer is a :class:`~.ragged_cache.RaggedLayer` (same rows, offsets, reserve, re-layout, crop, compiled
 decode step) whose slots hold one ``uint8`` record per token instead of ``head_dim`` floats: the
-integers with the token's scales and zero points (:mod:`kvpress_ada.kernels.quantized`). The dense
-prefill stays in full precision until the layer is compressed, so selection reads full-precision
-entries; compression quantizes the kept entries, a decode token is quantized when it is appended, and
-attention dequantizes the rows as it reads them. :meth:`~.ragged_cache.RaggedLayer.view` gives the
-dequantized entries (what a later selection, a decode compaction or the next chunk of a chunked prefill
-reads: what is stored), and keeping part of a compressed layer moves the kept records as they are
-(never quantized twice). ``nbytes()`` counts the records, scales and zero points included.
+integers with the token's scales and zero points (:mod:`kvpress_ada.kernels.quantized`), plus, per row,
+``side [3, rows, D]`` in the entries' dtype: the row's anchor (its first entry, key and value, kept in full
+precision) and its key centre (keys are stored centred and rotated). The dense prefill stays in full
+precision until the layer is compressed, so selection reads full-precision entries; compression fixes
+each row's side tensors and quantizes the kept entries, a decode token is quantized when it is appended
+(with its row's centre), and attention dequantizes the rows as it reads them.
+:meth:`~.ragged_cache.RaggedLayer.view` gives the dequantized entries (the anchor exactly: what a later
+selection, a decode compaction or the next chunk of a chunked prefill reads: what is stored), and keeping
+part of a compressed layer moves the kept records as they are (never quantized twice; centres unchanged; a
+row whose anchor is dropped takes its new first entry's read-back value as anchor). ``nbytes()`` counts
+the records, scales and zero points included, and the side tensors.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 import torch
 
 from ... import kernels
-from ...kernels.quantized import dequantize, record_width
+from ...kernels.quantized import decode_keys, dequantize, record_width
 from ...storage import Storage
 from .entries import gather_slots, ragged_index
 from .press_cache import HeldEntries
@@ -26,11 +30,16 @@ from .ragged_cache import RaggedCache, RaggedLayer
 
 
 class QuantizedRaggedLayer(RaggedLayer):
-    """One layer of a :class:`QuantizedRaggedCache`: ``bits``-bit records in groups of ``group`` channels."""
+    """One layer of a :class:`QuantizedRaggedCache`: ``bits``-bit records in groups of ``group`` channels,
+    and each row's ``side`` tensors (anchor key, anchor value, key centre)."""
 
     def __init__(self, bits: int, group: int, decode_reserve: int = 8, growth: float = 0.125):
         super().__init__(decode_reserve, growth)
         self.bits, self.group = bits, group
+
+    def _clear(self) -> None:
+        super()._clear()
+        self.side = torch.empty(0)
 
     def _empty_slots(self, total: int) -> torch.Tensor:
         width = record_width(self.head_dim, self.bits, self.group, self.dtype)
@@ -39,27 +48,38 @@ class QuantizedRaggedLayer(RaggedLayer):
     def _compact_entries(self, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor) -> None:
         if keys.dtype == torch.uint8:  # records of this layer (see retain): moved as they are
             kernels.compact_ref(keys, values, keep, self.row_offsets, self.k_flat, self.v_flat)
-        else:
-            kernels.quantized_compact(keys, values, keep, self.row_offsets, self.k_flat, self.v_flat, self.bits,
-                                      self.group)
+            return
+        B, H, _ = self.shape
+        with torch.inference_mode(False):  # a normal tensor, as the flat buffers (see RaggedLayer._layout)
+            self.side = torch.zeros(3, B * H, self.head_dim, dtype=self.dtype, device=self.device)
+        if self.side.device.type == "cuda" and not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(self.side)  # mutated in place by appends (see _mark_for_compile)
+        kernels.quantized_compact(keys, values, keep, self.row_offsets, self.k_flat, self.v_flat, self.side,
+                                  self.bits, self.group)
 
     def _append_entries(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         kernels.quantized_append(keys, values, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths,
-                                 self.bits, self.group)
+                                 self.side, self.bits, self.group)
 
     def _read_slots(self, index: torch.Tensor, present: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        def read(records: torch.Tensor) -> torch.Tensor:
-            return dequantize(gather_slots(records, index, present), self.head_dim, self.bits, self.group, self.dtype)
-
-        return read(self.k_flat), read(self.v_flat)
+        B, H, _ = self.shape
+        D = self.head_dim
+        anchor_k, anchor_v, centre = self.side.view(3, B, H, 1, D)
+        keys = decode_keys(gather_slots(self.k_flat, index, present), centre, D, self.bits, self.group, self.dtype)
+        values = dequantize(gather_slots(self.v_flat, index, present), D, self.bits, self.group, self.dtype)
+        first = (present & (index == self.row_offsets.view(B, H, 1).long()))[..., None]  # each row's anchor slot
+        zero = torch.zeros((), dtype=self.dtype, device=keys.device)
+        return (torch.where(present[..., None], torch.where(first, anchor_k, keys), zero),
+                torch.where(first, anchor_v, values))
 
     def _attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         return kernels.quantized_attention(query, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths,
-                                           scaling, self.bits, self.group)
+                                           self.side, scaling, self.bits, self.group)
 
     def retain(self, keep: torch.Tensor, held: HeldEntries, spare: int | None = None) -> None:
         """As :meth:`RaggedLayer.retain`; on a compressed layer the kept entries' records move unchanged
-        (``held`` is this layer's :meth:`view`, so its slots map to the layer's rows)."""
+        (``held`` is this layer's :meth:`view`, so its slots map to the layer's rows), the centres stay, and
+        each row's anchor becomes what its first kept entry reads back as (itself when the anchor is kept)."""
         if not self.compressed:
             super().retain(keep, held, spare)
             return
@@ -70,9 +90,24 @@ class QuantizedRaggedLayer(RaggedLayer):
         index, present = ragged_index(self.row_offsets, self.row_lengths, (B, H))
         if present.shape != keep.shape:
             raise ValueError(f"the view of shape {tuple(keep.shape)} is not this layer's ({tuple(present.shape)})")
+        kept = keep & held.valid & present
+        first = kept & (torch.cumsum(kept, dim=-1) == 1)
+        at = first.to(torch.uint8).argmax(-1)[..., None, None].expand(B, H, 1, self.head_dim)
+        anchors = torch.stack((held.keys.gather(2, at), held.values.gather(2, at))).view(2, B * H, self.head_dim)
+        self.side[:2] = torch.where(kept.any(-1).view(1, B * H, 1), anchors.to(self.dtype), self.side[:2])
         self.keys, self.values = gather_slots(self.k_flat, index, present), gather_slots(self.v_flat, index, present)
         self.compressed = False
-        self.compress(keep & held.valid & present, spare=spare, positions=held.positions)
+        self.compress(kept, spare=spare, positions=held.positions)
+
+    def nbytes(self) -> int:
+        return super().nbytes() + (self.side.numel() * self.side.element_size() if self.compressed else 0)
+
+    def batch_nbytes(self) -> list[int]:
+        per_row = super().batch_nbytes()
+        if not self.compressed:
+            return per_row
+        side = self.side.numel() * self.side.element_size() // max(len(per_row), 1)  # each batch row's kv heads
+        return [n + side for n in per_row]
 
 
 class QuantizedRaggedCache(RaggedCache):

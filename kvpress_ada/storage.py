@@ -3,9 +3,12 @@
 Selection never depends on the storage: scorers read full-precision keys and values, and entries are
 quantized when they are kept (decode tokens when they are appended). A host picks the layer class
 that holds a press's entries from its evictor and this component (the layer class *is* the storage
-kind, as in transformers' ``cache_utils``). Scheme (``docs/design.md``): asymmetric integers per token
-in groups of ``group_size`` channels of the head dimension, one scale and one zero point per group,
-for keys and values alike; a token is quantized on its own, so a ragged row appends in place.
+kind, as in transformers' ``cache_utils``). Scheme (``docs/design.md``, ``kernels/quantized.py``): one
+record per token, asymmetric integers in groups of ``group_size`` channels of the head dimension with one
+scale and one zero point per group; keys are centred by their row's mean key and rotated by a fixed
+random-sign Hadamard matrix before they are quantized, values are quantized as they are, and each ragged
+row (batch, kv head) keeps its first entry (usually the attention sink) in full precision. A token is
+quantized on its own (given its row's fixed centre), so a ragged row appends in place.
 """
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ class FullPrecision(Storage):
 
 
 class _Grouped(Storage):
-    """Integers in groups of ``group_size`` channels with a scale and zero point per group."""
+    """Integers in groups of ``group_size`` channels with a scale and zero point per group (keys centred and
+    rotated first; each row's first entry in full precision)."""
 
     group_size: int = Field(32, description="channels of the head dimension sharing one scale and zero point")
     allowed_group_sizes: ClassVar[tuple[int, ...]] = (16, 32, 64, 128)

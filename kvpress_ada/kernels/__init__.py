@@ -10,7 +10,8 @@ Ops (``torch.library`` custom ops in ``kernels.ops``, compile with ``fullgraph=T
 * :func:`compact` - gather each row's kept tokens into the ragged layout;
 * :func:`append` - in-place append of new tokens, ``row_lengths += Q``;
 * :func:`quantized_attention`, :func:`quantized_append`, :func:`quantized_compact` - the same over
-  rows of int8 / int4 records (:mod:`.quantized`: the scheme, :func:`quantize`, :func:`dequantize`).
+  rows of int8 / int4 records with each row's side tensors (anchor, key centre) (:mod:`.quantized`: the
+  scheme, :func:`quantize`, :func:`dequantize`).
 
 Modules: ``support`` (what the kernels support and which backend runs them: supported head
 dims, ``$TRITON_INTERPRET`` read as Triton reads it, triton availability, backend choice),

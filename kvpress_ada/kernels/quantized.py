@@ -21,7 +21,8 @@ is in that dtype, as values are), ``scale = (max(x) - zero) / (2^bits - 1)`` rou
 range stays covered), and integers ``q = round((x - zero) / scale)`` in ``[0, 2^bits - 1]``; it reads back as
 ``q * scale + zero``. Every element is within ``scale / 2`` of ``x`` (plus float32 rounding) - for keys in
 the rotated, centred space, where the rotation spreads an outlier channel over every channel of its
-Hadamard block; a constant group (``scale = 0``) reads back exactly.
+Hadamard block; a constant group (``scale = 0``) reads back exactly. (A key's ``y`` is at most its distance
+from the centre, ``|k - c|``, per element: for float16 entries that must stay below 65504.)
 
 Record: each token of a key (or value) row is one ``uint8`` row of :func:`record_width` bytes, the
 integers followed by that token's scales and zero points (as llama.cpp's ``Q4_1`` block keeps its

@@ -45,7 +45,8 @@ def prompts_for(tokenizer, task: str, n: int, context: int, seed: int):
     return samples, ids
 
 
-def serve(model_dir: str, press, ids: list[list[int]], new_tokens: int, kv_blocks: int, dtype: str) -> dict:
+def serve(model_dir: str, press, ids: list[list[int]], new_tokens: int, kv_blocks: int, dtype: str,
+          chunk: int | None = None) -> dict:
     """One engine, every request at once: per-request tokens and first-token times, peak running, wall time."""
     import gc
 
@@ -53,6 +54,8 @@ def serve(model_dir: str, press, ids: list[list[int]], new_tokens: int, kv_block
 
     engine_args = dict(enforce_eager=True, dtype=dtype, max_model_len=max(len(p) for p in ids) + new_tokens + 8,
                        seed=0, num_gpu_blocks_override=kv_blocks, max_num_seqs=len(ids))
+    if chunk is not None:
+        engine_args.update(enable_chunked_prefill=True, long_prefill_token_threshold=chunk)
     llm = LLM(**engine_kwargs(press, model_dir, **engine_args)) if press is not None else \
         LLM(model=model_dir, block_size=32, enable_prefix_caching=False, **engine_args)
     engine = llm.llm_engine
@@ -115,6 +118,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--kv-blocks", type=int, required=True, help="KV blocks of 32 tokens for every engine")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="chunked prefill: every engine steps at most this many tokens (max_num_batched_tokens) "
+                             "and each press evicts after every chunk (prefill_chunk)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reference", action="store_true", help="also run the transformers host on each sample")
     parser.add_argument("--out", required=True)
@@ -135,10 +141,14 @@ def main() -> None:
 
     payload = {"command": " ".join(sys.argv), "machine": machine_info(), "args": vars(args),
                "prompt_tokens": [len(p) for p in ids], "runs": {}}
-    configs = [("vLLM (full cache)", None)] + [(name, press_from(name, args.ratio))
-                                               for name in args.presets.split(",")]
+    def press_for(name: str):
+        press = press_from(name, args.ratio)
+        return press if args.prefill_chunk is None else \
+            press_from({**press.model_dump(), "prefill_chunk": args.prefill_chunk})
+
+    configs = [("vLLM (full cache)", None)] + [(name, press_for(name)) for name in args.presets.split(",")]
     for label, press in configs:
-        run = serve(model_dir, press, ids, args.new_tokens, args.kv_blocks, args.dtype)
+        run = serve(model_dir, press, ids, args.new_tokens, args.kv_blocks, args.dtype, args.prefill_chunk)
         run["accuracy"] = accuracy(run["tokens"])
         if press is not None and args.reference:
             reference = transformers_reference(model_dir, press, ids, args.new_tokens)

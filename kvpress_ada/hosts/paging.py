@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.paged import paged_attention
+
 
 class PoolExhausted(RuntimeError):
     """No free page is left in the pool (the host must preempt a sequence or admit fewer)."""
@@ -120,24 +122,25 @@ class PagePool:
         if needed > self.free_pages:
             raise PoolExhausted(f"{needed} pages needed to append, {self.free_pages} of {self.capacity} free")
         S = self.page_size
-        slots: list[int] = []  # flat slot of token t, head h, in (t, h) order
-        per_seq: list[list[list[int]]] = []
+        before = torch.tensor([seq.lengths for seq in seqs], dtype=torch.long).view(len(seqs), -1)  # [N, H]
         for seq, c in zip(seqs, counts):
-            heads = []
             for h in range(seq.heads):
                 n = seq.lengths[h]
                 seq.pages[h].extend(self.take(-(-(n + c) // S) - len(seq.pages[h])))
-                heads.append([seq.pages[h][j // S] * S + j % S for j in range(n, n + c)])
                 seq.lengths[h] = n + c
-            per_seq.append(heads)
-        for heads in per_seq:
-            slots.extend(heads[h][i] for i in range(len(heads[0]) if heads else 0) for h in range(len(heads)))
-        if not slots:
+        T, H = sum(counts), before.shape[1]
+        if T == 0 or H == 0:
             return
-        D, H = keys.shape[-1], keys.shape[1]
-        self._write(torch.tensor(slots, dtype=torch.long, device=self.k_pages.device), keys.reshape(-1, D),
-                    values.reshape(-1, D), positions.repeat_interleave(H),
-                    None if scores is None else scores.reshape(-1))
+        table = self.table(seqs)[0].cpu().long()
+        per = torch.tensor(counts, dtype=torch.long)
+        request = torch.repeat_interleave(torch.arange(len(seqs)), per, output_size=T)  # each token's sequence
+        offset = torch.arange(T) - (torch.cumsum(per, 0) - per).index_select(0, request)  # its index in its sequence
+        entry = before.index_select(0, request) + offset[:, None]  # [T, H] the entry each (token, head) becomes
+        rows = request[:, None] * H + torch.arange(H)
+        flat = table[rows, entry // S] * S + entry % S  # in (token, head) order, as keys.reshape(-1, D)
+        D = keys.shape[-1]
+        self._write(flat.reshape(-1).to(self.k_pages.device), keys.reshape(-1, D), values.reshape(-1, D),
+                    positions.repeat_interleave(H), None if scores is None else scores.reshape(-1))
 
     def table(self, seqs: list[PagedSequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(page_table [N * H_kv, M], row_lengths [N * H_kv])`` int32 of ``seqs`` on the pool's device
@@ -173,8 +176,8 @@ class PagePool:
         zeros and position ``-1`` where absent)."""
         page, slot, present, (N, H, W) = self._slots(seqs)
         D = self.k_pages.shape[-1]
-        keys = self.k_pages[page, slot].view(N, H, W, D)
-        values = self.v_pages[page, slot].view(N, H, W, D)
+        keys, values = self._read(page, slot)
+        keys, values = keys.view(N, H, W, D), values.view(N, H, W, D)
         positions = self.positions[page, slot].view(N, H, W).long()
         zero = torch.zeros((), dtype=keys.dtype, device=keys.device)
         return (torch.where(present[..., None], keys, zero), torch.where(present[..., None], values, zero),
@@ -236,11 +239,27 @@ class PagePool:
         (``page * S + slot``); indexing by (page, slot) serves strided page views of an engine tensor as well as
         pages of our own."""
         page, slot = flat // self.page_size, flat % self.page_size
-        self.k_pages[page, slot] = keys.to(self.k_pages.dtype)
-        self.v_pages[page, slot] = values.to(self.v_pages.dtype)
+        self._write_entries(flat, page, slot, keys, values)
         self.positions[page, slot] = positions.to(torch.int32)
         if scores is not None:
             self.scores[page, slot] = scores.float()
+
+    # ------------------------------------------------------------------ the page format (a subclass may change it)
+    def _write_entries(self, flat: torch.Tensor, page: torch.Tensor, slot: torch.Tensor, keys: torch.Tensor,
+                       values: torch.Tensor) -> None:
+        """Keys and values ``[n, D]`` into slots ``flat = page * S + slot`` (plain pages: ``k_pages[page, slot]``)."""
+        self.k_pages[page, slot] = keys.to(self.k_pages.dtype)
+        self.v_pages[page, slot] = values.to(self.v_pages.dtype)
+
+    def _read(self, page: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[n, D]`` of the slots ``(page, slot)``."""
+        return self.k_pages[page, slot], self.v_pages[page, slot]
+
+    def attend(self, query: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, query_start: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """:func:`~kvpress_ada.kernels.paged.paged_attention` of packed ``query [T, H_q, D]`` over the rows of
+        ``table, lengths`` (from :meth:`table`), request ``n``'s tokens at ``query_start[n] : query_start[n + 1]``."""
+        return paged_attention(query, self.k_pages, self.v_pages, table, lengths, query_start, scale)
 
     def nbytes(self, seqs: list[PagedSequence]) -> int:
         """Bytes of keys and values the pages of ``seqs`` hold (whole pages: what they keep others from)."""

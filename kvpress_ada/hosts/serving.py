@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ..kernels.paged import paged_attention
 from ..observation import Budget, LayerView
 from .paging import PagedSequence, PagePool
 
@@ -174,7 +173,7 @@ class PagedServing:
         pool.append(seqs, key, value, positions, counts, scores)
         table, lengths = pool.table(seqs)
         start = torch.tensor([0] + counts, device=query.device).cumsum(0).to(torch.int32)
-        out = paged_attention(query, pool.k_pages, pool.v_pages, table, lengths, start, scaling)
+        out = pool.attend(query, table, lengths, start, scaling)
         due = self._advance(layer_idx, request_ids, requests, query, counts)
         with torch.no_grad():
             for group in due:

@@ -1,11 +1,13 @@
 """vLLM's CPU attention backend, overridden: with a press configured, every layer keeps its entries in
-pages owned per (request, kv head) and attends with :func:`~kvpress_ada.kernels.paged.paged_attention`
-(through :class:`~kvpress_ada.hosts.serving.PagedServing`); without one, it is vLLM's own backend.
+pages owned per (request, kv head) through :class:`~kvpress_ada.hosts.serving.PagedServing`; without one, it
+is vLLM's own backend.
 
 The pages are carved out of the KV tensors vLLM reserved (a layer's ``[blocks, H_kv, S, 2 * D]`` viewed as
-``[blocks * H_kv, 2, S, D]``: a page holds ``S`` keys then ``S`` values of one head, in our plain layout;
-vLLM's ISA-specific layout is never read). When the layers' tensors lie one after the other in one storage
-(vLLM 0.32 on CPU) they make one pool of ``layers * blocks * H_kv`` pages for every (layer, kv head); else each
+``[blocks * H_kv, 2, S, D]``: a page holds ``S`` keys then ``S`` values of one head), in vLLM's own in-page
+layout for the ISA vLLM picks, written and attended by vLLM's own CPU ops, one kernel request per (request, kv
+head) row (:mod:`.pages`; our plain layout and kernels where that layout cannot be mapped). When the
+layers' tensors lie one after the other in one storage (vLLM 0.32 on CPU) they make one pool of
+``layers * blocks * H_kv`` pages for every (layer, kv head); else each
 layer has its pool. Either way a request never holds more pages than ``H_kv`` times its real blocks per layer
 (:mod:`.scheduler`), so a pool cannot run out while vLLM's accounting holds. The worker (:mod:`.worker`) tells
 :data:`STATE` which requests a step runs and which finished.
@@ -19,12 +21,12 @@ from typing import Any
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.models.utils import extract_layer_index
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl, _get_attn_isa
 
 from ...pipeline import Pipeline
-from ..paging import PagePool
 from ..serving import PagedServing
 from . import press_of
+from .pages import vllm_pool
 
 
 @dataclass
@@ -73,18 +75,16 @@ def _build_serving(press: Pipeline, vllm_config: Any, runner: Any) -> PagedServi
                      if isinstance(getattr(module, "kv_cache", None), torch.Tensor)), key=lambda x: x[0])
     caches = [module.kv_cache for _, module in layers]
     blocks, heads, size, two_d = caches[0].shape
+    isa = _get_attn_isa(caches[0].dtype, size, two_d // 2, vllm_config.cache_config.cache_dtype)
     stride = caches[0].numel() * caches[0].element_size()
     if all(c.is_contiguous() and c.shape == caches[0].shape and c.data_ptr() == caches[0].data_ptr() + i * stride
            for i, c in enumerate(caches)):
         pages = torch.as_strided(caches[0], (len(caches) * blocks * heads, 2, size, two_d // 2),
                                  (2 * size * two_d // 2, size * two_d // 2, two_d // 2, 1))
-        shared = PagePool(pages[:, 0], pages[:, 1])
+        shared = vllm_pool(pages, isa)
         pools = [shared] * len(caches)
     else:
-        pools = []
-        for kv in caches:
-            one = kv.view(blocks * heads, 2, size, two_d // 2)
-            pools.append(PagePool(one[:, 0], one[:, 1]))
+        pools = [vllm_pool(kv.view(blocks * heads, 2, size, two_d // 2), isa) for kv in caches]
     model = runner.model if runner is not None else None
     decoder = getattr(model, "model", None)
 

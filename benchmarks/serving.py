@@ -110,7 +110,9 @@ def transformers_reference(model_dir: str, press, ids: list[list[int]], new_toke
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default", help="a named model or a local directory")
-    parser.add_argument("--presets", default="ada_snapkv", help="comma-separated presets")
+    parser.add_argument("--presets", default="ada_snapkv",
+                        help="comma-separated presets; PRESET:RATIO for another ratio than --ratio (snapkv:0: a press "
+                             "that keeps everything, what the host costs by itself)")
     parser.add_argument("--ratio", type=float, default=0.75)
     parser.add_argument("--task", default="passkey")
     parser.add_argument("--requests", type=int, default=24)
@@ -140,9 +142,12 @@ def main() -> None:
         return sum(metric(p, s.answers) for p, s in zip(preds, samples)) / len(samples)
 
     payload = {"command": " ".join(sys.argv), "machine": machine_info(), "args": vars(args),
+               "cpus": sorted(os.sched_getaffinity(0)),
+               "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
                "prompt_tokens": [len(p) for p in ids], "runs": {}}
-    def press_for(name: str):
-        press = press_from(name, args.ratio)
+    def press_for(spec: str):
+        name, _, ratio = spec.partition(":")
+        press = press_from(name, float(ratio) if ratio else args.ratio)
         return press if args.prefill_chunk is None else \
             press_from({**press.model_dump(), "prefill_chunk": args.prefill_chunk})
 

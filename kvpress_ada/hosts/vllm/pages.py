@@ -75,8 +75,8 @@ class VllmPagePool(PagePool):
                                        flat.long(), self.isa)
 
     def _read(self, page: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self._raw[page]  # [n, 2 * S * D]
-        return rows.gather(1, self._k_offset[slot]), rows.gather(1, self._v_offset[slot])
+        page = page[:, None]  # each entry's D elements, where the layout put them in its page
+        return self._raw[page, self._k_offset[slot]], self._raw[page, self._v_offset[slot]]
 
     def attend(self, query: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, query_start: torch.Tensor,
                scale: float) -> torch.Tensor:

@@ -4,9 +4,12 @@ first token, and accuracy through the engine against the transformers host on th
 Every configuration gets a fresh in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with the same number
 of KV blocks (``--kv-blocks``, vLLM's ``num_gpu_blocks_override``); all requests (task samples: context, then
 the question, in the model's chat template) are submitted at once and the engine is stepped to completion.
-Reported per configuration: peak running requests, output tokens/s over the whole run, median and p90 time to
-first token, the task's accuracy, and, with ``--reference`` (the transformers host, batch 1, same press, same
-prompt ids), its accuracy and the fraction of requests whose tokens equal it. Run in the vLLM venv:
+Reported per configuration: peak running requests (with vLLM's chunked prefill these include requests part
+way through their prompt), peak decoding requests (prompt done: what the KV memory holds at once), preemptions,
+output tokens/s over the whole run, median and p90 time to first token, the task's accuracy, and, with
+``--reference`` (the transformers host, batch 1, same press, same prompt ids), its accuracy and the fraction of
+requests whose tokens equal it. Run in the vLLM venv (the README's rows: pinned to one core,
+``VLLM_CPU_OMP_THREADS_BIND=1 taskset -c 1 python benchmarks/serving.py ...``):
 
     python benchmarks/serving.py --model default --presets ada_snapkv,snapkv --ratio 0.75 --requests 24 \\
         --context 1000 --new-tokens 32 --kv-blocks 140 --reference --out benchmarks/results/serving_default.json
@@ -66,7 +69,8 @@ def serve(model_dir: str, press, ids: list[list[int]], new_tokens: int, kv_block
         engine.add_request(str(i), {"prompt_token_ids": p}, params)
     first: dict[int, float] = {}
     tokens: dict[int, list[int]] = {}
-    peak, steps = 0, 0
+    peak, peak_decoding, steps = 0, 0, 0
+    preempted: dict[str, int] = {}
     with tqdm(total=len(ids), desc="press" if press is not None else "vLLM", unit="req") as bar:
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -77,12 +81,17 @@ def serve(model_dir: str, press, ids: list[list[int]], new_tokens: int, kv_block
                     tokens[i] = list(out.outputs[0].token_ids)
                     bar.update(1)
             peak = max(peak, len(scheduler.running))
+            decoding = [r for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens]
+            peak_decoding = max(peak_decoding, len(decoding))
+            for r in scheduler.running:
+                preempted[r.request_id] = r.num_preemptions
             steps += 1
     wall = time.perf_counter() - start
     del llm, engine, scheduler
     gc.collect()
     ttft = sorted(first.values())
-    return {"tokens": [tokens[i] for i in range(len(ids))], "peak_running": peak, "steps": steps, "wall_s": wall,
+    return {"tokens": [tokens[i] for i in range(len(ids))], "peak_running": peak, "peak_decoding": peak_decoding,
+            "preemptions": sum(preempted.values()), "steps": steps, "wall_s": wall,
             "output_tokens_per_s": len(ids) * new_tokens / wall, "ttft_median_s": statistics.median(ttft),
             "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))]}
 

@@ -40,7 +40,17 @@ def test_a_pipeline_file_is_served(capsys, tmp_path):
     assert code == 0 and press["scorer"]["name"] == "streamingllm" and press["budget"] == 256
 
 
+def test_a_chunked_prefill_chunks_the_engine_and_the_press_alike(capsys, tmp_path):
+    code, out, _ = _dry_run(capsys, "--model", str(tmp_path), "--preset", "snapkv", "--ratio", "0.5",
+                            "--prefill-chunk", "256")
+    argv = shlex.split(out.strip())
+    press = json.loads(argv[argv.index("--additional-config") + 1])["kvpress_ada"]["press"]
+    assert code == 0 and press["prefill_chunk"] == 256 and press["compression_ratio"] == 0.5
+    assert argv[argv.index("--long-prefill-token-threshold") + 1] == "256" and "--enable-chunked-prefill" in argv
+
+
 @pytest.mark.parametrize("args, words", [
+    (["--prefill-chunk", "0"], "--prefill-chunk"),
     (["--preset", "kvzip"], "model pass"),
     (["--ratio", "1.2"], "--ratio"),
     (["--model", "/no/such/dir"], "/no/such/dir"),

@@ -649,13 +649,24 @@ def cmd_serve(args) -> int:
         raise UsageError(f"--port must be in 1..65535, got {args.port}")
     press = _load_config(args.config) if args.config else (args.preset or DEMO_PRESET)
     ratio = None if args.config else args.ratio
+    engine: dict = {"dtype": args.dtype, "enforce_eager": True, "max_model_len": args.max_model_len}
+    if args.prefill_chunk is not None:  # vLLM's chunks of long prompts, the press evicting after each
+        if args.prefill_chunk < 1:
+            raise UsageError(f"--prefill-chunk must be a positive number of tokens, got {args.prefill_chunk}")
+        from kvpress_ada.hosts.vllm import press_from
+
+        try:
+            base = press_from(press, ratio)
+            press, ratio = press_from({**base.model_dump(), "prefill_chunk": args.prefill_chunk}), None
+        except ValueError as err:
+            raise UsageError(" ".join(str(err).split())) from None
+        engine.update(enable_chunked_prefill=True, long_prefill_token_threshold=args.prefill_chunk)
     if args.model in SOURCES:
         model = args.model if args.dry_run else str(_ensure_named(args.model))
     elif Path(args.model).is_dir():
         model = args.model
     else:
         raise UsageError(f"--model {args.model!r}: not a named model ({', '.join(SOURCES)}) nor a local directory")
-    engine = {"dtype": args.dtype, "enforce_eager": True, "max_model_len": args.max_model_len}
     try:
         kwargs = engine_kwargs(press, model, ratio=ratio, **engine)
     except ValueError as err:
@@ -752,6 +763,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     srv.add_argument("--max-model-len", type=int, default=8192, help="longest prompt + answer, in tokens")
+    srv.add_argument("--prefill-chunk", type=int, default=None,
+                     help="vLLM prefills long prompts in chunks of this many tokens and the press evicts after "
+                          "each: a request never holds its whole prompt (more requests admitted)")
     srv.add_argument("--dry-run", action="store_true", help="print the server's command line and stop")
     srv.set_defaults(func=cmd_serve, threads=None)
     cal = sub.add_parser("calibrate", help="measure per-(layer, kv head) budget shares of a scorer (KVzip) once "

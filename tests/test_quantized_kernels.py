@@ -192,27 +192,34 @@ def _cache(lens, D, dtype, gap=3, seed=0):
     return k, v, offsets, torch.tensor([lens[i] for i in order], dtype=torch.int32)
 
 
-def _records(k, v, offs, lens, bits, group):
+def _records(k, v, offs, lens, bits, group, residual=0):
     """``(k_rec, v_rec, side, centres)`` of a flat cache under the scheme: each row's side tensors from its
-    entries (first entry: anchor; centre: the mean of the other keys), keys centred by their row's centre
-    (``centres [N, D]``: each slot's; 0 in gaps) and rotated."""
+    entries (first entry: anchor; centre: the mean of the other keys; its newest ``residual`` entries in the
+    ring, entry ``j`` at ``3 + j % residual``), keys centred by their row's centre (``centres [N, D]``: each
+    slot's; 0 in gaps) and rotated."""
     D = k.shape[1]
-    side = torch.zeros(3, len(offs), D, dtype=k.dtype)
+    side = torch.zeros(3 + 2 * residual, len(offs), D, dtype=k.dtype)
     centres = torch.zeros_like(k)
     for r, (o, n) in enumerate(zip(offs.tolist(), lens.tolist())):
         if n:
             ones = torch.ones(1, 1, n, dtype=torch.bool)
-            side[:, r] = qz.row_side(k[None, None, o:o + n], v[None, None, o:o + n], ones)[:, 0]
+            side[:3, r] = qz.row_side(k[None, None, o:o + n], v[None, None, o:o + n], ones)[:, 0]
             centres[o:o + n] = side[2, r]
+            for j in range(max(n - residual, 0), n):
+                side[3 + j % residual, r], side[3 + residual + j % residual, r] = k[o + j], v[o + j]
     return qz.encode_keys(k, centres, bits, group), kernels.quantize(v, bits, group), side, centres
 
 
 def _read_back(k_rec, v_rec, side, centres, offs, lens, bits, group, dtype):
-    """Float32 keys and values the records of :func:`_records` read back as (a row's first slot: its anchor)."""
+    """Float32 keys and values the records of :func:`_records` read back as (a row's first slot: its anchor;
+    its newest ``residual`` slots: the full-precision entries of its ring)."""
     D = centres.shape[1]
     keys = qz.decode_keys(k_rec, centres, D, bits, group, dtype, torch.float32)
     values = kernels.dequantize(v_rec, D, bits, group, dtype, torch.float32)
+    residual = qz.residual_of(side)
     for r, (o, n) in enumerate(zip(offs.tolist(), lens.tolist())):
+        for j in range(max(n - residual, 0), n):
+            keys[o + j], values[o + j] = side[3 + j % residual, r].float(), side[3 + residual + j % residual, r].float()
         if n:
             keys[o], values[o] = side[0, r].float(), side[1, r].float()
     return keys, values
@@ -221,13 +228,13 @@ def _read_back(k_rec, v_rec, side, centres, offs, lens, bits, group, dtype):
 @settings(max_examples=40, deadline=None)
 @given(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.sampled_from([4, 8]),
        st.integers(1, 2), st.integers(1, 3), st.sampled_from([1, 3]), st.sampled_from([1, 4]),
-       st.lists(st.integers(0, 70), min_size=6, max_size=6), st.integers(0, 999))
-def test_reference_attention_equals_attention_on_dequantized(dtype, bits, B, H_kv, G, Q, lens, seed):
+       st.lists(st.integers(0, 70), min_size=6, max_size=6), st.integers(0, 999), st.sampled_from([0, 1, 5, 32]))
+def test_reference_attention_equals_attention_on_dequantized(dtype, bits, B, H_kv, G, Q, lens, seed, residual):
     D, group = 32, 16
     R = B * H_kv
     k, v, offs, lens_t = _cache(lens[:R], D, dtype, seed=seed)
     k = k + torch.linspace(-3, 5, D).to(dtype)  # an offset per channel (what the centre takes out)
-    k_rec, v_rec, side, centres = _records(k, v, offs, lens_t, bits, group)
+    k_rec, v_rec, side, centres = _records(k, v, offs, lens_t, bits, group, residual)
     q = torch.randn(B, H_kv * G, Q, D, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     out = kernels.quantized_attention(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, bits, group)
     deq_k, deq_v = _read_back(k_rec, v_rec, side, centres, offs, lens_t, bits, group, dtype)
@@ -273,6 +280,9 @@ def test_append_and_compact_write_records_in_place():
     side = torch.full((3, B * H, D), float("nan"))
     kernels.quantized_compact(keys, values, keep, offs, k_rec, v_rec, side, bits, group)
     assert torch.equal(side, qz.row_side(keys, values, keep))
+    with_residual = torch.full((3 + 2 * 4, B * H, D), float("nan"))
+    kernels.quantized_compact(keys, values, keep, offs, k_rec.clone(), v_rec.clone(), with_residual, bits, group)
+    assert torch.equal(with_residual[:3], side)
     lengths = keep.sum(-1).reshape(-1).to(torch.int32)
     for r in range(B * H):
         b, h = divmod(r, H)
@@ -352,9 +362,70 @@ def test_one_line_refusals():
     with pytest.raises(ValueError, match="rows are 48 bytes; 4-bit records .* are 32"):
         kernels.quantized_attention(torch.randn(1, 2, 1, 32), rec, rec, offs, lens, side, 1.0, 4, 16)
     for bad in (torch.zeros(2, 2, 32), torch.zeros(3, 2, 32, dtype=torch.float16), torch.zeros(3, 3, 32)):
-        with pytest.raises(ValueError, match=r"side must be torch.float32 \[3, 2, 32\]") as err:
+        with pytest.raises(ValueError, match=r"side must be torch.float32 \[3 \+ 2 \* residual, 2, 32\]") as err:
             kernels.quantized_attention(torch.randn(1, 2, 1, 32), rec, rec, offs, lens, bad, 1.0, 8, 16)
         assert "\n" not in str(err.value)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 9), st.lists(st.integers(0, 12), min_size=1, max_size=8), st.sampled_from([4, 8]),
+       st.integers(0, 999))
+def test_residual_holds_each_rows_newest_entries(residual, steps, bits, seed):
+    """Compaction then appends of 0 to 12 tokens at a time: each row's ring holds exactly its newest
+    ``min(residual, length)`` entries in full precision (entry ``j`` at ``j % residual``), the records are the
+    same as without a residual, and attention reads the records (older entries) plus the ring (newest)."""
+    g = torch.Generator().manual_seed(seed)
+    D, group, B, H, L = 32, 16, 2, 2, 11
+    keys, values = torch.randn(B, H, L, D, generator=g) + 1, torch.randn(B, H, L, D, generator=g)
+    keep = torch.rand(B, H, L, generator=g) < 0.6
+    keep[1, 0] = False  # an empty row: its first appended token becomes its anchor
+    width = kernels.record_width(D, bits, group, torch.float32)
+    cap = L + sum(steps)
+    offs = torch.arange(B * H, dtype=torch.int32) * cap
+    recs = [torch.zeros(B * H * cap, width, dtype=torch.uint8) for _ in range(4)]
+    sides = [torch.zeros(3, B * H, D), torch.zeros(3 + 2 * residual, B * H, D)]
+    lens = [keep.sum(-1).reshape(-1).to(torch.int32) for _ in range(2)]
+    full_k = [list(keys[b, h][keep[b, h]]) for b in range(B) for h in range(H)]
+    full_v = [list(values[b, h][keep[b, h]]) for b in range(B) for h in range(H)]
+    for i in range(2):
+        kernels.quantized_compact(keys, values, keep, offs, recs[2 * i], recs[2 * i + 1], sides[i], bits, group)
+    for q_len in steps:
+        nk, nv = torch.randn(B, H, q_len, D, generator=g), torch.randn(B, H, q_len, D, generator=g)
+        for i in range(2):
+            kernels.quantized_append(nk, nv, recs[2 * i], recs[2 * i + 1], offs, lens[i], sides[i], bits, group)
+        for r in range(B * H):
+            full_k[r] += list(nk[r // H, r % H])
+            full_v[r] += list(nv[r // H, r % H])
+    assert torch.equal(lens[0], lens[1]) and torch.equal(recs[0], recs[2]) and torch.equal(recs[1], recs[3])
+    assert torch.equal(sides[0], sides[1][:3])
+    side = sides[1]
+    for r in range(B * H):
+        n = len(full_k[r])
+        for j in range(max(n - residual, 0), n):
+            assert torch.equal(side[3 + j % residual, r], full_k[r][j])
+            assert torch.equal(side[3 + residual + j % residual, r], full_v[r][j])
+    centres = side[2].repeat_interleave(cap, 0)
+    deq_k, deq_v = _read_back(recs[0], recs[1], side, centres, offs, lens[1], bits, group, torch.float32)
+    q = torch.randn(B, 2 * H, 3, D, generator=g)
+    out = kernels.quantized_attention(q, recs[0], recs[1], offs, lens[1], side, D ** -0.5, bits, group)
+    ref = ragged_attention_ref(q, deq_k, deq_v, offs, lens[1], D ** -0.5)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    if residual >= max(len(row) for row in full_k):  # every entry in the ring: exactly full precision
+        exact_k = torch.zeros_like(deq_k)
+        exact_v = torch.zeros_like(deq_v)
+        for r in range(B * H):
+            if full_k[r]:
+                exact_k[r * cap:r * cap + len(full_k[r])] = torch.stack(full_k[r])
+                exact_v[r * cap:r * cap + len(full_v[r])] = torch.stack(full_v[r])
+        ref = ragged_attention_ref(q, exact_k, exact_v, offs, lens[1], D ** -0.5)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_side_with_an_even_number_of_vectors_is_refused():
+    rec = kernels.quantize(torch.randn(4, 32), 8, 16)
+    offs, lens = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([2, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"side must be .*\[3 \+ 2 \* residual, 2, 32\]"):
+        kernels.quantized_attention(torch.randn(1, 2, 1, 32), rec, rec, offs, lens, torch.zeros(4, 2, 32), 1.0, 8, 16)
 
 
 # ----------------------------------------------------------------------------- triton
@@ -368,8 +439,9 @@ needs_interpreter = pytest.mark.skipif(not torch.cuda.is_available() and not ker
 @settings(max_examples=12, deadline=None)
 @given(st.sampled_from([torch.float32, torch.float16]), st.sampled_from([4, 8]), st.sampled_from([16, 32]),
        st.sampled_from([16, 64]), st.sampled_from([1, 3]),
-       st.lists(st.integers(0, 60), min_size=4, max_size=4), st.sampled_from([16, 32]), st.integers(0, 999))
-def test_triton_matches_reference(dtype, bits, group, D, Q, lens, split, seed):
+       st.lists(st.integers(0, 60), min_size=4, max_size=4), st.sampled_from([16, 32]), st.integers(0, 999),
+       st.sampled_from([0, 3, 32]))
+def test_triton_matches_reference(dtype, bits, group, D, Q, lens, split, seed, residual):
     """Interpreted on CPU (float32 / float16 only: the interpreter's bfloat16 ``tl.dot`` is wrong)."""
     from kvpress_ada.kernels.quantized_triton import quantized_attention_triton
 
@@ -377,7 +449,7 @@ def test_triton_matches_reference(dtype, bits, group, D, Q, lens, split, seed):
         group = D
     k, v, offs, lens_t = _cache(lens, D, dtype, seed=seed)
     k = k + torch.linspace(-3, 5, D).to(dtype)
-    k_rec, v_rec, side, _ = _records(k, v, offs, lens_t, bits, group)
+    k_rec, v_rec, side, _ = _records(k, v, offs, lens_t, bits, group, residual)
     q = torch.randn(2, 6, Q, D, generator=torch.Generator().manual_seed(seed)).to(dtype)
     got = quantized_attention_triton(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, bits, group, split_size=split)
     ref = qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, bits, group)

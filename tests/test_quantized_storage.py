@@ -24,8 +24,14 @@ from kvpress_ada.kernels.reference import CHUNK
 from kvpress_ada.presets import portable_preset_names
 from kvpress_ada.scorers import SnapKV
 
-STORAGES = [Int8(group_size=16), Int4(group_size=16)]  # the tiny models' head dim is 16
+# the tiny models' head dim is 16; the rounded oracle rounds every entry it keeps: no residual
+STORAGES = [Int8(group_size=16, residual=0), Int4(group_size=16, residual=0)]
 IDS = pytest.mark.parametrize("storage", STORAGES, ids=["int8", "int4"])
+# with a residual: each row's newest entries in full precision (small, so that it wraps in these tests)
+WITH_RESIDUAL = pytest.mark.parametrize("storage", STORAGES + [Int4(group_size=16, residual=4), Int8(group_size=16)],
+                                        ids=["int8", "int4", "int4-r4", "int8-r32"])
+# a residual longer than any row here: every entry stays in full precision (oracle: full-precision storage)
+COVERING = Int4(group_size=16, residual=512)
 
 
 class RoundedLayer(RaggedLayer):
@@ -125,7 +131,7 @@ def _held_bytes(cache):
 # ----------------------------------------------------------------------------- selection and bytes
 
 
-@IDS
+@WITH_RESIDUAL
 @pytest.mark.parametrize("name", portable_preset_names())
 def test_every_preset_keeps_the_full_precision_positions(storage, name):
     """One-shot presets (KVzip's model pass included), batch 2 with left padding: selection reads the
@@ -159,11 +165,12 @@ def test_every_preset_keeps_the_full_precision_positions(storage, name):
     assert quantized.nbytes() < full.nbytes()
 
 
-@IDS
+@WITH_RESIDUAL
 def test_nbytes_are_the_records_held(storage):
     """``nbytes()`` = bytes of the tensors held, scales and zero points included: each row's slots (kept
     entries + the decode reserve, whole chunks) x one record of ``D * bits / 8 + 2 * (D / group) * 4`` bytes,
-    for keys and values, plus each row's side tensors (anchor key and value, key centre: ``3 * D * 4`` bytes);
+    for keys and values, plus each row's side tensors (anchor key and value, key centre and the residual's
+    keys and values: ``(3 + 2 * residual) * D * 4`` bytes);
     ``batch_nbytes`` splits the same bytes by batch row."""
     model = _model()
     ids, mask = left_padded_batch()
@@ -174,7 +181,7 @@ def test_nbytes_are_the_records_held(storage):
     assert width == D * storage.bits // 8 + 2 * (D // 16) * 4
     slots = sum(int((-(-(cache.head_lengths(i) + 8) // CHUNK) * CHUNK).sum()) for i in range(len(cache.layers)))
     rows = sum(cache.head_lengths(i).numel() for i in range(len(cache.layers)))
-    assert cache.nbytes() == _held_bytes(cache) == slots * width * 2 + rows * 3 * D * 4
+    assert cache.nbytes() == _held_bytes(cache) == slots * width * 2 + rows * (3 + 2 * storage.residual) * D * 4
     assert sum(cache.batch_nbytes()) == cache.nbytes()
     assert all(layer.k_flat.dtype == torch.uint8 for layer in cache.layers)
 
@@ -187,7 +194,7 @@ def test_one_shot_left_padded_batch_equals_rounded_cache(storage):
     _assert_like_rounded(_model(), preset("ada_snapkv", compression_ratio=0.6), storage, *left_padded_batch())
 
 
-@IDS
+@WITH_RESIDUAL
 def test_batch_row_equals_row_alone(storage):
     model = _model()
     ids, mask = left_padded_batch(lengths=(90, 71), seed=4)
@@ -234,7 +241,7 @@ def test_decode_compression_equals_rounded_cache_and_moves_records(storage):
     assert torch.equal(layer.k_flat[int(layer.row_offsets[0])], records[int(offsets[0]) + rank])
 
 
-@IDS
+@WITH_RESIDUAL
 def test_relayout_and_crop_keep_the_records(storage):
     """Appends past the decode reserve re-lay the layer out (records copied as bytes); crop drops appended ones."""
     model = _model()
@@ -247,6 +254,92 @@ def test_relayout_and_crop_keep_the_records(storage):
     layer.crop(-3)
     assert torch.equal(layer.view().keys, held.keys[..., :-3, :])
     assert torch.equal(layer.head_lengths(), cache.head_lengths(0))
+
+
+def _assert_like_full_precision(model, press, ids, mask=None, new_tokens=5):
+    """``press`` with :data:`COVERING` (every entry in its row's residual) against full-precision storage:
+    same tokens, logits and views (the anchors, the ring after compaction, appends and decode compactions)."""
+    tokens, logits, cache = _run(model, press.model_copy(update={"storage": COVERING}), ids, mask,
+                                 new_tokens=new_tokens)
+    ref_tokens, ref_logits, ref = _run(model, press, ids, mask, new_tokens=new_tokens)
+    assert isinstance(cache, QuantizedRaggedCache) and not isinstance(ref, QuantizedRaggedCache)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    for i in range(len(cache.layers)):
+        mine, theirs = cache.layers[i].view(), ref.layers[i].view()
+        assert torch.equal(mine.positions, theirs.positions)
+        torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-6, rtol=0)
+        torch.testing.assert_close(mine.values, theirs.values, atol=1e-6, rtol=0)
+    return cache
+
+
+def test_covering_residual_is_full_precision_one_shot():
+    _assert_like_full_precision(_model(), preset("ada_snapkv", compression_ratio=0.6), *left_padded_batch())
+
+
+def test_covering_residual_is_full_precision_chunked_prefill():
+    press = preset("ada_snapkv", budget=14, prefill_chunk=12, scorer=SnapKV(window=4, kernel=3))
+    _assert_like_full_precision(_model(), press, *left_padded_batch(lengths=(60, 41), seed=2))
+
+
+def test_covering_residual_is_full_precision_decode_compression():
+    press = Pipeline(scorer=SnapKV(window=4, kernel=3), budget=16, decode_budget=10, decode_interval=4)
+    cache = _assert_like_full_precision(_model(), press, *left_padded_batch(lengths=(30, 24), seed=3),
+                                        new_tokens=14)
+    assert min(cache.state.compactions) >= 2
+
+
+@pytest.mark.parametrize("residual", [1, 4, 32])
+def test_residual_decode_compaction_keeps_what_the_view_reads(residual):
+    """With a residual that wraps: a decode compaction (including rows dropping their anchor) changes no kept
+    entry's read-back value, the records move unchanged, and the ring holds each row's newest entries."""
+    storage = Int4(group_size=16, residual=residual)
+    press = Pipeline(scorer=SnapKV(window=4, kernel=3), budget=16, decode_budget=10, decode_interval=4,
+                     storage=storage)
+    _, _, cache = _run(_model(), press, *left_padded_batch(lengths=(30, 24), seed=3), new_tokens=14)
+    assert min(cache.state.compactions) >= 2
+    for layer in cache.layers:
+        before = layer.view()
+        keep = before.valid & (torch.rand(before.valid.shape, generator=torch.Generator().manual_seed(0)) < 0.6)
+        keep[0] &= ~(before.valid[0] & (torch.cumsum(before.valid[0], -1) == 1))
+        layer.retain(keep, before)
+        after = layer.view()
+        assert torch.equal(after.valid.sum(-1), keep.sum(-1))
+        for x, y in ((before.keys, after.keys), (before.values, after.values)):
+            for b in range(2):
+                for h in range(2):
+                    assert torch.equal(x[b, h][keep[b, h]], y[b, h][after.valid[b, h]])
+        B, H, D = layer.shape
+        for b in range(B):
+            for h in range(H):
+                row = after.keys[b, h][after.valid[b, h]]
+                for j in range(max(len(row) - residual, 0), len(row)):
+                    assert torch.equal(layer.side[3 + j % residual, b * H + h], row[j])
+
+
+def test_residual_spares_the_newest_entries():
+    """Through the cache at ratio 0 (the context's entries kept, then the rest of the prompt appended in two
+    steps): with a residual, each row's newest entries read back exactly (layer 0: its keys depend only on the
+    tokens) and older ones as records; the logits are closer to full precision than without one."""
+    model = _model()
+    ids, _ = left_padded_batch(lengths=(100,), seed=6)
+    with torch.no_grad():
+        ref = model(ids, use_cache=True)
+    errors = {}
+    for residual in (0, 16):
+        press = preset("snapkv", compression_ratio=0.0, storage=Int4(group_size=16, residual=residual))
+        with torch.no_grad(), press(model):
+            cache = output_cache(model(ids[:, :70], use_cache=True))
+            first = model(ids[:, 70:80], past_key_values=cache, use_cache=True).logits
+            second = model(ids[:, 80:], past_key_values=cache, use_cache=True).logits
+        errors[residual] = (torch.cat((first, second), 1) - ref.logits[:, 70:]).abs().max().item()
+        got, full = cache.layers[0].view().keys, ref.past_key_values.layers[0].keys
+        L = full.shape[-2]
+        assert got.shape == full.shape and L > residual
+        torch.testing.assert_close(got[..., L - residual:, :], full[..., L - residual:, :], atol=1e-6, rtol=0)
+        torch.testing.assert_close(got[..., :1, :], full[..., :1, :], atol=1e-6, rtol=0)  # the anchors
+        assert ((got[..., 1:L - residual, :] - full[..., 1:L - residual, :]).abs().amax(-1) > 1e-6).all()
+    assert errors[16] < errors[0]
 
 
 def test_generate_questions_and_contexts_batch(tokenizer=None):
@@ -315,6 +408,9 @@ def test_compiled_decode_step_has_no_graph_break(monkeypatch):
 def test_one_line_refusals():
     with pytest.raises(ValueError, match="group_size=24 is not supported"):
         Int4(group_size=24)
+    with pytest.raises(ValueError, match=r"residual=-1 must be between 0 \(off\) and 1024") as err:
+        Int8(residual=-1)
+    assert "\n" not in str(err.value).splitlines()[-1] and len(err.value.errors()) == 1
     with pytest.raises(ValueError, match="Mask"):
         Pipeline(scorer=SnapKV(), compression_ratio=0.5, evictor=Mask(), storage="int4")
     model = _model()
@@ -368,10 +464,14 @@ def test_cli_storage(head_dim_32_model_dir, tmp_path, capsys):
     rows = {s: {(r["label"], r["ratio"]): r["kv_bytes"] for r in run["records"]} for s, run in runs.items()}
     assert rows["int4"][("full", 0.0)] == rows["full"][("full", 0.0)]  # the reference row stays full precision
     # int4 records of head dim 32, groups of 32, float32 scale and zero point: 16 + 8 bytes against 128, plus
-    # each row's side tensors (anchor key and value, key centre: 3 * 32 * 4 bytes; 3 layers x 2 kv heads)
-    side = 3 * 32 * 4 * 3 * 2
+    # each row's side tensors (anchor key and value, key centre and the default residual's 32 keys and values:
+    # (3 + 2 * 32) * 32 * 4 bytes; 3 layers x 2 kv heads)
+    side = (3 + 2 * 32) * 32 * 4 * 3 * 2
     assert (rows["int4"][("snapkv", 0.5)] - side) * 128 == rows["full"][("snapkv", 0.5)] * 24  # same slots
-    assert rows["int4"][("snapkv", 0.0)] < 0.25 * rows["full"][("full", 0.0)]  # every entry, quantized
+    # every entry, quantized (the records under a quarter; with the residual's full-precision copies, on a
+    # 200-token context, still under 40%)
+    assert rows["int4"][("snapkv", 0.0)] - side < 0.25 * rows["full"][("full", 0.0)]
+    assert rows["int4"][("snapkv", 0.0)] < 0.4 * rows["full"][("full", 0.0)]
     assert main(["demo", "--model", head_dim_32_model_dir, "--context", "200", "--max-new-tokens", "2",
                  "--storage", "int8", "--preset", "snapkv"]) == 0
     assert "snapkv" in capsys.readouterr().out
@@ -436,12 +536,19 @@ def test_bfloat16_model_keeps_16_bit_scales():
     attention runs over them and answers in bf16; the same greedy tokens as the rounded full-precision cache."""
     model = build_model("llama").to(torch.bfloat16)
     ids, mask = left_padded_batch(lengths=(80, 66), seed=6)
-    storage = Int4(group_size=16)
+    storage = Int4(group_size=16, residual=0)  # (the rounded oracle rounds every entry)
     cache = _assert_like_rounded(model, preset("snapkv", compression_ratio=0.5), storage, ids, mask, new_tokens=4,
                                  atol=2e-2, appended_atol=0.1)
     layer = cache.layers[0]
     assert layer.k_flat.shape[1] == record_width(16, 4, 16, torch.bfloat16) == 12
     assert layer.view().keys.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("storage", [{"name": "int4", "residual": 8}, {"name": "int8", "residual": 0}, "int4"])
+def test_residual_round_trips_through_json(storage):
+    press = Pipeline(scorer=SnapKV(), compression_ratio=0.5, storage=storage)
+    again = Pipeline.model_validate_json(press.model_dump_json())
+    assert again == press and again.storage.residual == (storage["residual"] if isinstance(storage, dict) else 32)
 
 
 def test_unsupported_dtype_refused_in_one_line():

@@ -67,8 +67,8 @@ def check(dtype: str, head_dim: int, m_total: int, arch: int = 90) -> dict:
         out[f"quantized_split_int{bits}"] = _compile(
             qt._quantized_split_kernel,
             {"Q_ptr": t, "K_ptr": "*u8", "V_ptr": "*u8", "KS_ptr": t, "VS_ptr": t, "AK_ptr": "*fp32", "AV_ptr": t,
-             "OFF_ptr": "*i32", "qk_scale": "fp32", **f32},
-            dict(HEAD_DIM=head_dim, BITS=bits, GROUP=min(32, head_dim), BLOCK_M=cfg["block_m"],
+             "TK_ptr": "*fp32", "TV_ptr": "*fp32", "OFF_ptr": "*i32", "qk_scale": "fp32", **f32},
+            dict(HEAD_DIM=head_dim, BITS=bits, GROUP=min(32, head_dim), RESID=32, BLOCK_M=cfg["block_m"],
                  BLOCK_N=cfg["block_n"], R_PAD=16, IEEE=dtype == "fp32"),
             cfg["num_warps"],
             cfg["num_stages"],

@@ -2,8 +2,8 @@
 (anchor and key centre), and the torch reference of ragged attention over quantized rows (the CPU path).
 
 Scheme (``docs/design.md``, "Scheme"). Each ragged row (batch ``b``, kv head ``h``) of a layer holds, beside
-its records, three full-precision vectors in the entries' dtype, fixed when the layer is compressed:
-``side [3, rows, D]`` = (anchor key, anchor value, key centre).
+its records, full-precision vectors in the entries' dtype: ``side [3 + 2R, rows, D]`` = (anchor key, anchor
+value, key centre, then ``R`` residual keys and ``R`` residual values: :func:`residual_of`).
 
 * **Anchor**: the row's first entry (its lowest kept position: usually the attention sink) is kept in full
   precision, key and value. Its slot still holds a record (of the same scheme), which is never read: the
@@ -14,6 +14,10 @@ its records, three full-precision vectors in the entries' dtype, fixed when the 
   the record holds ``y = (k - c) @ R`` and reads back as ``dequant(y) @ R^T + c``. Decode tokens appended
   later are centred with the same ``c``.
 * **Values**: the record holds ``v`` itself.
+* **Residual** (``R`` = the storage's ``residual``, 0: none): each row's newest ``min(R, length)`` entries,
+  key and value, in full precision in a ring (rank ``j`` at ``j % R``). Every entry also has its record;
+  the newest ``R`` slots of a row read from the ring, older ones from their records (an entry leaving the
+  window needs no work).
 
 Integers (:func:`quantize`): asymmetric per token, in groups of ``group`` channels of what the record holds.
 A group ``x[0..group)`` is stored as ``zero = min(x)`` rounded *down* to the storage dtype (exact when ``x``
@@ -38,7 +42,8 @@ plain bytes. Free slots are zero bytes: they read back as 0 (values) or the row'
 
 Attention never adds the centre back: ``q . k = (q @ R) . y + q . c`` and ``q . c`` is the same for every
 key of a row, so softmax ignores it. Both paths rotate the query once and attend over the records'
-``y`` (the anchor slot: ``(anchor - c) @ R``) and the values (the anchor slot: the anchor value).
+``y`` (the anchor slot: ``(anchor - c) @ R``; the residual slots: ``(k - c) @ R`` of the ring's keys) and
+the values (the anchor slot: the anchor value; the residual slots: the ring's values).
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ __all__ = [
     "record_width",
     "check_record",
     "check_side",
+    "residual_of",
+    "tail_slots",
     "rotation",
     "quantize",
     "dequantize",
@@ -66,6 +73,8 @@ __all__ = [
     "quantized_append_ref",
     "quantized_compact_ref",
     "quantized_attention_ref",
+    "fill_residual",
+    "residual_operands",
 ]
 
 BITS = (4, 8)
@@ -93,15 +102,31 @@ def check_record(head_dim: int, bits: int, group: int, dtype: torch.dtype) -> No
 
 
 def check_side(side: Tensor, rows: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Raise a one-line ``ValueError`` unless ``side`` is the ``[3, rows, head_dim]`` tensor of ``dtype`` on
-    ``device`` a layer's rows keep (anchor key, anchor value, key centre)."""
-    if tuple(side.shape) != (3, rows, head_dim) or side.dtype != dtype:
-        raise ValueError(f"side must be {dtype} [3, {rows}, {head_dim}] (anchor key, anchor value, key centre of "
-                         f"each row), got {side.dtype} {tuple(side.shape)}")
+    """Raise a one-line ``ValueError`` unless ``side`` is the ``[3 + 2 * residual, rows, head_dim]`` tensor of
+    ``dtype`` on ``device`` a layer's rows keep (anchor key, anchor value, key centre, then the rows' residual
+    keys and values: :func:`residual_of`)."""
+    if side.dim() != 3 or side.shape[0] < 3 or side.shape[0] % 2 == 0 or tuple(side.shape[1:]) != (rows, head_dim) \
+            or side.dtype != dtype:
+        raise ValueError(f"side must be {dtype} [3 + 2 * residual, {rows}, {head_dim}] (anchor key, anchor value, "
+                         f"key centre and residual entries of each row), got {side.dtype} {tuple(side.shape)}")
     if not side.is_contiguous():
         raise ValueError("side must be contiguous")
     if side.device != device:
         raise ValueError(f"side is on {side.device} but the cache is on {device}")
+
+
+def residual_of(side: Tensor) -> int:
+    """The residual ``R`` a layer's ``side [3 + 2R, rows, D]`` holds: ``side[3 : 3 + R]`` are the keys and
+    ``side[3 + R :]`` the values of each row's newest ``R`` entries in full precision, entry of rank ``j`` in
+    its row (``0 <= j < length``) at ``3 + j % R`` (a ring: an append overwrites the entry ``R`` older)."""
+    return (side.shape[0] - 3) // 2
+
+
+def tail_slots(row_lengths: Tensor, residual: int) -> tuple[Tensor, Tensor]:
+    """``(rank [rows, R], valid [rows, R])``: the ranks in their rows of each row's newest ``min(R, length)``
+    entries (the ones read from the residual), newest first."""
+    rank = row_lengths.to(torch.int64)[:, None] - 1 - torch.arange(residual, device=row_lengths.device)
+    return rank, rank >= 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -289,6 +314,14 @@ def quantized_append_ref(k_new: Tensor, v_new: Tensor, k_rec: Tensor, v_rec: Ten
     empty = (row_lengths == 0).view(1, B * H, 1)
     first = torch.stack((k_new[:, :, 0], v_new[:, :, 0])).reshape(2, B * H, D)
     side[:2].copy_(torch.where(empty, first, side[:2]))
+    residual = residual_of(side)
+    if residual:  # the newest min(Q, R) new tokens into the residual ring (distinct ring slots)
+        t = min(Q, residual)
+        rank = row_lengths.to(torch.int64)[:, None] + torch.arange(Q - t, Q, device=start.device)  # [rows, t]
+        ring = rank % residual
+        rows = torch.arange(B * H, device=start.device)[:, None].expand(B * H, t)
+        side.index_put_((3 + ring, rows), k_new[:, :, Q - t:].reshape(B * H, t, D))
+        side.index_put_((3 + residual + ring, rows), v_new[:, :, Q - t:].reshape(B * H, t, D))
     row_lengths.add_(Q)
 
 
@@ -299,7 +332,8 @@ def quantized_compact_ref(keys: Tensor, values: Tensor, keep: Tensor, row_offset
     ``b * H_kv + h`` of the records, in ascending position order from ``row_offsets``; only kept entries are
     quantized (the anchor's too: its record is never read). The caller sets ``row_lengths`` to the counts."""
     B, H, _, D = keys.shape
-    side.copy_(row_side(keys, values, keep))
+    side[:3].copy_(row_side(keys, values, keep))
+    side[3:].zero_()
     b, h, pos = keep.nonzero(as_tuple=True)
     if b.numel() == 0:
         return
@@ -307,6 +341,22 @@ def quantized_compact_ref(keys: Tensor, values: Tensor, keep: Tensor, row_offset
     dst = row_offsets.to(torch.int64)[b * H + h] + rank
     k_rec.index_copy_(0, dst, encode_keys(keys[b, h, pos], side[2][b * H + h], bits, group))
     v_rec.index_copy_(0, dst, quantize(values[b, h, pos], bits, group))
+    fill_residual(side, keys, values, keep)
+
+
+def fill_residual(side: Tensor, keys: Tensor, values: Tensor, keep: Tensor) -> None:
+    """Write each row's newest ``min(R, kept)`` kept entries of ``keys, values [B, H, L, D]`` (``keep`` bool
+    ``[B, H, L]``, ranks in ascending position order) into the residual ring of ``side`` (:func:`residual_of`)."""
+    residual = residual_of(side)
+    if not residual:
+        return
+    B, H = keep.shape[:2]
+    rank = torch.cumsum(keep, dim=-1, dtype=torch.int64) - 1
+    newest = keep & (rank >= keep.sum(-1, keepdim=True) - residual)
+    b, h, pos = newest.nonzero(as_tuple=True)
+    ring, rows = rank[b, h, pos] % residual, b * H + h
+    side.index_put_((3 + ring, rows), keys[b, h, pos].to(side.dtype))
+    side.index_put_((3 + residual + ring, rows), values[b, h, pos].to(side.dtype))
 
 
 def attention_operands(q: Tensor, side: Tensor) -> tuple[Tensor, Tensor]:
@@ -314,6 +364,14 @@ def attention_operands(q: Tensor, side: Tensor) -> tuple[Tensor, Tensor]:
     its records hold (what both attention paths attend with; see the module docstring)."""
     R = rotation(q.shape[-1], q.device)
     return q.float() @ R, (side[0].float() - side[2].float()) @ R
+
+
+def residual_operands(side: Tensor) -> tuple[Tensor, Tensor]:
+    """``(keys, values)`` float32 ``[R, rows, D]`` of the rows' residual rings: the keys in the records' space
+    (``(k - c) @ R``), the values as they are."""
+    residual = residual_of(side)
+    R = rotation(side.shape[-1], side.device)
+    return (side[3:3 + residual].float() - side[2].float()) @ R, side[3 + residual:].float()
 
 
 def quantized_attention_ref(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor,
@@ -331,6 +389,16 @@ def quantized_attention_ref(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets
     offs = row_offsets.to(torch.int64)
     dump = torch.full_like(offs, 2 * N)
     slots = torch.cat((torch.where(nonempty, offs, dump), torch.where(nonempty, offs + N, dump)))
+    residual = residual_of(side)
+    if residual:  # each row's newest min(R, length) slots read from its residual (full precision)
+        rank, valid = tail_slots(row_lengths, residual)
+        at = torch.where(valid, offs[:, None] + rank, 2 * N).reshape(-1)
+        ring = (rank % residual).T  # [R, rows]
+        tail_k, tail_v = residual_operands(side)
+        rows = torch.arange(offs.shape[0], device=offs.device)[None, :]
+        kv.index_copy_(0, torch.cat((at, torch.where(at < 2 * N, at + N, at))),
+                       torch.cat((tail_k[ring, rows].transpose(0, 1).reshape(-1, D),
+                                  tail_v[ring, rows].transpose(0, 1).reshape(-1, D))))
     kv.index_copy_(0, slots, torch.cat((anchor_k, side[1].float())))
     out = ragged_attention_ref(q_rot, kv[:N], kv[N:2 * N], row_offsets, row_lengths, scale)
     return out if q.dtype == torch.float32 else out.to(q.dtype)

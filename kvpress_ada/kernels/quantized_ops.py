@@ -10,9 +10,10 @@ call the implementation directly (no custom-op dispatch per layer and step).
 * :func:`quantized_append` - quantize new tokens and append their records in place;
 * :func:`quantized_compact` - fix each row's side tensors and quantize its kept entries into the ragged layout.
 
-Every op takes the layer's ``side [3, rows, D]`` (each row's anchor key, anchor value and key centre, in
-the entries' dtype: :mod:`.quantized`); compaction writes it, an append writes the anchor of a row that was
-empty, attention reads it.
+Every op takes the layer's ``side [3 + 2R, rows, D]`` (each row's anchor key, anchor value, key centre and
+its newest ``R`` entries' keys and values, in the entries' dtype: :mod:`.quantized`); compaction writes it,
+an append writes the anchor of a row that was empty and its newest tokens into the residual, attention
+reads it.
 """
 
 from __future__ import annotations

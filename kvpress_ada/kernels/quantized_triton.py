@@ -9,7 +9,8 @@ for ``tl.dot``; and the scheme's rows (:mod:`.quantized`): the query is rotated 
 (``q @ R``, so the keys' ``y = (k - c) @ R`` are never un-rotated and the centre ``c`` shifts every logit
 of a row alike, which softmax ignores), and a row's first slot reads as its anchor (the anchor key in the
 records' space, ``(anchor - c) @ R``, float32, and the anchor value). The cache is read at ``bits / 16``
-of a 16-bit cache's bytes plus the scales.
+of a 16-bit cache's bytes plus the scales. A row's newest ``RESID`` slots (the storage's residual, when set)
+read from its residual ring instead of their records (keys rotated into the records' space, float32).
 
 Importing this module imports triton; set ``TRITON_INTERPRET=1`` before importing it to run on CPU
 tensors (fp32/fp16 only: the interpreter's bf16 ``tl.dot`` is wrong).
@@ -23,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quantized import attention_operands, check_record
+from .quantized import attention_operands, check_record, residual_of, residual_operands
 from .support import check_head_dim
 from .triton_kernels import default_config, merge_splits
 
@@ -50,14 +51,14 @@ def _dequantized_tile(REC_ptr, SC_ptr, rows, kv_mask, offs_d, rec_width, sc_widt
 
 @triton.jit
 def _quantized_split_kernel(
-    Q_ptr, K_ptr, V_ptr, KS_ptr, VS_ptr, AK_ptr, AV_ptr, OFF_ptr, LEN_ptr, PM_ptr, PL_ptr, PACC_ptr,
+    Q_ptr, K_ptr, V_ptr, KS_ptr, VS_ptr, AK_ptr, AV_ptr, TK_ptr, TV_ptr, OFF_ptr, LEN_ptr, PM_ptr, PL_ptr, PACC_ptr,
     qk_scale,  # scale * log2(e)
     R, H_kv, G, NQ, M_TOTAL, SPLIT,
     stride_qb, stride_qh, stride_qq,
     rec_width,  # bytes per record
     sc_width,  # scale-dtype elements per record
     stride_pm, stride_pacc_s, stride_pacc_m,
-    HEAD_DIM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, RESID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -96,13 +97,19 @@ def _quantized_split_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         offs_j = tl.arange(0, BLOCK_N)
-        for start in range(lo, hi, BLOCK_N):
+        # not software-pipelined (as without a residual, whose masked float32 tail loads would otherwise be
+        # staged through shared memory: 22 KB -> 150 KB per program at head dim 128 on sm_90)
+        for start in tl.range(lo, hi, BLOCK_N, num_stages=1):
             offs_n = start + offs_j
             kv_mask = (offs_n < hi)[:, None]
             rows = base + offs_n.to(tl.int64)[:, None]
             is_anchor = (offs_n == 0)[:, None]
             k = _dequantized_tile(K_ptr, KS_ptr, rows, kv_mask, offs_d, rec_width, sc_width,
                                   HEAD_DIM, BITS, GROUP)
+            if RESID > 0:  # the row's newest RESID slots: its residual ring (float32, [RESID, R, D])
+                in_tail = (offs_n >= n - RESID)[:, None] & kv_mask
+                tail = ((offs_n % RESID).to(tl.int64)[:, None] * R + row) * HEAD_DIM + offs_d[None, :]
+                k = tl.where(in_tail, tl.load(TK_ptr + tail, mask=in_tail, other=0.0), k)
             k = tl.where(is_anchor, anchor_k, k).to(q.dtype)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -118,6 +125,8 @@ def _quantized_split_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = _dequantized_tile(V_ptr, VS_ptr, rows, kv_mask, offs_d, rec_width, sc_width,
                                   HEAD_DIM, BITS, GROUP)
+            if RESID > 0:
+                v = tl.where(in_tail, tl.load(TV_ptr + tail, mask=in_tail, other=0.0), v)
             v = tl.where(is_anchor, anchor_v, v).to(q.dtype)
             if IEEE:
                 pv = tl.dot(p.to(q.dtype), v, input_precision="ieee")
@@ -146,6 +155,8 @@ def quantized_attention_triton(q: torch.Tensor, k_rec: torch.Tensor, v_rec: torc
     q_rot, anchor_k = attention_operands(q, side)
     q = q_rot.to(dtype).contiguous()
     anchor_k, anchor_v = anchor_k.contiguous(), side[1].contiguous()
+    residual = residual_of(side)
+    tail_k, tail_v = (t.contiguous() for t in residual_operands(side)) if residual else (anchor_k, anchor_k)
     R = row_offsets.shape[0]
     H_kv = R // B
     G = H_q // H_kv
@@ -164,12 +175,12 @@ def quantized_attention_triton(q: torch.Tensor, k_rec: torch.Tensor, v_rec: torc
     itemsize = q.dtype.itemsize
     ks, vs = k_rec.view(q.dtype), v_rec.view(q.dtype)  # the same bytes, indexed in scale-sized elements
     _quantized_split_kernel[(slots, m_tiles)](
-        q, k_rec, v_rec, ks, vs, anchor_k, anchor_v, row_offsets, row_lengths, pm, pl, pacc,
+        q, k_rec, v_rec, ks, vs, anchor_k, anchor_v, tail_k, tail_v, row_offsets, row_lengths, pm, pl, pacc,
         float(scale) * math.log2(math.e), R, H_kv, G, Q, M_total, split,
         q.stride(0), q.stride(1), q.stride(2),
         k_rec.shape[1], k_rec.shape[1] // itemsize,
         pm.stride(0), pacc.stride(0), pacc.stride(1),
-        HEAD_DIM=D, BITS=bits, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=D, BITS=bits, GROUP=group, RESID=residual, BLOCK_M=block_m, BLOCK_N=block_n,
         R_PAD=max(16, 1 << max(0, (R - 1).bit_length())), IEEE=q.dtype == torch.float32,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

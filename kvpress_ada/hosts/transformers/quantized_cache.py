@@ -3,16 +3,19 @@
 A layer is a :class:`~.ragged_cache.RaggedLayer` (same rows, offsets, reserve, re-layout, crop, compiled
 decode step) whose slots hold one ``uint8`` record per token instead of ``head_dim`` floats: the
 integers with the token's scales and zero points (:mod:`kvpress_ada.kernels.quantized`), plus, per row,
-``side [3, rows, D]`` in the entries' dtype: the row's anchor (its first entry, key and value, kept in full
-precision) and its key centre (keys are stored centred and rotated). The dense prefill stays in full
-precision until the layer is compressed, so selection reads full-precision entries; compression fixes
+``side [3 + 2 * residual, rows, D]`` in the entries' dtype: the row's anchor (its first entry, key and
+value, kept in full precision), its key centre (keys are stored centred and rotated) and, with a
+``residual``, its newest entries in full precision (a ring beside their records). The dense prefill stays
+in full precision until the layer is compressed, so selection reads full-precision entries; compression fixes
 each row's side tensors and quantizes the kept entries, a decode token is quantized when it is appended
 (with its row's centre), and attention dequantizes the rows as it reads them.
 :meth:`~.ragged_cache.RaggedLayer.view` gives the dequantized entries (the anchor exactly: what a later
 selection, a decode compaction or the next chunk of a chunked prefill reads: what is stored), and keeping
 part of a compressed layer moves the kept records as they are (never quantized twice; centres unchanged; a
-row whose anchor is dropped takes its new first entry's read-back value as anchor). ``nbytes()`` counts
-the records, scales and zero points included, and the side tensors.
+row whose anchor is dropped takes its new first entry's read-back value as anchor; each row's residual is
+refilled from what its newest kept entries read back as: kept residual entries stay exact, and the same
+after a crop). ``nbytes()`` counts the records, scales and zero points included, and the side tensors
+(the residual included).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 import torch
 
 from ... import kernels
-from ...kernels.quantized import decode_keys, dequantize, record_width
+from ...kernels.quantized import decode_keys, dequantize, fill_residual, record_width
 from ...storage import Storage
 from .entries import gather_slots, ragged_index
 from .press_cache import HeldEntries
@@ -31,11 +34,12 @@ from .ragged_cache import RaggedCache, RaggedLayer
 
 class QuantizedRaggedLayer(RaggedLayer):
     """One layer of a :class:`QuantizedRaggedCache`: ``bits``-bit records in groups of ``group`` channels,
-    and each row's ``side`` tensors (anchor key, anchor value, key centre)."""
+    and each row's ``side`` tensors (anchor key, anchor value, key centre, then its newest ``residual``
+    entries' keys and values, a ring: :func:`~kvpress_ada.kernels.quantized.residual_of`)."""
 
-    def __init__(self, bits: int, group: int, decode_reserve: int = 8, growth: float = 0.125):
+    def __init__(self, bits: int, group: int, decode_reserve: int = 8, growth: float = 0.125, residual: int = 0):
         super().__init__(decode_reserve, growth)
-        self.bits, self.group = bits, group
+        self.bits, self.group, self.residual = bits, group, residual
 
     def _clear(self) -> None:
         super()._clear()
@@ -51,7 +55,8 @@ class QuantizedRaggedLayer(RaggedLayer):
             return
         B, H, _ = self.shape
         with torch.inference_mode(False):  # a normal tensor, as the flat buffers (see RaggedLayer._layout)
-            self.side = torch.zeros(3, B * H, self.head_dim, dtype=self.dtype, device=self.device)
+            self.side = torch.zeros(3 + 2 * self.residual, B * H, self.head_dim, dtype=self.dtype,
+                                    device=self.device)
         if self.side.device.type == "cuda" and not torch.compiler.is_compiling():
             torch._dynamo.mark_static_address(self.side)  # mutated in place by appends (see _mark_for_compile)
         kernels.quantized_compact(keys, values, keep, self.row_offsets, self.k_flat, self.v_flat, self.side,
@@ -64,10 +69,19 @@ class QuantizedRaggedLayer(RaggedLayer):
     def _read_slots(self, index: torch.Tensor, present: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, H, _ = self.shape
         D = self.head_dim
-        anchor_k, anchor_v, centre = self.side.view(3, B, H, 1, D)
+        anchor_k, anchor_v, centre = self.side[:3].view(3, B, H, 1, D)
         keys = decode_keys(gather_slots(self.k_flat, index, present), centre, D, self.bits, self.group, self.dtype)
         values = dequantize(gather_slots(self.v_flat, index, present), D, self.bits, self.group, self.dtype)
-        first = (present & (index == self.row_offsets.view(B, H, 1).long()))[..., None]  # each row's anchor slot
+        rank = index - self.row_offsets.view(B, H, 1).long()
+        first = (present & (rank == 0))[..., None]  # each row's anchor slot
+        if self.residual:  # the newest entries of each row: its residual ring, in full precision
+            R = self.residual
+            tail = (present & (rank >= self.row_lengths.view(B, H, 1).long() - R))[..., None]
+            ring = (rank.clamp(min=0) % R).view(B * H, -1)
+            rows = torch.arange(B * H, device=index.device)[:, None]
+            shape = (B, H, index.shape[-1], D)
+            keys = torch.where(tail, self.side[3:3 + R][ring, rows].view(shape), keys)
+            values = torch.where(tail, self.side[3 + R:][ring, rows].view(shape), values)
         zero = torch.zeros((), dtype=self.dtype, device=keys.device)
         return (torch.where(present[..., None], torch.where(first, anchor_k, keys), zero),
                 torch.where(first, anchor_v, values))
@@ -98,6 +112,30 @@ class QuantizedRaggedLayer(RaggedLayer):
         self.keys, self.values = gather_slots(self.k_flat, index, present), gather_slots(self.v_flat, index, present)
         self.compressed = False
         self.compress(kept, spare=spare, positions=held.positions)
+        self._refill_residual(held.keys, held.values, kept)
+
+    def _refill_residual(self, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor) -> None:
+        """Each row's residual ring from what its newest ``residual`` kept entries read back as (``keys,
+        values``: the layer's view before the change, so no kept entry's read-back value changes)."""
+        if self.residual:
+            self.side[3:].zero_()
+            fill_residual(self.side, keys, values, kept)
+
+    def _crop_kept(self, n: int) -> None:
+        if not (self.compressed and self.residual and n):
+            super()._crop_kept(n)
+            return
+        # the row's newest entries after the crop, read as they are now (some were older than the residual)
+        B, H, _ = self.shape
+        rank = (self.row_lengths.view(B, H, 1).long() - n - 1) - torch.arange(self.residual, device=self.device)
+        present = rank >= 0
+        index = torch.where(present, self.row_offsets.view(B, H, 1).long() + rank, 0)
+        keys, values = self._read_slots(index, present)
+        super()._crop_kept(n)
+        b, h, i = present.nonzero(as_tuple=True)
+        ring, rows = 3 + rank[b, h, i] % self.residual, b * H + h
+        self.side[ring, rows] = keys[b, h, i]
+        self.side[ring + self.residual, rows] = values[b, h, i]
 
     def nbytes(self) -> int:
         return super().nbytes() + (self.side.numel() * self.side.element_size() if self.compressed else 0)
@@ -120,10 +158,11 @@ class QuantizedRaggedCache(RaggedCache):
         if bits is None:
             raise ValueError(f"storage={storage.label!r} is not quantized: use RaggedCache")
         self.storage, self.bits, self.group = storage, bits, int(getattr(storage, "group_size"))
+        self.residual = int(getattr(storage, "residual", 0))
         super().__init__(config=config, num_layers=num_layers, decode_reserve=decode_reserve)
 
     def _new_layer(self, decode_reserve: int) -> RaggedLayer:
-        return QuantizedRaggedLayer(self.bits, self.group, decode_reserve)
+        return QuantizedRaggedLayer(self.bits, self.group, decode_reserve, residual=self.residual)
 
     def stores(self, storage: Any) -> bool:
         return storage == self.storage

@@ -267,6 +267,23 @@ def test_a_request_computed_again_with_its_generated_tokens_meets_the_same_evict
     assert again.kept("r") == first.kept("r")
 
 
+def test_a_model_scope_schedule_evicts_a_computed_again_request_over_all_it_holds_at_the_step_end(llama):
+    """Replayed with its generated tokens, a request under a model-scope schedule (which evicts at the end of the
+    step, after the tokens past the prompt's end were written) keeps the prompt's budget over everything it holds:
+    the uninterrupted run's entries at the same point minus the replayed tokens, in every row."""
+    press = Pipeline(scorer=SnapKV(window=16), layers=AdaLayer(), compression_ratio=0.5)
+    prompt = _prompt(90, 9)
+    first = Engine(llama, press)
+    first.prefill("r", prompt)
+    for _ in range(6):
+        first.decode("r")
+    again = Engine(llama, press)
+    again.serving.add("r", prompt.shape[1])
+    again.step("r", torch.cat([prompt, torch.tensor([first.tokens["r"][:6]])], dim=1), 0)
+    held = [len(head) for layer in again.kept("r") for head in layer]
+    assert sum(held) == sum(len(head) for layer in first.kept("r") for head in layer) - 6 * len(held)
+
+
 def _small_window_press(name):
     press = preset(name, compression_ratio=0.5)
     if "window" in type(press.scorer).model_fields:

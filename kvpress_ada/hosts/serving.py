@@ -86,7 +86,7 @@ class PagedServing:
     n_kv_heads: int
     layer_info: LayerInfo | None = None
     requests: dict[str, ServedRequest] = field(default_factory=dict)
-    _pending: dict[int, list[tuple[_Due, LayerView]]] = field(default_factory=dict)
+    _pending: dict[int, list[tuple[_Due, float]]] = field(default_factory=dict)  # layer -> (due group, scaling)
 
     def __post_init__(self) -> None:
         check_servable(self.press)
@@ -177,10 +177,10 @@ class PagedServing:
         due = self._advance(layer_idx, request_ids, requests, query, counts)
         with torch.no_grad():
             for group in due:
-                view = self._view(layer_idx, group, scaling)
-                if type(self.press.layers).needs_all_layers:
-                    self._pending.setdefault(layer_idx, []).append((group, view))
+                if type(self.press.layers).needs_all_layers:  # viewed at the end of the step (what it holds then)
+                    self._pending.setdefault(layer_idx, []).append((group, scaling))
                 else:
+                    view = self._view(layer_idx, group, scaling)
                     self._keep(layer_idx, group, self.press.keep([view], group.budget)[0])
         return out
 
@@ -194,7 +194,8 @@ class PagedServing:
         with torch.no_grad():
             for g in range(len(pending[0])):
                 group = pending[0][g][0]
-                masks = self.press.keep([pending[i][g][1] for i in range(len(self.pools))], group.budget)
+                views = [self._view(i, *pending[i][g]) for i in range(len(self.pools))]
+                masks = self.press.keep(views, group.budget)
                 for i, keep in enumerate(masks):
                     self._keep(i, group, keep)
 

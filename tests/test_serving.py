@@ -253,16 +253,7 @@ def test_a_prompt_shorter_than_the_scorer_needs_is_served_whole(llama):
 def test_a_request_computed_again_with_its_generated_tokens_meets_the_same_eviction(llama, name):
     """A preempted request comes back as one step holding its prompt and what it had generated: the press still
     evicts at the prompt's end, so the kept entries and the next tokens are those of the uninterrupted run."""
-    press = _small_window_press(name)
-    prompt = _prompt(90, 8)
-    first = Engine(llama, press)
-    first.prefill("r", prompt)
-    for _ in range(6):
-        first.decode("r")
-    again = Engine(llama, press)
-    again.serving.add("r", prompt.shape[1])
-    replay = torch.cat([prompt, torch.tensor([first.tokens["r"][:6]])], dim=1)
-    token = again.step("r", replay, 0)
+    first, again, token = _run_then_replay(llama, _small_window_press(name), _prompt(90, 8), generated=6)
     assert token == first.tokens["r"][6]
     assert again.kept("r") == first.kept("r")
 
@@ -272,16 +263,22 @@ def test_a_model_scope_schedule_evicts_a_computed_again_request_over_all_it_hold
     step, after the tokens past the prompt's end were written) keeps the prompt's budget over everything it holds:
     the uninterrupted run's entries at the same point minus the replayed tokens, in every row."""
     press = Pipeline(scorer=SnapKV(window=16), layers=AdaLayer(), compression_ratio=0.5)
-    prompt = _prompt(90, 9)
-    first = Engine(llama, press)
-    first.prefill("r", prompt)
-    for _ in range(6):
-        first.decode("r")
-    again = Engine(llama, press)
-    again.serving.add("r", prompt.shape[1])
-    again.step("r", torch.cat([prompt, torch.tensor([first.tokens["r"][:6]])], dim=1), 0)
+    first, again, _ = _run_then_replay(llama, press, _prompt(90, 9), generated=6)
     held = [len(head) for layer in again.kept("r") for head in layer]
     assert sum(held) == sum(len(head) for layer in first.kept("r") for head in layer) - 6 * len(held)
+
+
+def _run_then_replay(model, press, prompt, generated):
+    """Request "r" run uninterrupted for ``generated`` tokens, and the same request computed again in a fresh engine
+    as one step of its prompt and those tokens (as after a preemption): both engines and the replay's next token."""
+    first = Engine(model, press)
+    first.prefill("r", prompt)
+    for _ in range(generated):
+        first.decode("r")
+    again = Engine(model, press)
+    again.serving.add("r", prompt.shape[1])
+    token = again.step("r", torch.cat([prompt, torch.tensor([first.tokens["r"][:generated]])], dim=1), 0)
+    return first, again, token
 
 
 def _small_window_press(name):

@@ -66,6 +66,8 @@ __all__ = [
     "quantize",
     "dequantize",
     "record_scales",
+    "first_kept",
+    "row_anchors",
     "row_side",
     "encode_keys",
     "decode_keys",
@@ -247,20 +249,29 @@ def dequantize(records: Tensor, head_dim: int, bits: int, group: int, dtype: tor
 # ----------------------------------------------------------------------------- keys and the rows' side tensors
 
 
+def first_kept(keep: Tensor) -> Tensor:
+    """``[B, H, L]`` bool: each row's first kept entry of ``keep`` (none in a row keeping nothing)."""
+    return keep & (torch.cumsum(keep, dim=-1) == 1)
+
+
+def row_anchors(keys: Tensor, values: Tensor, keep: Tensor) -> Tensor:
+    """``[2, B * H, D]`` each row's anchor key and value: its first kept entry of ``keys, values [B, H, L, D]``
+    (``keep`` bool ``[B, H, L]``), zeros for a row keeping nothing."""
+    B, H, L, D = keys.shape
+    at = first_kept(keep).to(torch.uint8).argmax(-1)[..., None, None].expand(B, H, 1, D)
+    anchor = torch.stack((keys.gather(2, at), values.gather(2, at))).squeeze(3)  # [2, B, H, D]
+    anchor = torch.where(keep.any(-1)[..., None], anchor, torch.zeros((), dtype=keys.dtype, device=keys.device))
+    return anchor.reshape(2, B * H, D)
+
+
 def row_side(keys: Tensor, values: Tensor, keep: Tensor) -> Tensor:
     """``side [3, B * H, D]`` in ``keys.dtype`` of the kept entries (``keep`` bool ``[B, H, L]``) of
-    ``keys, values [B, H, L, D]``: each row's anchor key and value (its first kept entry; zeros for a row
-    keeping nothing) and key centre (the mean of its other kept keys, float32 then rounded; 0 if none)."""
+    ``keys, values [B, H, L, D]``: each row's anchor key and value (:func:`row_anchors`) and key centre (the
+    mean of its other kept keys, float32 then rounded; 0 if none)."""
     B, H, L, D = keys.shape
-    rank = torch.cumsum(keep, dim=-1)
-    first = keep & (rank == 1)
-    any_kept = keep.any(-1)
-    at = first.to(torch.uint8).argmax(-1)[..., None, None].expand(B, H, 1, D)
-    anchor = torch.stack((keys.gather(2, at), values.gather(2, at))).squeeze(3)  # [2, B, H, D]
-    anchor = torch.where(any_kept[..., None], anchor, torch.zeros((), dtype=keys.dtype, device=keys.device))
-    rest = (keep & ~first).to(torch.float32)
+    rest = (keep & ~first_kept(keep)).to(torch.float32)
     centre = (rest[..., None, :] @ keys.float()).squeeze(-2) / rest.sum(-1).clamp(min=1)[..., None]
-    return torch.cat((anchor, centre.to(keys.dtype)[None])).reshape(3, B * H, D)
+    return torch.cat((row_anchors(keys, values, keep), centre.to(keys.dtype).reshape(1, B * H, D)))
 
 
 def encode_keys(keys: Tensor, centre: Tensor, bits: int, group: int) -> Tensor:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ... import kernels
-from ...kernels.quantized import decode_keys, dequantize, fill_residual, record_width
+from ...kernels.quantized import decode_keys, dequantize, fill_residual, record_width, row_anchors
 from ...storage import Storage
 from .entries import gather_slots, ragged_index
 from .press_cache import HeldEntries
@@ -105,9 +105,7 @@ class QuantizedRaggedLayer(RaggedLayer):
         if present.shape != keep.shape:
             raise ValueError(f"the view of shape {tuple(keep.shape)} is not this layer's ({tuple(present.shape)})")
         kept = keep & held.valid & present
-        first = kept & (torch.cumsum(kept, dim=-1) == 1)
-        at = first.to(torch.uint8).argmax(-1)[..., None, None].expand(B, H, 1, self.head_dim)
-        anchors = torch.stack((held.keys.gather(2, at), held.values.gather(2, at))).view(2, B * H, self.head_dim)
+        anchors = row_anchors(held.keys, held.values, kept)
         self.side[:2] = torch.where(kept.any(-1).view(1, B * H, 1), anchors.to(self.dtype), self.side[:2])
         self.keys, self.values = gather_slots(self.k_flat, index, present), gather_slots(self.v_flat, index, present)
         self.compressed = False
@@ -125,17 +123,12 @@ class QuantizedRaggedLayer(RaggedLayer):
         if not (self.compressed and self.residual and n):
             super()._crop_kept(n)
             return
-        # the row's newest entries after the crop, read as they are now (some were older than the residual)
-        B, H, _ = self.shape
-        rank = (self.row_lengths.view(B, H, 1).long() - n - 1) - torch.arange(self.residual, device=self.device)
-        present = rank >= 0
-        index = torch.where(present, self.row_offsets.view(B, H, 1).long() + rank, 0)
-        keys, values = self._read_slots(index, present)
+        # each row's ring refilled from what its entries before the last n read back as now (some were older
+        # than the residual, so their records are what they read as)
+        held = self.view()
+        kept = held.valid & (torch.cumsum(held.valid, dim=-1) <= self.row_lengths.view(held.valid.shape[:2] + (1,)) - n)
         super()._crop_kept(n)
-        b, h, i = present.nonzero(as_tuple=True)
-        ring, rows = 3 + rank[b, h, i] % self.residual, b * H + h
-        self.side[ring, rows] = keys[b, h, i]
-        self.side[ring + self.residual, rows] = values[b, h, i]
+        self._refill_residual(held.keys, held.values, kept)
 
     def nbytes(self) -> int:
         return super().nbytes() + (self.side.numel() * self.side.element_size() if self.compressed else 0)

@@ -113,11 +113,12 @@ class PagePool:
 
     # ------------------------------------------------------------------ entries
     def append(self, seqs: list[PagedSequence], keys: torch.Tensor, values: torch.Tensor,
-               positions: torch.Tensor, counts: list[int], scores: torch.Tensor | None = None) -> None:
+               positions: torch.Tensor, counts: list[int],
+               scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Append packed tokens: sequence ``n`` takes the next ``counts[n]`` of ``keys, values [T, H_kv, D]``,
         ``positions [T]`` (every head of it the same tokens) and, for a scorer reading hidden states, the
         entries' ``scores [T, H_kv]``. Pages are taken before anything is written: on :class:`PoolExhausted`
-        nothing changed."""
+        nothing changed. Returns :meth:`table` of ``seqs`` after the append (what attention then reads)."""
         needed = sum(self.pages_needed(seq, c) for seq, c in zip(seqs, counts))
         if needed > self.free_pages:
             raise PoolExhausted(f"{needed} pages needed to append, {self.free_pages} of {self.capacity} free")
@@ -128,19 +129,21 @@ class PagePool:
                 n = seq.lengths[h]
                 seq.pages[h].extend(self.take(-(-(n + c) // S) - len(seq.pages[h])))
                 seq.lengths[h] = n + c
+        table, lengths = self.table(seqs)
         T, H = sum(counts), before.shape[1]
         if T == 0 or H == 0:
-            return
-        table = self.table(seqs)[0].cpu().long()
+            return table, lengths
+        host_table = table.cpu().long()
         per = torch.tensor(counts, dtype=torch.long)
         request = torch.repeat_interleave(torch.arange(len(seqs)), per, output_size=T)  # each token's sequence
         offset = torch.arange(T) - (torch.cumsum(per, 0) - per).index_select(0, request)  # its index in its sequence
         entry = before.index_select(0, request) + offset[:, None]  # [T, H] the entry each (token, head) becomes
         rows = request[:, None] * H + torch.arange(H)
-        flat = table[rows, entry // S] * S + entry % S  # in (token, head) order, as keys.reshape(-1, D)
+        flat = host_table[rows, entry // S] * S + entry % S  # in (token, head) order, as keys.reshape(-1, D)
         D = keys.shape[-1]
         self._write(flat.reshape(-1).to(self.k_pages.device), keys.reshape(-1, D), values.reshape(-1, D),
                     positions.repeat_interleave(H), None if scores is None else scores.reshape(-1))
+        return table, lengths
 
     def table(self, seqs: list[PagedSequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(page_table [N * H_kv, M], row_lengths [N * H_kv])`` int32 of ``seqs`` on the pool's device

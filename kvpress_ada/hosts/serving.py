@@ -170,8 +170,7 @@ class PagedServing:
         pool = self.pools[layer_idx]
         requests = [self.requests[i] for i in request_ids]
         seqs = [r.seqs[layer_idx] for r in requests]
-        pool.append(seqs, key, value, positions, counts, scores)
-        table, lengths = pool.table(seqs)
+        table, lengths = pool.append(seqs, key, value, positions, counts, scores)
         start = torch.tensor([0] + counts, device=query.device).cumsum(0).to(torch.int32)
         out = pool.attend(query, table, lengths, start, scaling)
         due = self._advance(layer_idx, request_ids, requests, query, counts)

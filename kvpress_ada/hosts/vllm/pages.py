@@ -14,7 +14,6 @@ marked entries with vLLM's op: no layout is assumed, and a layout the probe cann
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import torch
 from vllm import _custom_ops as ops
@@ -59,8 +58,7 @@ class VllmPagePool(PagePool):
         super().__init__(pages[:, 0], pages[:, 1])
         P, _, S, D = pages.shape
         self.isa = isa
-        self._raw = pages.reshape(P, 2 * S * D) if pages.is_contiguous() else torch.as_strided(
-            pages, (P, 2 * S * D), (pages.stride(0), 1))
+        self._raw = torch.as_strided(pages, (P, 2 * S * D), (pages.stride(0), 1))  # each page's elements
         self._k_cache = torch.as_strided(pages, (P, 1, S, D), (pages.stride(0), pages.stride(0), D, 1))
         self._v_cache = torch.as_strided(pages, (P, 1, S, D), (pages.stride(0), pages.stride(0), D, 1),
                                          pages.storage_offset() + S * D)
@@ -116,7 +114,7 @@ class VllmPagePool(PagePool):
         return heads_major.view(H, T, G, D).transpose(0, 1).reshape(T, H_q, D)
 
 
-def vllm_pool(pages: torch.Tensor, isa: str) -> Any:
+def vllm_pool(pages: torch.Tensor, isa: str) -> PagePool:
     """A :class:`VllmPagePool` over ``pages [P, 2, S, D]``; where vLLM's layout cannot be mapped, a plain
     :class:`~kvpress_ada.hosts.paging.PagePool` (our own layout and kernels) over the same memory."""
     try:

@@ -70,6 +70,7 @@ __all__ = [
     "row_anchors",
     "row_side",
     "encode_keys",
+    "encode_entries",
     "decode_keys",
     "quantize_rows",
     "quantized_append_ref",
@@ -77,6 +78,8 @@ __all__ = [
     "quantized_attention_ref",
     "fill_residual",
     "residual_operands",
+    "side_slots",
+    "side_operands",
 ]
 
 BITS = (4, 8)
@@ -191,7 +194,8 @@ def quantize(x: Tensor, bits: int, group: int, dtype: torch.dtype | None = None)
     zf = zero.float()
     scale = _round_up((top - zf) / levels, dtype)
     sf = scale.float()
-    q = (xf - zf[..., None]).div_(torch.where(sf > 0, sf, 1.0)[..., None]).round_().clamp_(0, levels)
+    # a constant group (scale 0) has x - zero = 0: any positive divisor gives 0
+    q = (xf - zf[..., None]).div_(sf.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).round_().clamp_(0, levels)
     q = q.to(torch.uint8).reshape(*lead, D)
     if bits == 4:
         q = q[..., : D // 2] | (q[..., D // 2:] << 4)
@@ -226,24 +230,30 @@ def dequantize(records: Tensor, head_dim: int, bits: int, group: int, dtype: tor
     centred ``y``: :func:`decode_keys` gives the key."""
     ints, scale, zero = record_scales(records, head_dim, bits, group, dtype)
     *lead, _ = records.shape
-    n_groups = head_dim // group
-    # (scales and zeros made contiguous first: broadcasting a strided view is several times slower on CPU)
-    scale, zero = scale.float().contiguous(), zero.float().contiguous()
-    half = head_dim // 2
+    out = torch.empty(*lead, head_dim, dtype=torch.float32, device=records.device)
     if bits == 8:
-        q = ints.reshape(*lead, n_groups, group)
-    elif half % group and group != head_dim:  # a group straddles the two halves (e.g. head dim 96, groups of 32)
-        q = torch.cat((ints & 15, ints >> 4), dim=-1).view(*lead, n_groups, group)
-    else:  # both nibbles masked (no shift): a high nibble reads as 16 q, so its scale is scale / 16
-        per_half = max(n_groups // 2, 1)  # groups in each half (a group of head_dim spans both)
-        q = torch.cat((ints & 15, ints & 240), dim=-1).view(*lead, 2, per_half, half // per_half)
-        scale = scale.view(*lead, -1, per_half).expand(*lead, 2, per_half).clone()
-        scale[..., 1, :] *= 1 / 16
-        zero = zero.view(*lead, -1, per_half).expand(*lead, 2, per_half)
-    # convert, then scale and shift in place (on CPU faster than a mixed uint8 * float product or addcmul)
-    out = q.float().mul_(scale[..., None]).add_(zero[..., None]).reshape(*lead, head_dim)
+        out.copy_(ints)
+    else:  # the low nibbles are channels [0, D/2), the high ones [D/2, D): convert each half in place
+        half = head_dim // 2
+        low, high = _nibbles(ints)
+        out[..., :half].copy_(low)
+        out[..., half:].copy_(high)
+    # scale and shift in place, scales and zeros contiguous (broadcasting a strided view is slow on CPU)
+    grouped = out.view(*lead, head_dim // group, group)
+    grouped.mul_(scale.float().contiguous()[..., None]).add_(zero.float().contiguous()[..., None])
     target = dtype if out_dtype is None else out_dtype
     return out if target == torch.float32 else out.to(target)
+
+
+def _nibbles(ints: Tensor) -> tuple[Tensor, Tensor]:
+    """``(low, high)`` uint8 nibbles of int4 ``ints [..., n]``, computed on a contiguous copy (elementwise ops
+    on the records' strided slice are several times slower on CPU) and, when ``n`` is a multiple of 4, on
+    32-bit words, four bytes at a time (each byte's nibbles stay in that byte)."""
+    ints = ints.contiguous()
+    if ints.shape[-1] % 4 == 0:
+        words = ints.view(torch.int32)
+        return (words & 0x0F0F0F0F).view(torch.uint8), (words >> 4).bitwise_and_(0x0F0F0F0F).view(torch.uint8)
+    return ints & 15, ints >> 4
 
 
 # ----------------------------------------------------------------------------- keys and the rows' side tensors
@@ -282,6 +292,14 @@ def encode_keys(keys: Tensor, centre: Tensor, bits: int, group: int) -> Tensor:
     return quantize(y, bits, group, dtype=keys.dtype)
 
 
+def encode_entries(keys: Tensor, values: Tensor, centre: Tensor, bits: int, group: int) -> Tensor:
+    """``[2, ..., record_width]``: the records of ``keys`` (:func:`encode_keys`) and of ``values`` (of the same
+    shape and dtype), quantized in one pass."""
+    D = keys.shape[-1]
+    y = (keys.float() - centre.float()) @ rotation(D, keys.device)
+    return quantize(torch.stack((y, values.float())), bits, group, dtype=keys.dtype)
+
+
 def decode_keys(records: Tensor, centre: Tensor, head_dim: int, bits: int, group: int, dtype: torch.dtype,
                 out_dtype: torch.dtype | None = None) -> Tensor:
     """Keys ``[..., head_dim]`` of key ``records``: ``dequantize(records) @ R^T + centre`` (float32), in
@@ -318,21 +336,24 @@ def quantized_append_ref(k_new: Tensor, v_new: Tensor, k_rec: Tensor, v_rec: Ten
     their records at ``row_offsets + row_lengths`` (in place); a row empty so far takes its first new token as
     its anchor (``side[0], side[1]``); then ``row_lengths += Q``. Device-side index ops only (no host sync)."""
     B, H, Q, D = k_new.shape
-    start = row_offsets.to(torch.int64) + row_lengths.to(torch.int64)
-    dst = (start.unsqueeze(1) + torch.arange(Q, device=start.device)).reshape(-1)
-    k_rec.index_copy_(0, dst, encode_keys(k_new, side[2].view(B, H, 1, D), bits, group).view(B * H * Q, -1))
-    v_rec.index_copy_(0, dst, quantize(v_new, bits, group).view(B * H * Q, -1))
-    empty = (row_lengths == 0).view(1, B * H, 1)
-    first = torch.stack((k_new[:, :, 0], v_new[:, :, 0])).reshape(2, B * H, D)
-    side[:2].copy_(torch.where(empty, first, side[:2]))
+    rows = B * H
+    dst = (row_offsets + row_lengths).to(torch.int64)
+    if Q > 1:
+        dst = (dst.unsqueeze(1) + torch.arange(Q, device=dst.device)).reshape(-1)
+    records = encode_entries(k_new, v_new, side[2].view(B, H, 1, D), bits, group).view(2, rows * Q, -1)
+    k_rec.index_copy_(0, dst, records[0])
+    v_rec.index_copy_(0, dst, records[1])
+    empty = (row_lengths == 0).view(1, rows, 1)
+    side[:2].copy_(torch.where(empty, torch.stack((k_new[:, :, 0], v_new[:, :, 0])).view(2, rows, D), side[:2]))
     residual = residual_of(side)
-    if residual:  # the newest min(Q, R) new tokens into the residual ring (distinct ring slots)
+    if residual:  # the newest min(Q, R) new tokens into the residual ring (distinct ring slots of each row)
         t = min(Q, residual)
-        rank = row_lengths.to(torch.int64)[:, None] + torch.arange(Q - t, Q, device=start.device)  # [rows, t]
-        ring = rank % residual
-        rows = torch.arange(B * H, device=start.device)[:, None].expand(B * H, t)
-        side.index_put_((3 + ring, rows), k_new[:, :, Q - t:].reshape(B * H, t, D))
-        side.index_put_((3 + residual + ring, rows), v_new[:, :, Q - t:].reshape(B * H, t, D))
+        rank = row_lengths.to(torch.int64) + (Q - t) if t == 1 else \
+            row_lengths.to(torch.int64)[None, :] + torch.arange(Q - t, Q, device=dst.device)[:, None]
+        at = (torch.remainder(rank, residual) + 3).view(t, rows)  # [t, rows]: the ring slots, in side's rows
+        new = torch.stack((k_new[:, :, Q - t:], v_new[:, :, Q - t:])).view(2, rows, t, D).transpose(1, 2)
+        side.scatter_(0, torch.cat((at, at + residual)).unsqueeze(-1).expand(2 * t, rows, D),
+                      new.reshape(2 * t, rows, D).to(side.dtype))
     row_lengths.add_(Q)
 
 
@@ -385,31 +406,54 @@ def residual_operands(side: Tensor) -> tuple[Tensor, Tensor]:
     return (side[3:3 + residual].float() - side[2].float()) @ R, side[3 + residual:].float()
 
 
+@functools.lru_cache(maxsize=None)
+def _side_rows(residual: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(rows, ranks)``: the indices into ``side`` of what a row reads in full precision (its anchor key, its
+    ``residual`` ring keys, then the same values), and ``0, 1, ..., residual - 1`` (the ring slots)."""
+    ring = torch.arange(3, 3 + residual)
+    rows = torch.cat((torch.tensor([0]), ring, torch.tensor([1]), ring + residual))
+    return rows.to(device), torch.arange(residual, device=device)[:, None]
+
+
+def side_slots(row_offsets: Tensor, row_lengths: Tensor, residual: int, free: int) -> Tensor:
+    """``int64 [1 + R, rows]``: the layer slot each row's anchor (index 0) and each of its ring slots ``j``
+    (index ``1 + j``) stands for, or ``free`` where it stands for none. Ring slot ``j`` holds the row's newest
+    entry of rank ``k = j (mod R)``, ``k < length``; rank 0 reads as the anchor instead."""
+    n = row_lengths.to(torch.int64)
+    offs = row_offsets.to(torch.int64)
+    anchor = torch.where(n > 0, offs, free)[None]
+    if not residual:
+        return anchor
+    last = n - 1
+    rank = last - torch.remainder(last - _side_rows(residual, n.device)[1], residual)
+    return torch.cat((anchor, torch.where(rank >= 1, offs + rank, free)))
+
+
+def side_operands(side: Tensor) -> Tensor:
+    """float32 ``[2 (1 + R), rows, D]``: the keys then the values each row reads in full precision, each in
+    the order of :func:`side_slots` (its anchor, then its ring slots), keys in the records' space
+    (``(k - c) @ R``)."""
+    residual = residual_of(side)
+    out = side[_side_rows(residual, side.device)[0]].float()
+    keys = out[:1 + residual]
+    keys.copy_((keys - side[2].float()) @ rotation(side.shape[-1], side.device))
+    return out
+
+
 def quantized_attention_ref(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor,
                             side: Tensor, scale: float, bits: int, group: int) -> Tensor:
     """Ragged attention (contract of :func:`~.reference.ragged_attention_ref`) over quantized records made
     from entries of ``q.dtype``, with the rows' ``side`` tensors. The CPU path: the layer's records are
-    dequantized to float32 in one vectorised pass (transient, one layer at a time), each non-empty row's first
-    slot replaced by its anchor, and the rotated query attends to them with the full-precision reference,
-    whose row-layout paths (batched, per row, loop-free split-K) apply unchanged."""
+    dequantized to float32 in one vectorised pass (transient, one layer at a time), the slots read in full
+    precision (each non-empty row's anchor and newest ``R`` entries: :func:`side_slots`) overwritten by
+    them in one scatter, and the rotated query attends with the full-precision reference, whose row-layout
+    paths (batched, per row, loop-free split-K) apply unchanged."""
     D, N = q.shape[-1], k_rec.shape[0]
-    pad = torch.zeros(1, k_rec.shape[1], dtype=torch.uint8, device=k_rec.device)  # one dump slot (index 2N)
-    kv = dequantize(torch.cat((k_rec, v_rec, pad)), D, bits, group, q.dtype, torch.float32)  # one pass for both
-    q_rot, anchor_k = attention_operands(q, side)
-    nonempty = row_lengths > 0
-    offs = row_offsets.to(torch.int64)
-    dump = torch.full_like(offs, 2 * N)
-    slots = torch.cat((torch.where(nonempty, offs, dump), torch.where(nonempty, offs + N, dump)))
-    residual = residual_of(side)
-    if residual:  # each row's newest min(R, length) slots read from its residual (full precision)
-        rank, valid = tail_slots(row_lengths, residual)
-        at = torch.where(valid, offs[:, None] + rank, 2 * N).reshape(-1)
-        ring = (rank % residual).T  # [R, rows]
-        tail_k, tail_v = residual_operands(side)
-        rows = torch.arange(offs.shape[0], device=offs.device)[None, :]
-        kv.index_copy_(0, torch.cat((at, torch.where(at < 2 * N, at + N, at))),
-                       torch.cat((tail_k[ring, rows].transpose(0, 1).reshape(-1, D),
-                                  tail_v[ring, rows].transpose(0, 1).reshape(-1, D))))
-    kv.index_copy_(0, slots, torch.cat((anchor_k, side[1].float())))
-    out = ragged_attention_ref(q_rot, kv[:N], kv[N:2 * N], row_offsets, row_lengths, scale)
+    pad = torch.zeros(1, k_rec.shape[1], dtype=torch.uint8, device=k_rec.device)
+    # keys at [0, N), values at [N + 1, 2N + 1); slot N (and 2N + 1) takes what stands for no slot
+    kv = dequantize(torch.cat((k_rec, pad, v_rec, pad)), D, bits, group, q.dtype, torch.float32)
+    slots = side_slots(row_offsets, row_lengths, residual_of(side), N)
+    kv.index_copy_(0, torch.cat((slots, slots + (N + 1))).view(-1), side_operands(side).view(-1, D))
+    q_rot = q.float() @ rotation(D, q.device)
+    out = ragged_attention_ref(q_rot, kv[:N], kv[N + 1:2 * N + 1], row_offsets, row_lengths, scale)
     return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -39,6 +39,20 @@ def token_rows(query_start: Tensor, n_tokens: int) -> tuple[Tensor, Tensor]:
     return request.to(torch.int32), ahead.to(torch.int32)
 
 
+def _gather_rows(k_pages: Tensor, v_pages: Tensor, table: Tensor, lengths: Tensor,
+                 width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """float32 ``(keys, values [..., width, D], hidden bool [..., width])`` of the rows whose page ids are
+    ``table [..., M]`` and lengths ``lengths [...]``: the first ``width`` slots of each row's pages, slots past
+    its length ``hidden`` and their values zeroed (the rest of a last page, or pages a row does not hold, may
+    hold anything, even NaN, which a zero softmax weight would not cancel)."""
+    lead, D, S = table.shape[:-1], k_pages.shape[-1], k_pages.shape[1]
+    pages = table[..., :-(-width // S)].long().clamp(min=0).reshape(-1)
+    keys = k_pages.index_select(0, pages).view(*lead, -1, D)[..., :width, :].float()
+    values = v_pages.index_select(0, pages).view(*lead, -1, D)[..., :width, :].float()
+    hidden = torch.arange(width, device=table.device) >= lengths[..., None]
+    return keys, values.masked_fill_(hidden[..., None], 0.0), hidden
+
+
 def paged_attention_ref(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor, row_lengths: Tensor,
                         query_start: Tensor, scale: float) -> Tensor:
     """The torch reference (and CPU path) of :func:`paged_attention`: request by request, the pages its
@@ -49,7 +63,6 @@ def paged_attention_ref(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table:
     N = query_start.shape[0] - 1
     H_kv = R // max(N, 1)
     G = H_q // max(H_kv, 1)
-    S = k_pages.shape[1]
     out = torch.zeros(T, H_q, D, dtype=torch.float32, device=q.device)
     starts = query_start.tolist()
     lengths = row_lengths.view(N, H_kv).long()
@@ -61,11 +74,7 @@ def paged_attention_ref(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table:
         width = int(longest[n])
         if t1 == t0 or width <= 0:
             continue
-        pages = page_table[n * H_kv:(n + 1) * H_kv, :-(-width // S)].long().clamp(min=0)  # [H_kv, m]
-        keys = k_pages.index_select(0, pages.reshape(-1)).view(H_kv, -1, D)[:, :width].float()
-        values = v_pages.index_select(0, pages.reshape(-1)).view(H_kv, -1, D)[:, :width].float()
-        # slots past a head's length (the rest of its last page, pages it does not hold) may hold anything
-        values.masked_fill_(torch.arange(width, device=q.device)[None, :, None] >= lengths[n][:, None, None], 0.0)
+        keys, values, _ = _gather_rows(k_pages, v_pages, page_table[n * H_kv:(n + 1) * H_kv], lengths[n], width)
         Q = t1 - t0
         if Q == width and bool((lengths[n] == width).all()):  # a fresh prefill: plain causal attention
             out[t0:t1] = F.scaled_dot_product_attention(
@@ -90,14 +99,9 @@ def _decode_batch(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tenso
     every row gathered at once, ``width`` the longest row; fp32 ``[N, H_q, D]``."""
     N, H_q, D = q.shape
     H_kv = lengths.shape[1]
-    S = k_pages.shape[1]
     if width <= 0:
         return torch.zeros(N, H_q, D, dtype=torch.float32, device=q.device)
-    pages = page_table[:, :-(-width // S)].long().clamp(min=0).reshape(-1)
-    keys = k_pages.index_select(0, pages).view(N, H_kv, -1, D)[:, :, :width].float()
-    values = v_pages.index_select(0, pages).view(N, H_kv, -1, D)[:, :, :width].float()
-    hidden = torch.arange(width, device=q.device)[None, None, :] >= lengths[:, :, None]  # [N, H_kv, width]
-    values.masked_fill_(hidden[..., None], 0.0)
+    keys, values, hidden = _gather_rows(k_pages, v_pages, page_table.reshape(N, H_kv, -1), lengths, width)
     s = torch.matmul(q.float().view(N, H_kv, H_q // H_kv, D), keys.transpose(-1, -2)).mul_(scale)
     s.masked_fill_(hidden[:, :, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num_(0.0)  # a row that holds nothing: 0

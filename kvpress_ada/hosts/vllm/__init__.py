@@ -16,6 +16,7 @@ from typing import Any
 
 from ...pipeline import Pipeline
 from ...presets import preset
+from ...storage import FullPrecision
 from ..serving import check_servable
 from ..transformers.hf import SUPPORTED_MODEL_TYPES
 
@@ -40,12 +41,18 @@ def press_from(press: Pipeline | str | dict, ratio: float | None = None) -> Pipe
     return preset(press, compression_ratio=ratio)
 
 
+def check_press(press: Pipeline) -> None:
+    """Raise a one-line ``ValueError`` for a press this host cannot serve (:func:`~..serving.check_servable`; a
+    quantized storage is served, through :class:`~..quantized_paging.QuantizedPagePool`)."""
+    check_servable(press.model_copy(update={"storage": FullPrecision()}) if press.storage.quantized else press)
+
+
 def engine_kwargs(press: Pipeline | str | dict, model: str, ratio: float | None = None,
                   **engine: Any) -> dict[str, Any]:
     """The ``vllm.LLM(**kwargs)`` (or engine) arguments serving ``model`` with ``press``. Raises a one-line
     ``ValueError`` for a press, model or engine setting the host cannot serve, before any engine starts."""
     pipeline = press_from(press, ratio)
-    check_servable(pipeline)
+    check_press(pipeline)
     for key, reason in _REFUSED.items():
         if engine.get(key):
             raise ValueError(f"{key}={engine[key]!r}: {reason}")

@@ -8,9 +8,11 @@ layout for the ISA vLLM picks, written and attended by vLLM's own CPU ops, one k
 head) row (:mod:`.pages`; our plain layout and kernels where that layout cannot be mapped). When the
 layers' tensors lie one after the other in one storage (vLLM 0.32 on CPU) they make one pool of
 ``layers * blocks * H_kv`` pages for every (layer, kv head); else each
-layer has its pool. Either way a request never holds more pages than ``H_kv`` times its real blocks per layer
-(:mod:`.scheduler`), so a pool cannot run out while vLLM's accounting holds. The worker (:mod:`.worker`) tells
-:data:`STATE` which requests a step runs and which finished.
+layer has its pool. A press with a quantized storage gets a
+:class:`~kvpress_ada.hosts.quantized_paging.QuantizedPagePool` over the same bytes instead (records, our kernels).
+Either way a request never holds more pages than ``H_kv`` times its real blocks per layer (:mod:`.scheduler`), so
+a pool cannot run out while vLLM's accounting holds. The worker (:mod:`.worker`) tells :data:`STATE` which
+requests a step runs and which finished.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl, _get_attn_isa
 
 from ...pipeline import Pipeline
+from ..paging import PagePool
+from ..quantized_paging import QuantizedPagePool
 from ..serving import PagedServing
-from . import press_of
+from . import check_press, press_of
 from .pages import vllm_pool
 
 
@@ -81,10 +85,10 @@ def _build_serving(press: Pipeline, vllm_config: Any, runner: Any) -> PagedServi
            for i, c in enumerate(caches)):
         pages = torch.as_strided(caches[0], (len(caches) * blocks * heads, 2, size, two_d // 2),
                                  (2 * size * two_d // 2, size * two_d // 2, two_d // 2, 1))
-        shared = vllm_pool(pages, isa)
+        shared = _pool(press, pages, isa)
         pools = [shared] * len(caches)
     else:
-        pools = [vllm_pool(kv.view(blocks * heads, 2, size, two_d // 2), isa) for kv in caches]
+        pools = [_pool(press, kv.view(blocks * heads, 2, size, two_d // 2), isa) for kv in caches]
     model = runner.model if runner is not None else None
     decoder = getattr(model, "model", None)
 
@@ -95,7 +99,27 @@ def _build_serving(press: Pipeline, vllm_config: Any, runner: Any) -> PagedServi
             info["output_weight"] = attn.o_proj.weight.detach()
         return info
 
-    return PagedServing(press, pools, int(heads), layer_info)
+    return _Serving(press, pools, int(heads), layer_info)
+
+
+def _pool(press: Pipeline, pages: torch.Tensor, isa: str) -> PagePool:
+    """The pool over ``pages [P, 2, S, D]`` (contiguous pages) for ``press``'s storage: vLLM's layout and kernels in
+    full precision (:func:`.pages.vllm_pool`); a quantized storage's records over the same bytes, our kernels."""
+    bits = type(press.storage).bits
+    if bits is None:
+        return vllm_pool(pages, isa)
+    P, _, S, D = pages.shape
+    storage = press.storage
+    raw = torch.as_strided(pages, (P, 2 * S * D), (pages.stride(0), 1)).view(torch.uint8)
+    return QuantizedPagePool(raw, S, D, pages.dtype, bits, int(getattr(storage, "group_size")),
+                             int(getattr(storage, "residual", 0)))
+
+
+class _Serving(PagedServing):
+    """:class:`PagedServing` whose pools may hold a quantized storage (:func:`_pool`)."""
+
+    def __post_init__(self) -> None:
+        check_press(self.press)
 
 
 class PressAttentionImpl(CPUAttentionBackendImpl):

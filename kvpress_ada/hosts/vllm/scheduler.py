@@ -9,7 +9,11 @@ takes at most ``cdiv(new_tokens, S)`` new pages; never more than vLLM's own coun
 keeps exactly that many real blocks among its table entries (the others are vLLM's
 null block, as for a sliding window), returning the rest to the block pool, so more requests are admitted.
 Since a request's pages never exceed ``H_kv`` times its real blocks per layer, the pools carved out of vLLM's
-KV tensors (:mod:`.backend`) never run out. Requests not evicted from are counted exactly as vLLM counts them.
+KV tensors (:mod:`.backend`) never run out. Requests not evicted from are counted exactly as vLLM counts them,
+except under a quantized storage: its first eviction stores each (layer, kv head) row's side tensors in the row's
+pages, which may take up to ``reserve`` pages per row more than the full-precision pages it frees, so such a request
+holds ``reserve`` spare blocks (outside its table) until the worker's first report; real blocks beyond its table's
+length (side tensors of a short request) stay spare as well.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+from ..quantized_paging import QuantizedPagePool
+from . import press_of
 
 #: the attribute of a ModelRunnerOutput that carries the worker's report: request id -> its pages in one layer
 REPORT = "kvpress_pages"
@@ -40,9 +47,15 @@ class PressBlockManager(FullAttentionManager):
         self.pages: dict[str, int] = {}  # request id -> its pages in one layer (requests evicted from)
         self.heads = int(self.kv_cache_spec.num_kv_heads)
         self._target: dict[str, int] = {}
+        self.reserve = 0  # spare blocks a request holds until its first eviction (a quantized storage's side tensors)
+        self._spare: dict[str, list[Any]] = {}
 
     def _real(self, request_id: str) -> int:
         return sum(b is not self._null_block for b in self.req_to_blocks.get(request_id, ()))
+
+    def _held(self, request_id: str) -> int:
+        """Real blocks of the request: in its table and spare."""
+        return self._real(request_id) + len(self._spare.get(request_id, ()))
 
     def needed(self, request_id: str, new_tokens: int) -> int:
         """Real blocks an evicted-from request needs for a step bringing ``new_tokens``."""
@@ -51,24 +64,31 @@ class PressBlockManager(FullAttentionManager):
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks: Any,
                                    total_computed_tokens: int, *args: Any, **kwargs: Any) -> int:
         if request_id not in self.pages:
-            return super().get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks,
-                                                      total_computed_tokens, *args, **kwargs)
-        # never above the table's natural length: a head holds at most one entry per token
+            # the spare blocks are taken with the prompt's (not in vLLM's full-sequence admission check)
+            spare = self.reserve if request_id not in self._spare and not kwargs.get("apply_admission_cap") else 0
+            return spare + super().get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks,
+                                                              total_computed_tokens, *args, **kwargs)
+        # never above the table's natural length (a head holds at most one entry per token) and the reserve
         self._target[request_id] = min(self.needed(request_id, max(num_tokens - total_computed_tokens, 0)),
-                                       cdiv(num_tokens, self.block_size))
-        return max(self._target[request_id] - self._real(request_id), 0)
+                                       cdiv(num_tokens, self.block_size) + self.reserve)
+        return max(self._target[request_id] - self._held(request_id), 0)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[Any]:
         if request_id not in self.pages:
+            if self.reserve and request_id not in self._spare:
+                self._spare[request_id] = self.block_pool.get_new_blocks(self.reserve)
             return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
         blocks = self.req_to_blocks[request_id]
-        deficit = self._target.pop(request_id, 0) - self._real(request_id)
+        deficit = self._target.pop(request_id, 0) - self._held(request_id)
         grown = max(cdiv(num_tokens, self.block_size) - len(blocks), 0)  # the table's natural growth
         real = self.block_pool.get_new_blocks(max(deficit, 0)) if deficit > 0 else []
         tail = real[:grown] + [self._null_block] * max(grown - len(real), 0)
         blocks.extend(tail)
-        for block in real[grown:]:  # more than the table grows by: into null entries
-            blocks[blocks.index(self._null_block)] = block
+        for block in real[grown:]:  # more than the table grows by: into null entries, else spare
+            if self._null_block in blocks:
+                blocks[blocks.index(self._null_block)] = block
+            else:
+                self._spare.setdefault(request_id, []).append(block)
         if self._record_new_block_ids:
             self.new_block_ids.extend(b.block_id for b in real)
         return tail
@@ -79,9 +99,11 @@ class PressBlockManager(FullAttentionManager):
         if request_id not in self.req_to_blocks:
             return
         self.pages[request_id] = pages
-        extra = self._real(request_id) - self.needed(request_id, 1)
+        extra = self._held(request_id) - self.needed(request_id, 1)
         blocks = self.req_to_blocks[request_id]
-        freed = []
+        spare = self._spare.get(request_id, [])
+        freed = [spare.pop() for _ in range(min(max(extra, 0), len(spare)))]  # spare blocks go first
+        extra -= len(freed)
         for i, block in enumerate(blocks):
             if extra <= 0:
                 break
@@ -92,9 +114,15 @@ class PressBlockManager(FullAttentionManager):
         if freed:
             self.block_pool.free_blocks(freed)
 
+    def _free_spare(self, request_id: str) -> None:
+        spare = self._spare.pop(request_id, None)
+        if spare:
+            self.block_pool.free_blocks(spare)
+
     def free(self, request_id: str) -> None:
         self.pages.pop(request_id, None)
         self._target.pop(request_id, None)
+        self._free_spare(request_id)
         super().free(request_id)
 
 
@@ -107,6 +135,20 @@ def register_spec() -> None:
 
 class PressScheduler(Scheduler):
     """vLLM's scheduler; the worker's page report shrinks evicted-from requests to the blocks they need."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        press = press_of(self.vllm_config.additional_config)
+        bits = None if press is None else type(press.storage).bits
+        if press is None or bits is None:
+            return
+        storage = press.storage
+        for manager in self.kv_cache_manager.coordinator.single_type_managers:
+            if isinstance(manager, PressBlockManager):
+                spec = manager.kv_cache_spec
+                manager.reserve = QuantizedPagePool.reserve_pages(
+                    spec.block_size, spec.head_size, spec.dtype, bits, int(getattr(storage, "group_size")),
+                    int(getattr(storage, "residual", 0)))
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         report = getattr(model_runner_output, REPORT, None) or {}

@@ -1,0 +1,119 @@
+"""QuantizedPagePool (kvpress_ada.hosts.quantized_paging) against the transformers host's quantized ragged layer fed
+the same entries and keep masks: the same read-back (view), attention equal to ``quantized_attention_ref`` over the
+layer's records, kept records moved byte for byte, and pages held (side tensors included) as the bytes counted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpress_ada.hosts.paging import PagedSequence, PoolExhausted
+from kvpress_ada.hosts.quantized_paging import QuantizedPagePool
+from kvpress_ada.hosts.transformers.quantized_cache import QuantizedRaggedLayer
+from kvpress_ada.kernels.quantized import quantized_attention_ref
+
+B, H, G, L, D, S = 2, 2, 2, 40, 32, 8
+CASES = [(4, 32, 4, torch.float32), (8, 32, 0, torch.float32), (4, 16, 4, torch.bfloat16)]
+IDS = pytest.mark.parametrize("bits,group,residual,dtype", CASES, ids=["int4-r4", "int8-r0", "int4-bf16"])
+
+
+def _pool(bits, group, residual, dtype, pages=64):
+    return QuantizedPagePool(torch.zeros(pages, 2 * S * D * dtype.itemsize, dtype=torch.uint8), S, D, dtype, bits,
+                             group, residual)
+
+
+def _packed(x):
+    """``[B, H, Q, D]`` -> packed ``[B * Q, H, D]`` (sequence after sequence)."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1])
+
+
+def _both(bits, group, residual, dtype, seed=0):
+    """A pool and a ragged layer holding the same dense prefill, evicted with the same mask."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = (torch.randn(B, H, L, D, generator=gen) + 2 * torch.randn(D, generator=gen)).to(dtype)
+    values = torch.randn(B, H, L, D, generator=gen).to(dtype)
+    keep = torch.rand(B, H, L, generator=gen) < torch.tensor([0.3, 0.8]).view(1, H, 1)
+    keep[1, 0] = False  # a row keeping nothing
+    layer = QuantizedRaggedLayer(bits, group, residual=residual)
+    layer.update(keys, values)
+    layer.retain(keep, layer.view())
+    pool = _pool(bits, group, residual, dtype)
+    seqs = [PagedSequence(H) for _ in range(B)]
+    pool.append(seqs, _packed(keys), _packed(values), torch.arange(L).repeat(B), [L] * B)
+    assert torch.equal(pool.view(seqs)[0], keys)  # full precision until the first eviction
+    pool.retain(seqs, keep)
+    return pool, seqs, layer, gen
+
+
+def _assert_same_view(pool, seqs, layer):
+    keys, values, present, positions = pool.view(seqs)
+    held = layer.view()
+    W = min(keys.shape[2], held.keys.shape[2])
+    assert torch.equal(present.sum(-1), held.valid.sum(-1))
+    for mine, theirs in ((keys, held.keys), (values, held.values), (positions, held.positions)):
+        assert torch.equal(mine[:, :, -W:][present[:, :, -W:]], theirs[:, :, -W:][held.valid[:, :, -W:]])
+
+
+@IDS
+def test_view_and_attention_equal_the_ragged_layer(bits, group, residual, dtype):
+    pool, seqs, layer, gen = _both(bits, group, residual, dtype)
+    _assert_same_view(pool, seqs, layer)
+    for Q in (3, 1, 1, 6):  # appends (a row empty so far takes its first as anchor), the ring turning over
+        k_new = torch.randn(B, H, Q, D, generator=gen).to(dtype)
+        v_new = torch.randn(B, H, Q, D, generator=gen).to(dtype)
+        start = layer.seen if hasattr(layer, "seen") else 0
+        layer.update(k_new, v_new)
+        table, lengths = pool.append(seqs, _packed(k_new), _packed(v_new), torch.arange(start, start + Q).repeat(B),
+                                     [Q] * B)
+        q = torch.randn(B, H * G, Q, D, generator=gen).to(dtype)
+        expected = quantized_attention_ref(q, layer.k_flat, layer.v_flat, layer.row_offsets, layer.row_lengths,
+                                           layer.side, D ** -0.5, bits, group)
+        out = pool.attend(_packed(q), table, lengths, torch.arange(B + 1, dtype=torch.int32) * Q, D ** -0.5)
+        # the same records and side tensors; the layer's rows lie apart (decode reserve), so float32 sums may run
+        # in another order; a bf16 output is then at most one unit in its last place away
+        torch.testing.assert_close(out, _packed(expected), rtol=1e-5 if dtype == torch.float32 else 2 ** -7, atol=1e-6)
+        _assert_same_view(pool, seqs, layer)
+
+
+@IDS
+def test_retain_moves_records_unchanged_and_fixes_anchors_like_the_ragged_layer(bits, group, residual, dtype):
+    pool, seqs, layer, gen = _both(bits, group, residual, dtype, seed=1)
+    k_new, v_new = torch.randn(2, B, H, 5, D, generator=gen).to(dtype)
+    layer.update(k_new, v_new)
+    pool.append(seqs, _packed(k_new), _packed(v_new), torch.arange(L, L + 5).repeat(B), [5] * B)
+    _, _, present, _ = pool.view(seqs)
+    keep = present & (torch.rand(present.shape, generator=gen) < 0.6)
+    keep[0] &= ~(present[0] & (torch.cumsum(present[0], -1) == 1))  # sequence 0 drops its anchors
+    k_rec, v_rec, *_ = pool._ragged(seqs)
+    kept = keep[present]  # ragged order
+    held = layer.view()
+    layer.retain(_align(keep, present, held.valid), held)
+    pool.retain(seqs, keep)
+    after_k, after_v, *_ = pool._ragged(seqs)
+    assert torch.equal(after_k, k_rec[kept]) and torch.equal(after_v, v_rec[kept])  # byte for byte
+    _assert_same_view(pool, seqs, layer)
+
+
+def _align(keep, present, valid):
+    """``keep`` over the pool's view, laid over the layer's view (both left-padded, possibly of other widths)."""
+    out = torch.zeros_like(valid)
+    out[valid] = keep[present]
+    return out
+
+
+@IDS
+def test_pages_hold_records_and_side_tensors_and_return_on_release(bits, group, residual, dtype):
+    pool, seqs, _, _ = _both(bits, group, residual, dtype, seed=2)
+    per, side = pool.records_per_page, pool.side_slots
+    assert per > S  # a page of records holds more entries than a full-precision page
+    for seq in seqs:
+        assert [len(p) for p in seq.pages] == [-(-(side + n) // per) for n in seq.lengths]
+    held = sum(seq.pages_held for seq in seqs)
+    assert pool.nbytes(seqs) == held * pool.pages.shape[1] and pool.free_pages == pool.capacity - held
+    for seq in seqs:
+        pool.release(seq)
+    assert pool.free_pages == pool.capacity and not any(pool.compressed(seq) for seq in seqs)
+    with pytest.raises(PoolExhausted):
+        pool.append([PagedSequence(H)], torch.zeros(S * 65, H, D, dtype=dtype), torch.zeros(S * 65, H, D, dtype=dtype),
+                     torch.arange(S * 65), [S * 65])
+    assert pool.free_pages == pool.capacity

@@ -156,9 +156,7 @@ def main() -> None:
                "prompt_tokens": [len(p) for p in ids], "runs": {}}
     def press_for(spec: str):
         name, _, ratio = spec.partition(":")
-        press = press_from(name, float(ratio) if ratio else args.ratio)
-        return press if args.prefill_chunk is None else \
-            press_from({**press.model_dump(), "prefill_chunk": args.prefill_chunk})
+        return press_from(name, float(ratio) if ratio else args.ratio, args.prefill_chunk)
 
     configs = [("vLLM (full cache)", None)] + [(name, press_for(name)) for name in args.presets.split(",")]
     for label, press in configs:

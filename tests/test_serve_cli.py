@@ -49,6 +49,14 @@ def test_a_chunked_prefill_chunks_the_engine_and_the_press_alike(capsys, tmp_pat
     assert argv[argv.index("--long-prefill-token-threshold") + 1] == "256" and "--enable-chunked-prefill" in argv
 
 
+def test_a_quantized_storage_is_handed_to_the_server(capsys, tmp_path):
+    code, out, _ = _dry_run(capsys, "--model", str(tmp_path), "--preset", "ada_snapkv", "--ratio", "0.75",
+                            "--storage", "int4")
+    argv = shlex.split(out.strip())
+    press = json.loads(argv[argv.index("--additional-config") + 1])["kvpress_ada"]["press"]
+    assert code == 0 and press["storage"]["name"] == "int4" and press["compression_ratio"] == 0.75, press
+
+
 @pytest.mark.parametrize("args, words", [
     (["--prefill-chunk", "0"], "--prefill-chunk"),
     (["--preset", "kvzip"], "model pass"),

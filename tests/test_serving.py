@@ -206,11 +206,28 @@ def test_packed_requests_in_one_step_equal_each_request_stepped_alone():
 
 
 def test_what_a_serving_engine_cannot_apply_is_refused_in_one_line():
-    for press, words in ((preset("kvzip", compression_ratio=0.5), "model pass"),
-                         (preset("snapkv", compression_ratio=0.5, storage="int8"), "storage")):
+    with pytest.raises(ValueError) as err:
+        check_servable(preset("kvzip", compression_ratio=0.5))
+    assert "\n" not in str(err.value) and "model pass" in str(err.value)
+
+
+def test_a_press_is_served_only_by_pools_that_keep_its_storage():
+    """Full-precision pools refuse a quantized storage (and quantized pools another storage) in one line."""
+    from kvpress_ada.hosts.quantized_paging import QuantizedPagePool
+    from kvpress_ada.storage import Int4, Int8
+
+    D, S = 32, 8
+    plain = PagePool.allocate(10, S, D, torch.float32)
+    records = QuantizedPagePool(torch.zeros(10, 2 * S * D * 4, dtype=torch.uint8), S, D, torch.float32, 4, 16, 0)
+    int4 = preset("snapkv", compression_ratio=0.5, storage=Int4(group_size=16, residual=0))
+    PagedServing(int4, [records], 2)
+    PagedServing(preset("snapkv", compression_ratio=0.5), [plain], 2)
+    for press, pools in ((int4, [plain]), (preset("snapkv", compression_ratio=0.5), [records]),
+                         (preset("snapkv", compression_ratio=0.5, storage=Int8(group_size=16, residual=0)), [records]),
+                         (preset("snapkv", compression_ratio=0.5, storage=Int4(group_size=16)), [records])):
         with pytest.raises(ValueError) as err:
-            check_servable(press)
-        assert "\n" not in str(err.value) and words in str(err.value)
+            PagedServing(press, pools, 2)
+        assert "\n" not in str(err.value) and f"storage={press.storage.label!r}" in str(err.value), str(err.value)
 
 
 @pytest.mark.parametrize("mode", ["one-shot", "decode", "chunked"])

@@ -16,6 +16,7 @@ pages and returns the old ones: pages held are ``sum over heads of ceil(kept / S
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -263,6 +264,14 @@ class PagePool:
         """:func:`~kvpress_ada.kernels.paged.paged_attention` of packed ``query [T, H_q, D]`` over the rows of
         ``table, lengths`` (from :meth:`table`), request ``n``'s tokens at ``query_start[n] : query_start[n + 1]``."""
         return paged_attention(query, self.k_pages, self.v_pages, table, lengths, query_start, scale)
+
+    storage_label = "full precision"
+    """What the pool keeps entries as, in words (for messages)."""
+
+    def stores(self, storage: Any) -> bool:
+        """Whether this pool keeps entries as ``storage`` (a :class:`~kvpress_ada.storage.Storage`) says: full
+        precision here (:class:`~.quantized_paging.QuantizedPagePool` keeps records)."""
+        return not storage.quantized
 
     def nbytes(self, seqs: list[PagedSequence]) -> int:
         """Bytes of keys and values the pages of ``seqs`` hold (whole pages: what they keep others from)."""

@@ -16,6 +16,8 @@ Attention gathers each compressed row's records into the ragged layout and runs
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .. import kernels
@@ -67,6 +69,14 @@ class QuantizedPagePool(PagePool):
         """Pages per row a first eviction may take beyond the full-precision pages it frees (its side tensors)."""
         per_page, side = QuantizedPagePool.geometry(page_size, head_dim, dtype, bits, group, residual)
         return _cdiv(side, per_page)
+
+    @property
+    def storage_label(self) -> str:  # type: ignore[override]
+        return f"int{self.bits} records (group {self.group}, residual {self.residual})"
+
+    def stores(self, storage: Any) -> bool:
+        return (type(storage).bits == self.bits and getattr(storage, "group_size", None) == self.group
+                and getattr(storage, "residual", 0) == self.residual)
 
     def grow(self, extra: int) -> None:
         raise NotImplementedError("a quantized pool is a view of fixed pages: it cannot grow")

@@ -38,13 +38,11 @@ LayerInfo = Callable[[int], dict[str, Any]]
 
 
 def check_servable(press: Pipeline) -> None:
-    """Raise a one-line ``ValueError`` for a press a serving engine cannot apply yet."""
+    """Raise a one-line ``ValueError`` for a press a serving engine cannot apply yet (whatever its pools)."""
     scorer = type(press.scorer)
     if scorer.needs_model_pass:
         raise ValueError(f"scorer {scorer.__name__} scores with its own model pass over each request's context, "
                          "which a serving engine does not run: use a one-pass attention scorer (snapkv, ...)")
-    if press.storage.quantized:
-        raise ValueError(f"storage={press.storage.label!r} has no paged layer yet: use storage='full' when serving")
 
 
 @dataclass
@@ -90,6 +88,10 @@ class PagedServing:
 
     def __post_init__(self) -> None:
         check_servable(self.press)
+        storage = self.press.storage
+        if not all(pool.stores(storage) for pool in self.pools):
+            raise ValueError(f"storage={storage.label!r}: these pools keep entries as {self.pools[0].storage_label}; "
+                             "a quantized storage needs QuantizedPagePool pools of its bits, group and residual")
 
     # ------------------------------------------------------------------ requests
     def add(self, request_id: str, prompt_len: int) -> None:

@@ -16,7 +16,6 @@ from typing import Any
 
 from ...pipeline import Pipeline
 from ...presets import preset
-from ...storage import FullPrecision
 from ..serving import check_servable
 from ..transformers.hf import SUPPORTED_MODEL_TYPES
 
@@ -32,19 +31,18 @@ _REFUSED = {
 }
 
 
-def press_from(press: Pipeline | str | dict, ratio: float | None = None) -> Pipeline:
-    """A press from a :class:`Pipeline`, a preset name (with ``ratio``) or a Pipeline dict (a parsed YAML/JSON)."""
+def press_from(press: Pipeline | str | dict, ratio: float | None = None,
+               prefill_chunk: int | None = None) -> Pipeline:
+    """A press from a :class:`Pipeline`, a preset name (with ``ratio``) or a Pipeline dict (a parsed YAML/JSON);
+    with ``prefill_chunk`` it evicts after every chunk of a long prompt (what vLLM's chunked prefill brings)."""
     if isinstance(press, Pipeline):
-        return press if ratio is None else Pipeline.model_validate({**press.model_dump(), "compression_ratio": ratio})
-    if isinstance(press, dict):
-        return Pipeline.model_validate(press if ratio is None else {**press, "compression_ratio": ratio})
-    return preset(press, compression_ratio=ratio)
-
-
-def check_press(press: Pipeline) -> None:
-    """Raise a one-line ``ValueError`` for a press this host cannot serve (:func:`~..serving.check_servable`; a
-    quantized storage is served, through :class:`~..quantized_paging.QuantizedPagePool`)."""
-    check_servable(press.model_copy(update={"storage": FullPrecision()}) if press.storage.quantized else press)
+        made = press if ratio is None else Pipeline.model_validate({**press.model_dump(), "compression_ratio": ratio})
+    elif isinstance(press, dict):
+        made = Pipeline.model_validate(press if ratio is None else {**press, "compression_ratio": ratio})
+    else:
+        made = preset(press, compression_ratio=ratio)
+    return made if prefill_chunk is None else Pipeline.model_validate({**made.model_dump(),
+                                                                       "prefill_chunk": prefill_chunk})
 
 
 def engine_kwargs(press: Pipeline | str | dict, model: str, ratio: float | None = None,
@@ -52,7 +50,7 @@ def engine_kwargs(press: Pipeline | str | dict, model: str, ratio: float | None 
     """The ``vllm.LLM(**kwargs)`` (or engine) arguments serving ``model`` with ``press``. Raises a one-line
     ``ValueError`` for a press, model or engine setting the host cannot serve, before any engine starts."""
     pipeline = press_from(press, ratio)
-    check_press(pipeline)
+    check_servable(pipeline)
     for key, reason in _REFUSED.items():
         if engine.get(key):
             raise ValueError(f"{key}={engine[key]!r}: {reason}")

@@ -29,7 +29,7 @@ from ...pipeline import Pipeline
 from ..paging import PagePool
 from ..quantized_paging import QuantizedPagePool
 from ..serving import PagedServing
-from . import check_press, press_of
+from . import press_of
 from .pages import vllm_pool
 
 
@@ -99,7 +99,7 @@ def _build_serving(press: Pipeline, vllm_config: Any, runner: Any) -> PagedServi
             info["output_weight"] = attn.o_proj.weight.detach()
         return info
 
-    return _Serving(press, pools, int(heads), layer_info)
+    return PagedServing(press, pools, int(heads), layer_info)
 
 
 def _pool(press: Pipeline, pages: torch.Tensor, isa: str) -> PagePool:
@@ -113,13 +113,6 @@ def _pool(press: Pipeline, pages: torch.Tensor, isa: str) -> PagePool:
     raw = torch.as_strided(pages, (P, 2 * S * D), (pages.stride(0), 1)).view(torch.uint8)
     return QuantizedPagePool(raw, S, D, pages.dtype, bits, int(getattr(storage, "group_size")),
                              int(getattr(storage, "residual", 0)))
-
-
-class _Serving(PagedServing):
-    """:class:`PagedServing` whose pools may hold a quantized storage (:func:`_pool`)."""
-
-    def __post_init__(self) -> None:
-        check_press(self.press)
 
 
 class PressAttentionImpl(CPUAttentionBackendImpl):

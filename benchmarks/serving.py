@@ -100,14 +100,14 @@ def transformers_reference(model_dir: str, press, ids: list[list[int]], new_toke
     """Greedy tokens of each prompt alone through the transformers host with the same press (fp32)."""
     from transformers import AutoModelForCausalLM
 
-    from kvpress_ada import RaggedCache
+    from kvpress_ada.hosts.transformers.caches import ragged_cache
     from kvpress_ada.hosts.transformers.hf import cache_kwarg
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # as the engine's ignore_eos
     out = []
     for p in tqdm(ids, desc="transformers host", unit="req"):
-        cache = RaggedCache(config=model.config)
+        cache = ragged_cache(press.storage, model.config)  # the press's storage (full precision, int8, int4)
         with torch.no_grad(), press(model):
             ids = torch.tensor([p])  # all real: generate would read the chat template's pad-id tokens as padding
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
@@ -121,7 +121,8 @@ def main() -> None:
     parser.add_argument("--model", default="default", help="a named model or a local directory")
     parser.add_argument("--presets", default="ada_snapkv",
                         help="comma-separated presets; PRESET:RATIO for another ratio than --ratio (snapkv:0: a press "
-                             "that keeps everything, what the host costs by itself)")
+                             "that keeps everything, what the host costs by itself); PRESET@STORAGE (e.g. kvzap@int4, "
+                             "kvzap:0.9@int4) stores the kept entries as a registered storage says")
     parser.add_argument("--ratio", type=float, default=0.75)
     parser.add_argument("--task", default="passkey")
     parser.add_argument("--requests", type=int, default=24)
@@ -155,8 +156,10 @@ def main() -> None:
                "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
                "prompt_tokens": [len(p) for p in ids], "runs": {}}
     def press_for(spec: str):
+        spec, _, storage = spec.partition("@")
         name, _, ratio = spec.partition(":")
-        return press_from(name, float(ratio) if ratio else args.ratio, args.prefill_chunk)
+        press = press_from(name, float(ratio) if ratio else args.ratio, args.prefill_chunk)
+        return press if not storage else type(press).model_validate({**press.model_dump(), "storage": storage})
 
     configs = [("vLLM (full cache)", None)] + [(name, press_for(name)) for name in args.presets.split(",")]
     for label, press in configs:

@@ -317,6 +317,54 @@ def test_residual_decode_compaction_keeps_what_the_view_reads(residual):
                     assert torch.equal(layer.side[3 + j % residual, b * H + h], row[j])
 
 
+class ImmediateLayer(QuantizedRaggedLayer):
+    """Quantizes every appended token at once (what a compiled step does): the oracle of deferred appends."""
+
+    def _append_entries(self, keys, values):
+        from kvpress_ada import kernels
+
+        kernels.quantized_append(keys, values, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths,
+                                 self.side, self.bits, self.group)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_deferred_appends_write_the_records_of_immediate_ones(bits):
+    """Eager single-token appends go to the residual ring and are quantized in batches before they leave it:
+    at every step the layer reads what immediate appends read (an empty row takes its first token as anchor),
+    the records stay unwritten until a batch is due, and the batch writes the records an immediate append
+    writes (values exactly; keys up to the rotation's float32 rounding)."""
+    residual, B, H, L, D = 4, 2, 2, 12, 16
+    gen = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(B, H, L, D, generator=gen), torch.randn(B, H, L, D, generator=gen)
+    keep = torch.rand(B, H, L, generator=gen) < 0.5
+    keep[1, 1] = False  # an empty row: its first appended token becomes its anchor
+    layers = [cls(bits, 16, decode_reserve=32, residual=residual) for cls in (QuantizedRaggedLayer, ImmediateLayer)]
+    for layer in layers:
+        layer.update(keys, values)
+        layer.compress(keep)
+    deferred, immediate = layers
+    query = torch.randn(B, 2 * H, 1, D, generator=gen)
+    for step in range(11):
+        k, v = torch.randn(B, H, 1, D, generator=gen), torch.randn(B, H, 1, D, generator=gen)
+        for layer in layers:
+            layer.update(k, v)
+        assert deferred._unrecorded == step % residual + 1 <= residual
+        pending = (deferred.row_offsets + deferred.row_lengths - 1).long()  # each row's newest slot
+        assert not deferred.k_flat[pending].any() and immediate.k_flat[pending].any()
+        mine, theirs = deferred.view(), immediate.view()
+        assert torch.equal(mine.valid, theirs.valid) and torch.equal(mine.positions, theirs.positions)
+        torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-6, rtol=0)
+        assert torch.equal(mine.values, theirs.values)
+        torch.testing.assert_close(deferred._attention(query, 0.25), immediate._attention(query, 0.25),
+                                   atol=1e-5, rtol=0)
+    assert torch.equal(deferred.side, immediate.side)
+    deferred._record_pending()
+    assert deferred._unrecorded == 0 and torch.equal(deferred.v_flat, immediate.v_flat)
+    got, want = (dequantize(layer.k_flat, D, bits, 16, torch.float32) for layer in layers)
+    step_size = (want.abs().amax() * 2 / (2**bits - 1)).item()
+    assert ((got - want).abs() <= step_size).all() and ((got - want).abs() > 1e-6).float().mean() < 0.01
+
+
 def test_residual_spares_the_newest_entries():
     """Through the cache at ratio 0 (the context's entries kept, then the rest of the prompt appended in two
     steps): with a residual, each row's newest entries read back exactly (layer 0: its keys depend only on the

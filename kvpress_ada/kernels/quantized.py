@@ -17,7 +17,8 @@ value, key centre, then ``R`` residual keys and ``R`` residual values: :func:`re
 * **Residual** (``R`` = the storage's ``residual``, 0: none): each row's newest ``min(R, length)`` entries,
   key and value, in full precision in a ring (rank ``j`` at ``j % R``). Every entry also has its record;
   the newest ``R`` slots of a row read from the ring, older ones from their records (an entry leaving the
-  window needs no work).
+  window needs no work). So a record may be written late: :func:`append_side` alone appends to the ring and
+  :func:`record_newest` writes the records of each row's newest entries from it, before they leave it.
 
 Integers (:func:`quantize`): asymmetric per token, in groups of ``group`` channels of what the record holds.
 A group ``x[0..group)`` is stored as ``zero = min(x)`` rounded *down* to the storage dtype (exact when ``x``
@@ -74,6 +75,8 @@ __all__ = [
     "decode_keys",
     "quantize_rows",
     "quantized_append_ref",
+    "append_side",
+    "record_newest",
     "quantized_compact_ref",
     "quantized_attention_ref",
     "fill_residual",
@@ -343,18 +346,50 @@ def quantized_append_ref(k_new: Tensor, v_new: Tensor, k_rec: Tensor, v_rec: Ten
     records = encode_entries(k_new, v_new, side[2].view(B, H, 1, D), bits, group).view(2, rows * Q, -1)
     k_rec.index_copy_(0, dst, records[0])
     v_rec.index_copy_(0, dst, records[1])
-    empty = (row_lengths == 0).view(1, rows, 1)
-    side[:2].copy_(torch.where(empty, torch.stack((k_new[:, :, 0], v_new[:, :, 0])).view(2, rows, D), side[:2]))
+    append_side(k_new, v_new, row_lengths, side)
+
+
+def append_side(k_new: Tensor, v_new: Tensor, row_lengths: Tensor, side: Tensor, empty_rows: bool = True) -> None:
+    """The full-precision half of an append of ``k_new, v_new [B, H_kv, Q, D]``: a row empty so far takes its
+    first new token as its anchor (skipped when ``empty_rows`` is False: the caller knows no row is empty),
+    the newest ``min(Q, R)`` new tokens go into the residual ring, then ``row_lengths += Q``. Alone (no
+    records written) it is a deferred append: the new tokens read from the ring until
+    :func:`record_newest` writes their records, which must happen before they leave it (``Q <= R``)."""
+    B, H, Q, D = k_new.shape
+    rows = B * H
+    if empty_rows:
+        empty = (row_lengths == 0).view(1, rows, 1)
+        side[:2].copy_(torch.where(empty, torch.stack((k_new[:, :, 0], v_new[:, :, 0])).view(2, rows, D), side[:2]))
     residual = residual_of(side)
     if residual:  # the newest min(Q, R) new tokens into the residual ring (distinct ring slots of each row)
         t = min(Q, residual)
         rank = row_lengths.to(torch.int64) + (Q - t) if t == 1 else \
-            row_lengths.to(torch.int64)[None, :] + torch.arange(Q - t, Q, device=dst.device)[:, None]
+            row_lengths.to(torch.int64)[None, :] + torch.arange(Q - t, Q, device=row_lengths.device)[:, None]
         at = (torch.remainder(rank, residual) + 3).view(t, rows)  # [t, rows]: the ring slots, in side's rows
         new = torch.stack((k_new[:, :, Q - t:], v_new[:, :, Q - t:])).view(2, rows, t, D).transpose(1, 2)
         side.scatter_(0, torch.cat((at, at + residual)).unsqueeze(-1).expand(2 * t, rows, D),
                       new.reshape(2 * t, rows, D).to(side.dtype))
     row_lengths.add_(Q)
+
+
+def record_newest(k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor, side: Tensor, n: int,
+                  bits: int, group: int) -> None:
+    """Write the records of each row's newest ``n`` entries (``0 < n <= R``; every row at least ``n`` long)
+    from its residual ring: what :func:`quantized_append_ref` writes for them when they are appended (the ring
+    holds them as appended, in the entries' dtype, and the row's centre does not change while they are
+    kept), so deferred appends (:func:`append_side`) end with the records an immediate append leaves."""
+    residual = residual_of(side)
+    if not 0 < n <= residual:
+        raise ValueError(f"n={n}: the ring holds each row's newest {residual} entries")
+    rows, D = side.shape[1], side.shape[2]
+    rank = row_lengths.to(torch.int64)[:, None] - n + torch.arange(n, device=row_lengths.device)  # [rows, n]
+    ring = torch.remainder(rank, residual) + 3
+    index = torch.arange(rows, device=side.device)[:, None]
+    records = encode_entries(side[ring, index], side[ring + residual, index], side[2].view(rows, 1, D), bits,
+                             group).view(2, rows * n, -1)
+    dst = (row_offsets.to(torch.int64)[:, None] + rank).view(-1)
+    k_rec.index_copy_(0, dst, records[0])
+    v_rec.index_copy_(0, dst, records[1])
 
 
 def quantized_compact_ref(keys: Tensor, values: Tensor, keep: Tensor, row_offsets: Tensor, k_rec: Tensor,

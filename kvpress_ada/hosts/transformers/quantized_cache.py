@@ -8,7 +8,9 @@ value, kept in full precision), its key centre (keys are stored centred and rota
 ``residual``, its newest entries in full precision (a ring beside their records). The dense prefill stays
 in full precision until the layer is compressed, so selection reads full-precision entries; compression fixes
 each row's side tensors and quantizes the kept entries, a decode token is quantized when it is appended
-(with its row's centre), and attention dequantizes the rows as it reads them.
+(with its row's centre; an eager append's records are written in batches before its tokens leave the
+residual ring: :meth:`QuantizedRaggedLayer._append_entries`), and attention dequantizes the rows as it reads
+them.
 :meth:`~.ragged_cache.RaggedLayer.view` gives the dequantized entries (the anchor exactly: what a later
 selection, a decode compaction or the next chunk of a chunked prefill reads: what is stored), and keeping
 part of a compressed layer moves the kept records as they are (never quantized twice; centres unchanged; a
@@ -25,7 +27,15 @@ from typing import Any
 import torch
 
 from ... import kernels
-from ...kernels.quantized import decode_keys, dequantize, fill_residual, record_width, row_anchors
+from ...kernels.quantized import (
+    append_side,
+    decode_keys,
+    dequantize,
+    fill_residual,
+    record_newest,
+    record_width,
+    row_anchors,
+)
 from ...storage import Storage
 from .entries import gather_slots, ragged_index
 from .press_cache import HeldEntries
@@ -44,6 +54,23 @@ class QuantizedRaggedLayer(RaggedLayer):
     def _clear(self) -> None:
         super()._clear()
         self.side = torch.empty(0)
+        self._unrecorded = 0  # each row's newest entries whose records may not be written yet (all in the ring)
+
+    def reserve(self, q: int) -> None:
+        """As :meth:`RaggedLayer.reserve`; first writes the pending records of entries the next ``q`` tokens
+        would push out of the residual ring (see :meth:`_append_entries`)."""
+        if self._unrecorded + q > self.residual:
+            self._record_pending()
+        super().reserve(q)
+        if q <= self.residual:
+            self._unrecorded += q  # written now by a compiled step, or later by _record_pending
+
+    def _record_pending(self) -> None:
+        """Write the records of the appended entries that have none yet (a no-op when none is pending)."""
+        if self._unrecorded:
+            record_newest(self.k_flat, self.v_flat, self.row_offsets, self.row_lengths, self.side,
+                          self._unrecorded, self.bits, self.group)
+            self._unrecorded = 0
 
     def _empty_slots(self, total: int) -> torch.Tensor:
         width = record_width(self.head_dim, self.bits, self.group, self.dtype)
@@ -53,6 +80,7 @@ class QuantizedRaggedLayer(RaggedLayer):
         if keys.dtype == torch.uint8:  # records of this layer (see retain): moved as they are
             kernels.compact_ref(keys, values, keep, self.row_offsets, self.k_flat, self.v_flat)
             return
+        self._unrecorded = 0
         B, H, _ = self.shape
         with torch.inference_mode(False):  # a normal tensor, as the flat buffers (see RaggedLayer._layout)
             self.side = torch.zeros(3 + 2 * self.residual, B * H, self.head_dim, dtype=self.dtype,
@@ -63,6 +91,16 @@ class QuantizedRaggedLayer(RaggedLayer):
                                   self.bits, self.group)
 
     def _append_entries(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Eager appends of at most ``residual`` tokens are deferred: the tokens go into the residual ring
+        (what every read of a row's newest entries uses) and their records are written in one batch by
+        :meth:`reserve` before they would leave it, or before anything moves records (KIVI's grouped
+        quantization of the residual; the records are those an immediate append writes). A compiled step, a
+        longer append or no residual quantizes at once."""
+        Q = keys.shape[-2]
+        if Q <= self.residual and not torch.compiler.is_compiling():
+            empty = min(self._base, default=0) + self._appended - Q <= 0  # _appended counts these Q already
+            append_side(keys, values, self.row_lengths, self.side, empty_rows=empty)
+            return
         kernels.quantized_append(keys, values, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths,
                                  self.side, self.bits, self.group)
 
@@ -97,6 +135,7 @@ class QuantizedRaggedLayer(RaggedLayer):
         if not self.compressed:
             super().retain(keep, held, spare)
             return
+        self._record_pending()  # records move as they are
         if keep.shape != held.valid.shape:
             raise ValueError(f"keep mask of shape {tuple(keep.shape)} does not match the layer's view "
                              f"{tuple(held.valid.shape)}")
@@ -120,6 +159,8 @@ class QuantizedRaggedLayer(RaggedLayer):
             fill_residual(self.side, keys, values, kept)
 
     def _crop_kept(self, n: int) -> None:
+        if self.compressed:
+            self._record_pending()  # entries older than the cropped ones become the ring's, read from records
         if not (self.compressed and self.residual and n):
             super()._crop_kept(n)
             return

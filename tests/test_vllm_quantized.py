@@ -108,16 +108,6 @@ def test_kvzap_scores_moved_with_records_as_on_the_transformers_host(model_dir, 
     assert isinstance(STATE.serving.pools[0], QuantizedPagePool)
 
 
-def test_a_preempted_request_generates_its_tokens_alone_with_records(model_dir, hf_model, monkeypatch):
-    """test_vllm_host's preemption test with int4 storage on both hosts: a preempted request's records are freed
-    and, computed again, it keeps and generates what it does alone."""
-    made = host.preset
-    monkeypatch.setattr(host, "preset", lambda *args, **kwargs: _with(made(*args, **kwargs), Int4()))
-    monkeypatch.setattr(host, "RaggedCache", lambda config: ragged_cache(Int4(), config))
-    host.test_a_preempted_request_generates_the_tokens_of_an_uninterrupted_run(model_dir, hf_model, monkeypatch)
-    assert isinstance(STATE.serving.pools[0], QuantizedPagePool)
-
-
 def test_a_storage_the_model_cannot_hold_is_refused_in_one_line(model_dir):
     with pytest.raises(ValueError) as err:
         host.engine_kwargs(Pipeline(scorer=SnapKV(), compression_ratio=0.5, storage=Int4(group_size=64)), model_dir)

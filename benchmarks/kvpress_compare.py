@@ -33,6 +33,14 @@ streamingllm on our side)::
     python benchmarks/kvpress_compare.py --methods kvzip,kvzip_layerwise,lagkv,keydiff \
         --tasks passkey,multikey,multivalue,multiquery --n 16 --ratios 0.25,0.5,0.75,0.9 --settings agnostic \
         --no-decode --no-diagnostics --no-kept-sets --out benchmarks/results/kvpress_compare_agnostic.json --resume
+
+kvpress on transformers' ``QuantizedCache`` (``--kvpress-cache quanto-int4``; ``hqq-int4``/``hqq-int8`` take HQQ; the
+driver installs the backend into the kvpress venv only): the full DynamicCache (bytes and accuracy reference), the
+QuantizedCache alone and every kvpress press prefilled into it, our side skipped with ``--kvpress-only``::
+
+    python benchmarks/kvpress_compare.py --kvpress-cache quanto-int4 --kvpress-only --methods kvzip,ada_snapkv \
+        --tasks passkey,multikey,multivalue,multiquery --n 16 --ratios 0.75 --settings agnostic \
+        --no-decode --no-diagnostics --no-kept-sets --out benchmarks/results/kvpress_compare_quantized.json --resume
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -64,6 +73,10 @@ AGNOSTIC_METHODS = ("kvzip", "kvzip_layerwise", "ada_kvzip", "lagkv", "ada_lagkv
 SURROGATE_METHODS = ("kvzap", "kvzap_linear", "kvzap_threshold")
 RATIO_FREE = ("kvzap_threshold",)  # set their own budget (a threshold): run once, at ratio 0 (no cap)
 ALL_METHODS = METHODS + AGNOSTIC_METHODS + SURROGATE_METHODS
+# --kvpress-cache: transformers' QuantizedCache backends, what each needs in the kvpress venv, and the bit widths
+# transformers 5.2 accepts for it (QuantoQuantizedLayer: 2 and 4 only; HQQQuantizedLayer: 1, 2, 3, 4, 8)
+QUANTIZED_BACKENDS = {"quanto": ("optimum-quanto==0.2.7",), "hqq": ("hqq==0.2.8.post1",)}
+QUANTIZED_BITS = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}
 # kvpress_ada preset -> the kvpress press run for it (benchmarks/kvpress_worker.py PRESSES builds them)
 KVPRESS_NAMES = {
     "full": "no press",
@@ -97,6 +110,45 @@ KVPRESS_DEFAULTS = {
     "KeyDiffPress": "no parameters besides compression_ratio (the paper's block-wise version is "
                     "BlockPress(KeyDiffPress), not run); gathers the kept tokens",
 }
+
+
+def parse_kvpress_caches(text: str) -> list[str]:
+    """``--kvpress-cache``: comma-separated ``dynamic`` (kvpress's DynamicCache) or ``<backend>-int<bits>``
+    (transformers' ``QuantizedCache``), validated against what transformers 5.2 accepts, duplicates dropped."""
+    specs = list(dict.fromkeys(x.strip().lower() for x in text.split(",") if x.strip()))
+    if not specs:
+        raise ValueError("--kvpress-cache needs at least one cache")
+    for spec in specs:
+        if spec == "dynamic":
+            continue
+        m = re.fullmatch(r"([a-z]+)-int(\d+)", spec)
+        if m is None or m.group(1) not in QUANTIZED_BACKENDS:
+            raise ValueError(f"unknown cache {spec!r}: use dynamic or <backend>-int<bits> with backend in "
+                             f"{', '.join(QUANTIZED_BACKENDS)} (e.g. quanto-int4)")
+        backend, bits = m.group(1), int(m.group(2))
+        if bits not in QUANTIZED_BITS[backend]:
+            raise ValueError(f"{spec}: transformers' QuantizedCache takes {backend} with "
+                             f"{', '.join(map(str, QUANTIZED_BITS[backend]))} bits"
+                             + (" (8 bits: hqq-int8)" if backend == "quanto" and bits == 8 else ""))
+    return specs
+
+
+def cache_requirements(specs: list[str]) -> tuple[str, ...]:
+    """What the quantized caches among ``specs`` need in the kvpress venv (besides kvpress and torch)."""
+    backends = dict.fromkeys(spec.split("-int")[0] for spec in specs if spec != "dynamic")
+    return tuple(req for b in backends for req in QUANTIZED_BACKENDS[b])
+
+
+def kvpress_name(label: str) -> str:
+    """The kvpress row name of a kvpress record label: ``method`` or ``method+<backend>-int<bits>`` (a press on
+    transformers' QuantizedCache), e.g. ``AdaKVPress(SnapKVPress) + QuantizedCache(quanto, 4 bits)``."""
+    method, _, spec = label.partition("+")
+    name = KVPRESS_NAMES.get(method, method)
+    if not spec:
+        return name
+    backend, _, bits = spec.partition("-int")
+    cache = f"QuantizedCache({backend}, {bits} bits)"
+    return f"{cache}, no press" if method == "full" else f"{name} + {cache}"
 
 
 def kvpress_counterpart(label: str) -> str | None:
@@ -164,6 +216,15 @@ def parse_args(argv=None):
                         "captured from the sample's full-cache prefill gives the same cache (ScorerPress, AdaKVPress) "
                         "and one KVzip context reconstruction per (ratio, layerwise) instead of one per sample "
                         "(the scores depend on neither); same answers, several times slower")
+    p.add_argument("--kvpress-cache", default="dynamic",
+                   help="comma-separated caches kvpress's presses prefill into: dynamic (its DynamicCache) or "
+                        "transformers' QuantizedCache as <backend>-int<bits>: quanto-int2, quanto-int4 (optimum-quanto "
+                        "0.2.7; transformers takes no 8-bit quanto cache), hqq-int4, hqq-int8, ... (installed into the "
+                        "kvpress venv only). The full DynamicCache always runs (the KV-bytes reference), each "
+                        "QuantizedCache also without a press (ratio 0); kvpress rows are labelled <method>+<cache>")
+    p.add_argument("--kvpress-only", action="store_true",
+                   help="run the kvpress side only (no kvpress_ada answers; pair with another run on the same "
+                        "samples by sample index); needs --no-decode, implies --no-kept-sets and --no-diagnostics")
     p.add_argument("--no-plot", action="store_true", help="do not write the accuracy-vs-ratio PNG next to the JSON")
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="kvpress virtualenv (created if missing)")
     p.add_argument("--threads", type=int, default=1,
@@ -187,6 +248,16 @@ def parse_args(argv=None):
     unknown = sorted(set(args.methods) - set(ALL_METHODS))
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
+    try:
+        args.kvpress_caches = parse_kvpress_caches(args.kvpress_cache)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.kvpress_only:
+        if not args.no_decode:
+            p.error("--kvpress-only runs no kvpress_ada model: add --no-decode")
+        if args.ours_records is not None:
+            p.error("--kvpress-only and --ours-records exclude each other")
+        args.kept_sets, args.no_diagnostics = False, True
     if args.ours_records is not None:
         if not args.ours_records.is_file():
             p.error(f"--ours-records {args.ours_records} does not exist; pass the results.json or partial.json of a "
@@ -209,27 +280,69 @@ def parse_args(argv=None):
 # --------------------------------------------------------------------------- kvpress venv
 
 
-def ensure_kvpress_venv(venv: Path) -> Path:
-    """Python of a virtualenv holding exactly the pinned kvpress and torch (created on first use)."""
+def ensure_kvpress_venv(venv: Path, extra: tuple[str, ...] = ()) -> Path:
+    """Python of a virtualenv holding exactly the pinned kvpress and torch (created on first use), plus the
+    pinned ``extra`` requirements (``name==version``: a QuantizedCache backend) when asked for."""
     python = venv / "bin" / "python"
+    dists = ("kvpress", "torch", "transformers") + tuple(r.split("==")[0] for r in extra)
     check = ("import json, importlib.metadata as m; "
-             "print(json.dumps({d: m.version(d) for d in ('kvpress', 'torch', 'transformers')}))")
+             f"print(json.dumps({{d: m.version(d) for d in {dists!r}}}))")
+    requirements = (*KVPRESS_REQUIREMENTS, *extra)
     if python.exists():
         res = subprocess.run([str(python), "-c", check], capture_output=True, text=True)
         if res.returncode == 0:
             versions = json.loads(res.stdout)
-            if versions["kvpress"] == "0.5.5" and versions["torch"].split("+")[0] == "2.13.0":
+            if versions["kvpress"] == "0.5.5" and versions["torch"].split("+")[0] == "2.13.0" and all(
+                    versions[r.split("==")[0]] == r.split("==")[1] for r in extra):
                 return python
-        print(f"[kvpress venv] {venv} is incomplete; (re)installing {' '.join(KVPRESS_REQUIREMENTS)}", file=sys.stderr)
+        print(f"[kvpress venv] {venv} is incomplete; (re)installing {' '.join(requirements)}", file=sys.stderr)
     else:
-        print(f"[kvpress venv] creating {venv} (pip install {' '.join(KVPRESS_REQUIREMENTS)}, ~2 min)",
+        print(f"[kvpress venv] creating {venv} (pip install {' '.join(requirements)}, ~2 min)",
               file=sys.stderr)
         venv.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "--quiet", *KVPRESS_REQUIREMENTS], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", *requirements], check=True)
     res = subprocess.run([str(python), "-c", check], capture_output=True, text=True, check=True)
     print(f"[kvpress venv] installed {res.stdout.strip()}", file=sys.stderr)
     return python
+
+
+QUANTIZED_CHECK = """
+import json, time, torch
+from transformers import LlamaConfig, QuantizedCache
+config = LlamaConfig(num_hidden_layers=1, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+cache = QuantizedCache(backend=BACKEND, config=config, nbits=BITS)
+keys = torch.randn(1, 1, 200, 64)
+t0 = time.perf_counter()
+cache.update(keys, keys.clone(), 0)
+layer = cache.layers[0]
+err = (layer._dequantize(layer._quantized_keys) - keys).abs().max().item()
+print(json.dumps({"max_abs_error": err, "seconds": time.perf_counter() - t0}))
+"""
+
+
+def check_quantized_caches(python: Path, specs: list[str]) -> dict:
+    """Quantize and dequantize a small tensor with each QuantizedCache of ``specs`` in the kvpress venv, on CPU,
+    before any model loads: the first use of optimum-quanto builds its C++ CPU extension (torch's JIT
+    ``cpp_extension.load``: the machine's C++ compiler and ninja, ~2 min, cached in the venv). Exits with the
+    backend's own error when that cannot work here."""
+    out = {}
+    for spec in specs:
+        if spec == "dynamic":
+            continue
+        backend, bits = spec.split("-int")
+        code = QUANTIZED_CHECK.replace("BACKEND", repr(backend)).replace("BITS", bits)
+        print(f"[kvpress venv] checking QuantizedCache({backend}, {bits} bits) on CPU"
+              + (" (the first quanto use builds its C++ extension, ~2 min)" if backend == "quanto" else ""),
+              file=sys.stderr)
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        res = subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=env,
+                             cwd=tempfile.gettempdir())
+        if res.returncode != 0:
+            raise SystemExit(f"kvpress_compare.py: QuantizedCache({backend}, {bits} bits) does not work in the "
+                             f"kvpress venv on this machine:\n{res.stderr[-3000:]}")
+        out[spec] = json.loads(res.stdout.strip().splitlines()[-1])
+    return out
 
 
 class WorkerProcess:
@@ -518,7 +631,9 @@ def median(xs):
 def main(argv=None):
     args = parse_args(argv)
     t_start = time.perf_counter()
-    python = ensure_kvpress_venv(args.venv)
+    python = ensure_kvpress_venv(args.venv, cache_requirements(args.kvpress_caches))
+    quantized_check = check_quantized_caches(python, args.kvpress_caches)
+    kv_caches = None if args.kvpress_caches == ["dynamic"] else args.kvpress_caches  # None: the worker's default
 
     import numpy as np
     import torch
@@ -543,8 +658,8 @@ def main(argv=None):
     from kvpress_ada.tokens import encode
 
     model_dir = str(ensure_model(args.model)) if args.model in source_names() else args.model
-    if args.ours_records is not None and args.no_decode:
-        model, tok = None, tokenizer_only(model_dir)  # our answers come from the file: no model on our side
+    if (args.ours_records is not None or args.kvpress_only) and args.no_decode:
+        model, tok = None, tokenizer_only(model_dir)  # our answers come from the file or nowhere: no model here
     else:
         model, tok = load(args.model)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvpress_compare_"))
@@ -576,7 +691,7 @@ def main(argv=None):
     state = load_checkpoint(args) if args.resume else None
     state = state or {"kv_records": [], "our_records": [], "overlap_samples": [], "done": {},
                       "seconds": {"kvpress": {}, "kvpress_ada": {}, "kept_sets": {}}, "presses": {},
-                      "question_token_by_token": {}, "kept_set_methods": []}
+                      "question_token_by_token": {}, "kept_set_methods": [], "kvpress_caches": {}}
 
     worker = WorkerProcess(python, model_dir, args.threads)
     decode = None
@@ -596,7 +711,8 @@ def main(argv=None):
                 for setting, idx in done.items()}
             report["meta"] = {
                 "machine": machine_info(torch, transformers),
-                "kvpress_env": {**kv_versions, "venv": str(args.venv), "requirements": list(KVPRESS_REQUIREMENTS)},
+                "kvpress_env": {**kv_versions, "venv": str(args.venv),
+                                "requirements": [*KVPRESS_REQUIREMENTS, *cache_requirements(args.kvpress_caches)]},
                 "kvpress_ada_version": kvpress_ada.__version__, "git": git_state(),
                 "model_dir": model_dir, "config": run_config(args),
                 "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -615,6 +731,10 @@ def main(argv=None):
                 "notes": NOTES,
                 "ours_records": None if ours_file is None else ours_file["source"],
             }
+            if kv_caches is not None:
+                report["meta"]["kvpress_caches"] = state["kvpress_caches"]
+                report["meta"]["quantized_cache_check"] = quantized_check
+                report["meta"]["notes"] = NOTES + QUANTIZED_NOTES
             report["checkpoint"] = {"done": done, "overlap_samples": state["overlap_samples"]}
             args.out.parent.mkdir(parents=True, exist_ok=True)
             tmp = args.out.with_suffix(".json.tmp")
@@ -636,18 +756,20 @@ def main(argv=None):
                                  indices=[i], methods=kv_methods, ratios=args.ratios,
                                  ratio_free=[m for m in kv_methods if m in RATIO_FREE], supplied=supplied,
                                  max_new_tokens=args.max_new_tokens, question_aware=aware, kept_sets=args.kept_sets,
-                                 fanout=not args.kvpress_separate, quiet=True)
+                                 fanout=not args.kvpress_separate, quiet=True,
+                                 **({} if kv_caches is None else {"caches": kv_caches}))
                 for rec in kv["records"]:
                     text = tok.decode(rec["tokens"], skip_special_tokens=True).strip()
                     state["kv_records"].append({"setting": setting, **{k: v for k, v in rec.items() if k != "tokens"},
                                                 "answer": text, "score": score_sample(samples[rec["sample"]], text)})
                 state["presses"].update(kv["presses"])
+                state["kvpress_caches"].update(kv.get("caches") or {})
                 state["question_token_by_token"][setting] = (state["question_token_by_token"].get(setting, 0)
                                                              + kv["question_token_by_token"])
                 _add(state["seconds"]["kvpress"], setting, kv["seconds"])
                 if ours_file is not None:  # read, not recomputed
                     state["our_records"] += [{"setting": setting, **r} for r in ours_file["records"].get(i, [])]
-                else:
+                elif not args.kvpress_only:
                     t0 = time.perf_counter()
                     recs = evaluate_sample(model, tok, samples[i], answered, i, question_aware=aware,
                                            max_new_tokens=args.max_new_tokens)
@@ -681,6 +803,9 @@ def main(argv=None):
 
     report = write(complete=all(len(state["done"].get(s, [])) == len(samples) for s in args.settings))
     print(render_markdown(report))
+    if kv_caches is not None:
+        print("\nkvpress on transformers' QuantizedCache (paired per sample with kvpress's full DynamicCache):\n")
+        print(quantized_rows(report))
     print("\nREADME rows (question-agnostic, paired per sample):\n")
     print(readme_rows(report))
     if not args.no_plot:
@@ -702,7 +827,10 @@ def run_config(args) -> dict:
             "max_new_tokens": args.max_new_tokens, "no_diagnostics": args.no_diagnostics,
             "replica_accuracy": args.replica_accuracy, "ea_ablation": args.ea_ablation, "kept_sets": args.kept_sets,
             "kvpress_separate": args.kvpress_separate, "surrogate": args.surrogate,
-            "ours_records": None if args.ours_records is None else str(args.ours_records.resolve())}
+            "ours_records": None if args.ours_records is None else str(args.ours_records.resolve()),
+            # only when not the defaults, so that earlier checkpoints of default runs still resume
+            **({} if args.kvpress_caches == ["dynamic"] else {"kvpress_caches": args.kvpress_caches}),
+            **({"kvpress_only": True} if args.kvpress_only else {})}
 
 
 def load_checkpoint(args) -> dict | None:
@@ -724,7 +852,8 @@ def load_checkpoint(args) -> dict | None:
              "seconds": {"kvpress": sec["kvpress_accuracy"], "kvpress_ada": sec["kvpress_ada_accuracy"],
                          "kept_sets": sec.get("kept_sets") or {}},
              "presses": meta["kvpress_presses"], "question_token_by_token": meta["kvpress_question_token_by_token"],
-             "kept_set_methods": meta.get("kept_set_methods", []), "resumed_seconds": sec["total"]}
+             "kept_set_methods": meta.get("kept_set_methods", []), "resumed_seconds": sec["total"],
+             "kvpress_caches": meta.get("kvpress_caches", {})}
     print(f"[resume] {', '.join(f'{k}: {len(v)} samples' for k, v in state['done'].items())} from {args.out}",
           file=sys.stderr)
     return state
@@ -750,6 +879,61 @@ NOTES = [
     "interleave libraries and configs; medians over rounds; 'x full' is the median of per-round ratios to the same "
     "library's full-cache run.",
 ]
+
+
+QUANTIZED_NOTES = [
+    "--kvpress-cache: kvpress's presses prefill into transformers' QuantizedCache (5.2: every prefilled token is "
+    "quantized at once, per group of q_group_size channels along the head dimension, and decoded tokens stay in a "
+    "full-precision residual until residual_length of them are re-quantized with the rest); kvpress's "
+    "BasePress.forward_hook scores the dequantized keys and values and quantizes what the press keeps. AdaKVPress and "
+    "KVzipPress mask instead of evicting, so their QuantizedCache still holds every token.",
+    "KV bytes of a QuantizedCache record (kv_bytes, after compression, before the question): the quantized data "
+    "(quanto: packed uint8), scales, zero points (quanto's shift) and the full-precision residual, summed over "
+    "layers (kv_bytes_parts); kv_bytes_end: the same after the question and the answer (the residual holds them). "
+    "kv_fraction divides by the same sample's full DynamicCache bytes (the 'full' record).",
+    "KVzipPress on a QuantizedCache (kvpress 0.5.5 + transformers 5.2): during its context reconstruction the hook "
+    "reads keys with extract_keys_and_values, which dequantizes only the quantized context and leaves out the "
+    "full-precision residual where the reconstruction tokens sit, so keys[:, :, -q_len:] (meant as the "
+    "reconstruction's own keys) are context keys: it scores, without error, against the wrong keys (checked on the "
+    "default model: score_kvzip sees 825 keys on a QuantizedCache, 1640 on a DynamicCache, for an 825-token prompt).",
+]
+
+
+def quantized_rows(report) -> str:
+    """Markdown rows for kvpress on QuantizedCache (labels ``method+<cache>``) and the full DynamicCache they are
+    paired with: accuracy, per task, KV held after compression as a fraction of the full DynamicCache (and its
+    parts), and the paired difference with the full DynamicCache sample by sample."""
+    recs = [r for r in report["records"]["kvpress"] if r["setting"] == "agnostic"] or report["records"]["kvpress"]
+    full = {r["sample"]: r for r in recs if r["label"] == "full"}
+    cells: dict[tuple, list[dict]] = {}
+    for r in recs:
+        if r["label"] == "full" or "+" in r["label"]:
+            cells.setdefault((r["label"], r["ratio"]), []).append(r)
+    tasks = list(dict.fromkeys(r["task"] for r in recs))
+    lines = ["| kvpress | r | accuracy (95% CI) | " + " | ".join(tasks) + " | KV held / full DynamicCache "
+             "| of which data / scales / zero points / residual | vs full DynamicCache (paired) |",
+             "|---|--:|--:|" + "--:|" * len(tasks) + "--:|---|---|"]
+    for (label, ratio), rs in sorted(cells.items(), key=lambda kv: (kv[0][0] != "full", "+" in kv[0][0] and
+                                                                    not kv[0][0].startswith("full+"), kv[0])):
+        acc, ci = mean_ci([r["score"] for r in rs])
+        per_task = " | ".join(f"{mean_ci([r['score'] for r in rs if r['task'] == t])[0]:.2f}" for t in tasks)
+        frac = sum(r["kv_bytes"] / full[r["sample"]]["kv_bytes"] for r in rs) / len(rs)
+        parts = "-"
+        if all("kv_bytes_parts" in r for r in rs):
+            total = sum(r["kv_bytes"] for r in rs)
+            parts = " / ".join(f"{sum(r['kv_bytes_parts'][k] for r in rs) / total:.3f}"
+                               for k in ("data", "scale", "zero_point", "residual"))
+        paired = "-"
+        common = [r for r in rs if r["sample"] in full]
+        if label != "full" and common:
+            d, dci = mean_ci([r["score"] - full[r["sample"]]["score"] for r in common])
+            b = sum(r["score"] >= 0.5 > full[r["sample"]]["score"] for r in common)
+            c = sum(full[r["sample"]]["score"] >= 0.5 > r["score"] for r in common)
+            paired = (f"{d:+.3f}" + ("" if dci is None else f" ± {dci:.3f}") + f", {b}/{c} (McNemar p "
+                      f"{mcnemar_p(b, c):.2f}, n = {len(common)})")
+        lines.append(f"| {kvpress_name(label) if label != 'full' else 'full DynamicCache (no press)'} | {ratio:g} "
+                     f"| {acc:.2f} (±{0.0 if ci is None else ci:.2f}) | {per_task} | {frac:.3f} | {parts} | {paired} |")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- our records from an eval run
@@ -848,10 +1032,12 @@ def vs_kvpress_best(report, ours=("kvzip", "ada_kvzip", "kvzap", "kvzap_linear")
     rows = []
     ratios = sorted({r["ratio"] for r in recs["kvpress"] if r["label"] != "full" and r["setting"] == "agnostic"})
     for ratio in ratios:
-        kv = {}
-        for r in recs["kvpress"]:
-            if r["setting"] == "agnostic" and r["ratio"] == ratio and r["label"] != "full":
+        kv: dict[str, dict] = {}
+        for r in recs["kvpress"]:  # kvpress's presses on its DynamicCache (not on a QuantizedCache: label with '+')
+            if r["setting"] == "agnostic" and r["ratio"] == ratio and r["label"] != "full" and "+" not in r["label"]:
                 kv.setdefault(r["label"], {})[r["sample"]] = r["score"]
+        if not kv:
+            continue
         best = max(kv, key=lambda m: (sum(kv[m].values()) / len(kv[m]), m))
         for label in ours:
             mine = {r["sample"]: r["score"] for r in recs["kvpress_ada"]
@@ -1058,7 +1244,7 @@ def build_report(args, payload, kv_records, our_records, overlap, decode):
     def row_for(lib, label, ratio):
         return rows.setdefault((lib, label, ratio), {
             "library": lib, "method": label, "ratio": ratio,
-            "name": KVPRESS_NAMES.get(label, label) if lib == "kvpress" else label, "accuracy": {}})
+            "name": kvpress_name(label) if lib == "kvpress" else label, "accuracy": {}})
 
     for lib, lib_cells in (("kvpress", kv_cells), ("kvpress_ada", our_cells)):
         for (setting, label, ratio), recs in lib_cells.items():
@@ -1075,6 +1261,10 @@ def build_report(args, payload, kv_records, our_records, overlap, decode):
             achieved = [r["achieved_ratio"] for r in recs if r.get("achieved_ratio") is not None]
             if achieved:  # fraction of entries evicted (or masked), for presses that set their own budget
                 row["accuracy"][setting]["achieved_ratio"] = sum(achieved) / len(achieved)
+            if recs and all("kv_bytes_parts" in r for r in recs):  # a QuantizedCache: mean bytes by part
+                row["accuracy"][setting]["kv_bytes_parts"] = {
+                    k: sum(r["kv_bytes_parts"][k] for r in recs) / len(recs) for k in recs[0]["kv_bytes_parts"]}
+                row["accuracy"][setting]["kv_bytes_end"] = sum(r["kv_bytes_end"]["total"] for r in recs) / len(recs)
     for d in (decode or {}).get("configs", {}).values():
         row_for(d["library"], d["label"], d["ratio"])["decode"] = {
             "tok_s": d["tok_s_median"], "x_full": d["x_full_median"], "kv_bytes": d["kv_bytes"],

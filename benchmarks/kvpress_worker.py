@@ -16,6 +16,11 @@ out); everything else (warnings, progress bars) goes to stderr. Commands:
                   (token ids) and KV bytes held; writes per-(layer, head) kept masks (packed bits, .npz)
                   for the presses whose kept set can be read (``Worker._kept``; ``kept_sets: false``
                   skips them). ``indices`` restricts the run to some samples (checkpointing driver).
+                  ``caches`` (absent: kvpress's DynamicCache only, as always) lists the caches each press runs on:
+                  ``dynamic`` or a transformers ``QuantizedCache`` spec ``<backend>-int<bits>`` (``quanto-int4``,
+                  ``hqq-int8``, ...); the full DynamicCache always runs first (the bytes reference), each quantized
+                  cache also runs without a press, and its records are labelled ``<method>+<spec>`` with the bytes
+                  held split into quantized data, scales, zero points and the full-precision residual.
                   ``supplied`` (with the method ``kvzap_threshold``) is a kvpress_ada surrogate file with the
                   threshold and protection of the preset: kvpress's ``DMSPress`` around its ``KVzapPress``
                   carrying that file's weights (:class:`SuppliedKVzapPress`); ``ratio_free`` methods run once,
@@ -64,10 +69,11 @@ from kvpress import (  # noqa: E402
     ScorerPress,
     SnapKVPress,
 )
+from kvpress.presses.base_press import is_prefilling  # noqa: E402
 from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel  # noqa: E402
-from kvpress.utils import compute_n_kept  # noqa: E402
+from kvpress.utils import compute_n_kept, extract_keys_and_values  # noqa: E402
 from safetensors import safe_open  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, QuantizedCache  # noqa: E402
 
 ADA_ALPHA = 0.2  # kvpress's default alpha_safeguard (and the paper's)
 
@@ -160,6 +166,20 @@ class CapturePress(BasePress):
         return keys, values
 
 
+class QuantizedCapturePress(CapturePress):
+    """:class:`CapturePress` for a ``QuantizedCache``: records what ``BasePress.forward_hook`` hands ``compress``
+    (the dequantized keys and values, ``extract_keys_and_values``) and leaves the cache as a prefill without a
+    press leaves it (``BasePress.forward_hook`` would quantize the dequantized tensors a second time)."""
+
+    def forward_hook(self, module, input, kwargs, output):
+        hidden_states = kwargs["hidden_states"]
+        if not is_prefilling(kwargs["cache_position"], hidden_states.shape[1]):
+            return output
+        keys, values = extract_keys_and_values(kwargs["past_key_values"], module.layer_idx)
+        self.layers[module.layer_idx] = (module, hidden_states, keys, values, output[1], kwargs)
+        return output
+
+
 def derivable(press) -> bool:
     """Presses that act only through ``BasePress.forward_hook -> compress`` (ScorerPress subclasses,
     AdaKVPress, ...): a prefill is unchanged by them (each layer compresses after its own attention), so
@@ -227,7 +247,11 @@ class Worker:
         ratio_free = set(req.get("ratio_free") or [])
         SUPPLIED.clear()
         SUPPLIED.update(req.get("supplied") or {})
-        configs = [("full", 0.0)] + [(m, r) for m in methods for r in ([0.0] if m in ratio_free else ratios)]
+        caches = req.get("caches")  # None: DynamicCache only (the records carry no cache fields)
+        pressed = [(m, r) for m in methods for r in ([0.0] if m in ratio_free else ratios)]
+        configs = [("full", 0.0, "dynamic")]  # the full DynamicCache first: every cache's bytes reference
+        for spec in caches or ["dynamic"]:
+            configs += ([] if spec == "dynamic" else [("full", 0.0, spec)]) + [(m, r, spec) for m, r in pressed]
         records, masks, presses = [], {}, {}
         start = time.perf_counter()
         setting = "question-aware" if aware else "question-agnostic"
@@ -236,24 +260,32 @@ class Worker:
         for s in samples:
             head = torch.tensor([s["head_ids"]])
             tail = torch.tensor([s["tail_ids"]])
-            shared = {} if req.get("fanout", True) else None  # what later configs of this sample derive from
-            for method, ratio in configs:
+            by_cache: dict[str, dict] = {}  # per cache: what later configs of this sample derive from
+            for method, ratio, spec in configs:
+                shared = by_cache.setdefault(spec, {}) if req.get("fanout", True) else None
+                label = method if spec == "dynamic" else f"{method}+{spec}"
                 press = build_press(method, ratio)
-                presses[method if method == "full" else f"{method}@{ratio}"] = repr(press)
+                presses[label if method == "full" else f"{label}@{ratio}"] = repr(press)
                 prompt = torch.cat([head, tail], dim=1) if aware else head
                 t0 = time.perf_counter()
-                cache, keep, logits = self._prefill(press, prompt, record=kept_sets, lm_head=aware, shared=shared)
+                cache, keep, logits = self._prefill(press, prompt, record=kept_sets, lm_head=aware, shared=shared,
+                                                    cache_spec=spec)
                 prefill_s = time.perf_counter() - t0
-                kv_bytes = _cache_bytes(cache)
+                parts = _quantized_bytes(cache) if isinstance(cache, QuantizedCache) else None
+                kv_bytes = _cache_bytes(cache) if parts is None else parts["total"]
                 t0 = time.perf_counter()
                 if aware:  # the whole prompt was compressed; answer from the prefill's last logits
                     tokens = self._greedy(cache, logits, prompt.shape[1], max_new)
                 else:
                     tokens = self._answer(cache, head.shape[1], tail, max_new)
                 answer_s = time.perf_counter() - t0
-                rec = {"sample": s["index"], "task": s["task"], "label": method, "ratio": ratio, "tokens": tokens,
+                rec = {"sample": s["index"], "task": s["task"], "label": label, "ratio": ratio, "tokens": tokens,
                        "kv_bytes": kv_bytes, "prefill_s": prefill_s, "answer_s": answer_s,
                        "context_len": int(prompt.shape[1]), "kvpress_run": self.last_run}
+                if caches is not None:
+                    rec.update(method=method, cache=spec)
+                if parts is not None:  # bytes after compression, and after the question + answer (residual grown)
+                    rec.update(kv_bytes_parts=parts, kv_bytes_end=_quantized_bytes(cache))
                 if isinstance(press, DMSPress):  # the fraction of entries it masked (all layers and heads)
                     rec["achieved_ratio"] = float(press.compression_ratio)
                 if keep is not None:
@@ -267,8 +299,31 @@ class Worker:
         if req.get("masks_file"):
             np.savez_compressed(req["masks_file"], **masks)
         kept = sorted({k.split("|")[0] for k in masks})
-        return {"records": records, "kept_set_methods": kept, "presses": presses,
-                "seconds": time.perf_counter() - start, "question_token_by_token": self.question_token_by_token}
+        out = {"records": records, "kept_set_methods": kept, "presses": presses,
+               "seconds": time.perf_counter() - start, "question_token_by_token": self.question_token_by_token}
+        if caches is not None:
+            out["caches"] = {spec: self._cache_info(spec) for spec in caches}
+        return out
+
+    def _new_cache(self, spec: str):
+        """``dynamic``: kvpress's default ``DynamicCache``; ``<backend>-int<bits>``: transformers'
+        ``QuantizedCache(backend, config, nbits)`` with its other defaults (as kvpress's pipeline builds it)."""
+        if spec == "dynamic":
+            return DynamicCache()
+        backend, bits = spec.split("-int")
+        return QuantizedCache(backend=backend, config=self.model.config, nbits=int(bits))
+
+    def _cache_info(self, spec: str) -> dict:
+        """The class and parameters of the cache built for ``spec`` (read from its first layer)."""
+        if spec == "dynamic":
+            return {"class": "DynamicCache"}
+        layer = self._new_cache(spec).layers[0]
+        backend = spec.split("-int")[0]
+        dist = {"quanto": "optimum-quanto", "hqq": "hqq"}.get(backend, backend)
+        return {"class": "QuantizedCache", "layer_class": type(layer).__name__, "backend": backend,
+                "backend_version": _dist_version(dist), "nbits": layer.nbits, "axis_key": layer.axis_key,
+                "axis_value": layer.axis_value, "q_group_size": layer.q_group_size,
+                "residual_length": layer.residual_length}
 
     def decode_setup(self, req):
         head = torch.tensor([req["head_ids"]])
@@ -312,7 +367,8 @@ class Worker:
 
     # ------------------------------------------------------------------ helpers
     @torch.inference_mode()
-    def _prefill(self, press, head: torch.Tensor, record: bool = True, lm_head: bool = False, shared=None):
+    def _prefill(self, press, head: torch.Tensor, record: bool = True, lm_head: bool = False, shared=None,
+                 cache_spec: str = "dynamic"):
         """kvpress's prefill (``KVPressTextGenerationPipeline._forward``): hooks on, model without LM head
         (with it, last position only, when the answer starts right after the prefill).
 
@@ -323,8 +379,15 @@ class Worker:
         work on identical inputs: the full-cache run captures every layer's ``compress`` inputs, and
         :func:`derivable` presses call their ``compress`` on them; the first KVzipPress of a sample runs
         for real (prefill + context reconstruction) and later ones (other ratio / ``layerwise``) call
-        ``compress_post`` on its reconstruction scores, which depend on neither."""
-        cache = DynamicCache()
+        ``compress_post`` on its reconstruction scores, which depend on neither.
+
+        ``cache_spec`` other than ``dynamic``: the prefill goes into a ``QuantizedCache`` (kvpress's hook then
+        compresses its dequantized keys and values and quantizes what it keeps); derived presses compress the
+        dequantized tensors captured by :class:`QuantizedCapturePress` and quantize the result with the cache's
+        own ``update``, as the hook does; KVzipPress always runs for real, and kept sets are not read."""
+        quantized = cache_spec != "dynamic"
+        record = record and not quantized
+        cache = self._new_cache(cache_spec)
         scores: dict[int, torch.Tensor] = {}
         inner = press.press if isinstance(press, AdaKVPress) else press
         if record and isinstance(inner, ScorerPress):
@@ -345,7 +408,7 @@ class Worker:
             for i, (module, hidden, keys, values, attn, kwargs) in sorted(shared["layers"].items()):
                 keys, values = press.compress(module, hidden, keys.clone(), values.clone(), attn, kwargs)
                 cache.update(keys, values, i)
-        elif shared is not None and "kvzip" in shared and isinstance(press, KVzipPress):
+        elif shared is not None and "kvzip" in shared and isinstance(press, KVzipPress) and not quantized:
             logits = shared["kvzip"]["logits"]
             for i, layer in enumerate(shared["kvzip"]["cache"].layers):
                 cache.update(layer.keys.clone(), layer.values.clone(), i)
@@ -354,8 +417,10 @@ class Worker:
             press.compress_post(self.model)
         else:
             self.last_run = "prefill"
-            capture = CapturePress() if shared is not None and press is None else None
-            if shared is not None and isinstance(press, KVzipPress):
+            capture = None
+            if shared is not None and press is None:
+                capture = QuantizedCapturePress() if quantized else CapturePress()
+            if shared is not None and isinstance(press, KVzipPress) and not quantized:
                 compress_post = press.compress_post
 
                 def keep_scores(model):
@@ -426,7 +491,10 @@ class Worker:
         too. Then the question goes in one token at a time, which is the same computation (causal),
         and needs no mask (SDPA skips it for a single query).
         """
-        lengths = {layer.keys.shape[2] for layer in cache.layers}
+        if isinstance(cache, QuantizedCache):  # its layers hold an empty residual after the prefill
+            lengths = {layer.get_seq_length() for layer in cache.layers}
+        else:
+            lengths = {layer.keys.shape[2] for layer in cache.layers}
         if len(lengths) == 1:
             pos = torch.arange(length, length + tail.shape[1])[None]
             return self.model(input_ids=tail, past_key_values=cache, position_ids=pos, logits_to_keep=1)
@@ -461,6 +529,41 @@ class Worker:
 
 def _cache_bytes(cache) -> int:
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+def _nbytes(t) -> int:
+    """Bytes of a tensor; a tensor subclass (quanto's packed and quantized tensors) counts its inner tensors."""
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_nbytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+QUANTO_PARTS = {"_data": "data", "_scale": "scale", "_shift": "zero_point"}  # WeightQBitsTensor's inner tensors
+HQQ_PARTS = {"scale": "scale", "zero": "zero_point"}  # tensors of HQQ's meta dict
+
+
+def _quantized_bytes(cache) -> dict:
+    """Bytes a ``QuantizedCache`` holds, by part: the quantized keys and values (``data``: quanto's packed
+    uint8 / HQQ's packed tensor), their ``scale`` and ``zero_point`` (quanto's ``_shift``, HQQ's ``zero``),
+    any ``other`` tensor of HQQ's meta, and the full-precision ``residual`` (``layer.keys``/``layer.values``:
+    the tokens appended since the last quantization, at most ``residual_length``); ``total`` sums them."""
+    parts = {"data": 0, "scale": 0, "zero_point": 0, "other": 0, "residual": 0}
+    for layer in cache.layers:
+        for q in (layer._quantized_keys, layer._quantized_values):
+            if isinstance(q, tuple):  # HQQ: (packed tensor, meta)
+                data, meta = q
+                parts["data"] += _nbytes(data)
+                for k, v in meta.items():
+                    if torch.is_tensor(v):
+                        parts[HQQ_PARTS.get(k, "other")] += _nbytes(v)
+            else:  # quanto: WeightQBitsTensor
+                names, _ = q.__tensor_flatten__()
+                for n in names:
+                    parts[QUANTO_PARTS.get(n, "other")] += _nbytes(getattr(q, n))
+        parts["residual"] += _nbytes(layer.keys) + _nbytes(layer.values)
+    parts["total"] = sum(parts.values())
+    return parts
 
 
 def _truncate(cache, lengths):

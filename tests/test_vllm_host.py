@@ -255,6 +255,9 @@ def test_evicted_blocks_let_more_requests_run_under_the_same_kv_memory(model_dir
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 39  # every block back (one is vLLM's null)
 
 
+SERVER_START_S = 600  # about 30-60 s on 2 idle cores; minutes when other jobs share them
+
+
 def test_kvpress_ada_serve_answers_an_openai_completion_with_a_compressed_cache(model_dir, hf_model):
     """The server ``kvpress-ada serve`` starts (its own processes, as users run it) answers a completion request
     with the text the transformers host generates under the same press."""
@@ -274,14 +277,14 @@ def test_kvpress_ada_serve_answers_an_openai_completion_with_a_compressed_cache(
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     prompt = "The garden had seven doors and a blue gate; the pass key was 4821. " * 2
     try:
-        deadline = time.time() + 240
+        deadline = time.time() + SERVER_START_S
         while True:
             assert server.poll() is None, "the server exited"
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
                 break
             except OSError:
-                assert time.time() < deadline, "the server did not start in 240 s"
+                assert time.time() < deadline, f"the server did not start in {SERVER_START_S} s"
                 time.sleep(1)
         body = json.dumps({"model": model_dir, "prompt": prompt, "max_tokens": 8, "temperature": 0,
                            "ignore_eos": True}).encode()

@@ -16,7 +16,7 @@ its row's fixed centre), so a ragged row appends in place and records stay one p
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
 import torch
 from pydantic import Field, field_validator
@@ -41,6 +41,13 @@ class Storage(Component):
     def label(self) -> str:
         """The registered name (what ``storage=`` and ``--storage`` take)."""
         return str(getattr(self, "name", type(self).__name__))
+
+    def record_scheme(self) -> tuple[int, int, int] | None:
+        """``(bits, group_size, residual)`` of the records a quantized storage keeps (what a host's quantized
+        layer or page pool is built from); ``None`` in full precision."""
+        if not self.quantized:
+            return None
+        raise NotImplementedError(f"storage {self.label!r} is quantized but names no record scheme")
 
     def check_geometry(self, head_dim: int, dtype: torch.dtype) -> None:
         """Raise a one-line ``ValueError`` when this storage cannot hold entries of ``head_dim`` channels of
@@ -99,6 +106,9 @@ class _Grouped(Storage):
             raise ValueError(f"group_size={value} is not supported: use one of "
                              f"{', '.join(map(str, cls.allowed_group_sizes))}")
         return value
+
+    def record_scheme(self) -> tuple[int, int, int] | None:
+        return cast(int, type(self).bits), self.group_size, self.residual
 
     def check_geometry(self, head_dim: int, dtype: torch.dtype) -> None:
         name = type(self).__name__

@@ -75,8 +75,7 @@ class QuantizedPagePool(PagePool):
         return f"int{self.bits} records (group {self.group}, residual {self.residual})"
 
     def stores(self, storage: Any) -> bool:
-        return (type(storage).bits == self.bits and getattr(storage, "group_size", None) == self.group
-                and getattr(storage, "residual", 0) == self.residual)
+        return storage.record_scheme() == (self.bits, self.group, self.residual)
 
     def grow(self, extra: int) -> None:
         raise NotImplementedError("a quantized pool is a view of fixed pages: it cannot grow")

@@ -188,11 +188,11 @@ class QuantizedRaggedCache(RaggedCache):
 
     def __init__(self, storage: Storage, config: Any = None, num_layers: int | None = None,
                  decode_reserve: int = 8):
-        bits = type(storage).bits
-        if bits is None:
+        scheme = storage.record_scheme()
+        if scheme is None:
             raise ValueError(f"storage={storage.label!r} is not quantized: use RaggedCache")
-        self.storage, self.bits, self.group = storage, bits, int(getattr(storage, "group_size"))
-        self.residual = int(getattr(storage, "residual", 0))
+        self.storage = storage
+        self.bits, self.group, self.residual = scheme
         super().__init__(config=config, num_layers=num_layers, decode_reserve=decode_reserve)
 
     def _new_layer(self, decode_reserve: int) -> RaggedLayer:

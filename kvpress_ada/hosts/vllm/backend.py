@@ -105,14 +105,12 @@ def _build_serving(press: Pipeline, vllm_config: Any, runner: Any) -> PagedServi
 def _pool(press: Pipeline, pages: torch.Tensor, isa: str) -> PagePool:
     """The pool over ``pages [P, 2, S, D]`` (contiguous pages) for ``press``'s storage: vLLM's layout and kernels in
     full precision (:func:`.pages.vllm_pool`); a quantized storage's records over the same bytes, our kernels."""
-    bits = type(press.storage).bits
-    if bits is None:
+    scheme = press.storage.record_scheme()
+    if scheme is None:
         return vllm_pool(pages, isa)
     P, _, S, D = pages.shape
-    storage = press.storage
     raw = torch.as_strided(pages, (P, 2 * S * D), (pages.stride(0), 1)).view(torch.uint8)
-    return QuantizedPagePool(raw, S, D, pages.dtype, bits, int(getattr(storage, "group_size")),
-                             int(getattr(storage, "residual", 0)))
+    return QuantizedPagePool(raw, S, D, pages.dtype, *scheme)
 
 
 class PressAttentionImpl(CPUAttentionBackendImpl):

@@ -139,16 +139,14 @@ class PressScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         press = press_of(self.vllm_config.additional_config)
-        bits = None if press is None else type(press.storage).bits
-        if press is None or bits is None:
+        scheme = None if press is None else press.storage.record_scheme()
+        if scheme is None:
             return
-        storage = press.storage
         for manager in self.kv_cache_manager.coordinator.single_type_managers:
             if isinstance(manager, PressBlockManager):
                 spec = manager.kv_cache_spec
-                manager.reserve = QuantizedPagePool.reserve_pages(
-                    spec.block_size, spec.head_size, spec.dtype, bits, int(getattr(storage, "group_size")),
-                    int(getattr(storage, "residual", 0)))
+                manager.reserve = QuantizedPagePool.reserve_pages(spec.block_size, spec.head_size, spec.dtype,
+                                                                  *scheme)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         report = getattr(model_runner_output, REPORT, None) or {}

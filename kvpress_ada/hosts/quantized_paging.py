@@ -186,17 +186,22 @@ class QuantizedPagePool(PagePool):
             tokens = self._tokens(full, starts, keys.device)
             super().append([seqs[n] for n in full], keys[tokens], values[tokens], positions[tokens],
                            [counts[n] for n in full], None if scores is None else scores[tokens])
-        groups: dict[int, list[int]] = {}
-        for n, seq in enumerate(seqs):
-            if self.compressed(seq) and counts[n]:
-                groups.setdefault(counts[n], []).append(n)
-        for c, members in groups.items():
+        for c, members in self._by_count(seqs, counts).items():
             tokens = self._tokens(members, starts, keys.device)
             self._append_records([seqs[n] for n in members], keys[tokens], values[tokens], positions[tokens], c,
                                  None if scores is None else scores[tokens])
         table, lengths = self.table(seqs)
         self._last = (table, list(seqs))
         return table, lengths
+
+    def _by_count(self, seqs: list[PagedSequence], counts: list[int]) -> dict[int, list[int]]:
+        """Indices of the compressed ``seqs`` with tokens this step, grouped by their token count (each group is
+        one batched quantized op)."""
+        groups: dict[int, list[int]] = {}
+        for n, seq in enumerate(seqs):
+            if self.compressed(seq) and counts[n]:
+                groups.setdefault(counts[n], []).append(n)
+        return groups
 
     @staticmethod
     def _tokens(members: list[int], starts: list[int], device: torch.device) -> torch.Tensor:
@@ -254,12 +259,8 @@ class QuantizedPagePool(PagePool):
             start = torch.tensor([0] + [counts[n] for n in full], device=query.device).cumsum(0).to(torch.int32)
             out[tokens] = paged_attention(query[tokens], self.k_pages, self.v_pages, table[rows], lengths[rows],
                                           start, scale)
-        groups: dict[int, list[int]] = {}
-        for n, seq in enumerate(seqs):
-            if self.compressed(seq) and counts[n]:
-                groups.setdefault(counts[n], []).append(n)
         T, H_q, D = query.shape
-        for c, members in groups.items():
+        for c, members in self._by_count(seqs, counts).items():
             tokens = self._tokens(members, starts, query.device)
             k_rec, v_rec, offsets, row_lengths, side = self._ragged([seqs[n] for n in members])
             q = query[tokens].view(len(members), c, H_q, D).transpose(1, 2)

@@ -287,20 +287,21 @@ def row_side(keys: Tensor, values: Tensor, keep: Tensor) -> Tensor:
     return torch.cat((row_anchors(keys, values, keep), centre.to(keys.dtype).reshape(1, B * H, D)))
 
 
+def _rotated(keys: Tensor, centre: Tensor) -> Tensor:
+    """``(keys - centre) @ R`` in float32: what a key's record holds (module docstring, "Keys")."""
+    return (keys.float() - centre.float()) @ rotation(keys.shape[-1], keys.device)
+
+
 def encode_keys(keys: Tensor, centre: Tensor, bits: int, group: int) -> Tensor:
     """Records of ``keys [..., D]`` centred by ``centre`` (broadcast against them, in their dtype) and
     rotated: ``quantize((keys - centre) @ R)`` with scales in ``keys.dtype``."""
-    D = keys.shape[-1]
-    y = (keys.float() - centre.float()) @ rotation(D, keys.device)
-    return quantize(y, bits, group, dtype=keys.dtype)
+    return quantize(_rotated(keys, centre), bits, group, dtype=keys.dtype)
 
 
 def encode_entries(keys: Tensor, values: Tensor, centre: Tensor, bits: int, group: int) -> Tensor:
     """``[2, ..., record_width]``: the records of ``keys`` (:func:`encode_keys`) and of ``values`` (of the same
     shape and dtype), quantized in one pass."""
-    D = keys.shape[-1]
-    y = (keys.float() - centre.float()) @ rotation(D, keys.device)
-    return quantize(torch.stack((y, values.float())), bits, group, dtype=keys.dtype)
+    return quantize(torch.stack((_rotated(keys, centre), values.float())), bits, group, dtype=keys.dtype)
 
 
 def decode_keys(records: Tensor, centre: Tensor, head_dim: int, bits: int, group: int, dtype: torch.dtype,

@@ -23,7 +23,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from kvpress_ada import kernels  # noqa: E402
 from kvpress_ada.hosts.transformers.quantized_cache import QuantizedRaggedLayer  # noqa: E402
 from kvpress_ada.hosts.transformers.ragged_cache import RaggedLayer  # noqa: E402
 
@@ -31,9 +30,7 @@ from kvpress_ada.hosts.transformers.ragged_cache import RaggedLayer  # noqa: E40
 class ImmediateLayer(QuantizedRaggedLayer):
     """Quantizes every appended token at once (the compiled step's append)."""
 
-    def _append_entries(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        kernels.quantized_append(keys, values, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths,
-                                 self.side, self.bits, self.group)
+    defer_appends = False
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ after a crop). ``nbytes()`` counts the records, scales and zero points included,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -46,6 +46,9 @@ class QuantizedRaggedLayer(RaggedLayer):
     """One layer of a :class:`QuantizedRaggedCache`: ``bits``-bit records in groups of ``group`` channels,
     and each row's ``side`` tensors (anchor key, anchor value, key centre, then its newest ``residual``
     entries' keys and values, a ring: :func:`~kvpress_ada.kernels.quantized.residual_of`)."""
+
+    defer_appends: ClassVar[bool] = True
+    """Whether eager appends write their records in batches (see :meth:`_append_entries`)."""
 
     def __init__(self, bits: int, group: int, decode_reserve: int = 8, growth: float = 0.125, residual: int = 0):
         super().__init__(decode_reserve, growth)
@@ -95,9 +98,9 @@ class QuantizedRaggedLayer(RaggedLayer):
         (what every read of a row's newest entries uses) and their records are written in one batch by
         :meth:`reserve` before they would leave it, or before anything moves records (KIVI's grouped
         quantization of the residual; the records are those an immediate append writes). A compiled step, a
-        longer append or no residual quantizes at once."""
+        longer append, no residual or ``defer_appends = False`` quantizes at once."""
         Q = keys.shape[-2]
-        if Q <= self.residual and not torch.compiler.is_compiling():
+        if self.defer_appends and Q <= self.residual and not torch.compiler.is_compiling():
             empty = min(self._base, default=0) + self._appended - Q <= 0  # _appended counts these Q already
             append_side(keys, values, self.row_lengths, self.side, empty_rows=empty)
             return

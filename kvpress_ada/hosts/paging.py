@@ -151,9 +151,7 @@ class PagePool:
         (row ``n * H_kv + h``; ``-1`` pads the table)."""
         rows = [p for seq in seqs for p in seq.pages]
         M = max((len(p) for p in rows), default=0) or 1
-        table = torch.full((len(rows), M), -1, dtype=torch.int32)
-        for r, p in enumerate(rows):
-            table[r, :len(p)] = torch.tensor(p, dtype=torch.int32)
+        table = torch.tensor([p + [-1] * (M - len(p)) for p in rows], dtype=torch.int32).view(len(rows), M)
         lengths = torch.tensor([n for seq in seqs for n in seq.lengths], dtype=torch.int32)
         device = self.k_pages.device
         return table.to(device), lengths.to(device)

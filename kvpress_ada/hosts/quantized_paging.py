@@ -23,6 +23,7 @@ import torch
 from .. import kernels
 from ..kernels.paged import paged_attention
 from ..kernels.quantized import decode_keys, dequantize, fill_residual, record_width, row_anchors, side_slots
+from ..kernels.reference import CHUNK
 from .paging import PagedSequence, PagePool, PoolExhausted
 
 
@@ -50,10 +51,16 @@ class QuantizedPagePool(PagePool):
         self.records_per_page, self.side_slots = self.geometry(page_size, head_dim, dtype, bits, group, residual)
         records = pages[:, :2 * self.records_per_page * self.width].view(P, 2, self.records_per_page, self.width)
         self.k_rec, self.v_rec = records[:, 0], records[:, 1]
+        # the same records as 32-bit words (a record's width is a multiple of 4 bytes): page-wise gathers move and
+        # mask a quarter of the elements
+        words = pages.view(torch.int32)[:, :2 * self.records_per_page * self.width // 4]
+        self._words = words.view(P, 2, self.records_per_page, self.width // 4)
         self.positions = torch.full((P, self.records_per_page), -1, dtype=torch.int32, device=pages.device)
         self.scores = torch.zeros((P, self.records_per_page), dtype=torch.float32, device=pages.device)
         self._compressed: dict[int, PagedSequence] = {}  # id -> sequence (kept alive, so ids stay unique)
-        self._last: tuple[torch.Tensor, list[PagedSequence]] | None = None  # the table append returned, its rows
+        # the table append returned last, its sequences, which of them are compressed, and their side tensors
+        self._side_layout: torch.Tensor | None = None  # where the side's words lie in a row's first pages
+        self._last: tuple[torch.Tensor, list[PagedSequence], list[int], torch.Tensor | None] | None = None
 
     @staticmethod
     def geometry(page_size: int, head_dim: int, dtype: torch.dtype, bits: int, group: int,
@@ -116,41 +123,90 @@ class QuantizedPagePool(PagePool):
         device = self.pages.device
         return page.reshape(-1).to(device), slot.reshape(-1).to(device), present.to(device), (N, H, W)
 
-    def _side_index(self, seqs: list[PagedSequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(page, slot) [rows, side_slots]`` of the record slots holding each row's side tensors."""
+    def _rows(self, seqs: list[PagedSequence]) -> torch.Tensor:
+        """``int64 [N * H_kv, M]``: the page table of ``seqs`` (row ``n * H_kv + h``) on the pool's device."""
+        return self.table(seqs)[0].long()
+
+    def _side_words(self, rows: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
+        """``int64 [rows, k, D * itemsize / 4]``: where in the pages (as flat 32-bit words) side vectors
+        ``vectors [k]`` or ``[rows, k]`` (0, 1 anchor, 2 centre, ``3 ...`` the ring) of the compressed rows whose
+        page table is ``rows`` lie. A row's side tensors are one byte stream, vector after vector, over its first
+        ``side_slots`` key record slots then as many value record slots."""
+        per, V, w = self.records_per_page, self.head_dim * self.dtype.itemsize // 4, self.width // 4
+        half, n = self.side_slots * w, rows.shape[0]
+        vectors = vectors.expand(n, -1)
+        word = vectors[..., None] * V + torch.arange(V, device=rows.device)  # [rows, k, V] in the row's stream
+        record, at = (word % half).div(w, rounding_mode="floor"), word % w
+        within = (word // half) * per * w + (record % per) * w + at  # in the page: key records, then value records
+        page = rows.gather(1, (record // per).view(n, -1)).view_as(word)
+        return page * (self.pages.shape[1] // 4) + within
+
+    def _read_side(self, rows: torch.Tensor) -> torch.Tensor:
+        """``side [3 + 2R, rows, D]`` of the compressed rows whose page table is ``rows``: their first pages read
+        whole, then the side's words picked from them (the same places in every row)."""
+        if self._side_layout is None:
+            first = torch.zeros(1, _cdiv(self.side_slots, self.records_per_page), dtype=torch.long,
+                                device=rows.device)
+            first[0] = torch.arange(first.shape[1])  # a row whose pages are 0, 1, ...: its words are where they lie
+            self._side_layout = self._side_words(first, torch.arange(3 + 2 * self.residual, device=rows.device)[None])
+        layout = self._side_layout
+        pages = self.pages.view(torch.int32)[rows[:, :_cdiv(self.side_slots, self.records_per_page)]]
+        words = pages.view(rows.shape[0], -1)[:, layout.view(-1)]
+        return words.view(self.dtype).view(rows.shape[0], -1, self.head_dim).transpose(0, 1).contiguous()
+
+    def _write_side(self, rows: torch.Tensor, side: torch.Tensor, vectors: torch.Tensor | None = None) -> None:
+        """Write ``side [3 + 2R, rows, D]`` (only ``vectors [rows, k]`` of it when given) of the compressed rows
+        whose page table is ``rows``."""
+        by_row = side.transpose(0, 1)
+        if vectors is None:
+            vectors, picked = torch.arange(side.shape[0], device=rows.device)[None], by_row.contiguous()
+        else:
+            picked = by_row.gather(1, vectors[..., None].expand(-1, -1, side.shape[-1]))
+        self.pages.view(torch.int32).view(-1)[self._side_words(rows, vectors)] = picked.view(torch.int32)
+
+    def _entries(self, rows: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(page, slot) [sum(lengths)]``: the record slots of the entries of the compressed rows whose page table
+        is ``rows`` and lengths ``lengths``, row after row, each row's entries in order (after its side slots)."""
+        per = self.records_per_page
+        n = lengths.to(torch.int64, copy=False)
+        total = int(n.sum())
+        row = torch.repeat_interleave(torch.arange(n.shape[0], device=rows.device), n, output_size=total)
+        index = torch.arange(total, device=rows.device) - (torch.cumsum(n, 0) - n)[row] + self.side_slots
+        return rows[row, index // per], index % per
+
+    def _padded(self, rows: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(k_rec, v_rec [rows * W, width], row_offsets [rows] int32)``: the records of the compressed rows whose
+        page table is ``rows`` (lengths ``lengths``), read page by page (whole pages, not record by record) into a
+        padded layout: row ``r``'s entries at ``r * W ...`` in order, ``W`` the longest row rounded up to
+        :data:`~kvpress_ada.kernels.reference.CHUNK` (chunk aligned), zero records past each row's length."""
         per, m = self.records_per_page, self.side_slots
-        page = torch.tensor([[p[s // per] for s in range(m)] for seq in seqs for p in seq.pages], dtype=torch.long)
-        slot = (torch.arange(m) % per).expand_as(page)
-        return page.to(self.pages.device), slot.to(self.pages.device)
+        n = lengths.to(torch.int64, copy=False)
+        R = rows.shape[0]
+        W = _cdiv(int(n.max()), CHUNK) * CHUNK if R else 0
+        need = _cdiv(m + W, per)
+        table = rows[:, :need].clamp(min=0)  # -1 pads (and pages past a row's own) read page 0: masked below
+        if table.shape[1] < need:
+            table = torch.cat((table, table.new_zeros(R, need - table.shape[1])), dim=1)
+        words = self._words[table].transpose(1, 2).reshape(R, 2, need * per, -1)[:, :, m:m + W]  # [R, 2, W, w]
+        valid = (torch.arange(W, device=n.device) < n[:, None])[:, None, :, None]
+        records = torch.where(valid, words, 0).view(torch.uint8)
+        offsets = torch.arange(R, dtype=torch.int32, device=n.device) * W
+        return records[:, 0].reshape(R * W, -1), records[:, 1].reshape(R * W, -1), offsets
 
-    def _read_side(self, seqs: list[PagedSequence]) -> torch.Tensor:
-        """``side [3 + 2R, rows, D]`` of compressed ``seqs`` (rows ``n * H_kv + h``)."""
-        page, slot = self._side_index(seqs)
-        rows, D = page.shape[0], self.head_dim
-        n = (3 + 2 * self.residual) * D * self.dtype.itemsize
-        raw = torch.cat((self.k_rec[page, slot], self.v_rec[page, slot]), dim=1).reshape(rows, -1)[:, :n]
-        return raw.contiguous().view(self.dtype).view(rows, -1, D).transpose(0, 1).contiguous()
+    def _lengths(self, seqs: list[PagedSequence]) -> torch.Tensor:
+        return torch.tensor([n for seq in seqs for n in seq.lengths], dtype=torch.int32, device=self.pages.device)
 
-    def _write_side(self, seqs: list[PagedSequence], side: torch.Tensor) -> None:
-        page, slot = self._side_index(seqs)
-        rows, m = page.shape
-        raw = side.transpose(0, 1).contiguous().view(torch.uint8).reshape(rows, -1)
-        padded = raw.new_zeros(rows, 2 * m * self.width)
-        padded[:, :raw.shape[1]] = raw
-        padded = padded.view(rows, 2 * m, self.width)
-        self.k_rec[page, slot] = padded[:, :m]
-        self.v_rec[page, slot] = padded[:, m:]
-
-    def _ragged(self, seqs: list[PagedSequence]) -> tuple[torch.Tensor, ...]:
+    def _ragged(self, seqs: list[PagedSequence], rows: torch.Tensor | None = None,
+                side: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """``(k_rec, v_rec [n, width], row_offsets, row_lengths [rows] int32, side)``: compressed ``seqs``' records
-        gathered into the ragged layout (row ``n * H_kv + h``, entries in order)."""
-        page, slot, present, _ = self._slots(seqs)
-        flat = present.reshape(-1)
-        page, slot = page[flat], slot[flat]
-        lengths = torch.tensor([n for seq in seqs for n in seq.lengths], dtype=torch.int32, device=self.pages.device)
+        gathered into the ragged layout (row ``n * H_kv + h``, entries in order); ``rows`` (their page table) and
+        ``side`` are read when not given."""
+        rows = self._rows(seqs) if rows is None else rows
+        lengths = self._lengths(seqs)
+        page, slot = self._entries(rows, lengths)
         offsets = (torch.cumsum(lengths, 0) - lengths).to(torch.int32)
-        return (self.k_rec[page, slot].contiguous(), self.v_rec[page, slot].contiguous(), offsets, lengths,
-                self._read_side(seqs))
+        return (self.k_rec[page, slot], self.v_rec[page, slot], offsets, lengths,
+                self._read_side(rows) if side is None else side)
 
     def _read_back(self, seqs: list[PagedSequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[n, D]`` compressed ``seqs``' entries read back as, in ragged order (each row's anchor
@@ -174,7 +230,7 @@ class QuantizedPagePool(PagePool):
                scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`PagePool.append`; a compressed sequence's tokens are quantized with their rows' centres
         (:func:`~kvpress_ada.kernels.quantized_append`: a row empty so far takes its first as anchor; the newest
-        enter the residual ring). :meth:`attend` reads the table this returns."""
+        enter the residual ring). :meth:`attend` reads the table this returns (and the side tensors it read)."""
         needed = sum(self.pages_needed(seq, c) for seq, c in zip(seqs, counts))
         if needed > self.free_pages:
             raise PoolExhausted(f"{needed} pages needed to append, {self.free_pages} of {self.capacity} free")
@@ -186,13 +242,38 @@ class QuantizedPagePool(PagePool):
             tokens = self._tokens(full, starts, keys.device)
             super().append([seqs[n] for n in full], keys[tokens], values[tokens], positions[tokens],
                            [counts[n] for n in full], None if scores is None else scores[tokens])
-        for c, members in self._by_count(seqs, counts).items():
-            tokens = self._tokens(members, starts, keys.device)
-            self._append_records([seqs[n] for n in members], keys[tokens], values[tokens], positions[tokens], c,
-                                 None if scores is None else scores[tokens])
-        table, lengths = self.table(seqs)
-        self._last = (table, list(seqs))
-        return table, lengths
+        per, m = self.records_per_page, self.side_slots
+        compressed = [n for n, seq in enumerate(seqs) if self.compressed(seq)]
+        for n in compressed:  # pages first: the step's one page table is built after
+            seq = seqs[n]
+            for h in range(seq.heads):
+                seq.pages[h].extend(self.take(_cdiv(m + seq.lengths[h] + counts[n], per) - len(seq.pages[h])))
+        table, _ = self.table(seqs)
+        H = seqs[0].heads if seqs else 0
+        by_row = table.long().view(len(seqs), H, -1)
+        side = None
+        if compressed:
+            side = self._read_side(by_row[compressed].flatten(0, 1))
+            groups = self._by_count(seqs, counts)
+            for c, members in groups.items():
+                tokens = self._tokens(members, starts, keys.device)
+                pick = self._side_rows(compressed, members, H)
+                part = side if pick is None else side[:, pick]
+                self._append_records([seqs[n] for n in members], by_row[members].flatten(0, 1), part, keys[tokens],
+                                     values[tokens], positions[tokens], c, None if scores is None else scores[tokens])
+                if pick is not None:
+                    side[:, pick] = part
+        self._last = (table, list(seqs), compressed, side)
+        return table, self._lengths(seqs)
+
+    @staticmethod
+    def _side_rows(compressed: list[int], members: list[int], H: int) -> torch.Tensor | None:
+        """Rows of the step's side tensors (those of the ``compressed`` sequences) that ``members`` own; ``None``
+        when they are all of them, in order."""
+        if members == compressed:
+            return None
+        at = {n: i for i, n in enumerate(compressed)}
+        return torch.tensor([at[n] * H + h for n in members for h in range(H)], dtype=torch.long)
 
     def _by_count(self, seqs: list[PagedSequence], counts: list[int]) -> dict[int, list[int]]:
         """Indices of the compressed ``seqs`` with tokens this step, grouped by their token count (each group is
@@ -207,16 +288,14 @@ class QuantizedPagePool(PagePool):
     def _tokens(members: list[int], starts: list[int], device: torch.device) -> torch.Tensor:
         return torch.cat([torch.arange(starts[n], starts[n + 1]) for n in members]).to(device)
 
-    def _append_records(self, seqs: list[PagedSequence], keys: torch.Tensor, values: torch.Tensor,
-                        positions: torch.Tensor, c: int, scores: torch.Tensor | None) -> None:
-        """``c`` tokens for each of the compressed ``seqs`` (``keys [B * c, H_kv, D]``, sequence by sequence)."""
+    def _append_records(self, seqs: list[PagedSequence], rows: torch.Tensor, side: torch.Tensor, keys: torch.Tensor,
+                        values: torch.Tensor, positions: torch.Tensor, c: int, scores: torch.Tensor | None) -> None:
+        """``c`` tokens for each of the compressed ``seqs`` (``keys [B * c, H_kv, D]``, sequence by sequence) whose
+        page table ``rows`` already holds the pages they need; updates their ``side`` tensors in place and writes
+        what changed of them back to the pages."""
         B, H, D = len(seqs), seqs[0].heads, self.head_dim
         per, m = self.records_per_page, self.side_slots
-        before = torch.tensor([n for seq in seqs for n in seq.lengths], dtype=torch.int64, device=self.pages.device)
-        for seq in seqs:
-            for h in range(H):
-                seq.pages[h].extend(self.take(_cdiv(m + seq.lengths[h] + c, per) - len(seq.pages[h])))
-        side = self._read_side(seqs)
+        before = self._lengths(seqs).long()
         k_new = keys.to(self.dtype).view(B, c, H, D).transpose(1, 2).contiguous()
         v_new = values.to(self.dtype).view(B, c, H, D).transpose(1, 2).contiguous()
         k_out = torch.zeros(B * H * c, self.width, dtype=torch.uint8, device=self.pages.device)
@@ -224,21 +303,24 @@ class QuantizedPagePool(PagePool):
         # the offsets put row r's new records at r * c .. r * c + c - 1 of k_out (its length stays its own: the ring)
         offsets = torch.arange(B * H, device=before.device) * c - before
         kernels.quantized_append(k_new, v_new, k_out, v_out, offsets, before.clone(), side, self.bits, self.group)
-        self._write_side(seqs, side)
+        # the side vectors the append may change: the anchors (a row empty so far) and the new tokens' ring slots
+        R, t = self.residual, min(c, self.residual)
+        ring = (before[:, None] + torch.arange(c - t, c, device=before.device)) % max(R, 1)
+        anchors = torch.tensor([0, 1], device=before.device).expand(B * H, 2)
+        self._write_side(rows, side, torch.cat((anchors, 3 + ring, 3 + R + ring), dim=1))
         for seq in seqs:
             seq.lengths = [n + c for n in seq.lengths]
         entry = (before[:, None] + torch.arange(c, device=before.device)).reshape(-1) + m  # [rows * c] row slots
-        table = self.table(seqs)[0].long()
         row = torch.arange(B * H, device=before.device).repeat_interleave(c)
-        page, slot = table[row, entry // per], entry % per
+        page, slot = rows[row, entry // per], entry % per
         self.k_rec[page, slot] = k_out
         self.v_rec[page, slot] = v_out
-        def rows(x: torch.Tensor) -> torch.Tensor:  # [B * c, H] token after token -> row after row, as entry
+        def by_row(x: torch.Tensor) -> torch.Tensor:  # [B * c, H] token after token -> row after row, as entry
             return x.reshape(B, c, H).transpose(1, 2).reshape(-1)
 
-        self.positions[page, slot] = rows(positions.to(torch.int32)[:, None].expand(B * c, H))
+        self.positions[page, slot] = by_row(positions.to(torch.int32)[:, None].expand(B * c, H))
         if scores is not None:
-            self.scores[page, slot] = rows(scores.float())
+            self.scores[page, slot] = by_row(scores.float())
 
     def attend(self, query: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, query_start: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -247,7 +329,7 @@ class QuantizedPagePool(PagePool):
         token counts) through :func:`~kvpress_ada.kernels.quantized_attention` over their records."""
         if self._last is None or self._last[0] is not table:
             raise ValueError("a quantized pool attends over the table its last append returned")
-        seqs = self._last[1]
+        _, seqs, compressed, side = self._last
         H = seqs[0].heads if seqs else 0
         counts = (query_start[1:] - query_start[:-1]).tolist()
         starts = query_start.tolist()
@@ -260,11 +342,16 @@ class QuantizedPagePool(PagePool):
             out[tokens] = paged_attention(query[tokens], self.k_pages, self.v_pages, table[rows], lengths[rows],
                                           start, scale)
         T, H_q, D = query.shape
+        by_row = table.long().view(len(seqs), H, -1)
         for c, members in self._by_count(seqs, counts).items():
             tokens = self._tokens(members, starts, query.device)
-            k_rec, v_rec, offsets, row_lengths, side = self._ragged([seqs[n] for n in members])
+            pick = self._side_rows(compressed, members, H)
+            assert side is not None
+            row_lengths = self._lengths([seqs[n] for n in members])
+            k_rec, v_rec, offsets = self._padded(by_row[members].flatten(0, 1), row_lengths)
+            part = side if pick is None else side[:, pick]
             q = query[tokens].view(len(members), c, H_q, D).transpose(1, 2)
-            o = kernels.quantized_attention(q, k_rec, v_rec, offsets, row_lengths, side, scale, self.bits, self.group)
+            o = kernels.quantized_attention(q, k_rec, v_rec, offsets, row_lengths, part, scale, self.bits, self.group)
             out[tokens] = o.transpose(1, 2).reshape(len(members) * c, H_q, D)
         return out
 
@@ -300,7 +387,7 @@ class QuantizedPagePool(PagePool):
         was = [self.compressed(seq) for seq in seqs]
         old_k = self.k_rec[page, slot].view(N, H, W, -1)  # copies, read before the pages go back
         old_v = self.v_rec[page, slot].view(N, H, W, -1)
-        sides = {n: self._read_side([seqs[n]]) for n in range(N) if was[n]}
+        sides = {n: self._read_side(self._rows([seqs[n]])) for n in range(N) if was[n]}
         counts = keep.sum(-1).tolist()
         for seq in seqs:
             self.release(seq)
@@ -326,15 +413,13 @@ class QuantizedPagePool(PagePool):
                 kernels.quantized_compact(keys[n:n + 1].to(self.dtype), values[n:n + 1].to(self.dtype), kept,
                                           (torch.cumsum(c, 0) - c).to(torch.int32), k_rec, v_rec, side, self.bits,
                                           self.group)
-            self._write_side([seq], side)
+            self._write_side(self._rows([seq]), side)
             self._place(seq, k_rec, v_rec, positions[n][kept[0]], scores[n][kept[0]])
 
     def _place(self, seq: PagedSequence, k_rec: torch.Tensor, v_rec: torch.Tensor, positions: torch.Tensor,
                scores: torch.Tensor) -> None:
         """Records (and positions, scores) of ``seq``'s entries, row after row, into its row slots after the side."""
-        page, slot, present, _ = self._slots([seq])
-        flat = present.reshape(-1)
-        page, slot = page[flat], slot[flat]
+        page, slot = self._entries(self._rows([seq]), self._lengths([seq]))
         self.k_rec[page, slot] = k_rec
         self.v_rec[page, slot] = v_rec
         self.positions[page, slot] = positions.to(torch.int32)

@@ -10,7 +10,9 @@ as records, and every later entry is quantized when appended. A compressed page 
 key records then as many value records (more entries than ``S``), and each (sequence, kv head) row keeps its side
 tensors (anchor, key centre, residual ring: :func:`~kvpress_ada.kernels.quantized.residual_of`) in its own first
 ``side_slots`` record slots, so its pages hold everything it keeps: ``pages held * bytes`` is its memory.
-Attention gathers each compressed row's records into the ragged layout and runs
+A step builds one page table; :meth:`~QuantizedPagePool.append` reads the rows' side tensors once (their first
+pages, whole) and writes back only the vectors it changed (anchors, the new tokens' ring slots); attention reads
+each compressed row's pages whole into a chunk-aligned padded layout (zero records past its length) and runs
 :func:`~kvpress_ada.kernels.quantized_attention`; eviction moves kept records as bytes (never quantized twice).
 """
 

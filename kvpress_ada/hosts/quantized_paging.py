@@ -12,7 +12,7 @@ tensors (anchor, key centre, residual ring: :func:`~kvpress_ada.kernels.quantize
 ``side_slots`` record slots, so its pages hold everything it keeps: ``pages held * bytes`` is its memory.
 A step builds one page table; :meth:`~QuantizedPagePool.append` reads the rows' side tensors once (their first
 pages, whole) and writes back only the vectors it changed (anchors, the new tokens' ring slots); attention reads
-each compressed row's pages whole into a chunk-aligned padded layout (zero records past its length) and runs
+each compressed row's pages whole and picks its records out of them into the ragged layout, then runs
 :func:`~kvpress_ada.kernels.quantized_attention`; eviction moves kept records as bytes (never quantized twice).
 """
 
@@ -25,7 +25,6 @@ import torch
 from .. import kernels
 from ..kernels.paged import paged_attention
 from ..kernels.quantized import decode_keys, dequantize, fill_residual, record_width, row_anchors, side_slots
-from ..kernels.reference import CHUNK
 from .paging import PagedSequence, PagePool, PoolExhausted
 
 
@@ -176,24 +175,22 @@ class QuantizedPagePool(PagePool):
         index = torch.arange(total, device=rows.device) - (torch.cumsum(n, 0) - n)[row] + self.side_slots
         return rows[row, index // per], index % per
 
-    def _padded(self, rows: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(k_rec, v_rec [rows * W, width], row_offsets [rows] int32)``: the records of the compressed rows whose
-        page table is ``rows`` (lengths ``lengths``), read page by page (whole pages, not record by record) into a
-        padded layout: row ``r``'s entries at ``r * W ...`` in order, ``W`` the longest row rounded up to
-        :data:`~kvpress_ada.kernels.reference.CHUNK` (chunk aligned), zero records past each row's length."""
+    def _gathered(self, rows: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(k_rec, v_rec [sum(lengths), width], row_offsets [rows] int32)``: the records of the compressed rows
+        whose page table is ``rows`` (lengths ``lengths``) in the ragged layout (row after row, entries in order),
+        read page by page: each row's pages whole, then its entries picked out of them."""
         per, m = self.records_per_page, self.side_slots
         n = lengths.to(torch.int64, copy=False)
         R = rows.shape[0]
-        W = _cdiv(int(n.max()), CHUNK) * CHUNK if R else 0
+        W = int(n.max()) if R else 0
         need = _cdiv(m + W, per)
-        table = rows[:, :need].clamp(min=0)  # -1 pads (and pages past a row's own) read page 0: masked below
+        table = rows[:, :need].clamp(min=0)  # -1 pads read page 0: never picked
         if table.shape[1] < need:
             table = torch.cat((table, table.new_zeros(R, need - table.shape[1])), dim=1)
         words = self._words[table].transpose(1, 2).reshape(R, 2, need * per, -1)[:, :, m:m + W]  # [R, 2, W, w]
-        valid = (torch.arange(W, device=n.device) < n[:, None])[:, None, :, None]
-        records = torch.where(valid, words, 0).view(torch.uint8)
-        offsets = torch.arange(R, dtype=torch.int32, device=n.device) * W
-        return records[:, 0].reshape(R * W, -1), records[:, 1].reshape(R * W, -1), offsets
+        valid = torch.arange(W, device=n.device) < n[:, None]
+        k_rec, v_rec = (words[:, i][valid].view(torch.uint8) for i in range(2))
+        return k_rec, v_rec, (torch.cumsum(lengths, 0) - lengths).to(torch.int32)
 
     def _lengths(self, seqs: list[PagedSequence]) -> torch.Tensor:
         return torch.tensor([n for seq in seqs for n in seq.lengths], dtype=torch.int32, device=self.pages.device)
@@ -350,7 +347,7 @@ class QuantizedPagePool(PagePool):
             pick = self._side_rows(compressed, members, H)
             assert side is not None
             row_lengths = self._lengths([seqs[n] for n in members])
-            k_rec, v_rec, offsets = self._padded(by_row[members].flatten(0, 1), row_lengths)
+            k_rec, v_rec, offsets = self._gathered(by_row[members].flatten(0, 1), row_lengths)
             part = side if pick is None else side[:, pick]
             q = query[tokens].view(len(members), c, H_q, D).transpose(1, 2)
             o = kernels.quantized_attention(q, k_rec, v_rec, offsets, row_lengths, part, scale, self.bits, self.group)

@@ -328,6 +328,47 @@ def test_a_preempted_request_generates_the_tokens_of_an_uninterrupted_run(model_
 BLOCKS = 8
 
 
+def tokens_with_a_preemption(model_dir, press, monkeypatch, new_tokens):
+    """Every prompt's tokens through an engine serving ``press`` in which vLLM preempts a request in mid-decode: its
+    cache manager refuses one allocation once a request has generated 20 tokens and another runs, as when memory
+    runs out (vLLM then preempts its last running request and computes it again later). Asserts one was."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    preempted = []
+    preempt = Scheduler._preempt_request
+
+    def counted(self, request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return preempt(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "_preempt_request", counted)
+    llm = _serve(model_dir, press, prompts=PROMPTS[:1], max_tokens=1)[0]
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    allocate = scheduler.kv_cache_manager.allocate_slots
+
+    def refuse_once(request, *args, **kwargs):
+        decoding = request.num_computed_tokens > request.num_prompt_tokens + 20
+        if not preempted and len(scheduler.running) > 1 and decoding:
+            return None
+        return allocate(request, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler.kv_cache_manager, "allocate_slots", refuse_once)
+    preempted.clear()
+    _, tokens, _ = _run_to_completion(llm, PROMPTS, new_tokens)
+    assert preempted, "no request was preempted"
+    return tokens
+
+
+def test_a_request_preempted_under_decode_compression_generates_the_tokens_of_an_uninterrupted_run(
+        model_dir, hf_model, monkeypatch):
+    """Computed again after a preemption, the tokens a request had generated go one at a time, so decode
+    compression evicts after the same tokens as the first time."""
+    press = Pipeline(scorer=SnapKV(window=8), compression_ratio=0.5, decode_budget=24, decode_interval=4)
+    tokens = tokens_with_a_preemption(model_dir, press, monkeypatch, 40)
+    for i, prompt in enumerate(PROMPTS):
+        assert tokens[i] == _alone(hf_model, press, prompt, 40)[0], i
+
+
 @pytest.mark.parametrize("mode", ["one-shot", "decode"])
 def test_kvzap_scores_from_the_hidden_states_vllm_hands_its_attention(model_dir, hf_model, tmp_path, mode):
     """KVzap (a random surrogate made for this model) keeps the transformers host's positions and tokens."""

@@ -112,3 +112,15 @@ def test_a_storage_the_model_cannot_hold_is_refused_in_one_line(model_dir):
     with pytest.raises(ValueError) as err:
         host.engine_kwargs(Pipeline(scorer=SnapKV(), compression_ratio=0.5, storage=Int4(group_size=64)), model_dir)
     assert "\n" not in str(err.value) and "group_size=64" in str(err.value), str(err.value)
+
+
+@STORAGES
+def test_a_preempted_quantized_request_generates_the_tokens_of_an_uninterrupted_run(model_dir, hf_model, monkeypatch,
+                                                                                     storage):
+    """A request holding records is preempted (its pages, side tensors included, go back) and computed again later
+    (the tokens it had generated one at a time, as the first time: its residual ring then holds what it held), and
+    the press evicts and quantizes again: every request generates its tokens alone."""
+    press = _with(_small_window(preset("snapkv", compression_ratio=0.5)), storage)
+    tokens = host.tokens_with_a_preemption(model_dir, press, monkeypatch, 60)
+    for i, prompt in enumerate(PROMPTS):
+        assert tokens[i] == _alone(hf_model, press, prompt, 60, monkeypatch)[0], i

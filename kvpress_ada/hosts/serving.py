@@ -142,7 +142,10 @@ class PagedServing:
 
         A step that brings a prompt's end and tokens after it (a preempted request computed again with what it had
         generated) runs in two parts, up to the prompt's end and then the rest, so the rest meets the evicted
-        layer as it did the first time (exact for a press that evicts layer by layer)."""
+        layer as it did the first time (exact for a press that evicts layer by layer); the rest goes one token at
+        a time, as it was generated, where that changes what a token meets: decode compression (an eviction every
+        ``decode_interval`` tokens) and a quantized storage (each row's newest entries read from its residual
+        ring, older ones from records)."""
         requests = [self.requests[i] for i in request_ids]
         head = [min(c, r.prompt_len - r.written[layer_idx]) if r.written[layer_idx] < r.prompt_len else c
                 for r, c in zip(requests, counts)]
@@ -161,9 +164,17 @@ class PagedServing:
         out = torch.empty_like(query)
         out[first] = self._attend(layer_idx, request_ids, query[first], key[first], value[first], positions[first],
                                   head, scaling, None if scores is None else scores[first])
-        tail = [(i, c - h) for i, h, c in zip(request_ids, head, counts) if c > h]
-        out[rest] = self._attend(layer_idx, [i for i, _ in tail], query[rest], key[rest], value[rest], positions[rest],
-                                 [n for _, n in tail], scaling, None if scores is None else scores[rest])
+        tail = [(i, a + h, c - h) for i, a, h, c in zip(request_ids, starts, head, counts) if c > h]
+        if not (self.press.compresses_decode or self.press.storage.quantized):
+            out[rest] = self._attend(layer_idx, [i for i, _, _ in tail], query[rest], key[rest], value[rest],
+                                     positions[rest], [n for _, _, n in tail], scaling,
+                                     None if scores is None else scores[rest])
+            return out
+        for k in range(max(n for _, _, n in tail)):  # one token of every request that has a k-th after its prompt
+            ids = [i for i, _, n in tail if n > k]
+            at = torch.tensor([a + k for _, a, n in tail if n > k], device=query.device)
+            out[at] = self._attend(layer_idx, ids, query[at], key[at], value[at], positions[at], [1] * len(ids),
+                                   scaling, None if scores is None else scores[at])
         return out
 
     def _attend(self, layer_idx: int, request_ids: list[str], query: torch.Tensor, key: torch.Tensor,

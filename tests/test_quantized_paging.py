@@ -13,8 +13,9 @@ from kvpress_ada.hosts.transformers.quantized_cache import QuantizedRaggedLayer
 from kvpress_ada.kernels.quantized import quantized_attention_ref
 
 B, H, G, L, D, S = 2, 2, 2, 40, 32, 8
-CASES = [(4, 32, 4, torch.float32), (8, 32, 0, torch.float32), (4, 16, 4, torch.bfloat16)]
-IDS = pytest.mark.parametrize("bits,group,residual,dtype", CASES, ids=["int4-r4", "int8-r0", "int4-bf16"])
+CASES = [(4, 32, 4, torch.float32), (8, 32, 0, torch.float32), (4, 16, 4, torch.bfloat16), (4, 32, 32, torch.float32)]
+# the last: each row's side tensors span five pages (179 record slots of 42 a page)
+IDS = pytest.mark.parametrize("bits,group,residual,dtype", CASES, ids=["int4-r4", "int8-r0", "int4-bf16", "int4-r32"])
 
 
 def _pool(bits, group, residual, dtype, pages=64):

@@ -328,10 +328,11 @@ def test_a_preempted_request_generates_the_tokens_of_an_uninterrupted_run(model_
 BLOCKS = 8
 
 
-def tokens_with_a_preemption(model_dir, press, monkeypatch, new_tokens):
+def tokens_with_a_preemption(model_dir, press, monkeypatch, new_tokens, **engine):
     """Every prompt's tokens through an engine serving ``press`` in which vLLM preempts a request in mid-decode: its
     cache manager refuses one allocation once a request has generated 20 tokens and another runs, as when memory
-    runs out (vLLM then preempts its last running request and computes it again later). Asserts one was."""
+    runs out (vLLM then preempts its last running request and computes it again later; with a small
+    ``max_num_batched_tokens`` in chunks, the last of them generated tokens only). Asserts one was."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     preempted = []
@@ -342,7 +343,7 @@ def tokens_with_a_preemption(model_dir, press, monkeypatch, new_tokens):
         return preempt(self, request, *args, **kwargs)
 
     monkeypatch.setattr(Scheduler, "_preempt_request", counted)
-    llm = _serve(model_dir, press, prompts=PROMPTS[:1], max_tokens=1)[0]
+    llm = _serve(model_dir, press, prompts=PROMPTS[:1], max_tokens=1, **engine)[0]
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     allocate = scheduler.kv_cache_manager.allocate_slots
 

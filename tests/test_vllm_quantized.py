@@ -115,12 +115,14 @@ def test_a_storage_the_model_cannot_hold_is_refused_in_one_line(model_dir):
 
 
 @STORAGES
+@pytest.mark.parametrize("batched_tokens", [2048, 48])
 def test_a_preempted_quantized_request_generates_the_tokens_of_an_uninterrupted_run(model_dir, hf_model, monkeypatch,
-                                                                                     storage):
+                                                                                     storage, batched_tokens):
     """A request holding records is preempted (its pages, side tensors included, go back) and computed again later
     (the tokens it had generated one at a time, as the first time: its residual ring then holds what it held), and
-    the press evicts and quantizes again: every request generates its tokens alone."""
+    the press evicts and quantizes again: every request generates its tokens alone. In chunks of 48 tokens the
+    recompute's last chunk brings generated tokens only."""
     press = _with(_small_window(preset("snapkv", compression_ratio=0.5)), storage)
-    tokens = host.tokens_with_a_preemption(model_dir, press, monkeypatch, 60)
+    tokens = host.tokens_with_a_preemption(model_dir, press, monkeypatch, 60, max_num_batched_tokens=batched_tokens)
     for i, prompt in enumerate(PROMPTS):
         assert tokens[i] == _alone(hf_model, press, prompt, 60, monkeypatch)[0], i

@@ -49,6 +49,9 @@ class QuantizedPagePool(PagePool):
         self.pages, self.dtype, self.head_dim = pages, dtype, head_dim
         self.bits, self.group, self.residual = bits, group, residual
         self.width = record_width(head_dim, bits, group, dtype)
+        if self.width % 4:
+            raise ValueError(f"records of {self.width} bytes (head_dim={head_dim}, {bits} bits, groups of {group}, "
+                             f"{dtype}) are not whole 32-bit words: use a head dim and group of multiples of 8")
         self.records_per_page, self.side_slots = self.geometry(page_size, head_dim, dtype, bits, group, residual)
         records = pages[:, :2 * self.records_per_page * self.width].view(P, 2, self.records_per_page, self.width)
         self.k_rec, self.v_rec = records[:, 0], records[:, 1]
@@ -59,8 +62,8 @@ class QuantizedPagePool(PagePool):
         self.positions = torch.full((P, self.records_per_page), -1, dtype=torch.int32, device=pages.device)
         self.scores = torch.zeros((P, self.records_per_page), dtype=torch.float32, device=pages.device)
         self._compressed: dict[int, PagedSequence] = {}  # id -> sequence (kept alive, so ids stay unique)
-        # the table append returned last, its sequences, which of them are compressed, and their side tensors
         self._side_layout: torch.Tensor | None = None  # where the side's words lie in a row's first pages
+        # the table append returned last, its sequences, which of them are compressed, and their side tensors
         self._last: tuple[torch.Tensor, list[PagedSequence], list[int], torch.Tensor | None] | None = None
 
     @staticmethod
@@ -195,17 +198,15 @@ class QuantizedPagePool(PagePool):
     def _lengths(self, seqs: list[PagedSequence]) -> torch.Tensor:
         return torch.tensor([n for seq in seqs for n in seq.lengths], dtype=torch.int32, device=self.pages.device)
 
-    def _ragged(self, seqs: list[PagedSequence], rows: torch.Tensor | None = None,
-                side: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    def _ragged(self, seqs: list[PagedSequence]) -> tuple[torch.Tensor, ...]:
         """``(k_rec, v_rec [n, width], row_offsets, row_lengths [rows] int32, side)``: compressed ``seqs``' records
-        gathered into the ragged layout (row ``n * H_kv + h``, entries in order); ``rows`` (their page table) and
-        ``side`` are read when not given."""
-        rows = self._rows(seqs) if rows is None else rows
+        gathered into the ragged layout (row ``n * H_kv + h``, entries in order), record by record."""
+        rows = self._rows(seqs)
         lengths = self._lengths(seqs)
         page, slot = self._entries(rows, lengths)
         offsets = (torch.cumsum(lengths, 0) - lengths).to(torch.int32)
         return (self.k_rec[page, slot], self.v_rec[page, slot], offsets, lengths,
-                self._read_side(rows) if side is None else side)
+                self._read_side(rows))
 
     def _read_back(self, seqs: list[PagedSequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[n, D]`` compressed ``seqs``' entries read back as, in ragged order (each row's anchor
@@ -249,9 +250,9 @@ class QuantizedPagePool(PagePool):
                 seq.pages[h].extend(self.take(_cdiv(m + seq.lengths[h] + counts[n], per) - len(seq.pages[h])))
         table, _ = self.table(seqs)
         H = seqs[0].heads if seqs else 0
-        by_row = table.long().view(len(seqs), H, -1)
         side = None
         if compressed:
+            by_row = table.long().view(len(seqs), H, -1)
             side = self._read_side(by_row[compressed].flatten(0, 1))
             groups = self._by_count(seqs, counts)
             for c, members in groups.items():
@@ -341,8 +342,8 @@ class QuantizedPagePool(PagePool):
             out[tokens] = paged_attention(query[tokens], self.k_pages, self.v_pages, table[rows], lengths[rows],
                                           start, scale)
         T, H_q, D = query.shape
-        by_row = table.long().view(len(seqs), H, -1)
         for c, members in self._by_count(seqs, counts).items():
+            by_row = table.long().view(len(seqs), H, -1)
             tokens = self._tokens(members, starts, query.device)
             pick = self._side_rows(compressed, members, H)
             assert side is not None

@@ -141,14 +141,24 @@ class PagedServing:
         is due in this layer (see the module docstring).
 
         A step that brings a prompt's end and tokens after it (a preempted request computed again with what it had
-        generated) runs in two parts, up to the prompt's end and then the rest, so the rest meets the evicted
-        layer as it did the first time (exact for a press that evicts layer by layer); the rest goes one token at
-        a time, as it was generated, where that changes what a token meets: decode compression (an eviction every
-        ``decode_interval`` tokens) and a quantized storage (each row's newest entries read from its residual
-        ring, older ones from records)."""
+        generated, in one step or in several of vLLM's chunks) runs in two parts, up to the prompt's end and then
+        the rest, so the rest meets the evicted layer as it did the first time (exact for a press that evicts
+        layer by layer); the rest goes one token at a time, as it was generated, where that changes what a token
+        meets: decode compression (an eviction every ``decode_interval`` tokens; a layer schedule comparing
+        layers still evicts once, at the end of the step) and a quantized storage (each row's newest entries read
+        from its residual ring, older ones from records)."""
         requests = [self.requests[i] for i in request_ids]
-        head = [min(c, r.prompt_len - r.written[layer_idx]) if r.written[layer_idx] < r.prompt_len else c
-                for r, c in zip(requests, counts)]
+        replay = self.press.compresses_decode or self.press.storage.quantized
+
+        def first_part(request: ServedRequest, c: int) -> int:
+            written, prompt = request.written[layer_idx], request.prompt_len
+            if written + c <= prompt:
+                return c  # prompt tokens only
+            if written < prompt:
+                return prompt - written  # up to the prompt's end
+            return 1 if replay else c  # generated tokens only (a recompute split by vLLM's chunks)
+
+        head = [first_part(r, c) for r, c in zip(requests, counts)]
         scores = None
         if self.press.scorer.reads_hidden_states:
             if hidden is None:
@@ -165,7 +175,7 @@ class PagedServing:
         out[first] = self._attend(layer_idx, request_ids, query[first], key[first], value[first], positions[first],
                                   head, scaling, None if scores is None else scores[first])
         tail = [(i, a + h, c - h) for i, a, h, c in zip(request_ids, starts, head, counts) if c > h]
-        if not (self.press.compresses_decode or self.press.storage.quantized):
+        if not replay:
             out[rest] = self._attend(layer_idx, [i for i, _, _ in tail], query[rest], key[rest], value[rest],
                                      positions[rest], [n for _, _, n in tail], scaling,
                                      None if scores is None else scores[rest])

@@ -13,16 +13,19 @@ configuration (stop it any time, run it again with ``--resume``).
     python benchmarks/storage_quality.py                                 # the default model's grid (hours)
     python benchmarks/storage_quality.py --model qwen2.5-coder-0.5b --context 4000 --tasks passkey,multikey
     python benchmarks/storage_quality.py --quick                         # smoke run (2 short samples)
+    python benchmarks/storage_quality.py --pool A.json B.json            # paired differences over both runs' samples
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -61,6 +64,22 @@ def paired(records: list) -> list[dict]:
         rows.append({"label": label, "ratio": ratio, "against": base[0], "n": len(diffs), "delta": mean,
                      "ci95": [mean - half, mean + half]})
     return rows
+
+
+def pool(paths: list[str]) -> list[dict]:
+    """:func:`paired` over the records of several runs (e.g. both question settings), each run's samples apart."""
+    records = []
+    for i, path in enumerate(paths):
+        for r in json.loads(Path(path).read_text())["records"]:
+            records.append(SimpleNamespace(sample=(i, r["sample"]), label=r["label"], ratio=r["ratio"],
+                                           score=r["score"]))
+    return paired(records)
+
+
+def _print_paired(rows: list[dict]) -> None:
+    for row in rows:
+        print(f"{row['label']:>24} r={row['ratio']:.2f} - {row['against']}: {row['delta']:+.3f} "
+              f"[{row['ci95'][0]:+.3f}, {row['ci95'][1]:+.3f}] (n={row['n']})")
 
 
 def _write(path: Path, payload: dict, records: list, seconds: float, complete: bool,
@@ -137,7 +156,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(common.RESULTS))
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 presets, 1 ratio, 2 short samples")
+    parser.add_argument("--pool", nargs="+", metavar="JSON", help="print the paired differences over the records of "
+                        "these runs (written by this script, records kept) and exit")
     args = parser.parse_args(argv)
+    if args.pool:
+        _print_paired(pool(args.pool))
+        return 0
     if args.quick:
         args.presets, args.ratios, args.tasks = "ada_snapkv,streamingllm", "0.75", "passkey"
         args.n, args.context, args.settings, args.out = 2, 300, "agnostic", str(common.QUICK_DIR)
@@ -180,9 +204,7 @@ def main(argv=None) -> int:
         seconds += time.perf_counter() - start
         summary = _write(path, payload, records, seconds, len(done) == len(samples), aware)
         print(f"\n== {setting} ==\n{format_table(summary)}")
-        for row in paired(records):
-            print(f"{row['label']:>24} r={row['ratio']:.2f} - {row['against']}: {row['delta']:+.3f} "
-                  f"[{row['ci95'][0]:+.3f}, {row['ci95'][1]:+.3f}] (n={row['n']})")
+        _print_paired(paired(records))
         plot(summary, out / f"storage_quality_{setting}.png",
              f"{args.model}, {len(tasks)} tasks, {args.context} tokens, question-{setting}, n={len(done)} per cell")
     return 0

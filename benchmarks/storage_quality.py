@@ -34,16 +34,23 @@ PRESETS = "kvzap,kvzip,ada_kvzip,ada_snapkv,streamingllm"
 STORAGES = ("full", "int8", "int4")
 
 
-def entries_for(presets: list[str], ratios: list[float], storages: list[str]) -> list:
-    """One entry per preset x ratio x storage, plus ratio 0 (no eviction) for each quantized storage."""
+def entries_for(presets: list[str], ratios: list[float], storages: list[str], configs: dict | None = None) -> list:
+    """One entry per press x ratio x storage, plus ratio 0 (no eviction) for each quantized storage; presses are
+    presets by name and ``configs`` (``{label: Pipeline}``, e.g. a model's own KVzap surrogate)."""
     from kvpress_ada.harness.eval.runner import Entry
     from kvpress_ada.presets import preset
 
+    def press(name: str, ratio: float, storage: str):
+        if configs and name in configs:
+            return type(configs[name]).model_validate({**configs[name].model_dump(), "compression_ratio": ratio,
+                                                       "budget": None, "storage": storage})
+        return preset(name, compression_ratio=ratio, storage=storage)
+
     out = []
-    for name in presets:
+    for name in [*presets, *(configs or {})]:
         for storage in storages:
             for ratio in ([0.0] if storage != "full" else []) + ratios:
-                out.append(Entry(f"{name}/{storage}", ratio, preset(name, compression_ratio=ratio, storage=storage)))
+                out.append(Entry(f"{name}/{storage}", ratio, press(name, ratio, storage)))
     return out
 
 
@@ -144,7 +151,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default", choices=[m for m in common.MODEL_CHOICES if m != "tiny"])
-    parser.add_argument("--presets", default=PRESETS)
+    parser.add_argument("--presets", default=PRESETS, help="comma-separated presets ('' for none)")
+    parser.add_argument("--config", nargs="*", default=[], metavar="YAML",
+                        help="Pipeline files run beside the presets, labelled by file name (e.g. a model's KVzap)")
     parser.add_argument("--ratios", default="0.5,0.75,0.9")
     parser.add_argument("--storages", default=",".join(STORAGES))
     parser.add_argument("--tasks", default="passkey,multikey,multivalue,multiquery")
@@ -171,14 +180,20 @@ def main(argv=None) -> int:
     from kvpress_ada.harness.eval.tasks import make_samples
 
     common.set_threads(args.threads)
-    presets, storages = args.presets.split(","), args.storages.split(",")
+    presets, storages = [p for p in args.presets.split(",") if p], args.storages.split(",")
+    import yaml
+
+    from kvpress_ada.pipeline import Pipeline
+
+    configs = {Path(c).stem: Pipeline.model_validate(yaml.safe_load(Path(c).read_text())) for c in args.config}
     ratios = [float(r) for r in args.ratios.split(",")]
     tasks = args.tasks.split(",")
     model, tok = common.load_model(args.model)
     per_task = [make_samples(t, tok, args.n, args.context, seed=0) for t in tasks]
     samples = [s for group in zip(*per_task) for s in group]  # round robin: a partial run covers every task
-    entries = entries_for(presets, ratios, storages)
-    config = {"model": args.model, "tasks": tasks, "n_per_task": args.n, "context": args.context, "presets": presets,
+    entries = entries_for(presets, ratios, storages, configs)
+    config = {"model": args.model, "tasks": tasks, "n_per_task": args.n, "context": args.context,
+              "presets": presets + list(configs),
               "ratios": ratios, "storages": storages, "max_new_tokens": args.max_new_tokens}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -302,12 +302,11 @@ def test_kvpress_ada_serve_answers_an_openai_completion_with_a_compressed_cache(
     assert answer == expected
 
 
-def test_a_preempted_request_generates_the_tokens_of_an_uninterrupted_run(model_dir, hf_model, monkeypatch):
-    """Too few blocks for three requests: vLLM preempts and later computes them again with what they had
-    generated; the press still evicts at each prompt's end, so every request generates its tokens alone."""
+def _preemptions(monkeypatch) -> list[str]:
+    """The ids of the requests vLLM's scheduler preempts from now on (filled as it does)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    preempted = []
+    preempted: list[str] = []
     preempt = Scheduler._preempt_request
 
     def counted(self, request, *args, **kwargs):
@@ -315,6 +314,13 @@ def test_a_preempted_request_generates_the_tokens_of_an_uninterrupted_run(model_
         return preempt(self, request, *args, **kwargs)
 
     monkeypatch.setattr(Scheduler, "_preempt_request", counted)
+    return preempted
+
+
+def test_a_preempted_request_generates_the_tokens_of_an_uninterrupted_run(model_dir, hf_model, monkeypatch):
+    """Too few blocks for three requests: vLLM preempts and later computes them again with what they had
+    generated; the press still evicts at each prompt's end, so every request generates its tokens alone."""
+    preempted = _preemptions(monkeypatch)
     press = _small_window(preset("snapkv", compression_ratio=0.5))
     llm = _serve(model_dir, press, prompts=PROMPTS[:1], max_tokens=1, num_gpu_blocks_override=BLOCKS,
                  max_model_len=32 * (BLOCKS - 1))[0]
@@ -333,16 +339,7 @@ def tokens_with_a_preemption(model_dir, press, monkeypatch, new_tokens, **engine
     cache manager refuses one allocation once a request has generated 20 tokens and another runs, as when memory
     runs out (vLLM then preempts its last running request and computes it again later; with a small
     ``max_num_batched_tokens`` in chunks, the last of them generated tokens only). Asserts one was."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    preempted = []
-    preempt = Scheduler._preempt_request
-
-    def counted(self, request, *args, **kwargs):
-        preempted.append(request.request_id)
-        return preempt(self, request, *args, **kwargs)
-
-    monkeypatch.setattr(Scheduler, "_preempt_request", counted)
+    preempted = _preemptions(monkeypatch)
     llm = _serve(model_dir, press, prompts=PROMPTS[:1], max_tokens=1, **engine)[0]
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     allocate = scheduler.kv_cache_manager.allocate_slots

@@ -14,6 +14,7 @@ configuration (stop it any time, run it again with ``--resume``).
     python benchmarks/storage_quality.py --model qwen2.5-coder-0.5b --context 4000 --tasks passkey,multikey
     python benchmarks/storage_quality.py --quick                         # smoke run (2 short samples)
     python benchmarks/storage_quality.py --pool A.json B.json            # paired differences over both runs' samples
+    python benchmarks/storage_quality.py --pool A.json --versus kvzap/int4@0.9 kvzip/full@0.95 ...  # cell vs cells
 """
 
 from __future__ import annotations
@@ -73,14 +74,32 @@ def paired(records: list) -> list[dict]:
     return rows
 
 
-def pool(paths: list[str]) -> list[dict]:
-    """:func:`paired` over the records of several runs (e.g. both question settings), each run's samples apart."""
+def _difference(records: list, a: tuple[str, float], b: tuple[str, float]) -> dict | None:
+    """Cell ``a`` minus cell ``b`` (``(label, ratio)``) over the samples both ran: mean and 95% CI."""
+    score = {(r.sample, r.label, r.ratio): r.score for r in records}
+    samples = sorted({r.sample for r in records})
+    diffs = [score[(s, *a)] - score[(s, *b)] for s in samples if (s, *a) in score and (s, *b) in score]
+    if not diffs:
+        return None
+    mean = statistics.fmean(diffs)
+    half = 1.96 * statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+    return {"label": a[0], "ratio": a[1], "against": f"{b[0]} r={b[1]:.2f}", "n": len(diffs), "delta": mean,
+            "ci95": [mean - half, mean + half]}
+
+
+def pool(paths: list[str], versus: list[str] | None = None) -> list[dict]:
+    """:func:`paired` over the records of several runs (e.g. both question settings), each run's samples apart;
+    with ``versus`` (``["LABEL@RATIO", ...]``), the first cell against each of the others instead."""
     records = []
     for i, path in enumerate(paths):
         for r in json.loads(Path(path).read_text())["records"]:
             records.append(SimpleNamespace(sample=(i, r["sample"]), label=r["label"], ratio=r["ratio"],
                                            score=r["score"]))
-    return paired(records)
+    if not versus:
+        return paired(records)
+    cells = [(spec.rpartition("@")[0], float(spec.rpartition("@")[2])) for spec in versus]
+    rows = [_difference(records, cells[0], other) for other in cells[1:]]
+    return [row for row in rows if row is not None]
 
 
 def _print_paired(rows: list[dict]) -> None:
@@ -167,9 +186,11 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 presets, 1 ratio, 2 short samples")
     parser.add_argument("--pool", nargs="+", metavar="JSON", help="print the paired differences over the records of "
                         "these runs (written by this script, records kept) and exit")
+    parser.add_argument("--versus", nargs="+", metavar="LABEL@RATIO",
+                        help="with --pool: the first cell (e.g. kvzap/int4@0.9) against each of the others")
     args = parser.parse_args(argv)
     if args.pool:
-        _print_paired(pool(args.pool))
+        _print_paired(pool(args.pool, args.versus))
         return 0
     if args.quick:
         args.presets, args.ratios, args.tasks = "ada_snapkv,streamingllm", "0.75", "passkey"

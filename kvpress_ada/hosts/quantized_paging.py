@@ -200,13 +200,9 @@ class QuantizedPagePool(PagePool):
 
     def _ragged(self, seqs: list[PagedSequence]) -> tuple[torch.Tensor, ...]:
         """``(k_rec, v_rec [n, width], row_offsets, row_lengths [rows] int32, side)``: compressed ``seqs``' records
-        gathered into the ragged layout (row ``n * H_kv + h``, entries in order), record by record."""
-        rows = self._rows(seqs)
-        lengths = self._lengths(seqs)
-        page, slot = self._entries(rows, lengths)
-        offsets = (torch.cumsum(lengths, 0) - lengths).to(torch.int32)
-        return (self.k_rec[page, slot], self.v_rec[page, slot], offsets, lengths,
-                self._read_side(rows))
+        gathered into the ragged layout (row ``n * H_kv + h``, entries in order) as attention reads them."""
+        rows, lengths = self._rows(seqs), self._lengths(seqs)
+        return (*self._gathered(rows, lengths), lengths, self._read_side(rows))
 
     def _read_back(self, seqs: list[PagedSequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[n, D]`` compressed ``seqs``' entries read back as, in ragged order (each row's anchor
@@ -342,8 +338,9 @@ class QuantizedPagePool(PagePool):
             out[tokens] = paged_attention(query[tokens], self.k_pages, self.v_pages, table[rows], lengths[rows],
                                           start, scale)
         T, H_q, D = query.shape
-        for c, members in self._by_count(seqs, counts).items():
-            by_row = table.long().view(len(seqs), H, -1)
+        groups = self._by_count(seqs, counts)
+        by_row = table.long().view(len(seqs), H, -1) if groups else table
+        for c, members in groups.items():
             tokens = self._tokens(members, starts, query.device)
             pick = self._side_rows(compressed, members, H)
             assert side is not None

@@ -133,10 +133,16 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="chunked prefill: every engine steps at most this many tokens (max_num_batched_tokens) "
                              "and each press evicts after every chunk (prefill_chunk)")
+    parser.add_argument("--decode-budget", type=int, default=None,
+                        help="decode compression for every press: each kv head compacted back to this many entries "
+                             "every --decode-interval generated tokens (the press's decode_budget)")
+    parser.add_argument("--decode-interval", type=int, default=None, help="generated tokens between two compactions")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reference", action="store_true", help="also run the transformers host on each sample")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if (args.decode_budget is None) != (args.decode_interval is None):
+        parser.error("--decode-budget and --decode-interval go together")
 
     from transformers import AutoTokenizer
 
@@ -159,7 +165,10 @@ def main() -> None:
         spec, _, storage = spec.partition("@")
         name, _, ratio = spec.partition(":")
         press = press_from(name, float(ratio) if ratio else args.ratio, args.prefill_chunk)
-        return press if not storage else type(press).model_validate({**press.model_dump(), "storage": storage})
+        changes = {"storage": storage} if storage else {}
+        if args.decode_budget is not None:
+            changes.update(decode_budget=args.decode_budget, decode_interval=args.decode_interval)
+        return type(press).model_validate({**press.model_dump(), **changes}) if changes else press
 
     configs = [("vLLM (full cache)", None)] + [(name, press_for(name)) for name in args.presets.split(",")]
     for label, press in configs:

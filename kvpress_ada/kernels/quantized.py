@@ -443,33 +443,26 @@ def residual_operands(side: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @functools.lru_cache(maxsize=None)
-def _side_rows(residual: int, device: torch.device) -> Tensor:
-    """The indices into ``side`` of what a row reads in full precision: its anchor key, its ``residual`` ring
-    keys, then the same values."""
+def _side_rows(residual: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(rows, ranks)``: the indices into ``side`` of what a row reads in full precision (its anchor key, its
+    ``residual`` ring keys, then the same values), and ``0, 1, ..., residual - 1`` (the ring slots)."""
     ring = torch.arange(3, 3 + residual)
-    return torch.cat((torch.tensor([0]), ring, torch.tensor([1]), ring + residual)).to(device)
+    rows = torch.cat((torch.tensor([0]), ring, torch.tensor([1]), ring + residual))
+    return rows.to(device), torch.arange(residual, device=device)[:, None]
 
 
 def side_slots(row_offsets: Tensor, row_lengths: Tensor, residual: int, free: int) -> Tensor:
     """``int64 [1 + R, rows]``: the layer slot each row's anchor (index 0) and each of its ring slots ``j``
     (index ``1 + j``) stands for, or ``free`` where it stands for none. Ring slot ``j`` holds the row's newest
     entry of rank ``k = j (mod R)``, ``k < length``; rank 0 reads as the anchor instead."""
-    last = row_lengths.to(torch.int64) - 1
-    shift, modulus, lowest = _slot_rule(residual, last.device)
-    # the anchor is rank 0 of a non-empty row (modulus past any length), ring slot j the newest rank = j mod R
-    rank = last - torch.remainder(last - shift, modulus)
-    return torch.where(rank >= lowest, rank + row_offsets.to(torch.int64), free)
-
-
-@functools.lru_cache(maxsize=None)
-def _slot_rule(residual: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """``(shift, modulus, lowest)`` int64 ``[1 + R, 1]`` of :func:`side_slots`: slot ``i`` stands for the newest
-    rank ``k <= last`` with ``k = shift (mod modulus)`` when ``k >= lowest``; the anchor (``i = 0``) is rank 0 of
-    a row (``shift`` 0, a modulus above any rank, from rank 0), ring slot ``j`` rank ``j (mod R)`` from rank 1."""
-    shift = torch.cat((torch.zeros(1, dtype=torch.int64), torch.arange(residual)))
-    modulus = torch.cat((torch.tensor([torch.iinfo(torch.int64).max // 2]), torch.full((residual,), max(residual, 1))))
-    lowest = torch.cat((torch.zeros(1, dtype=torch.int64), torch.ones(residual, dtype=torch.int64)))
-    return shift[:, None].to(device), modulus[:, None].to(device), lowest[:, None].to(device)
+    n = row_lengths.to(torch.int64)
+    offs = row_offsets.to(torch.int64)
+    anchor = torch.where(n > 0, offs, free)[None]
+    if not residual:
+        return anchor
+    last = n - 1
+    rank = last - torch.remainder(last - _side_rows(residual, n.device)[1], residual)
+    return torch.cat((anchor, torch.where(rank >= 1, offs + rank, free)))
 
 
 def side_operands(side: Tensor) -> Tensor:
@@ -477,7 +470,7 @@ def side_operands(side: Tensor) -> Tensor:
     the order of :func:`side_slots` (its anchor, then its ring slots), keys in the records' space
     (``(k - c) @ R``)."""
     residual = residual_of(side)
-    out = side.index_select(0, _side_rows(residual, side.device)).float()
+    out = side.index_select(0, _side_rows(residual, side.device)[0]).float()
     keys = out[:1 + residual]
     torch.matmul(keys - side[2].float(), rotation(side.shape[-1], side.device), out=keys)
     return out

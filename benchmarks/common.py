@@ -227,10 +227,22 @@ def summarize(values: list[float]) -> dict:
             "all": values}
 
 
+def dumps_json(payload: object, indent: int = 1, _level: int = 0) -> str:
+    """JSON text with one item per line, except that a list of scalars stays on one line (results in git stay
+    readable in diffs at about 70% of ``indent=2``'s bytes). ``json.loads`` of it equals ``payload``."""
+    pad, end = " " * (indent * (_level + 1)), " " * (indent * _level)
+    if isinstance(payload, dict) and payload:
+        items = [f"{pad}{json.dumps(str(k))}: {dumps_json(v, indent, _level + 1)}" for k, v in payload.items()]
+        return "{\n" + ",\n".join(items) + "\n" + end + "}"
+    if isinstance(payload, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) and v for v in payload):
+        return "[\n" + ",\n".join(pad + dumps_json(v, indent, _level + 1) for v in payload) + "\n" + end + "]"
+    return json.dumps(payload)
+
+
 def write_json(path: str | os.PathLike, payload: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    path.write_text(dumps_json(payload) + "\n")
     return path
 
 

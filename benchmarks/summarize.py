@@ -15,6 +15,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
 PER_SAMPLE = frozenset({"records", "samples", "series", "tokens", "overlap_samples"})
 
 
@@ -37,7 +40,7 @@ def main(argv=None) -> int:
             print(f"summarize.py: {path} is already a summary", file=sys.stderr)
             return 2
         out = summary_path(path)
-        out.write_text(json.dumps(summary(json.loads(path.read_text())), indent=2) + "\n")
+        common.write_json(out, summary(json.loads(path.read_text())))
         print(out)
     return 0
 

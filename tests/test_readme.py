@@ -2,11 +2,15 @@
 the registered presets, and the two set-up commands that CI and outside checks run stay as they are."""
 
 import ast
+import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpress_ada import preset_names
 
@@ -139,6 +143,37 @@ def test_benchmark_results_in_git_hold_no_per_sample_records():
     assert per_sample == []
     size = sum((ROOT / f).stat().st_size for f in results if (ROOT / f).is_file())
     assert size <= 5 * 10**6, f"benchmarks/results holds {size / 1e6:.2f} MB in git (summaries and plots: at most 5 MB)"
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+                     lambda inner: st.lists(inner, max_size=4)
+                     | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+                     max_leaves=20)
+
+
+@given(_JSON)
+@settings(max_examples=200, deadline=None)
+def test_results_json_text_round_trips(payload):
+    """The compact writer of results in git loses nothing: scalar lists on one line, everything else one per line."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import common
+
+    text = common.dumps_json(payload)
+    assert json.loads(text) == payload
+    assert all(not line.endswith(" ") for line in text.splitlines())
+
+
+def test_committed_results_json_uses_the_compact_writer():
+    tracked = _tracked()
+    if tracked is None:
+        pytest.skip("not a git checkout")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import common
+
+    loose = [f for f in sorted(tracked) if f.startswith("benchmarks/results/") and f.endswith(".json")
+             and not f.endswith("selection_golden.json") and (ROOT / f).is_file()
+             and (ROOT / f).read_text() != common.dumps_json(json.loads((ROOT / f).read_text())) + "\n"]
+    assert loose == [], f"rewrite with benchmarks/common.py dumps_json: {loose[:3]}"
 
 
 def test_plots_are_saved_as_small_palette_pngs(tmp_path):

@@ -402,3 +402,30 @@ def test_bf16_serves_with_the_kept_counts_of_fp32(model_dir):
 
     assert per_layer(kept16) == per_layer(kept32)
     assert all(len(t) == 6 and all(0 <= x < 128 for x in t) for t in tokens16)
+
+
+@pytest.mark.parametrize("reserve", [True, False])
+def test_admission_keeps_room_for_decode_growth_under_decode_compression(model_dir, hf_model, monkeypatch, reserve):
+    """Under decode compression each running request grows by up to ``decode_interval`` tokens a head before its
+    next compaction; admission keeps those blocks free, so no running request is preempted to make room for a new
+    one (without that reservation the same run preempts), and every request still generates its tokens alone."""
+    from kvpress_ada.hosts.vllm.scheduler import PressBlockManager
+
+    if not reserve:
+        monkeypatch.setattr(PressBlockManager, "growth", lambda self: 0)
+    preempted = _preemptions(monkeypatch)
+    prompts = [[5 + (i * 7 + j * 3 + (j * j) % 13) % 90 for j in range(150)] for i in range(12)]
+    press = Pipeline(scorer=SnapKV(window=8), compression_ratio=0.75, decode_budget=32, decode_interval=64)
+    llm = _serve(model_dir, press, prompts=prompts[:1], max_tokens=1, num_gpu_blocks_override=BLOCKS_GROWTH,
+                 max_num_seqs=32)[0]
+    preempted.clear()
+    peak, tokens, _ = _run_to_completion(llm, prompts, 100)
+    if not reserve:
+        assert preempted, "the run preempts nothing without the reservation: the test needs fewer blocks"
+        return
+    assert preempted == [] and peak >= 6, (preempted, peak)
+    for i in (0, 11):
+        assert tokens[i] == _alone(hf_model, press, prompts[i], 100)[0], i
+
+
+BLOCKS_GROWTH = 30

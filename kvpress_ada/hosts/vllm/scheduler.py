@@ -14,6 +14,13 @@ except under a quantized storage: its first eviction stores each (layer, kv head
 pages, which may take up to ``reserve`` pages per row more than the full-precision pages it frees, so such a request
 holds ``reserve`` spare blocks (outside its table) until the worker's first report; real blocks beyond its table's
 length (side tensors of a short request) stay spare as well.
+
+Under decode compression an evicted-from request grows by at most ``decode_interval`` entries per head before its
+next compaction: ``cdiv(upcoming - 1, block_size)`` more blocks, ``upcoming`` the tokens it still writes before then
+(at most what it may still generate). Admission keeps those blocks free (:meth:`PressBlockManager.growth`): a
+request is admitted only if its prompt fits beside the growth of those already running, so running requests are
+not preempted to make room for it (vLLM itself reserves nothing for decode growth; nor does this manager when the
+press does not compress while generating: growth is then unbounded).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ class PressBlockManager(FullAttentionManager):
         self._target: dict[str, int] = {}
         self.reserve = 0  # spare blocks a request holds until its first eviction (a quantized storage's side tensors)
         self._spare: dict[str, list[Any]] = {}
+        self._growth: dict[str, int] = {}  # request id -> blocks it may still take before its next compaction
 
     def _real(self, request_id: str) -> int:
         return sum(b is not self._null_block for b in self.req_to_blocks.get(request_id, ()))
@@ -64,10 +72,13 @@ class PressBlockManager(FullAttentionManager):
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks: Any,
                                    total_computed_tokens: int, *args: Any, **kwargs: Any) -> int:
         if request_id not in self.pages:
-            # the spare blocks are taken with the prompt's (not in vLLM's full-sequence admission check)
-            spare = self.reserve if request_id not in self._spare and not kwargs.get("apply_admission_cap") else 0
-            return spare + super().get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks,
-                                                              total_computed_tokens, *args, **kwargs)
+            # the spare blocks are taken with the prompt's (not in vLLM's full-sequence admission check, which
+            # keeps the running requests' decode growth free instead)
+            admission = bool(kwargs.get("apply_admission_cap"))
+            spare = self.reserve if request_id not in self._spare and not admission else 0
+            own = super().get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks,
+                                                     total_computed_tokens, *args, **kwargs)
+            return spare + (self.growth() if admission else 0) + own
         # never above the table's natural length (a head holds at most one entry per token) and the reserve
         self._target[request_id] = min(self.needed(request_id, max(num_tokens - total_computed_tokens, 0)),
                                        cdiv(num_tokens, self.block_size) + self.reserve)
@@ -93,9 +104,14 @@ class PressBlockManager(FullAttentionManager):
             self.new_block_ids.extend(b.block_id for b in real)
         return tail
 
-    def shrink(self, request_id: str, pages: int) -> None:
+    def growth(self) -> int:
+        """Blocks the evicted-from requests may still take before their next decode compaction (module docstring)."""
+        return sum(self._growth.values())
+
+    def shrink(self, request_id: str, pages: int, upcoming: int | None = None) -> None:
         """The worker's report: the request holds at most ``pages`` pages in a layer; keep the real blocks its next
-        token needs, return the others to the pool (first entries first)."""
+        token needs, return the others to the pool (first entries first). ``upcoming``: under decode compression,
+        the tokens it writes at most before its next compaction (their blocks are kept free at admission)."""
         if request_id not in self.req_to_blocks:
             return
         self.pages[request_id] = pages
@@ -113,6 +129,10 @@ class PressBlockManager(FullAttentionManager):
                 extra -= 1
         if freed:
             self.block_pool.free_blocks(freed)
+        if upcoming is not None:
+            # its last step before the compaction needs what it holds after upcoming - 1 more tokens, plus one
+            peak = cdiv(pages, self.heads) + cdiv(max(upcoming - 1, 0), self.block_size) + 1
+            self._growth[request_id] = max(peak - max(self._held(request_id), self.needed(request_id, 1)), 0)
 
     def _free_spare(self, request_id: str) -> None:
         spare = self._spare.pop(request_id, None)
@@ -122,6 +142,7 @@ class PressBlockManager(FullAttentionManager):
     def free(self, request_id: str) -> None:
         self.pages.pop(request_id, None)
         self._target.pop(request_id, None)
+        self._growth.pop(request_id, None)
         self._free_spare(request_id)
         super().free(request_id)
 
@@ -139,6 +160,7 @@ class PressScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         press = press_of(self.vllm_config.additional_config)
+        self.interval = None if press is None else press.decode_interval
         scheme = None if press is None else press.storage.record_scheme()
         if scheme is None:
             return
@@ -148,11 +170,21 @@ class PressScheduler(Scheduler):
                 manager.reserve = QuantizedPagePool.reserve_pages(spec.block_size, spec.head_size, spec.dtype,
                                                                   *scheme)
 
+    def _upcoming(self, request_id: str) -> int | None:
+        """Under decode compression, the tokens request ``request_id`` writes at most before its next compaction
+        (one every ``decode_interval`` tokens written after the prompt; never more than it may still generate)."""
+        request = self.requests.get(request_id)
+        if self.interval is None or request is None:
+            return None
+        written = max(request.num_computed_tokens - request.num_prompt_tokens, 0)
+        left = max(request.max_tokens - request.num_output_tokens, 0)
+        return min(self.interval - written % self.interval, left)
+
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         report = getattr(model_runner_output, REPORT, None) or {}
         if report:
             for manager in self.kv_cache_manager.coordinator.single_type_managers:
                 if isinstance(manager, PressBlockManager):
                     for request_id, pages in report.items():
-                        manager.shrink(request_id, pages)
+                        manager.shrink(request_id, pages, self._upcoming(request_id))
         return super().update_from_output(scheduler_output, model_runner_output)

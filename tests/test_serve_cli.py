@@ -57,7 +57,19 @@ def test_a_quantized_storage_is_handed_to_the_server(capsys, tmp_path):
     assert code == 0 and press["storage"]["name"] == "int4" and press["compression_ratio"] == 0.75, press
 
 
+def test_decode_compression_is_handed_to_the_server(capsys, tmp_path):
+    code, out, _ = _dry_run(capsys, "--model", str(tmp_path), "--preset", "snapkv", "--ratio", "0.75",
+                            "--decode-budget", "256", "--decode-interval", "64", "--storage", "int8")
+    argv = shlex.split(out.strip())
+    press = json.loads(argv[argv.index("--additional-config") + 1])["kvpress_ada"]["press"]
+    assert code == 0 and (press["decode_budget"], press["decode_interval"]) == (256, 64), press
+    assert press["compression_ratio"] == 0.75 and press["storage"]["name"] == "int8"
+
+
 @pytest.mark.parametrize("args, words", [
+    (["--decode-budget", "256"], "--decode-interval"),
+    (["--decode-budget", "0", "--decode-interval", "8"], "--decode-budget"),
+    (["--preset", "h2o", "--decode-budget", "64", "--decode-interval", "8"], "decode compression"),
     (["--prefill-chunk", "0"], "--prefill-chunk"),
     (["--preset", "kvzip"], "model pass"),
     (["--ratio", "1.2"], "--ratio"),

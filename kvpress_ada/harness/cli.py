@@ -652,13 +652,15 @@ def cmd_serve(args) -> int:
     engine: dict = {"dtype": args.dtype, "enforce_eager": True, "max_model_len": args.max_model_len}
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise UsageError(f"--prefill-chunk must be a positive number of tokens, got {args.prefill_chunk}")
-    if args.prefill_chunk is not None or args.storage != "full":
+    _check_decode(args)
+    if args.prefill_chunk is not None or args.storage != "full" or args.decode_budget is not None:
         from kvpress_ada.hosts.vllm import press_from
 
         try:
-            press, ratio = _with_storage(press_from(press, ratio, args.prefill_chunk), args), None
+            made = press_from(press, ratio, args.prefill_chunk)
         except ValueError as err:
             raise UsageError(" ".join(str(err).split())) from None
+        press, ratio = _with_storage(_with_decode(made, args), args), None
     if args.prefill_chunk is not None:  # vLLM's chunks of long prompts, the press evicting after each
         engine.update(enable_chunked_prefill=True, long_prefill_token_threshold=args.prefill_chunk)
     if args.model in SOURCES:
@@ -767,6 +769,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="vLLM prefills long prompts in chunks of this many tokens and the press evicts after "
                           "each: a request never holds its whole prompt (more requests admitted)")
     _storage_argument(srv)
+    _decode_arguments(srv)
     srv.add_argument("--dry-run", action="store_true", help="print the server's command line and stop")
     srv.set_defaults(func=cmd_serve, threads=None)
     cal = sub.add_parser("calibrate", help="measure per-(layer, kv head) budget shares of a scorer (KVzip) once "

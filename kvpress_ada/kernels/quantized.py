@@ -443,12 +443,17 @@ def residual_operands(side: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @functools.lru_cache(maxsize=None)
-def _side_rows(residual: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """``(rows, ranks)``: the indices into ``side`` of what a row reads in full precision (its anchor key, its
-    ``residual`` ring keys, then the same values), and ``0, 1, ..., residual - 1`` (the ring slots)."""
+def _side_rows(residual: int, device: torch.device) -> Tensor:
+    """The indices into ``side`` of what a row reads in full precision: its anchor key, its ``residual`` ring
+    keys, then the same values."""
     ring = torch.arange(3, 3 + residual)
-    rows = torch.cat((torch.tensor([0]), ring, torch.tensor([1]), ring + residual))
-    return rows.to(device), torch.arange(residual, device=device)[:, None]
+    return torch.cat((torch.tensor([0]), ring, torch.tensor([1]), ring + residual)).to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _ring_slots(residual: int, device: torch.device) -> Tensor:
+    """``int64 [R, 1]``: ``0, 1, ..., residual - 1``, the ring slots of :func:`side_slots`."""
+    return torch.arange(residual, device=device)[:, None]
 
 
 def side_slots(row_offsets: Tensor, row_lengths: Tensor, residual: int, free: int) -> Tensor:
@@ -461,7 +466,7 @@ def side_slots(row_offsets: Tensor, row_lengths: Tensor, residual: int, free: in
     if not residual:
         return anchor
     last = n - 1
-    rank = last - torch.remainder(last - _side_rows(residual, n.device)[1], residual)
+    rank = last - torch.remainder(last - _ring_slots(residual, n.device), residual)
     return torch.cat((anchor, torch.where(rank >= 1, offs + rank, free)))
 
 
@@ -470,7 +475,7 @@ def side_operands(side: Tensor) -> Tensor:
     the order of :func:`side_slots` (its anchor, then its ring slots), keys in the records' space
     (``(k - c) @ R``)."""
     residual = residual_of(side)
-    out = side.index_select(0, _side_rows(residual, side.device)[0]).float()
+    out = side.index_select(0, _side_rows(residual, side.device)).float()
     keys = out[:1 + residual]
     torch.matmul(keys - side[2].float(), rotation(side.shape[-1], side.device), out=keys)
     return out

@@ -145,6 +145,15 @@ def test_benchmark_results_in_git_hold_no_per_sample_records():
     assert size <= 5 * 10**6, f"benchmarks/results holds {size / 1e6:.2f} MB in git (summaries and plots: at most 5 MB)"
 
 
+def _benchmarks_common():
+    """``benchmarks/common.py`` (the benchmarks' shared helpers; the folder is not a package)."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    import common
+
+    return common
+
+
 _JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
                      lambda inner: st.lists(inner, max_size=4)
                      | st.dictionaries(st.text(max_size=5), inner, max_size=4),
@@ -155,9 +164,7 @@ _JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow
 @settings(max_examples=200, deadline=None)
 def test_results_json_text_round_trips(payload):
     """The compact writer of results in git loses nothing: scalar lists on one line, everything else one per line."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import common
-
+    common = _benchmarks_common()
     text = common.dumps_json(payload)
     assert json.loads(text) == payload
     assert all(not line.endswith(" ") for line in text.splitlines())
@@ -167,9 +174,7 @@ def test_committed_results_json_uses_the_compact_writer():
     tracked = _tracked()
     if tracked is None:
         pytest.skip("not a git checkout")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import common
-
+    common = _benchmarks_common()
     loose = [f for f in sorted(tracked) if f.startswith("benchmarks/results/") and f.endswith(".json")
              and not f.endswith("selection_golden.json") and (ROOT / f).is_file()
              and (ROOT / f).read_text() != common.dumps_json(json.loads((ROOT / f).read_text())) + "\n"]

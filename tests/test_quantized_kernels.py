@@ -236,12 +236,14 @@ def test_reference_attention_equals_attention_on_dequantized(dtype, bits, B, H_k
     k = k + torch.linspace(-3, 5, D).to(dtype)  # an offset per channel (what the centre takes out)
     k_rec, v_rec, side, centres = _records(k, v, offs, lens_t, bits, group, residual)
     q = torch.randn(B, H_kv * G, Q, D, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
-    out = kernels.quantized_attention(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, bits, group)
     deq_k, deq_v = _read_back(k_rec, v_rec, side, centres, offs, lens_t, bits, group, dtype)
     ref = ragged_attention_ref(q.float(), deq_k, deq_v, offs, lens_t, D ** -0.5)
-    assert out.dtype == dtype and torch.isfinite(out).all()
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
-    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    # the torch reference, and the op (on CPU: the fused kernel for these short calls)
+    for out in (qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, bits, group),
+                kernels.quantized_attention(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, bits, group)):
+        assert out.dtype == dtype and torch.isfinite(out).all()
+        torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
 def test_reference_attention_loop_free_layout(monkeypatch):
@@ -258,9 +260,9 @@ def test_reference_attention_loop_free_layout(monkeypatch):
     calls = []
     chunked = reference.ragged_attention_chunked
     monkeypatch.setattr(reference, "ragged_attention_chunked", lambda *a, **k: calls.append(1) or chunked(*a, **k))
-    out = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.25, bits, group)
+    out = qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens, side, 0.25, bits, group)
     monkeypatch.setattr(reference, "LOOP_FREE", False)
-    loop = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.25, bits, group)
+    loop = qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens, side, 0.25, bits, group)
     assert calls == [1]
     torch.testing.assert_close(out, loop, atol=1e-5, rtol=1e-5)
 

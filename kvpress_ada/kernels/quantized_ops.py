@@ -2,7 +2,8 @@
 
 Like the full-precision ops of :mod:`.ops`: each op has a ``register_fake``, so a decode step that
 calls it compiles with ``fullgraph=True`` and no graph break, and its body picks the backend at run
-time (:func:`~.support.resolve_backend`: Triton on CUDA, the torch reference on CPU). The public
+time (:func:`~.support.resolve_backend`: Triton on CUDA; on CPU the fused kernel of :mod:`.quantized_cpu` for
+decode-shaped calls, the torch reference otherwise). The public
 wrappers validate shapes and dtypes with one-line errors; in plain eager mode on plain tensors they
 call the implementation directly (no custom-op dispatch per layer and step).
 
@@ -28,6 +29,7 @@ from .quantized import (
     quantized_compact_ref,
     record_width,
 )
+from .quantized_cpu import quantized_attention_cpu
 from .support import resolve_backend, triton_module
 
 __all__ = ["quantized_attention", "quantized_append", "quantized_compact"]
@@ -86,7 +88,9 @@ def _attention_impl(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, bits
     if resolve_backend(q.device, q.shape[-1]) == "triton":
         kernel = triton_module("quantized_triton").quantized_attention_triton
         return kernel(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, bits, group, split_size=split_size)
-    return quantized_attention_ref(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, bits, group)
+    out = quantized_attention_cpu(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, bits, group)
+    return quantized_attention_ref(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, bits, group) \
+        if out is None else out
 
 
 @_quantized_attention_op.register_fake
@@ -133,7 +137,8 @@ def quantized_attention(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Te
     causal, 0 for a query that sees nothing, output in ``q.dtype``) over rows of quantized records
     ``k_rec, v_rec uint8 [N_cap, width]`` made from entries of ``q.dtype``, with the rows' ``side`` tensors,
     dequantized as they are read (each non-empty row's first slot reads as its anchor). Triton path: the
-    split-K kernel of the full-precision cache, dequantizing each K/V tile in registers."""
+    split-K kernel of the full-precision cache, dequantizing each K/V tile in registers; CPU: the fused C
+    kernel (:mod:`.quantized_cpu`) for up to 4 queries per head, the torch reference for longer calls."""
     _check_records(k_rec, v_rec, row_offsets, row_lengths, side, q.shape[-1], bits, group, q.dtype)
     _rows("q", q, row_offsets, same_heads=False)
     args = (q, k_rec, v_rec, row_offsets, row_lengths, side, float(scale), int(bits), int(group), int(split_size))

@@ -1,0 +1,161 @@
+/* Ragged attention over quantized records on the CPU, dequantizing each entry as it is read.
+ *
+ * The fused form of kvpress_ada/kernels/quantized.py's torch reference (quantized_attention_ref): same
+ * record layout, same anchor / residual slots, same bottom-right causal rule, float32 arithmetic. Built
+ * and loaded by quantized_cpu.py (ctypes); one thread, no allocation but one score buffer per call.
+ *
+ *   q      float32 [B, H_kv, G, Q, D]  rotated queries (q @ R), not scaled
+ *   k_rec, v_rec  uint8 [N, width]     records: integers | scales | zeros (scales and zeros in sdtype)
+ *   offs, lens    int64 [rows]         row r = b * H_kv + h at k_rec[offs[r] : offs[r] + lens[r]]
+ *   side   float32 [2 (1 + R), rows, D] each row's keys then values read in full precision, keys in the
+ *                                       records' space: index 0 the anchor (rank 0), 1 + j ring slot j
+ *                                       (the newest R ranks k >= 1 read from slot k % R)
+ *   out    float32 [B, H_kv, G, Q, D]  written (0 for a query that sees nothing)
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float from_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0x1f) return from_bits(sign | 0x7f800000u | (man << 13));       /* inf, nan */
+    if (exp) return from_bits(sign | ((exp + 112u) << 23) | (man << 13));      /* normal */
+    if (!man) return from_bits(sign);                                          /* zero */
+    float f = (float)man * 5.9604644775390625e-08f;                            /* subnormal: man * 2^-24 */
+    return sign ? -f : f;
+}
+
+/* sdtype: 0 float32, 1 float16, 2 bfloat16 */
+static inline float read_scale(const uint8_t *p, int sdtype) {
+    if (sdtype == 0) {
+        float f;
+        memcpy(&f, p, sizeof f);
+        return f;
+    }
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return sdtype == 2 ? from_bits((uint32_t)h << 16) : half_to_float(h);
+}
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* out[D] = what a record holds: q * scale + zero per group of channels */
+INLINE void dequantize(const uint8_t *restrict rec, int D, int bits, int group, int sdtype, float *restrict out) {
+    const int n_int = D * bits / 8, groups = D / group, ssz = sdtype == 0 ? 4 : 2;
+    if (bits == 8) {
+        for (int c = 0; c < D; c++) out[c] = (float)rec[c];
+    } else {
+        const int half = D / 2;
+        for (int j = 0; j < half; j++) {
+            out[j] = (float)(rec[j] & 15);
+            out[j + half] = (float)(rec[j] >> 4);
+        }
+    }
+    for (int g = 0; g < groups; g++) {
+        const float s = read_scale(rec + n_int + g * ssz, sdtype);
+        const float z = read_scale(rec + n_int + (groups + g) * ssz, sdtype);
+        float *restrict o = out + g * group;
+        for (int c = 0; c < group; c++) o[c] = o[c] * s + z;
+    }
+}
+
+/* the entry of rank t of a row of length n: its full-precision slot in side (keys: base = side,
+ * values: base = side + (1 + R) * rows * D), or its record dequantized into buf */
+INLINE const float *entry(int64_t t, int64_t n, int64_t R, int64_t r, int64_t rows, int D,
+                                 const float *base, const uint8_t *rec, int bits, int group, int sdtype,
+                                 float *buf) {
+    if (t == 0) return base + r * D;
+    if (R > 0 && t >= n - R) return base + ((1 + t % R) * rows + r) * D;
+    dequantize(rec, D, bits, group, sdtype, buf);
+    return buf;
+}
+
+/* the first query (of Q) that sees the entry of rank t: query i sees the first n - (Q - 1 - i) entries */
+static inline int64_t first_seeing(int64_t t, int64_t n, int64_t Q) {
+    const int64_t i = t - n + Q;
+    return i > 0 ? i : 0;
+}
+
+/* the kernel body; inlined into specialisations where D, bits and group are compile-time constants */
+INLINE int attend(const float *q, const uint8_t *k_rec, const uint8_t *v_rec, int64_t width, const int64_t *offs,
+                  const int64_t *lens, const float *side, int64_t R, int64_t B, int64_t H_kv, int64_t G, int64_t Q,
+                  const int64_t D, const int bits, const int group, int64_t sdtype, float scale, float *out) {
+    const int64_t rows = B * H_kv, M = G * Q;
+    const float *v_side = side + (1 + R) * rows * D;
+    int64_t longest = 0;
+    for (int64_t r = 0; r < rows; r++) longest = lens[r] > longest ? lens[r] : longest;
+    float *scores = malloc(sizeof(float) * (size_t)(M * (longest > 0 ? longest : 1) + D));
+    if (!scores) return 1;
+    float *buf = scores + M * longest;
+    memset(out, 0, sizeof(float) * (size_t)(rows * M * D));
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t n = lens[r], off = offs[r];
+        if (n <= 0) continue;
+        const float *qr = q + r * M * D;
+        float *o = out + r * M * D;
+        for (int64_t t = 0; t < n; t++) {
+            const float *k = entry(t, n, R, r, rows, (int)D, side, k_rec + (off + t) * width, (int)bits,
+                                   (int)group, (int)sdtype, buf);
+            for (int64_t i = first_seeing(t, n, Q); i < Q; i++) {
+                for (int64_t m = i; m < M; m += Q) {
+                    const float *qm = qr + m * D;
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t c = 0; c < D; c++) dot += qm[c] * k[c];
+                    scores[m * n + t] = dot * scale;
+                }
+            }
+        }
+        for (int64_t m = 0, i = 0; m < M; m++, i = i + 1 == Q ? 0 : i + 1) {
+            const int64_t seen = n - (Q - 1 - i);
+            float *s = scores + m * n, top = -INFINITY, total = 0.0f;
+            for (int64_t t = 0; t < seen; t++) top = s[t] > top ? s[t] : top;
+            for (int64_t t = 0; t < seen; t++) {
+                s[t] = expf(s[t] - top);
+                total += s[t];
+            }
+            for (int64_t t = 0; t < seen; t++) s[t] /= total;
+        }
+        for (int64_t t = 0; t < n; t++) {
+            const float *v = entry(t, n, R, r, rows, (int)D, v_side, v_rec + (off + t) * width, (int)bits,
+                                   (int)group, (int)sdtype, buf);
+            for (int64_t i = first_seeing(t, n, Q); i < Q; i++) {
+                for (int64_t m = i; m < M; m += Q) {
+                    const float p = scores[m * n + t];
+                    float *restrict om = o + m * D;
+#pragma omp simd
+                    for (int64_t c = 0; c < D; c++) om[c] += p * v[c];
+                }
+            }
+        }
+    }
+    free(scores);
+    return 0;
+}
+
+#define SPECIALISED(D_, BITS_, GROUP_)                                                                          \
+    if (D == D_ && bits == BITS_ && group == GROUP_)                                                          \
+        return attend(q, k_rec, v_rec, width, offs, lens, side, R, B, H_kv, G, Q, D_, BITS_, GROUP_, sdtype, scale, \
+                      out);
+
+int kvq_attention(const float *q, const uint8_t *k_rec, const uint8_t *v_rec, int64_t width,
+                  const int64_t *offs, const int64_t *lens, const float *side, int64_t R, int64_t B,
+                  int64_t H_kv, int64_t G, int64_t Q, int64_t D, int64_t bits, int64_t group, int64_t sdtype,
+                  float scale, float *out) {
+    SPECIALISED(64, 4, 32)
+    SPECIALISED(64, 8, 32)
+    SPECIALISED(128, 4, 32)
+    SPECIALISED(128, 8, 32)
+    SPECIALISED(64, 4, 64)
+    SPECIALISED(128, 4, 64)
+    SPECIALISED(128, 4, 128)
+    return attend(q, k_rec, v_rec, width, offs, lens, side, R, B, H_kv, G, Q, D, (int)bits, (int)group, sdtype, scale,
+                  out);
+}

@@ -1,0 +1,136 @@
+"""The fused CPU kernel of ragged attention over quantized records (``quantized_cpu.c``), built on first use.
+
+:func:`quantized_attention_cpu` computes what :func:`~.quantized.quantized_attention_ref` computes (same
+records, anchor and residual slots, bottom-right causal rule, float32 arithmetic) without materialising
+the layer's dequantized keys and values: each entry is dequantized as it is read, so a decode step reads
+the records' bytes once. It serves decode-shaped calls (at most :data:`MAX_QUERIES` queries per row);
+longer ones (a prefill chunk) are matrix products the torch reference does better.
+
+The C source is compiled once per machine with the system C compiler (``$CC``, else ``cc``; flags
+``-O3 -march=native``) into ``$KVPRESS_ADA_CACHE`` (default ``~/.cache/kvpress_ada``) under a name
+hashing the source, the flags, the compiler and the CPU, and loaded with ``ctypes``. Where no compiler
+is found or the build fails, one warning says why and the torch reference serves every call;
+``KVPRESS_ADA_CPU_KERNEL=0`` turns the kernel off (measurements, tests of the reference path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .quantized import residual_of, rotation, side_operands
+
+__all__ = ["MAX_QUERIES", "ENV_VAR", "cpu_kernel", "quantized_attention_cpu"]
+
+MAX_QUERIES = 4
+"""Most queries per head (``Q``) the fused kernel takes; longer calls (prefill chunks) go to the torch reference."""
+ENV_VAR = "KVPRESS_ADA_CPU_KERNEL"
+_SOURCE = Path(__file__).with_name("quantized_cpu.c")
+_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c11", "-shared", "-fPIC")
+_SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+def _cpu_signature() -> str:
+    """The CPU model and feature flags (``/proc/cpuinfo``), so that a cache shared by machines of other CPUs
+    never loads code built for another instruction set."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    keep = [line for line in lines if line.startswith(("model name", "flags", "Features", "CPU part"))]
+    return "\n".join(dict.fromkeys(keep))
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KVPRESS_ADA_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvpress_ada")
+    return Path(root)
+
+
+def _build() -> Path:
+    """Compile the kernel (or find it built) and return the shared library's path; raises on failure."""
+    compiler = shutil.which(os.environ.get("CC") or "cc")
+    if compiler is None:
+        raise RuntimeError(f"no C compiler ({os.environ.get('CC') or 'cc'}) on PATH")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
+                                     _cpu_signature().encode(), platform.machine().encode()])).hexdigest()[:16]
+    target = _cache_dir() / f"quantized_cpu-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode:
+            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(f"{compiler} failed: {last}")
+        os.replace(tmp, target)  # atomic: concurrent builds each write their own file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except Exception as error:  # noqa: BLE001 - any failure leaves the torch reference in charge
+        warnings.warn(f"kvpress_ada: the fused CPU kernel of quantized attention is unavailable ({error}); "
+                      "the torch reference runs instead", RuntimeWarning, stacklevel=2)
+        return None
+    fn = lib.kvq_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P]
+    return lib
+
+
+def cpu_kernel() -> bool:
+    """Whether the fused CPU kernel is built and enabled (builds it on the first call)."""
+    return _library() is not None
+
+
+def quantized_attention_cpu(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor,
+                            side: Tensor, scale: float, bits: int, group: int) -> Tensor | None:
+    """What :func:`~.quantized.quantized_attention_ref` returns for these (validated) arguments, by the
+    fused kernel; ``None`` when it does not serve the call (not CPU tensors, more than :data:`MAX_QUERIES`
+    queries per row, or the kernel unavailable): the caller then runs the reference."""
+    B, H_q, Q, D = q.shape
+    rows = row_offsets.shape[0]
+    if q.device.type != "cpu" or Q > MAX_QUERIES or q.dtype not in _SCALE_DTYPES:
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    H_kv = rows // B
+    q_rot = (q.float() @ rotation(D, q.device)).contiguous()
+    operands = side_operands(side).contiguous()
+    offs = row_offsets.to(torch.int64).contiguous()
+    lens = row_lengths.to(torch.int64).contiguous()
+    k_rec, v_rec = k_rec.contiguous(), v_rec.contiguous()
+    out = torch.empty(B, H_q, Q, D, dtype=torch.float32)
+    status = lib.kvq_attention(q_rot.data_ptr(), k_rec.data_ptr(), v_rec.data_ptr(), k_rec.shape[1], offs.data_ptr(),
+                               lens.data_ptr(), operands.data_ptr(), residual_of(side), B, H_kv, H_q // H_kv, Q, D,
+                               bits, group, _SCALE_DTYPES[q.dtype], float(scale), out.data_ptr())
+    if status:
+        raise MemoryError("quantized attention (CPU kernel): out of memory for the score buffer")
+    return out if q.dtype == torch.float32 else out.to(q.dtype)

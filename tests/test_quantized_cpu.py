@@ -1,0 +1,101 @@
+"""The fused CPU kernel of quantized attention (kvpress_ada/kernels/quantized_cpu.c) against the torch reference,
+and its build: cached per source and machine, refused in one warning when no compiler works, off by variable."""
+
+import shutil
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_quantized_kernels import _cache, _records
+
+from kvpress_ada import kernels
+from kvpress_ada.kernels import quantized as qz
+from kvpress_ada.kernels import quantized_cpu
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the kernel cannot be built")
+
+
+def test_kernel_builds_where_a_compiler_is():
+    assert quantized_cpu.cpu_kernel()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.sampled_from([4, 8]),
+       st.sampled_from([(32, 16), (64, 32), (64, 64), (128, 32), (48, 24)]), st.integers(1, 2), st.sampled_from([1, 3]),
+       st.integers(1, quantized_cpu.MAX_QUERIES), st.lists(st.integers(0, 70), min_size=4, max_size=4),
+       st.sampled_from([0, 1, 5, 32]), st.integers(0, 999))
+def test_kernel_equals_reference(dtype, bits, dims, B, G, Q, lens, residual, seed):
+    """Specialised (head dim 64 / 128, groups of 32 / 64) and generic shapes, every scale dtype, rows empty,
+    shorter than the queries, shorter and longer than the ring."""
+    D, group = dims
+    H_kv = 2
+    k, v, offs, lens_t = _cache(lens[:B * H_kv], D, dtype, seed=seed)
+    k = k + torch.linspace(-3, 5, D).to(dtype)
+    k_rec, v_rec, side, _ = _records(k, v, offs, lens_t, bits, group, residual)
+    q = torch.randn(B, H_kv * G, Q, D, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    got = quantized_cpu.quantized_attention_cpu(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, bits, group)
+    ref = qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, bits, group)
+    assert got is not None and got.dtype == dtype
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+    for r, n in enumerate(lens_t.tolist()):  # an empty row, or a query seeing no entry: 0
+        b, h = divmod(r, H_kv)
+        for i in range(max(Q - n, 0)):
+            assert torch.equal(got[b, h * G:(h + 1) * G, i], torch.zeros(G, D, dtype=dtype))
+
+
+def test_longer_calls_go_to_the_reference():
+    k, v, offs, lens = _cache([9, 40], 32, torch.float32)
+    k_rec, v_rec, side, _ = _records(k, v, offs, lens, 4, 16, 5)
+    q = torch.randn(1, 2, quantized_cpu.MAX_QUERIES + 1, 32)
+    assert quantized_cpu.quantized_attention_cpu(q, k_rec, v_rec, offs, lens, side, 0.2, 4, 16) is None
+    got = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.2, 4, 16)
+    torch.testing.assert_close(got, qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens, side, 0.2, 4, 16))
+
+
+@pytest.fixture
+def fresh_library(monkeypatch, tmp_path):
+    """A build into an empty cache directory; the process's kernel is looked up again afterwards."""
+    monkeypatch.setenv("KVPRESS_ADA_CACHE", str(tmp_path))
+    quantized_cpu._library.cache_clear()
+    yield tmp_path
+    monkeypatch.undo()
+    quantized_cpu._library.cache_clear()
+
+
+def test_build_is_cached_by_source_and_machine(fresh_library):
+    first = quantized_cpu._build()
+    assert first.parent == fresh_library and first.name.startswith("quantized_cpu-") and first.suffix == ".so"
+    stamp = first.stat().st_mtime_ns
+    assert quantized_cpu._build() == first and first.stat().st_mtime_ns == stamp  # found, not rebuilt
+    assert [p.name for p in fresh_library.iterdir()] == [first.name]  # no temporary file left
+
+
+def test_no_compiler_is_one_warning_and_the_reference(fresh_library, monkeypatch):
+    monkeypatch.setenv("CC", "no-such-compiler-kvpress")
+    with pytest.warns(RuntimeWarning, match="no C compiler .no-such-compiler-kvpress.*torch reference runs"):
+        assert not quantized_cpu.cpu_kernel()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        k, v, offs, lens = _cache([7], 16, torch.float32)
+        k_rec, v_rec, side, _ = _records(k, v, offs, lens, 8, 16)
+        q = torch.randn(1, 1, 1, 16)
+        assert quantized_cpu.quantized_attention_cpu(q, k_rec, v_rec, offs, lens, side, 0.25, 8, 16) is None
+        got = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.25, 8, 16)
+    torch.testing.assert_close(got, qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens, side, 0.25, 8, 16))
+
+
+def test_failing_build_names_the_compiler_error(fresh_library, monkeypatch):
+    monkeypatch.setattr(quantized_cpu, "_FLAGS", quantized_cpu._FLAGS + ("-fno-such-flag-kvpress",))
+    with pytest.warns(RuntimeWarning, match="failed: .*no-such-flag-kvpress"):
+        assert not quantized_cpu.cpu_kernel()
+    assert not any(fresh_library.iterdir())  # the failed build's file is removed
+
+
+@pytest.mark.parametrize("value", ["0", "off", "False"])
+def test_variable_turns_the_kernel_off(fresh_library, monkeypatch, value):
+    monkeypatch.setenv(quantized_cpu.ENV_VAR, value)
+    assert not quantized_cpu.cpu_kernel()
+    assert not any(fresh_library.iterdir())  # nothing built

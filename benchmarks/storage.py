@@ -8,6 +8,8 @@ divided by the full-precision ragged cache's *within the same repeat*, then the 
 reported, so the machine's noise hits every config alike. Bytes held are ``cache.nbytes()`` (records,
 scales and zero points, the decode reserve) after the steps, as a fraction of the dense full cache of
 the context (measured on the captured prefill). Target: int4 decode no slower than 1.2x full precision.
+The report says whether the fused CPU kernel served the quantized attention (``cpu_kernel``;
+``KVPRESS_ADA_CPU_KERNEL=0`` measures the torch reference instead).
 
     python benchmarks/storage.py --model default-random --context 2048      # default model's shape, random weights
     python benchmarks/storage.py --model default --context 1000             # the embedded SmolLM2-135M
@@ -23,6 +25,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from kvpress_ada.kernels.quantized_cpu import cpu_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -117,7 +121,8 @@ def main(argv=None) -> int:
     payload = {"benchmark": "storage", "command": " ".join([common.python(), *sys.argv]), "when": common.now_iso(),
                "machine": common.machine_info(), "model": args.model, "context": args.context,
                "preset": args.preset, "group_size": args.group_size, "steps": args.steps, "reps": args.reps,
-               "threads": threads, "full_kv_bytes": full_bytes, "prefill_s": prefill_s, "records": records}
+               "threads": threads, "cpu_kernel": cpu_kernel(), "full_kv_bytes": full_bytes, "prefill_s": prefill_s,
+               "records": records}
     print(f"wrote {common.write_json(args.out, payload)}", file=sys.stderr)
     return 0
 

@@ -1,6 +1,7 @@
 """Cache-side cost of a decode step with quantized storage: deferred appends (the layer's default: eager
 single-token appends go to the residual ring and are quantized in batches before they leave it) against
-quantizing every appended token at once (what a compiled step does), and the full-precision ragged layer.
+quantizing every appended token at once (what a compiled step does), and the full-precision ragged layer;
+with the fused CPU attention kernel (the default where it builds) and with the torch reference.
 
 No model: ``--layers`` ragged layers of random entries (a prompt of ``--context`` tokens, ``--keep`` of them
 kept per row), then ``--steps`` decode steps, each an append and an attention per layer, timed per
@@ -12,7 +13,6 @@ configuration in interleaved repeats (medians). What it isolates is the cache's 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,6 +25,7 @@ import common  # noqa: E402
 
 from kvpress_ada.hosts.transformers.quantized_cache import QuantizedRaggedLayer  # noqa: E402
 from kvpress_ada.hosts.transformers.ragged_cache import RaggedLayer  # noqa: E402
+from kvpress_ada.kernels.quantized_cpu import cpu_kernel, use_cpu_kernel  # noqa: E402
 
 
 class ImmediateLayer(QuantizedRaggedLayer):
@@ -55,17 +56,25 @@ def main() -> None:
     keep = torch.rand(B, H, L, generator=gen) < args.keep
     steps = [(torch.randn(B, H, 1, D, generator=gen), torch.randn(B, H, 1, D, generator=gen),
               torch.randn(B, args.query_heads, 1, D, generator=gen)) for _ in range(args.steps)]
-    makers = {"full precision": lambda: RaggedLayer(),
-              "deferred": lambda: QuantizedRaggedLayer(args.bits, 32, residual=args.residual),
-              "immediate": lambda: ImmediateLayer(args.bits, 32, residual=args.residual)}
+    def deferred():
+        return QuantizedRaggedLayer(args.bits, 32, residual=args.residual)
 
-    def run(make) -> float:
+    # name -> (layer maker, whether the fused CPU kernel attends)
+    makers = {"full precision": (RaggedLayer, True),
+              "deferred": (deferred, True),
+              "immediate": (lambda: ImmediateLayer(args.bits, 32, residual=args.residual), True),
+              "deferred, torch reference attention": (deferred, False)}
+    if not cpu_kernel():
+        print("the fused CPU kernel is unavailable: every configuration attends with the torch reference",
+              file=sys.stderr)
+
+    def run(make, kernel: bool) -> float:
         layers = [make() for _ in range(args.layers)]
         for layer in layers:
             layer.update(keys, values)
             layer.compress(keep)
         start = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), use_cpu_kernel(kernel):
             for k, v, q in steps:
                 for layer in layers:
                     layer.update(k, v)
@@ -74,17 +83,15 @@ def main() -> None:
 
     times: dict[str, list[float]] = {name: [] for name in makers}
     for _ in range(args.reps):
-        for name, make in makers.items():
-            times[name].append(run(make))
+        for name, (make, kernel) in makers.items():
+            times[name].append(run(make, kernel))
     summary = {name: {"ms_per_step_median": statistics.median(t), "all": t} for name, t in times.items()}
     for name, s in summary.items():
-        print(f"{name:15s} {s['ms_per_step_median']:7.2f} ms per step ({args.layers} layers, cache side)")
+        print(f"{name:36s} {s['ms_per_step_median']:7.2f} ms per step ({args.layers} layers, cache side)")
     if args.out:
-        args.out.write_text(json.dumps({"benchmark": "quantized_append", "command": " ".join(sys.argv),
-                                        "machine": common.machine_info(), "args": {k: str(v) for k, v in
-                                                                                   vars(args).items()},
-                                        "results": summary}, indent=1) + "\n")
-
+        payload = {"benchmark": "quantized_append", "command": " ".join(sys.argv), "machine": common.machine_info(),
+                   "cpu_kernel": cpu_kernel(), "args": {k: str(v) for k, v in vars(args).items()}, "results": summary}
+        print(f"wrote {common.write_json(args.out, payload)}", file=sys.stderr)
 
 if __name__ == "__main__":
     main()

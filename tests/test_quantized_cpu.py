@@ -99,3 +99,19 @@ def test_variable_turns_the_kernel_off(fresh_library, monkeypatch, value):
     monkeypatch.setenv(quantized_cpu.ENV_VAR, value)
     assert not quantized_cpu.cpu_kernel()
     assert not any(fresh_library.iterdir())  # nothing built
+    k, v, offs, lens = _cache([9], 16, torch.float32)
+    k_rec, v_rec, side, _ = _records(k, v, offs, lens, 8, 16)
+    q = torch.randn(1, 1, 1, 16)
+    assert quantized_cpu.quantized_attention_cpu(q, k_rec, v_rec, offs, lens, side, 0.25, 8, 16) is None
+
+
+def test_block_chooses_the_path():
+    k, v, offs, lens = _cache([9, 40], 32, torch.float32)
+    k_rec, v_rec, side, _ = _records(k, v, offs, lens, 4, 16, 5)
+    q = torch.randn(1, 2, 1, 32)
+    with quantized_cpu.use_cpu_kernel(False):
+        assert not quantized_cpu.cpu_kernel()
+        assert quantized_cpu.quantized_attention_cpu(q, k_rec, v_rec, offs, lens, side, 0.2, 4, 16) is None
+        with quantized_cpu.use_cpu_kernel(True):
+            assert quantized_cpu.quantized_attention_cpu(q, k_rec, v_rec, offs, lens, side, 0.2, 4, 16) is not None
+    assert quantized_cpu.cpu_kernel()

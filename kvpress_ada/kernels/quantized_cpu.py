@@ -10,11 +10,13 @@ The C source is compiled once per machine with the system C compiler (``$CC``, e
 ``-O3 -march=native``) into ``$KVPRESS_ADA_CACHE`` (default ``~/.cache/kvpress_ada``) under a name
 hashing the source, the flags, the compiler and the CPU, and loaded with ``ctypes``. Where no compiler
 is found or the build fails, one warning says why and the torch reference serves every call;
-``KVPRESS_ADA_CPU_KERNEL=0`` turns the kernel off (measurements, tests of the reference path).
+``KVPRESS_ADA_CPU_KERNEL=0`` (read at each call) or a :func:`use_cpu_kernel` block turns the kernel off
+(measurements, tests of the reference path).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -24,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -31,7 +34,7 @@ from torch import Tensor
 
 from .quantized import residual_of, rotation, side_operands
 
-__all__ = ["MAX_QUERIES", "ENV_VAR", "cpu_kernel", "quantized_attention_cpu"]
+__all__ = ["MAX_QUERIES", "ENV_VAR", "cpu_kernel", "use_cpu_kernel", "quantized_attention_cpu"]
 
 MAX_QUERIES = 4
 """Most queries per head (``Q``) the fused kernel takes; longer calls (prefill chunks) go to the torch reference."""
@@ -88,10 +91,28 @@ def _build() -> Path:
     return target
 
 
+_enabled: list[bool] = []  # use_cpu_kernel's stack of overrides
+
+
+@contextlib.contextmanager
+def use_cpu_kernel(enabled: bool) -> Iterator[None]:
+    """Within the block, serve decode-shaped CPU calls by the fused kernel (``True``, if it builds) or by the
+    torch reference (``False``), whatever ``$KVPRESS_ADA_CPU_KERNEL`` says; process-wide (measurements, tests)."""
+    _enabled.append(bool(enabled))
+    try:
+        yield
+    finally:
+        _enabled.pop()
+
+
+def _wanted() -> bool:
+    if _enabled:
+        return _enabled[-1]
+    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
     try:
         lib = ctypes.CDLL(str(_build()))
     except Exception as error:  # noqa: BLE001 - any failure leaves the torch reference in charge
@@ -105,8 +126,8 @@ def _library() -> ctypes.CDLL | None:
 
 
 def cpu_kernel() -> bool:
-    """Whether the fused CPU kernel is built and enabled (builds it on the first call)."""
-    return _library() is not None
+    """Whether the fused CPU kernel is enabled and built (builds it on the first call)."""
+    return _wanted() and _library() is not None
 
 
 def quantized_attention_cpu(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor,
@@ -116,7 +137,7 @@ def quantized_attention_cpu(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets
     queries per row, or the kernel unavailable): the caller then runs the reference."""
     B, H_q, Q, D = q.shape
     rows = row_offsets.shape[0]
-    if q.device.type != "cpu" or Q > MAX_QUERIES or q.dtype not in _SCALE_DTYPES:
+    if q.device.type != "cpu" or Q > MAX_QUERIES or q.dtype not in _SCALE_DTYPES or not _wanted():
         return None
     lib = _library()
     if lib is None:

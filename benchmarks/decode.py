@@ -137,8 +137,9 @@ def build_configs(prefill, methods, ratios, dense: bool, row_loop_rows: bool = F
 
     configs = [Config("full", 0.0, lambda: prefill.compressed_cache(None))]
     for method in methods:
+        name, _, storage = method.partition(":")  # "ada_snapkv:int4": the preset storing int4 records
         for r in ratios:
-            press = preset(method, compression_ratio=r)
+            press = preset(name, compression_ratio=r, **({"storage": storage} if storage else {}))
             t0 = time.perf_counter()
             masks = prefill.keep_masks(press)
             setup = time.perf_counter() - t0
@@ -270,7 +271,8 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=None,
                         help="context lengths in tokens (default: 2048 4096; 512 with --quick)")
     parser.add_argument("--methods", nargs="+", default=["snapkv", "ada_snapkv"],
-                        help="presets to compare (default: snapkv ada_snapkv)")
+                        help="presets to compare, each optionally with a storage: PRESET[:int8|:int4] "
+                        "(default: snapkv ada_snapkv)")
     parser.add_argument("--ratios", type=float, nargs="+", default=None,
                         help="compression ratios (default: 0.5 0.75 0.9; 0.75 with --quick)")
     parser.add_argument("--steps", type=int, default=None, help="decode steps per timed run (default: 32; 4 with "

@@ -1,7 +1,8 @@
 """Cache-side cost of a decode step with quantized storage: deferred appends (the layer's default: eager
-single-token appends go to the residual ring and are quantized in batches before they leave it) against
-quantizing every appended token at once (what a compiled step does), and the full-precision ragged layer;
-with the fused CPU attention kernel (the default where it builds) and with the torch reference.
+single-token appends, eager or compiled, go to the residual ring and are quantized in batches before they
+leave it) against quantizing every appended token at once (a longer append, or ``defer_appends = False``),
+and the full-precision ragged layer; with the fused CPU attention kernel (the default where it builds) and
+with the torch reference.
 
 No model: ``--layers`` ragged layers of random entries (a prompt of ``--context`` tokens, ``--keep`` of them
 kept per row), then ``--steps`` decode steps, each an append and an attention per layer, timed per

@@ -356,6 +356,8 @@ def test_raw_ops_opcheck():
     torch.library.opcheck(torch.ops.kvpress_ada.quantized_append,
                           (new, new.flip(-1), k_rec.clone(), v_rec.clone(), offs, lens.clone(), side.clone(), bits,
                            group))
+    _, _, ring, _ = _records(k, v, offs, lens, bits, group, residual=3)
+    torch.library.opcheck(torch.ops.kvpress_ada.quantized_append_side, (new, new.flip(-1), lens.clone(), ring.clone()))
     keys = torch.randn(3, 1, 4, D)
     keep = torch.tensor([True, False, True, True]).expand(3, 1, 4).contiguous()
     torch.library.opcheck(torch.ops.kvpress_ada.quantized_compact,
@@ -481,3 +483,25 @@ def test_triton_backend_through_the_op():
     ref = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.25, 4, 16)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     assert lens[2] == 0 and torch.equal(got[2], torch.zeros_like(got[2]))  # an empty row attends to nothing: 0, not NaN
+
+
+def test_deferred_append_compiles_and_matches_eager():
+    """The deferred append (ring only) traces as a custom op (``fullgraph=True``) and writes what the eager
+    ``append_side`` writes, the empty row's anchor included; a ring shorter than the append is refused."""
+    from torch._dynamo.utils import counters
+
+    D, group, bits = 32, 16, 4
+    k, v, offs, lens = _cache([5, 12, 0, 7], D, torch.float32)
+    _, _, side, _ = _records(k, v, offs, lens, bits, group, residual=4)
+    new = torch.randn(2, 2, 1, D), torch.randn(2, 2, 1, D)
+    empty = int((lens == 0).nonzero())
+    want_side, want_lens = side.clone(), lens.clone()
+    qz.append_side(*new, want_lens, want_side)
+    counters.clear()
+    torch.compile(kernels.quantized_append_side, fullgraph=True, backend="aot_eager")(*new, lens, side)
+    assert torch.equal(lens, want_lens) and torch.equal(side, want_side)
+    b, h = divmod(empty, 2)
+    assert torch.equal(side[0, empty], new[0][b, h, 0])  # the empty row's first token is its anchor
+    assert counters["graph_break"] == {}
+    with pytest.raises(ValueError, match="a deferred append of 5 tokens needs a residual ring of at least 5, got 4"):
+        kernels.quantized_append_side(torch.randn(2, 2, 5, D), torch.randn(2, 2, 5, D), lens, side)

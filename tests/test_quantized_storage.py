@@ -318,7 +318,7 @@ def test_residual_decode_compaction_keeps_what_the_view_reads(residual):
 
 
 class ImmediateLayer(QuantizedRaggedLayer):
-    """Quantizes every appended token at once (what a compiled step does): the oracle of deferred appends."""
+    """Quantizes every appended token at once: the oracle of deferred appends."""
 
     defer_appends = False
 

@@ -27,7 +27,7 @@ CPU tensors needs ``TRITON_INTERPRET=1`` set before ``triton_kernels`` is import
 
 from .ops import append, compact, ragged_attention
 from .quantized import dequantize, quantize, record_width
-from .quantized_ops import quantized_append, quantized_attention, quantized_compact
+from .quantized_ops import quantized_append, quantized_append_side, quantized_attention, quantized_compact
 from .reference import append_ref, compact_ref, ragged_attention_ref
 from .support import (
     BACKENDS,
@@ -50,6 +50,7 @@ __all__ = [
     "record_width",
     "quantized_attention",
     "quantized_append",
+    "quantized_append_side",
     "quantized_compact",
     "use_backend",
     "get_backend",

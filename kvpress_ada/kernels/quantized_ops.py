@@ -9,6 +9,7 @@ call the implementation directly (no custom-op dispatch per layer and step).
 
 * :func:`quantized_attention` - ragged attention that dequantizes the rows it reads;
 * :func:`quantized_append` - quantize new tokens and append their records in place;
+* :func:`quantized_append_side` - a deferred append: new tokens into the rows' residual rings only;
 * :func:`quantized_compact` - fix each row's side tensors and quantize its kept entries into the ragged layout.
 
 Every op takes the layer's ``side [3 + 2R, rows, D]`` (each row's anchor key, anchor value, key centre and
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .quantized import (
+    append_side,
     check_side,
     quantized_append_ref,
     quantized_attention_ref,
@@ -32,7 +34,7 @@ from .quantized import (
 from .quantized_cpu import quantized_attention_cpu
 from .support import resolve_backend, triton_module
 
-__all__ = ["quantized_attention", "quantized_append", "quantized_compact"]
+__all__ = ["quantized_attention", "quantized_append", "quantized_append_side", "quantized_compact"]
 
 
 # ----------------------------------------------------------------------------- validation
@@ -111,6 +113,18 @@ def _(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side, bits, group):
     return None
 
 
+@torch.library.custom_op("kvpress_ada::quantized_append_side", mutates_args=("row_lengths", "side"))
+def _quantized_append_side_op(k_new: Tensor, v_new: Tensor, row_lengths: Tensor, side: Tensor) -> None:
+    """Raw op behind :func:`quantized_append_side` (no validation); torch ops on every backend."""
+    if k_new.numel():
+        append_side(k_new, v_new, row_lengths, side)
+
+
+@_quantized_append_side_op.register_fake
+def _(k_new, v_new, row_lengths, side):
+    return None
+
+
 @torch.library.custom_op("kvpress_ada::quantized_compact", mutates_args=("k_rec", "v_rec", "side"))
 def _quantized_compact_op(keys: Tensor, values: Tensor, keep: Tensor, row_offsets: Tensor, k_rec: Tensor,
                           v_rec: Tensor, side: Tensor, bits: int, group: int) -> None:
@@ -162,6 +176,25 @@ def quantized_append(k_new: Tensor, v_new: Tensor, k_rec: Tensor, v_rec: Tensor,
             quantized_append_ref(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side, bits, group)
         return
     _quantized_append_op(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side, int(bits), int(group))
+
+
+def quantized_append_side(k_new: Tensor, v_new: Tensor, row_lengths: Tensor, side: Tensor) -> None:
+    """A deferred append of ``k_new, v_new [B, H_kv, Q, D]`` (``Q`` at most the ring's ``R``): each row's newest
+    ``Q`` tokens go into its residual ring of ``side``, a row empty so far takes its first new token as its
+    anchor, and ``row_lengths += Q``; no record is written (:func:`~.quantized.record_newest` writes them
+    before they leave the ring). What a compiled decode step appends (:func:`~.quantized.append_side`)."""
+    R = side.shape[0] // 2 - 1 if side.dim() == 3 else 0
+    if k_new.dim() != 4 or k_new.shape != v_new.shape or k_new.dtype != v_new.dtype:
+        raise ValueError(f"k_new {k_new.dtype} {tuple(k_new.shape)} and v_new {v_new.dtype} {tuple(v_new.shape)} "
+                         "must be one [B, H_kv, Q, D] shape and dtype")
+    B, H, Q, D = k_new.shape
+    check_side(side, B * H, D, k_new.dtype, k_new.device)
+    if not 0 < Q <= R:
+        raise ValueError(f"a deferred append of {Q} tokens needs a residual ring of at least {Q}, got {R}")
+    if _direct(k_new, v_new, row_lengths, side):
+        append_side(k_new, v_new, row_lengths, side)
+        return
+    _quantized_append_side_op(k_new, v_new, row_lengths, side)
 
 
 def quantized_compact(keys: Tensor, values: Tensor, keep: Tensor, row_offsets: Tensor, k_rec: Tensor,

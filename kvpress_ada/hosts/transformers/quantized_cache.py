@@ -97,10 +97,14 @@ class QuantizedRaggedLayer(RaggedLayer):
         """Eager appends of at most ``residual`` tokens are deferred: the tokens go into the residual ring
         (what every read of a row's newest entries uses) and their records are written in one batch by
         :meth:`reserve` before they would leave it, or before anything moves records (KIVI's grouped
-        quantization of the residual; the records are those an immediate append writes). A compiled step, a
-        longer append, no residual or ``defer_appends = False`` quantizes at once."""
+        quantization of the residual; the records are those an immediate append writes). A compiled step
+        defers too (its caller reserved it, outside the graph): through a custom op that checks every row for
+        emptiness on the device. A longer append, no residual or ``defer_appends = False`` quantizes at once."""
         Q = keys.shape[-2]
-        if self.defer_appends and Q <= self.residual and not torch.compiler.is_compiling():
+        if self.defer_appends and Q <= self.residual:
+            if torch.compiler.is_compiling():
+                kernels.quantized_append_side(keys, values, self.row_lengths, self.side)
+                return
             empty = min(self._base, default=0) + self._appended - Q <= 0  # _appended counts these Q already
             append_side(keys, values, self.row_lengths, self.side, empty_rows=empty)
             return

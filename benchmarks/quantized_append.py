@@ -57,6 +57,7 @@ def main() -> None:
     keep = torch.rand(B, H, L, generator=gen) < args.keep
     steps = [(torch.randn(B, H, 1, D, generator=gen), torch.randn(B, H, 1, D, generator=gen),
               torch.randn(B, args.query_heads, 1, D, generator=gen)) for _ in range(args.steps)]
+
     def deferred():
         return QuantizedRaggedLayer(args.bits, 32, residual=args.residual)
 
@@ -93,6 +94,7 @@ def main() -> None:
         payload = {"benchmark": "quantized_append", "command": " ".join(sys.argv), "machine": common.machine_info(),
                    "cpu_kernel": cpu_kernel(), "args": {k: str(v) for k, v in vars(args).items()}, "results": summary}
         print(f"wrote {common.write_json(args.out, payload)}", file=sys.stderr)
+
 
 if __name__ == "__main__":
     main()

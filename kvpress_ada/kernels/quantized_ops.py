@@ -30,6 +30,7 @@ from .quantized import (
     quantized_attention_ref,
     quantized_compact_ref,
     record_width,
+    residual_of,
 )
 from .quantized_cpu import quantized_attention_cpu
 from .support import resolve_backend, triton_module
@@ -72,6 +73,12 @@ def _rows(name: str, x: Tensor, row_offsets: Tensor, same_heads: bool) -> None:
         raise ValueError(f"{name} of shape {tuple(x.shape)} does not fit {R} cache rows")
     if x.device != row_offsets.device:
         raise ValueError(f"{name} is on {x.device} but the cache is on {row_offsets.device}")
+
+
+def _same_entries(k_new: Tensor, v_new: Tensor) -> None:
+    if k_new.shape != v_new.shape or k_new.dtype != v_new.dtype:
+        raise ValueError(f"k_new {k_new.dtype} {tuple(k_new.shape)} and v_new {v_new.dtype} {tuple(v_new.shape)} "
+                         "differ")
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -168,9 +175,7 @@ def quantized_append(k_new: Tensor, v_new: Tensor, k_rec: Tensor, v_rec: Tensor,
     (``side``); then ``row_lengths += Q`` (in place, no host sync). The caller guarantees the capacity."""
     _check_records(k_rec, v_rec, row_offsets, row_lengths, side, k_new.shape[-1], bits, group, k_new.dtype)
     _rows("k_new", k_new, row_offsets, same_heads=True)
-    if k_new.shape != v_new.shape or k_new.dtype != v_new.dtype:
-        raise ValueError(f"k_new {k_new.dtype} {tuple(k_new.shape)} and v_new {v_new.dtype} {tuple(v_new.shape)} "
-                         "differ")
+    _same_entries(k_new, v_new)
     if _direct(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side):
         if k_new.numel():
             quantized_append_ref(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side, bits, group)
@@ -183,12 +188,11 @@ def quantized_append_side(k_new: Tensor, v_new: Tensor, row_lengths: Tensor, sid
     ``Q`` tokens go into its residual ring of ``side``, a row empty so far takes its first new token as its
     anchor, and ``row_lengths += Q``; no record is written (:func:`~.quantized.record_newest` writes them
     before they leave the ring). What a compiled decode step appends (:func:`~.quantized.append_side`)."""
-    R = side.shape[0] // 2 - 1 if side.dim() == 3 else 0
-    if k_new.dim() != 4 or k_new.shape != v_new.shape or k_new.dtype != v_new.dtype:
-        raise ValueError(f"k_new {k_new.dtype} {tuple(k_new.shape)} and v_new {v_new.dtype} {tuple(v_new.shape)} "
-                         "must be one [B, H_kv, Q, D] shape and dtype")
+    _rows("k_new", k_new, row_lengths, same_heads=True)
+    _same_entries(k_new, v_new)
     B, H, Q, D = k_new.shape
     check_side(side, B * H, D, k_new.dtype, k_new.device)
+    R = residual_of(side)
     if not 0 < Q <= R:
         raise ValueError(f"a deferred append of {Q} tokens needs a residual ring of at least {Q}, got {R}")
     if _direct(k_new, v_new, row_lengths, side):

@@ -723,11 +723,14 @@ def staged_estimate(args) -> dict:
             press = staged_press(m, args.budget, args.chunk)
             last = pts[m][-1]
             if press is not None and press.prefill_chunk is not None:
-                dense = sum(a * (e - s) for s, e in press.chunks(ids))
-                attn = sum(2 * b * (e - s) * (min(args.budget, s) + (e - s) / 2) for s, e in press.chunks(ids))
+                from kvpress_ada.runtime import Schedule
+
+                chunks = Schedule(press).chunks
+                dense = sum(a * (e - s) for s, e in chunks(ids))
+                attn = sum(2 * b * (e - s) * (min(args.budget, s) + (e - s) / 2) for s, e in chunks(ids))
                 base_short = a * last["context_ids"] + b * last["context_ids"] ** 2
-                overhead = max(last["prefill_s"] - base_short, 0.0) / max(len(press.chunks(last["context_ids"])), 1)
-                prefill = dense + attn + overhead * len(press.chunks(ids))
+                overhead = max(last["prefill_s"] - base_short, 0.0) / max(len(chunks(last["context_ids"])), 1)
+                prefill = dense + attn + overhead * len(chunks(ids))
             else:
                 overhead = max(last["prefill_s"] - (a * last["context_ids"] + b * last["context_ids"] ** 2), 0.0)
                 prefill = a * ids + b * ids ** 2 + overhead * ids / last["context_ids"]

@@ -107,6 +107,12 @@ class Pipeline(OneLineErrors):
         raise ValueError(f"prefill_chunk={self.prefill_chunk} is not supported: {reason}; "
                          "use prefill_chunk=None (one-shot prefill)")
 
+    def replace(self, **changes: Any) -> "Pipeline":
+        """A validated copy with ``changes`` (field names; components as instances, names or dicts): every check
+        of construction runs again, and an unknown field or a bad value is refused in one line (``ConfigError``)."""
+        fields = {name: getattr(self, name) for name in type(self).model_fields}
+        return type(self)(**{**fields, **changes})
+
     # ------------------------------------------------------------ capabilities
     @property
     def is_noop(self) -> bool:
@@ -127,27 +133,6 @@ class Pipeline(OneLineErrors):
         """Whether the cache is compacted while generating (``decode_budget``/``decode_interval``)."""
         return self.decode_budget is not None
 
-    @property
-    def evicts_at_end(self) -> bool:
-        """Whether eviction waits for every layer's scores (a model-scope layer schedule, or a
-        scorer with a model pass of its own): the full cache of all layers is then held until the
-        end of prefill. Otherwise each layer is evicted right after its own prefill attention."""
-        return bool(type(self.layers).needs_all_layers or type(self.scorer).needs_model_pass)
-
-    def chunks(self, length: int) -> list[tuple[int, int]]:
-        """``[(start, stop), ...]`` of a chunked prefill of ``length`` tokens, aligned on the end:
-        every chunk but the first holds ``prefill_chunk`` tokens (one chunk without chunking)."""
-        n = self.prefill_chunk
-        if n is None or length <= n:
-            return [(0, length)]
-        bounds = list(range(length, 0, -n))[::-1]
-        starts = [0] + bounds[:-1]
-        return list(zip(starts, bounds))
-
-    def chunks_prompt(self, length: int) -> bool:
-        """Whether a prompt of ``length`` tokens is prefilled in more than one chunk."""
-        return len(self.chunks(length)) > 1
-
     def check_context(self, min_length: int) -> None:
         """Raise a clear error when the shortest row is too short for the scorer."""
         need = self.scorer.min_context()
@@ -163,13 +148,6 @@ class Pipeline(OneLineErrors):
         host calls it once when the press meets a model, with its own checks."""
         for component in (self.scorer, self.layers, self.allocator, self.evictor, self.storage):
             component.check_model(config)
-
-    def check_fan_out(self, length: int) -> None:
-        """Raise when fan-out (one dense prefill serving many presses) cannot derive this press's cache
-        for a prompt of ``length`` tokens: a chunked prefill changes the prefill itself."""
-        if self.chunks_prompt(length):
-            raise ValueError(f"fan-out derives caches from one dense prefill, but this press prefills in chunks of "
-                             f"{self.prefill_chunk} tokens ({length} here): run it with `with press(model)`")
 
     # ------------------------------------------------------------------ budgets
     def average_budget(self, lengths: torch.Tensor) -> torch.Tensor:

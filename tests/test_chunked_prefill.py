@@ -12,6 +12,7 @@ import kvpress_ada as ka
 from kvpress_ada import AdaHead, AdaLayer, KNorm, KVzip, Mask, Pipeline, SnapKV, StreamingLLM, preset
 from kvpress_ada.hosts.transformers.hf import output_cache
 from kvpress_ada.hosts.transformers.ragged_cache import RaggedLayer
+from kvpress_ada.runtime import Schedule
 
 torch.set_num_threads(1)
 
@@ -40,11 +41,11 @@ def llama():
 
 
 def test_chunks_are_aligned_on_the_end():
-    press = preset("snapkv", budget=8, prefill_chunk=4)
-    assert press.chunks(10) == [(0, 2), (2, 6), (6, 10)]
-    assert press.chunks(8) == [(0, 4), (4, 8)]
-    assert press.chunks(4) == [(0, 4)]
-    assert preset("snapkv", budget=8).chunks(10) == [(0, 10)]
+    schedule = Schedule(preset("snapkv", budget=8, prefill_chunk=4))
+    assert schedule.chunks(10) == [(0, 2), (2, 6), (6, 10)]
+    assert schedule.chunks(8) == [(0, 4), (4, 8)]
+    assert schedule.chunks(4) == [(0, 4)]
+    assert Schedule(preset("snapkv", budget=8)).chunks(10) == [(0, 10)]
 
 
 @pytest.mark.parametrize("name", ["ada_snapkv", "snapkv", "streamingllm", "knorm", "h2o", "tova", "criticalkv",

@@ -8,6 +8,7 @@ import torch
 from kvpress_ada import Mask, RaggedCache, UniformLayer, generate, preset
 from kvpress_ada.hosts.transformers.fanout import capture_prefill
 from kvpress_ada.hosts.transformers.hf import output_cache
+from kvpress_ada.runtime import Schedule
 
 
 class _WaitingUniform(UniformLayer):
@@ -37,7 +38,7 @@ def test_end_of_prefill_equals_layer_by_layer_for_the_same_budgets(llama):
     results = {}
     for label, layers in (("local", UniformLayer()), ("end", _WaitingUniform())):
         press = preset("ada_snapkv", compression_ratio=0.6, layers=layers)
-        assert press.evicts_at_end == (label == "end")
+        assert Schedule(press).prompt_waits == (label == "end")
         with press(llama):
             results[label] = llama.generate(ids, **kwargs)
             cache = output_cache(llama(input_ids=ids, attention_mask=mask))
@@ -77,7 +78,7 @@ def test_ada_layer_spends_the_model_budget_across_layers(llama):
 
     ids, mask = _batch()
     press = preset("ada_snapkv", compression_ratio=0.5, layers=AdaLayer(alpha=0.2))
-    assert press.evicts_at_end
+    assert Schedule(press).prompt_waits
     with press(llama):
         cache = output_cache(llama(input_ids=ids, attention_mask=mask))
     per_layer = torch.stack([cache.head_lengths(i).sum(-1) for i in range(3)], 1)  # [B, layers]

@@ -31,6 +31,7 @@ from kvpress_ada.hosts.transformers.generation import (
 from kvpress_ada.hosts.transformers.hf import cache_kwarg, output_cache
 from kvpress_ada.pipeline import Pipeline
 from kvpress_ada.presets import preset
+from kvpress_ada.runtime import Schedule
 from kvpress_ada.tokens import encode
 
 ENTRY_BATCH = 16  # entries decoded together in one batch (memory: 16 compressed caches of a sample)
@@ -54,8 +55,7 @@ def grid(presets: list[str] | dict[str, Pipeline], ratios: list[float]) -> list[
             if base is None:
                 press = preset(label, compression_ratio=ratio)
             else:
-                press = base.model_copy(update={"compression_ratio": ratio, "budget": None})
-                press = Pipeline.model_validate(press.model_dump())
+                press = base.replace(compression_ratio=ratio, budget=None)
             entries.append(Entry(label, ratio, press))
     return entries
 
@@ -189,7 +189,7 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
         if i in results:
             continue
         keep: list[torch.Tensor] | None = None
-        if entry.press is not None and entry.press.chunks_prompt(length):
+        if entry.press is not None and Schedule(entry.press).chunked(length):
             # fan-out cannot derive it from the dense prefill: run the press on the prompt
             cache, next_logits = _chunked_prefill(model, entry.press, prompt)
         else:
@@ -220,7 +220,7 @@ def _batches(entries: list[Entry], batched: list[int], size: int) -> list[list[i
 def _batchable(press: Pipeline | None, length: int) -> bool:
     """Whether the entry's cache can be a row of :meth:`Prefill.compressed_batch`."""
     return (press is not None and not press.is_noop and type(press.evictor) is TopK and not _decoding(press)
-            and not press.chunks_prompt(length))
+            and not Schedule(press).chunked(length))
 
 
 @torch.inference_mode()

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ...observation import Budget
+from ...runtime import Due, Schedule
 from .attention import RUN_KWARG, Handler, layer_view, record_entry_scores
 from .eviction import Eviction
 from .hf import check_left_padded, prefill_key_mask
@@ -42,10 +43,18 @@ class ChunkedPrefill(Handler):
     index: int = 0  # chunk being run
     logits_wanted: list[int] = field(default_factory=list)  # logits of each chunk the caller asked for
     logits: list[torch.Tensor] = field(default_factory=list)
+    due: Due | None = None  # the eviction the schedule makes due after the chunk being run
     eviction: Eviction = field(init=False)
 
     def __post_init__(self) -> None:
-        self.eviction = Eviction(self.press, self.cache, at_end=self.press.evicts_at_end)
+        self.schedule = Schedule(self.press)
+        self.eviction = Eviction(self.press, self.cache, waits=self.schedule.prompt_waits)
+
+    def start(self, index: int) -> None:
+        """Chunk ``index`` is run next: every layer's clock counts it (the same step in every layer)."""
+        self.index = index
+        start, stop = self.chunks[index]
+        self.due = self.cache.state.advance(self.schedule, stop - start)[0].due
 
     def handles_prefill(self, layer_idx: int) -> bool:
         return False  # every chunk goes through attend()
@@ -96,16 +105,18 @@ class ChunkedPrefill(Handler):
         with torch.no_grad():
             out = _chunk_attention(query, held.keys, held.values, held.positions, held.valid,
                                    torch.arange(start, stop, device=query.device), scaling)
-            view = layer_view(self.press.scorer, self.model, module, len(self.cache.layers), held, query, scaling,
-                              state=self.cache.state)
-            if self.eviction.layer(layer_idx, view, held, self._budget):
-                self._done(layer_idx)
+            if self.due is not None:
+                view = layer_view(self.press.scorer, self.model, module, len(self.cache.layers), held, query, scaling,
+                                  state=self.cache.state)
+                if self.eviction.layer(layer_idx, view, held, self._budget):
+                    self._done(layer_idx)
         return out.transpose(1, 2).contiguous(), None
 
     def _budget(self) -> Budget:
         """The budget after the current chunk: the one-shot press's, capped at the tokens seen so far."""
+        assert self.due is not None
         seen = self.key_mask[:, :self.chunks[self.index][1]].sum(-1)
-        return self.press.prefill_budget(self.key_mask.sum(-1), seen=seen)
+        return self.schedule.budget(self.due, self.key_mask.sum(-1), seen=seen)
 
     def _done(self, layer_idx: int) -> None:
         """After the last chunk a layer's hidden-state scores serve only later decode compactions."""
@@ -174,7 +185,7 @@ def start_chunked_prefill(model: Any, press: Pipeline, cache: PressCache, args: 
         kwargs.pop(stale, None)
     length = int(source.shape[1])
     wanted = length if wanted == 0 else min(wanted, length)
-    chunks = press.chunks(length)
+    chunks = Schedule(press).chunks(length)
     run = ChunkedPrefill(press=press, cache=cache, model=model, key_mask=key_mask, chunks=chunks,
                          logits_wanted=[max(0, stop - max(start, length - wanted)) for start, stop in chunks])
 
@@ -190,12 +201,12 @@ def start_chunked_prefill(model: Any, press: Pipeline, cache: PressCache, args: 
 
     with torch.no_grad():
         for i in range(len(chunks) - 1):
-            run.index = i
+            run.start(i)
             cache.routed = True
             out = model(**chunk_kwargs(i))
             if run.logits_wanted[i]:
                 run.logits.append(out.logits[:, -run.logits_wanted[i]:])
             del out
-    run.index = len(chunks) - 1
+    run.start(len(chunks) - 1)
     cache.routed = True
     return (), chunk_kwargs(run.index)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...observation import Budget
+from ...runtime import Schedule, Step, Trigger
 from .attention import Handler, dense_attention, layer_view, record_entry_scores
 from .eviction import Eviction
 from .press_cache import PressCache
@@ -38,29 +39,25 @@ class DecodeRun(Handler):
     model: torch.nn.Module
     press: Pipeline | None = None
     hidden_scorer: Any = None
+    steps: list[Step] = field(default_factory=list)  # what this forward brings each layer (the schedule's)
     eviction: Eviction | None = field(init=False)
 
     def __post_init__(self) -> None:
         press = self.press
         self.eviction = None if press is None else Eviction(
-            press, self.cache, at_end=type(press.layers).needs_all_layers, spare=press.decode_interval)
+            press, self.cache, waits=Schedule(press).waits(Trigger.DECODE), spare=press.decode_interval)
 
     @classmethod
     def for_step(cls, cache: PressCache, model: torch.nn.Module, press: Pipeline, tokens: int) -> "DecodeRun":
         """The handler of a decode forward of ``tokens`` tokens under a press that compacts while
-        generating. The tokens are counted here (eagerly, before the forward); the forward records its
-        queries only when they will be among the ``query_window()`` last ones at the next compaction,
-        and compacts when ``decode_interval`` tokens have arrived. A forward that does neither attends
-        only (``press=None``), so a compiled step can run it (see :mod:`.compiled`)."""
-        assert press.decode_interval is not None
-        window = press.scorer.query_window()
-        assert window is not None  # refused at Pipeline construction
-        state = cache.state
-        state.since = [n + tokens for n in state.since]
-        compacts = max(state.since) >= press.decode_interval
-        records = press.decode_interval - min(state.since) < window
-        return cls(cache=cache, model=model, press=press if compacts or records else None,
-                   hidden_scorer=hidden_scorer(press))
+        generating. Every layer's clock counts them here (eagerly, before the forward: the runtime's
+        :class:`~kvpress_ada.runtime.Schedule`); the forward keeps its queries only when a compaction may read
+        them, and compacts where one is due. A forward that does neither attends only (``press=None``), so a
+        compiled step can run it (see :mod:`.compiled`)."""
+        steps = cache.state.advance(Schedule(press), tokens)
+        busy = any(step.due is not None or step.keeps_queries for step in steps)
+        return cls(cache=cache, model=model, press=press if busy else None, hidden_scorer=hidden_scorer(press),
+                   steps=steps)
 
     def record_hidden(self, layer_idx: int, hidden: torch.Tensor) -> None:
         """The forward's hidden states entering layer ``layer_idx``'s attention."""
@@ -100,22 +97,23 @@ class DecodeRun(Handler):
         assert self.press is not None
         rows = self.cache.head_lengths(layer_idx)
         seen = torch.full((rows.shape[0],), self.cache.get_seq_length(layer_idx), dtype=torch.long, device=rows.device)
-        return self.press.decode_budget_for(seen)
+        return Schedule(self.press).budget(Trigger.DECODE, seen, seen)
 
     def _after_attention(self, module: torch.nn.Module, query: torch.Tensor, scaling: float) -> None:
-        """Record the layer's queries and compact it when ``decode_interval`` tokens arrived since its
-        last compaction (counted by :meth:`for_step`)."""
+        """Keep the layer's queries and compact it where the schedule says so (counted by :meth:`for_step`)."""
         press, state = self.press, self.cache.state
-        assert press is not None and press.decode_interval is not None
+        assert press is not None
         layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
+        step = self.steps[layer_idx]
         window = press.scorer.query_window()
         assert window is not None  # refused at Pipeline construction
-        held = state.queries[layer_idx]
-        recent = query.detach() if held is None else torch.cat([held, query.detach()], dim=2)
-        recent = recent[:, :, recent.shape[2] - min(window, recent.shape[2]):]
-        state.queries[layer_idx] = recent
-        state.recorded[layer_idx] += query.shape[2]
-        if state.since[layer_idx] < press.decode_interval:
+        if step.keeps_queries:
+            held = state.queries[layer_idx]
+            recent = query.detach() if held is None else torch.cat([held, query.detach()], dim=2)
+            state.queries[layer_idx] = recent[:, :, recent.shape[2] - min(window, recent.shape[2]):]
+            state.recorded[layer_idx] += query.shape[2]
+        recent = state.queries[layer_idx]
+        if step.due is None or recent is None:
             return
         assert self.eviction is not None
         with torch.no_grad():
@@ -123,7 +121,6 @@ class DecodeRun(Handler):
             view = layer_view(press.scorer, self.model, module, len(self.cache.layers), entries, recent, scaling,
                               state=state)
             self.eviction.layer(layer_idx, view, entries, lambda: self._budget(layer_idx))
-        state.since[layer_idx] = 0
         state.recorded[layer_idx] = 0
         state.compactions[layer_idx] += 1
 

@@ -2,9 +2,10 @@
 
 A handler hands each layer's view to :meth:`Eviction.layer` right after that layer's attention. When
 the press decides layer by layer, the layer keeps what :meth:`Pipeline.keep <kvpress_ada.Pipeline.keep>`
-selects at once; when it decides across layers (``at_end``: a model-scope layer schedule, or a scorer
-with its own model pass) the view waits, and :meth:`Eviction.every_layer` runs one ``keep`` over every
-layer's view when the forward ends.
+selects at once; when the eviction waits for every layer (``waits``: the runtime's
+:meth:`Schedule.waits <kvpress_ada.runtime.Schedule.waits>`) the view waits in an
+:class:`~kvpress_ada.runtime.EndOfStep` collector, and :meth:`Eviction.every_layer` runs one ``keep`` over
+every layer's view when the forward ends.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ...observation import Budget, LayerView
+from ...runtime import EndOfStep
 from .press_cache import HeldEntries, PressCache
 
 if TYPE_CHECKING:
@@ -26,15 +28,18 @@ class Eviction:
 
     press: Pipeline
     cache: PressCache
-    at_end: bool
+    waits: bool
     spare: int | None = None
-    pending: dict[int, tuple[LayerView, HeldEntries]] = field(default_factory=dict)
+    pending: EndOfStep[tuple[LayerView, HeldEntries]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pending = EndOfStep(len(self.cache.layers))
 
     def layer(self, layer_idx: int, view: LayerView, held: HeldEntries, budget: Callable[[], Budget]) -> bool:
         """Layer ``layer_idx``'s ``view`` of what it ``held``: keep its selection now (``True``), or wait for
         :meth:`every_layer` (``False``). ``budget`` is only called when the layer is evicted now."""
-        if self.at_end:
-            self.pending[layer_idx] = (view, held)
+        if self.waits:
+            self.pending.wait(layer_idx, (view, held))
             return False
         keep = self.press.keep([view], budget())[0]
         self.cache.retain(layer_idx, keep, held, self.spare)
@@ -47,14 +52,14 @@ class Eviction:
         ``None``). ``prepare`` may replace the views (a scorer's model pass re-reads the cache; it gets the
         only list of the views and may empty it to let their tensors go); the layers are then viewed again
         when they keep their masks."""
-        pending, self.pending = self.pending, {}
-        if output is None or not pending:
+        if output is None or not self.pending:
+            self.pending.clear()
             return []
-        n = len(pending)
-        if n != len(self.cache.layers):
-            raise RuntimeError(f"an eviction across layers saw {n} of {len(self.cache.layers)} layers")
-        held: list[HeldEntries | None] = [None] * n if prepare is not None else [pending[i][1] for i in range(n)]
-        views: Sequence[LayerView] = [pending.pop(i)[0] for i in range(n)]
+        [(_, waiting)] = self.pending.drain()
+        n = len(waiting)
+        held: list[HeldEntries | None] = [None] * n if prepare is not None else [h for _, h in waiting]
+        views: Sequence[LayerView] = [v for v, _ in waiting]
+        del waiting
         if prepare is not None:  # nothing here holds the layers' tensors while it runs
             views = prepare(views)  # type: ignore[arg-type]
         for i, keep in enumerate(self.press.keep(views, budget())):

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from ...runtime import Schedule
 from ...scorers.base import PassScorer
 from .attention import RUN_KWARG, Handler, attention_routed, layer_view, recording_attention_inputs
 from .caches import new_cache, ragged_cache
@@ -32,7 +33,7 @@ class LayerCapture:
     values: torch.Tensor
     queries: torch.Tensor
     scaling: float
-    module: torch.nn.Module  # the attention module (its o_proj weight, its layer index)
+    module: torch.nn.Module  # the attention module (its output projection, its layer index)
     hidden: torch.Tensor | None = None  # [B, L, hidden] entering the attention (capture_prefill(hidden_states=True))
 
 
@@ -117,7 +118,7 @@ class Prefill:
         """The keep mask ``[B, H_kv, L]`` the press selects in every layer."""
         if press.is_noop:
             return [torch.ones(c.keys.shape[:3], dtype=torch.bool, device=c.keys.device) for c in self.layers]
-        press.check_fan_out(self.seq_len)
+        Schedule(press).check_fan_out(self.seq_len)
         press.check_context(int(self.key_mask.sum(-1).min()))
         check_press(press, self.model)
         scorer = press.scorer

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...observation import Budget, LayerView
+from ...runtime import Due, Schedule
 from ...scorers.base import PassScorer
 from .attention import Handler, dense_attention, layer_view, record_entry_scores
 from .eviction import Eviction
@@ -23,19 +24,21 @@ if TYPE_CHECKING:
 
 @dataclass
 class PrefillRun(Handler):
-    """The handler of one prefill forward under ``press`` (``key_mask [B, L]``: its real tokens)."""
+    """The handler of one prefill forward under ``press`` (``key_mask [B, L]``: its real tokens; ``due``: the
+    eviction the runtime's schedule makes due at the prompt's end)."""
 
     press: Pipeline
     cache: PressCache
     model: torch.nn.Module
     key_mask: torch.Tensor
+    due: Due
     input_ids: torch.Tensor | None = None
     next_position: torch.Tensor | None = None  # [B] RoPE position after the prefill (model passes)
     shard: HeadShard | None = None  # tensor parallelism: this rank's kv heads
     eviction: Eviction = field(init=False)
 
     def __post_init__(self) -> None:
-        self.eviction = Eviction(self.press, self.cache, at_end=self.press.evicts_at_end)
+        self.eviction = Eviction(self.press, self.cache, waits=self.due.waits)
 
     def handles_prefill(self, layer_idx: int) -> bool:
         return not self.cache.is_compressed(layer_idx)
@@ -59,7 +62,7 @@ class PrefillRun(Handler):
             self._done(layer_idx)
 
     def _budget(self) -> Budget:
-        return self.press.prefill_budget(self.key_mask.sum(-1))
+        return Schedule(self.press).budget(self.due, self.key_mask.sum(-1))
 
     def _done(self, layer_idx: int) -> None:
         """Layer ``layer_idx`` is compressed: its entries' hidden-state scores are needed only by

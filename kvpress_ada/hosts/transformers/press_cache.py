@@ -22,23 +22,10 @@ from typing import Any, Callable, Protocol
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ...runtime import HeldEntries, LayerClock, Schedule, Step
 from .entries import real_entries
 
 DenseAttention = Callable[..., tuple[torch.Tensor, Any]]
-
-
-@dataclass(frozen=True)
-class HeldEntries:
-    """What one layer holds, as a dense left-padded view: ``keys``/``values`` ``[B, H_kv, L, D]``,
-    row ``(b, h)``'s entries in position order at the end of its row; ``valid`` ``[B, H_kv, L]``
-    (False on padding); ``positions`` ``[B, H_kv, L]`` each entry's index in the sequence fed to the
-    cache (-1 on slots that hold nothing)."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    valid: torch.Tensor
-    positions: torch.Tensor
-    uniform: bool | None = None  # every kv head of a row holds the same entries (None: not known)
 
 
 class PressLayer(Protocol):
@@ -158,18 +145,28 @@ class SequenceState:
 
     n_layers: int
     key_mask: torch.Tensor | None = None  # [B, L_prefill] real tokens of the prefill (left padding)
+    prompt: int = 0  # tokens of the prefill (0: a cache built outside a prefill, e.g. by fan-out)
     queries: list[torch.Tensor | None] = field(default_factory=list)
-    since: list[int] = field(default_factory=list)
+    clocks: list[LayerClock] = field(default_factory=list)  # what each layer has been written (the schedule's)
     compactions: list[int] = field(default_factory=list)
     entry_scores: list[torch.Tensor | None] = field(default_factory=list)
     recorded: list[int] = field(default_factory=list)  # queries recorded since the last compaction
 
     def __post_init__(self) -> None:
         self.queries = [None] * self.n_layers
-        self.since = [0] * self.n_layers
+        self.clocks = [LayerClock(self.prompt) for _ in range(self.n_layers)]
         self.compactions = [0] * self.n_layers
         self.entry_scores = [None] * self.n_layers
         self.recorded = [0] * self.n_layers
+
+    @property
+    def since(self) -> list[int]:
+        """Generated tokens each layer was written since its last decode compaction (or the prompt's end)."""
+        return [clock.since for clock in self.clocks]
+
+    def advance(self, schedule: Schedule, tokens: int) -> list[Step]:
+        """Count a forward writing ``tokens`` tokens to every layer: each layer's :class:`~kvpress_ada.runtime.Step`."""
+        return [schedule.advance(clock, tokens) for clock in self.clocks]
 
     def crop(self, n: int) -> None:
         """Forget the last ``n`` tokens fed (``Cache.crop``): their hidden-state scores, their recorded
@@ -186,7 +183,9 @@ class SequenceState:
             if drop and held is not None:
                 self.queries[layer] = held[:, :, :max(0, held.shape[2] - drop)]
             self.recorded[layer] -= drop
-            self.since[layer] = max(0, self.since[layer] - n)
+            clock = self.clocks[layer]
+            clock.since = max(0, clock.since - n)
+            clock.written = max(0, clock.written - n)
             scores = self.entry_scores[layer]
             if scores is not None:
                 self.entry_scores[layer] = scores[:, :, :max(0, scores.shape[2] - n)]
@@ -259,7 +258,7 @@ class PressCache(Cache):
     def stores(self, storage: Any) -> bool:
         """Whether this cache keeps entries as ``storage`` (a :class:`~kvpress_ada.storage.Storage`) says: full
         precision here; a quantized cache overrides it."""
-        return not storage.quantized
+        return storage.layout is None
 
     def nbytes(self) -> int:
         """Bytes held for keys and values of all layers, plus the hidden-state scores a scorer reading

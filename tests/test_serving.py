@@ -5,15 +5,20 @@ greedy tokens; pages held are the kept entries rounded up per head and all retur
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvpress_ada import AdaHead, AdaLayer, KVzap, Pipeline, RaggedCache, SnapKV, preset
+from kvpress_ada import AdaHead, AdaLayer, KVzap, Pipeline, SnapKV, preset
 from kvpress_ada.hosts.paging import PagePool
+from kvpress_ada.hosts.quantized_paging import QuantizedPagePool
 from kvpress_ada.hosts.serving import PagedServing, check_servable
+from kvpress_ada.hosts.transformers.caches import ragged_cache
 from kvpress_ada.hosts.transformers.hf import cache_kwarg
+from kvpress_ada.storage import Int4
 
 ENGINE = "kvpress_ada_test_engine"
 
@@ -23,12 +28,15 @@ def _engine_attention(module, query, key, value, attention_mask, scaling=None, d
     step = kwargs.get("engine_step")
     if step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    serving, rid, positions, hidden = step
+    serving, rids, counts, positions, hidden, outputs = step
     B, H_q, Q, D = query.shape
     scale = float(module.scaling if scaling is None else scaling)
     layer = int(module.layer_idx)
-    out = serving.attend(layer, [rid], query[0].transpose(0, 1), key[0].transpose(0, 1),
-                         value[0].transpose(0, 1), positions, [Q], scale, hidden=hidden.get(layer))
+    out = serving.attend(layer, rids, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                         value[0].transpose(0, 1), positions, counts, scale, hidden=hidden.get(layer))
+    if outputs is not None:
+        for rid, part in zip(rids, out.split(counts)):
+            outputs.setdefault(rid, []).append(part.clone())
     return out.view(1, Q, H_q, D), None
 
 
@@ -42,7 +50,10 @@ class Engine:
         cfg = model.config
         D = cfg.hidden_size // cfg.num_attention_heads
         self.model, self.chunk = model, chunk
-        pools = [PagePool.allocate(pages, page_size, D, torch.float32) for _ in range(cfg.num_hidden_layers)]
+        if press.storage.quantized:  # the kind's own pool over an engine's pages (records over their bytes)
+            pools = [press.storage.page_pool(torch.zeros(pages, 2, page_size, D)) for _ in range(cfg.num_hidden_layers)]
+        else:
+            pools = [PagePool.allocate(pages, page_size, D, torch.float32) for _ in range(cfg.num_hidden_layers)]
 
         def layer_info(i):
             attn = model.model.layers[i].self_attn
@@ -53,7 +64,15 @@ class Engine:
         self.done: dict[str, int] = {}
 
     def step(self, rid, ids: torch.Tensor, start: int) -> int:
-        positions = torch.arange(start, start + ids.shape[1])
+        return self.packed([(rid, ids, start)])[0]
+
+    def packed(self, work: list[tuple[str, torch.Tensor, int]], outputs: dict | None = None) -> list[int]:
+        """One forward of several requests' next tokens packed (``(rid, ids [1, c], first position)`` each, in
+        order); each request's greedy next token. ``outputs``: each request's attention outputs, layer after
+        layer, are appended to ``outputs[rid]``."""
+        ids = torch.cat([w[1] for w in work], dim=1)
+        counts = [w[1].shape[1] for w in work]
+        positions = torch.cat([torch.arange(start, start + c) for (_, _, start), c in zip(work, counts)])
         previous = self.model.config._attn_implementation
         self.model.set_attn_implementation(ENGINE)
         hidden: dict[int, torch.Tensor] = {}  # hidden states entering each layer's attention, as an engine hands them
@@ -66,13 +85,15 @@ class Engine:
         try:
             with torch.no_grad():
                 logits = self.model(input_ids=ids, position_ids=positions[None], use_cache=False,
-                                    engine_step=(self.serving, rid, positions, hidden)).logits
+                                    engine_step=(self.serving, [w[0] for w in work], counts, positions, hidden,
+                                                 outputs)).logits
         finally:
             for hook in hooks:
                 hook.remove()
             self.model.set_attn_implementation(previous)
         self.serving.end_step()
-        return int(logits[0, -1].argmax())
+        ends = list(itertools.accumulate(counts))
+        return [int(logits[0, e - 1].argmax()) for e in ends]
 
     def prefill(self, rid, prompt: torch.Tensor) -> None:
         self.serving.add(rid, prompt.shape[1])
@@ -98,7 +119,7 @@ class Engine:
 
 def _alone(model, press, prompt, new_tokens):
     """The transformers host: greedy tokens and kept positions per (layer, kv head) of one request."""
-    cache = RaggedCache(config=model.config)
+    cache = ragged_cache(press.storage, model.config)
     with torch.no_grad(), press(model):
         out = model.generate(prompt, do_sample=False, max_new_tokens=new_tokens, **{cache_kwarg(model): cache})
     kept = []
@@ -124,7 +145,7 @@ def test_staggered_requests_keep_and_generate_what_each_keeps_alone(llama, name,
         press = preset(name, compression_ratio=0.5, **MODES[mode])
     except ValueError:
         pytest.skip(f"{name} does not run in {mode} mode")  # refused at construction
-    engine = Engine(llama, press, chunk=press.chunks if press.prefill_chunk else None)
+    engine = Engine(llama, press, chunk=_press_chunks(press) if press.prefill_chunk else None)
     prompts = {"a": _prompt(90, 1), "b": _prompt(71, 2), "c": _prompt(100, 3)}
     new = 9
     engine.prefill("a", prompts["a"])
@@ -142,6 +163,89 @@ def test_staggered_requests_keep_and_generate_what_each_keeps_alone(llama, name,
         # the engine writes a generated token's entry when it feeds it back: the last one is not in the cache
         assert engine.kept(r) == kept, (name, mode, r)
         assert engine.tokens[r] == tokens, (name, mode, r)
+
+
+def _engine_chunks(size):
+    """An engine's own split of a prompt into steps of at most ``size`` tokens (vLLM's long-prefill threshold)."""
+    return lambda n: [(a, min(a + size, n)) for a in range(0, n, size)]
+
+
+def _press_chunks(press):
+    """The press's own end-aligned chunks of a prompt (every chunk but the first holds ``prefill_chunk``)."""
+    def split(n):
+        size = press.prefill_chunk
+        bounds = list(range(n, 0, -size))[::-1]
+        return list(zip([0] + bounds[:-1], bounds))
+    return split
+
+
+def _windowed(name, **options):
+    """Preset ``name`` at ratio 0.5 with a 16-query window (so that scoring, not the window, decides)."""
+    press = preset(name, compression_ratio=0.5, **options)
+    return press.model_copy(update={"scorer": press.scorer.model_copy(update={"window": 16})})
+
+
+BESIDE = {  # mode -> press (an engine step brings at most 40 tokens of a prompt: vLLM's long-prefill threshold)
+    "one-shot": _windowed("ada_snapkv"),
+    "chunked": _windowed("ada_snapkv", prefill_chunk=40),
+    "decode": _windowed("ada_snapkv", decode_budget=20, decode_interval=4),
+    "model scope": Pipeline(scorer=SnapKV(window=16), layers=AdaLayer(), compression_ratio=0.5, prefill_chunk=40,
+                            decode_budget=20, decode_interval=4),
+    "int4": _windowed("ada_snapkv", prefill_chunk=40, storage=Int4(group_size=16, residual=4)),
+}
+# (prompt length, step it arrives at): prompts ending, chunking and compacting in x's steps with other query counts
+PARTNERS = [(90, 0), (50, 1), (60, 0), (130, 0), (90, 4), (17, 2), (100, 0)]
+
+
+def _serve_packed(model, press, requests, new_tokens):
+    """Run ``requests`` (``rid -> (prompt, arrival step, split)``) through one engine, every running request's next
+    step packed into each forward: its prompt in the steps ``split(n)`` gives, then ``new_tokens`` greedy tokens.
+    Returns the engine, each request's tokens and its attention outputs (every step, every layer)."""
+    engine = Engine(model, press)
+    steps = {rid: split(prompt.shape[1]) for rid, (prompt, _, split) in requests.items()}
+    tokens: dict[str, list[int]] = {rid: [] for rid in requests}
+    outputs: dict[str, list[torch.Tensor]] = {}
+    t = 0
+    while any(len(tokens[r]) < new_tokens for r in requests):
+        work = []
+        for rid, (prompt, arrival, _) in requests.items():
+            if t < arrival or len(tokens[rid]) >= new_tokens:
+                continue
+            if rid not in engine.serving.requests:
+                engine.serving.add(rid, prompt.shape[1])
+            if steps[rid]:
+                a, b = steps[rid].pop(0)
+                work.append((rid, prompt[:, a:b], a))
+            else:
+                work.append((rid, torch.tensor([[tokens[rid][-1]]]), prompt.shape[1] + len(tokens[rid]) - 1))
+        for (rid, _, _), token in zip(work, engine.packed(work, outputs)):
+            if not steps[rid]:  # the step that brought the prompt's end, or a generated token
+                tokens[rid].append(token)
+        t += 1
+    return engine, tokens, outputs
+
+
+@pytest.mark.parametrize("partner", PARTNERS, ids=[f"{n}@{s}" for n, s in PARTNERS])
+@pytest.mark.parametrize("mode", list(BESIDE))
+def test_a_request_keeps_and_generates_the_same_beside_any_partner(llama, mode, partner):
+    """Request x's kept positions per (layer, kv head), attention outputs and tokens depend only on its own tokens
+    and steps, not on a request packed beside it in the same steps (its length, phase, query count, budget), in
+    every mode the engine runs; and equal the transformers host's (x's steps: the press's chunks, if any)."""
+    press = BESIDE[mode]
+    x = _prompt(100, 21)
+    split = _press_chunks(press) if press.prefill_chunk is not None else _engine_chunks(40)
+    new = 12
+    alone, tokens, outputs = _serve_packed(llama, press, {"x": (x, 0, split)}, new)
+    length, arrival = partner
+    beside, tokens2, outputs2 = _serve_packed(
+        llama, press, {"x": (x, 0, split), "p": (_prompt(length, 22), arrival, _engine_chunks(40))}, new)
+    assert beside.kept("x") == alone.kept("x"), (mode, partner)
+    assert len(outputs2["x"]) == len(outputs["x"])
+    for mine, theirs in zip(outputs2["x"], outputs["x"]):  # packed matmuls of other sizes: rounding apart
+        assert torch.allclose(mine, theirs, rtol=1e-4, atol=1e-6), (mode, partner)
+    assert tokens2["x"] == tokens["x"]
+    host_tokens, host_kept = _alone(llama, press, x, new)
+    assert alone.kept("x") == host_kept and tokens["x"] == host_tokens, mode
 
 
 def test_model_scope_schedule_evicts_every_layer_at_the_end_of_the_step(llama):
@@ -213,12 +317,12 @@ def test_what_a_serving_engine_cannot_apply_is_refused_in_one_line():
 
 def test_a_press_is_served_only_by_pools_that_keep_its_storage():
     """Full-precision pools refuse a quantized storage (and quantized pools another storage) in one line."""
-    from kvpress_ada.hosts.quantized_paging import QuantizedPagePool
-    from kvpress_ada.storage import Int4, Int8
+    from kvpress_ada.storage import Int8
 
     D, S = 32, 8
     plain = PagePool.allocate(10, S, D, torch.float32)
-    records = QuantizedPagePool(torch.zeros(10, 2 * S * D * 4, dtype=torch.uint8), S, D, torch.float32, 4, 16, 0)
+    records = QuantizedPagePool(torch.zeros(10, 2 * S * D * 4, dtype=torch.uint8), S, D, torch.float32,
+                                Int4(group_size=16, residual=0).layout)
     int4 = preset("snapkv", compression_ratio=0.5, storage=Int4(group_size=16, residual=0))
     PagedServing(int4, [records], 2)
     PagedServing(preset("snapkv", compression_ratio=0.5), [plain], 2)
@@ -241,7 +345,7 @@ def test_a_scorer_reading_hidden_states_keeps_what_it_keeps_on_the_transformers_
     sur.save(random_surrogate(llama.config, seed=5), path)
     press = preset("kvzap", compression_ratio=0.5, **MODES[mode]).model_copy(
         update={"scorer": KVzap(path=str(path), window=8)})
-    engine = Engine(llama, press, chunk=press.chunks if press.prefill_chunk else None)
+    engine = Engine(llama, press, chunk=_press_chunks(press) if press.prefill_chunk else None)
     prompts = {"a": _prompt(90, 11), "b": _prompt(75, 12)}
     engine.prefill("a", prompts["a"])
     engine.prefill("b", prompts["b"])

@@ -71,6 +71,17 @@ class _Due:
     budget: Budget
     step_queries: list[torch.Tensor] | None = None  # what each request scores with (None: its recent queries)
 
+    def part(self, members: list[int]) -> _Due:
+        """The requests at indices ``members`` of this group, with their budgets and queries."""
+        if members == list(range(len(self.ids))):
+            return self
+        index = torch.tensor(members, device=self.budget.average.device)
+        cap = self.budget.cap
+        budget = Budget(average=self.budget.average[index], lengths=self.budget.lengths[index],
+                        cap=None if cap is None else cap[index])
+        queries = None if self.step_queries is None else [self.step_queries[m] for m in members]
+        return _Due([self.ids[m] for m in members], budget, queries)
+
 
 @dataclass
 class PagedServing:
@@ -201,9 +212,11 @@ class PagedServing:
             for group in due:
                 if type(self.press.layers).needs_all_layers:  # viewed at the end of the step (what it holds then)
                     self._pending.setdefault(layer_idx, []).append((group, scaling))
-                else:
-                    view = self._view(layer_idx, group, scaling)
-                    self._keep(layer_idx, group, self.press.keep([view], group.budget)[0])
+                    continue
+                for members in self._alike({layer_idx: group}):
+                    part = group.part(members)
+                    view = self._view(layer_idx, part, scaling)
+                    self._keep(layer_idx, part, self.press.keep([view], part.budget)[0])
         return out
 
     def end_step(self) -> None:
@@ -214,12 +227,14 @@ class PagedServing:
         if len(pending) != len(self.pools):
             raise RuntimeError(f"an eviction across layers saw {len(pending)} of {len(self.pools)} layers")
         with torch.no_grad():
-            for g in range(len(pending[0])):
-                group = pending[0][g][0]
-                views = [self._view(i, *pending[i][g]) for i in range(len(self.pools))]
-                masks = self.press.keep(views, group.budget)
-                for i, keep in enumerate(masks):
-                    self._keep(i, group, keep)
+            for g in range(len(pending[0])):  # every layer's g-th group holds the same requests, its own queries
+                groups = {i: pending[i][g][0] for i in range(len(self.pools))}
+                for members in self._alike(groups):
+                    parts = {i: group.part(members) for i, group in groups.items()}
+                    views = [self._view(i, parts[i], pending[i][g][1]) for i in parts]
+                    masks = self.press.keep(views, parts[0].budget)
+                    for i, keep in enumerate(masks):
+                        self._keep(i, parts[i], keep)
 
     # ------------------------------------------------------------------ internals
     def _advance(self, layer_idx: int, ids: list[str], requests: list[ServedRequest], query: torch.Tensor,
@@ -273,21 +288,37 @@ class PagedServing:
             due.append(_Due(compacts, press.decode_budget_for(seen)))
         return due
 
-    def _view(self, layer_idx: int, group: _Due, scaling: float) -> LayerView:
-        pool = self.pools[layer_idx]
-        requests = [self.requests[i] for i in group.ids]
-        seqs = [r.seqs[layer_idx] for r in requests]
-        keys, values, present, positions = pool.view(seqs)
-        queries: list[torch.Tensor] = []
-        for i, r in enumerate(requests):
-            q = group.step_queries[i] if group.step_queries is not None else r.queries[layer_idx]
+    def _queries(self, layer_idx: int, group: _Due) -> list[torch.Tensor]:
+        """What each request of ``group`` scores with in layer ``layer_idx``: its last ``min(w, queries, entries
+        held by its fullest kv head)`` queries for a scorer's window ``w`` (the transformers host's window), each
+        request's own whatever the others bring."""
+        window = self.press.scorer.query_window()
+        queries = []
+        for i, rid in enumerate(group.ids):
+            request = self.requests[rid]
+            q = group.step_queries[i] if group.step_queries is not None else request.queries[layer_idx]
             if q is None:
                 raise RuntimeError(f"layer {layer_idx}: a request evicts before any of its queries reached the layer")
-            queries.append(q)
-        n = min(q.shape[1] for q in queries)
-        window = self.press.scorer.query_window()
-        n = n if window is None else min(n, window, keys.shape[2])
-        stacked = torch.stack([q[:, q.shape[1] - n:] for q in queries])  # [B, H_q, n, D]
+            n = q.shape[1] if window is None else min(window, q.shape[1], max(request.seqs[layer_idx].lengths))
+            queries.append(q[:, q.shape[1] - n:])
+        return queries
+
+    def _alike(self, groups: dict[int, _Due]) -> list[list[int]]:
+        """The requests of ``groups`` (layer -> that layer's group of the same requests) split into those that score
+        with as many queries in every layer: indices into the groups. A view stacks its requests' queries, so it is
+        batched where the counts agree and never cuts one request's queries to another's."""
+        parts: dict[tuple[int, ...], list[int]] = {}
+        counts = [[q.shape[1] for q in self._queries(i, group)] for i, group in groups.items()]
+        for m in range(len(counts[0])):
+            parts.setdefault(tuple(c[m] for c in counts), []).append(m)
+        return list(parts.values())
+
+    def _view(self, layer_idx: int, group: _Due, scaling: float) -> LayerView:
+        """The view of ``group``'s requests in layer ``layer_idx`` (they score with as many queries: :meth:`_alike`)."""
+        pool = self.pools[layer_idx]
+        seqs = [self.requests[i].seqs[layer_idx] for i in group.ids]
+        keys, values, present, positions = pool.view(seqs)
+        stacked = torch.stack(self._queries(layer_idx, group))  # [B, H_q, n, D]
         info = self.layer_info(layer_idx) if self.layer_info is not None else {}
         scorer = self.press.scorer
         return LayerView(keys=keys, values=values, valid=present, queries=stacked, layer_idx=layer_idx,

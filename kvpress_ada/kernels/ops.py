@@ -126,23 +126,28 @@ def _validate_attention(q, k_flat, v_flat, row_offsets, row_lengths, scale) -> N
         )
 
 
+def _check_new(k_name: str, k: Tensor, v_name: str, v: Tensor, k_flat: Tensor, row_offsets: Tensor) -> None:
+    """Keys and values ``[B, H_kv, *, D]`` to write into the cache: same shape, one kv head per cache row."""
+    if k.shape != v.shape:
+        raise ValueError(f"{k_name} {tuple(k.shape)} and {v_name} {tuple(v.shape)} differ in shape")
+    B, H = _check_rows(k_name, k, k_flat, row_offsets)
+    _check_rows(v_name, v, k_flat, row_offsets)
+    if H != k.shape[1]:
+        raise ValueError(
+            f"{k_name} has {k.shape[1]} kv heads but the cache has {row_offsets.shape[0]} rows for batch {B}"
+        )
+
+
 def _validate_compact(keys, values, keep, row_offsets, k_flat, v_flat) -> None:
     _tensor("keys", keys, 4)
     _tensor("values", values, 4)
     _tensor("keep", keep, 3)
     _check_cache(k_flat, v_flat, row_offsets, None)
-    if keys.shape != values.shape:
-        raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape")
     if keep.dtype != torch.bool:
         raise TypeError(f"keep must be a bool mask, got {keep.dtype}")
     if tuple(keep.shape) != tuple(keys.shape[:3]):
         raise ValueError(f"keep {tuple(keep.shape)} must have shape [B, H_kv, L] = {tuple(keys.shape[:3])}")
-    B, H = _check_rows("keys", keys, k_flat, row_offsets)
-    _check_rows("values", values, k_flat, row_offsets)
-    if H != keys.shape[1]:
-        raise ValueError(
-            f"keys has {keys.shape[1]} kv heads but the cache has {row_offsets.shape[0]} rows for batch {B}"
-        )
+    _check_new("keys", keys, "values", values, k_flat, row_offsets)
     _same_device("keys", keys, keep=keep)
 
 
@@ -150,34 +155,17 @@ def _validate_append(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths) -> 
     _tensor("k_new", k_new, 4)
     _tensor("v_new", v_new, 4)
     _check_cache(k_flat, v_flat, row_offsets, row_lengths)
-    if k_new.shape != v_new.shape:
-        raise ValueError(f"k_new {tuple(k_new.shape)} and v_new {tuple(v_new.shape)} differ in shape")
-    B, H = _check_rows("k_new", k_new, k_flat, row_offsets)
-    _check_rows("v_new", v_new, k_flat, row_offsets)
-    if H != k_new.shape[1]:
-        raise ValueError(
-            f"k_new has {k_new.shape[1]} kv heads but the cache has {row_offsets.shape[0]} rows for batch {B}"
-        )
+    _check_new("k_new", k_new, "v_new", v_new, k_flat, row_offsets)
 
 
 # ----------------------------------------------------------------------------- custom ops
+# Each op's body is its dispatch function, which the public wrappers below also call directly in plain eager
+# mode; the ops themselves do not validate (their fake kernels do).
 
 
-@torch.library.custom_op("kvpress_ada::ragged_attention", mutates_args=())
-def _ragged_attention_op(
-    q: Tensor,
-    k_flat: Tensor,
-    v_flat: Tensor,
-    row_offsets: Tensor,
-    row_lengths: Tensor,
-    scale: float,
-    split_size: int = 0,
-) -> Tensor:
-    """Raw op behind :func:`ragged_attention` (no validation): backend dispatch."""
-    return _ragged_attention_impl(q, k_flat, v_flat, row_offsets, row_lengths, scale, split_size)
-
-
-def _ragged_attention_impl(q, k_flat, v_flat, row_offsets, row_lengths, scale, split_size):
+def _ragged_attention_impl(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor,
+                           scale: float, split_size: int = 0) -> Tensor:
+    """Backend dispatch of :func:`ragged_attention` (no validation)."""
     if q.numel() == 0:
         return torch.zeros_like(q)
     if resolve_backend(q.device, q.shape[-1]) == "triton":
@@ -187,26 +175,19 @@ def _ragged_attention_impl(q, k_flat, v_flat, row_offsets, row_lengths, scale, s
     return reference.ragged_attention_ref(q, k_flat, v_flat, row_offsets, row_lengths, scale)
 
 
+_ragged_attention_op = torch.library.custom_op("kvpress_ada::ragged_attention", _ragged_attention_impl,
+                                               mutates_args=())
+
+
 @_ragged_attention_op.register_fake
 def _(q, k_flat, v_flat, row_offsets, row_lengths, scale, split_size=0):
     _validate_attention(q, k_flat, v_flat, row_offsets, row_lengths, scale)
     return torch.empty_like(q)
 
 
-@torch.library.custom_op("kvpress_ada::compact", mutates_args=("k_flat", "v_flat"))
-def _compact_op(
-    keys: Tensor,
-    values: Tensor,
-    keep: Tensor,
-    row_offsets: Tensor,
-    k_flat: Tensor,
-    v_flat: Tensor,
-) -> None:
-    """Raw op behind :func:`compact` (no validation): backend dispatch."""
-    _compact_impl(keys, values, keep, row_offsets, k_flat, v_flat)
-
-
-def _compact_impl(keys, values, keep, row_offsets, k_flat, v_flat):
+def _compact_impl(keys: Tensor, values: Tensor, keep: Tensor, row_offsets: Tensor, k_flat: Tensor,
+                  v_flat: Tensor) -> None:
+    """Backend dispatch of :func:`compact` (no validation)."""
     if keys.numel() == 0:
         return
     if resolve_backend(keys.device) == "triton":
@@ -215,24 +196,23 @@ def _compact_impl(keys, values, keep, row_offsets, k_flat, v_flat):
         reference.compact_ref(keys, values, keep, row_offsets, k_flat, v_flat)
 
 
+_compact_op = torch.library.custom_op("kvpress_ada::compact", _compact_impl, mutates_args=("k_flat", "v_flat"))
+
+
 @_compact_op.register_fake
 def _(keys, values, keep, row_offsets, k_flat, v_flat):
     _validate_compact(keys, values, keep, row_offsets, k_flat, v_flat)
 
 
-@torch.library.custom_op("kvpress_ada::append", mutates_args=("k_flat", "v_flat", "row_lengths"))
-def _append_op(
-    k_new: Tensor,
-    v_new: Tensor,
-    k_flat: Tensor,
-    v_flat: Tensor,
-    row_offsets: Tensor,
-    row_lengths: Tensor,
-) -> None:
-    """Raw op behind :func:`append` (no validation); torch index ops on every backend."""
-    if k_new.numel() == 0:
-        return
-    reference.append_ref(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths)
+def _append_impl(k_new: Tensor, v_new: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor,
+                 row_lengths: Tensor) -> None:
+    """:func:`append` without validation: torch index ops on every backend."""
+    if k_new.numel():
+        reference.append_ref(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths)
+
+
+_append_op = torch.library.custom_op("kvpress_ada::append", _append_impl,
+                                     mutates_args=("k_flat", "v_flat", "row_lengths"))
 
 
 @_append_op.register_fake
@@ -253,15 +233,8 @@ def _direct(*tensors: Tensor) -> bool:
     return not torch.compiler.is_compiling() and all(type(t) is Tensor for t in tensors)
 
 
-def ragged_attention(
-    q: Tensor,
-    k_flat: Tensor,
-    v_flat: Tensor,
-    row_offsets: Tensor,
-    row_lengths: Tensor,
-    scale: float,
-    split_size: int = 0,
-) -> Tensor:
+def ragged_attention(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor, scale: float,
+                     split_size: int = 0) -> Tensor:
     """Ragged (Ada-KV) attention over a per-(batch, kv head) variable-length cache.
 
     ``q [B, H_q, Q, D]``; ``k_flat, v_flat [N_cap, D]``; ``row_offsets, row_lengths``
@@ -299,7 +272,5 @@ def append(
     Device-side index ops on every backend (no host sync). Caller guarantees capacity."""
     _validate_append(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths)
     if _direct(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths):
-        if k_new.numel():
-            reference.append_ref(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths)
-        return
+        return _append_impl(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths)
     _append_op(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths)

@@ -74,15 +74,8 @@ def chunk_aligned(k_flat: Tensor, row_offsets: Tensor, offs: list[int] | None = 
     return all(o % chunk == 0 for o in offs) and all(a <= b for a, b in zip(offs, offs[1:]))
 
 
-def ragged_attention_chunked(
-    q: Tensor,
-    k_flat: Tensor,
-    v_flat: Tensor,
-    row_offsets: Tensor,
-    row_lengths: Tensor,
-    scale: float,
-    chunk: int = CHUNK,
-) -> Tensor:
+def ragged_attention_chunked(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor,
+                             scale: float, chunk: int = CHUNK) -> Tensor:
     """Loop-free ragged attention (split-K over fixed chunks, as the Triton kernel does).
 
     The flat buffers are viewed, without a copy, as ``[N / chunk, chunk, D]``; a chunk belongs to
@@ -126,14 +119,8 @@ def ragged_attention_chunked(
     return out.view(B, H_q, Q, D).to(q.dtype)
 
 
-def ragged_attention_ref(
-    q: Tensor,
-    k_flat: Tensor,
-    v_flat: Tensor,
-    row_offsets: Tensor,
-    row_lengths: Tensor,
-    scale: float,
-) -> Tensor:
+def ragged_attention_ref(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor,
+                         scale: float) -> Tensor:
     """Reference ragged (Ada-KV) attention: ``softmax(scale * q k^T) v`` per kv row.
 
     ``q [B, H_q, Q, D]``; query heads ``h*G .. h*G+G-1`` share kv row ``b*H_kv + h``.
@@ -146,7 +133,8 @@ def ragged_attention_ref(
     G = H_q // H_kv
     offs = row_offsets.tolist()
     lens = row_lengths.tolist()
-    if (LOOP_FREE and R >= 4 and sum(lens) < LOOP_FREE_BELOW * R and not uniform_layout(offs, lens, R)
+    uniform = uniform_layout(offs, lens, R)
+    if (LOOP_FREE and R >= 4 and sum(lens) < LOOP_FREE_BELOW * R and not uniform
             and chunk_aligned(k_flat, row_offsets, offs)):
         # many short rows of different lengths: every (batch, kv head) row in one pass, no loop per row
         return ragged_attention_chunked(q, k_flat, v_flat, row_offsets, row_lengths, scale)
@@ -159,19 +147,10 @@ def ragged_attention_ref(
     qg = qs.view(B, H_kv, G, Q, D) if qs.is_contiguous() else qs.reshape(B, H_kv, G, Q, D)
     og = out32.view(B, H_kv, G, Q, D)
 
-    n0 = lens[0] if R else 0
-    stride = offs[1] - offs[0] if R > 1 else 0
-    uniform = (
-        R > 1
-        and n0 > 0
-        and stride >= n0
-        and k_flat.is_contiguous()
-        and v_flat.is_contiguous()
-        and all(n == n0 for n in lens)
-        and all(offs[r] == offs[0] + r * stride for r in range(R))
-    )
-    if uniform:
+    if uniform and k_flat.is_contiguous() and v_flat.is_contiguous():
         # Every row has the same length and a regular stride: one batched no-copy view.
+        n0, stride = lens[0], offs[1] - offs[0]
+
         def view(x: Tensor) -> Tensor:
             v_ = x.as_strided(
                 (B, H_kv, n0, D),
@@ -203,14 +182,8 @@ def ragged_attention_ref(
     return out32 if not low_precision else out32.to(q.dtype)
 
 
-def compact_ref(
-    keys: Tensor,
-    values: Tensor,
-    keep: Tensor,
-    row_offsets: Tensor,
-    k_flat: Tensor,
-    v_flat: Tensor,
-) -> None:
+def compact_ref(keys: Tensor, values: Tensor, keep: Tensor, row_offsets: Tensor, k_flat: Tensor,
+                v_flat: Tensor) -> None:
     """Reference compaction: row ``r``'s kept tokens (ascending position) go to
     ``k_flat[row_offsets[r] + j]``, ``j = 0 .. count - 1``. One vectorised scatter."""
     B, H, L, D = keys.shape
@@ -223,14 +196,8 @@ def compact_ref(
     v_flat.index_copy_(0, dst, values[b, h, pos])
 
 
-def append_ref(
-    k_new: Tensor,
-    v_new: Tensor,
-    k_flat: Tensor,
-    v_flat: Tensor,
-    row_offsets: Tensor,
-    row_lengths: Tensor,
-) -> None:
+def append_ref(k_new: Tensor, v_new: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor,
+               row_lengths: Tensor) -> None:
     """Append ``Q`` new tokens per row at ``row_offsets + row_lengths`` (in place), then
     ``row_lengths += Q``. Pure device-side index ops: no host sync, CUDA-graph friendly."""
     B, H, Q, D = k_new.shape

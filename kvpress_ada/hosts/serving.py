@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ..observation import Budget, LayerView
+from ..runtime import EndOfStep, FixedInputs, HeldEntries, LayerClock, Schedule, Trigger, layer_view
 from .paging import PagedSequence, PagePool
 
 if TYPE_CHECKING:
@@ -47,14 +48,14 @@ def check_servable(press: Pipeline) -> None:
 
 @dataclass
 class ServedRequest:
-    """One request's state: its pages per layer, tokens written per layer, the recent queries per layer
-    (what its next eviction scores with) and the generated tokens since each layer's last compaction."""
+    """One request's state: its pages per layer, each layer's clock (tokens written, generated tokens since its
+    last compaction: the runtime's :class:`~kvpress_ada.runtime.LayerClock`) and recent queries (what its next
+    eviction scores with)."""
 
     prompt_len: int
     seqs: list[PagedSequence]
-    written: list[int]
+    clocks: list[LayerClock]
     queries: list[torch.Tensor | None]
-    since: list[int]
     evicted: bool = False  # whether the press has evicted from it (it then holds fewer pages than tokens)
     whole: bool = False  # too short for the press's scorer: served without eviction
 
@@ -70,6 +71,7 @@ class _Due:
     ids: list[str]
     budget: Budget
     step_queries: list[torch.Tensor] | None = None  # what each request scores with (None: its recent queries)
+    waits: bool = False  # evicted with every layer at the end of the step
 
     def part(self, members: list[int]) -> _Due:
         """The requests at indices ``members`` of this group, with their budgets and queries."""
@@ -80,7 +82,7 @@ class _Due:
         budget = Budget(average=self.budget.average[index], lengths=self.budget.lengths[index],
                         cap=None if cap is None else cap[index])
         queries = None if self.step_queries is None else [self.step_queries[m] for m in members]
-        return _Due([self.ids[m] for m in members], budget, queries)
+        return _Due([self.ids[m] for m in members], budget, queries, self.waits)
 
 
 @dataclass
@@ -95,10 +97,12 @@ class PagedServing:
     n_kv_heads: int
     layer_info: LayerInfo | None = None
     requests: dict[str, ServedRequest] = field(default_factory=dict)
-    _pending: dict[int, list[tuple[_Due, float]]] = field(default_factory=dict)  # layer -> (due group, scaling)
+    _pending: EndOfStep[tuple[_Due, float]] = field(init=False)  # groups waiting for the step's end, with scaling
 
     def __post_init__(self) -> None:
         check_servable(self.press)
+        self.schedule = Schedule(self.press)
+        self._pending = EndOfStep(len(self.pools))
         storage = self.press.storage
         if not all(pool.stores(storage) for pool in self.pools):
             raise ValueError(f"storage={storage.label!r}: these pools keep entries as {self.pools[0].storage_label}; "
@@ -113,7 +117,7 @@ class PagedServing:
             raise ValueError(f"request {request_id!r} is already running")
         L = len(self.pools)
         self.requests[request_id] = ServedRequest(prompt_len, [PagedSequence(self.n_kv_heads) for _ in range(L)],
-                                                  [0] * L, [None] * L, [0] * L,
+                                                  [LayerClock(prompt_len) for _ in range(L)], [None] * L,
                                                   whole=prompt_len < self.press.scorer.min_context())
 
     def release(self, request_id: str) -> int:
@@ -162,7 +166,7 @@ class PagedServing:
         replay = self.press.compresses_decode or self.press.storage.quantized
 
         def first_part(request: ServedRequest, c: int) -> int:
-            written, prompt = request.written[layer_idx], request.prompt_len
+            written, prompt = request.clocks[layer_idx].written, request.prompt_len
             if written + c <= prompt:
                 return c  # prompt tokens only
             if written < prompt:
@@ -210,8 +214,8 @@ class PagedServing:
         due = self._advance(layer_idx, request_ids, requests, query, counts)
         with torch.no_grad():
             for group in due:
-                if type(self.press.layers).needs_all_layers:  # viewed at the end of the step (what it holds then)
-                    self._pending.setdefault(layer_idx, []).append((group, scaling))
+                if group.waits:  # viewed at the end of the step (what it holds then)
+                    self._pending.wait(layer_idx, (group, scaling))
                     continue
                 for members in self._alike({layer_idx: group}):
                     part = group.part(members)
@@ -221,17 +225,14 @@ class PagedServing:
 
     def end_step(self) -> None:
         """After every layer of a step: a layer schedule comparing layers evicts the due requests here."""
-        pending, self._pending = self._pending, {}
-        if not pending:
+        if not self._pending:
             return
-        if len(pending) != len(self.pools):
-            raise RuntimeError(f"an eviction across layers saw {len(pending)} of {len(self.pools)} layers")
         with torch.no_grad():
-            for g in range(len(pending[0])):  # every layer's g-th group holds the same requests, its own queries
-                groups = {i: pending[i][g][0] for i in range(len(self.pools))}
+            for waiting in self._pending.drain():  # every layer's group of the same requests, its own queries
+                groups = {i: group for i, (group, _) in enumerate(waiting)}
                 for members in self._alike(groups):
                     parts = {i: group.part(members) for i, group in groups.items()}
-                    views = [self._view(i, parts[i], pending[i][g][1]) for i in parts]
+                    views = [self._view(i, parts[i], waiting[i][1]) for i in parts]
                     masks = self.press.keep(views, parts[0].budget)
                     for i, keep in enumerate(masks):
                         self._keep(i, parts[i], keep)
@@ -239,54 +240,39 @@ class PagedServing:
     # ------------------------------------------------------------------ internals
     def _advance(self, layer_idx: int, ids: list[str], requests: list[ServedRequest], query: torch.Tensor,
                  counts: list[int]) -> list[_Due]:
-        """Count the step's tokens, keep each request's recent queries, and group the requests that evict now."""
-        press, window = self.press, self.press.scorer.query_window()
-        ends: list[tuple[str, torch.Tensor]] = []
-        chunks: list[tuple[str, torch.Tensor]] = []
-        compacts: list[str] = []
+        """Count the step's tokens on each request's clock (the runtime's schedule), keep each request's recent
+        queries where the schedule says so, and group the requests that evict now by what triggered it."""
+        window = self.press.scorer.query_window()
+        due: dict[Trigger, list[tuple[str, torch.Tensor | None]]] = {}
         t = 0
         for rid, request, c in zip(ids, requests, counts):
             q = query[t:t + c].detach().transpose(0, 1)  # [H_q, c, D]
             t += c
-            before = request.written[layer_idx]
-            request.written[layer_idx] = before + c
-            prompt = request.prompt_len
-            recent = q
-            # recent queries are kept only while an eviction may still read them (not on every decode step)
-            if not request.whole and (press.compresses_decode or (before < prompt and press.compresses_prefill)):
+            clock = request.clocks[layer_idx]
+            if request.whole:  # too short for the scorer: counted, never evicted
+                clock.written += c
+                continue
+            ends_prompt = clock.written < clock.prompt <= clock.written + c
+            step = self.schedule.advance(clock, c)
+            if step.keeps_queries:
                 held = request.queries[layer_idx]
                 recent = q if held is None else torch.cat([held, q], dim=1)
-                recent = recent if window is None else recent[:, max(0, recent.shape[1] - window):]
-                request.queries[layer_idx] = recent
-            if request.whole:
-                continue
-            if before < prompt <= before + c:  # this step brings the last prompt token
-                if press.compresses_prefill:  # scored with the prompt's last queries (a chunked press: the chunk's)
-                    ends.append((rid, q if press.prefill_chunk is not None else recent))
+                request.queries[layer_idx] = recent if window is None else recent[:, max(0, recent.shape[1] - window):]
+            if step.due is not None:  # the queries it scores with now; a decode compaction reads the recent ones later
+                now = q if step.due.step_queries else request.queries[layer_idx] if ends_prompt else None
+                due.setdefault(step.due.trigger, []).append((rid, now))
+            if ends_prompt:
                 request.queries[layer_idx] = None  # decode compactions score with generated tokens' queries only
-                request.since[layer_idx] = max(0, before + c - prompt)
-            elif before + c < prompt and press.prefill_chunk is not None and press.compresses_prefill:
-                chunks.append((rid, q))
-            elif before >= prompt and press.compresses_decode:
-                request.since[layer_idx] += c
-                assert press.decode_interval is not None
-                if request.since[layer_idx] >= press.decode_interval:
-                    compacts.append(rid)
-                    request.since[layer_idx] = 0
-        due = []
+        groups = []
         device = query.device
-        if ends:
-            lengths = torch.tensor([self.requests[i].prompt_len for i, _ in ends], device=device)
-            due.append(_Due([i for i, _ in ends], press.prefill_budget(lengths), step_queries=[qq for _, qq in ends]))
-        if chunks:
-            lengths = torch.tensor([self.requests[i].prompt_len for i, _ in chunks], device=device)
-            seen = torch.tensor([self.requests[i].written[layer_idx] for i, _ in chunks], device=device)
-            due.append(_Due([i for i, _ in chunks], press.prefill_budget(lengths, seen=seen),
-                            step_queries=[qq for _, qq in chunks]))
-        if compacts:
-            seen = torch.tensor([self.requests[i].written[layer_idx] for i in compacts], device=device)
-            due.append(_Due(compacts, press.decode_budget_for(seen)))
-        return due
+        for trigger, members in due.items():
+            group = [self.requests[i] for i, _ in members]
+            lengths = torch.tensor([r.prompt_len for r in group], device=device)
+            seen = torch.tensor([r.clocks[layer_idx].written for r in group], device=device)
+            queries = [q for _, q in members if q is not None]
+            groups.append(_Due([i for i, _ in members], self.schedule.budget(trigger, lengths, seen),
+                               queries if len(queries) == len(members) else None, waits=self.schedule.waits(trigger)))
+        return groups
 
     def _queries(self, layer_idx: int, group: _Due) -> list[torch.Tensor]:
         """What each request of ``group`` scores with in layer ``layer_idx``: its last ``min(w, queries, entries
@@ -317,15 +303,14 @@ class PagedServing:
         """The view of ``group``'s requests in layer ``layer_idx`` (they score with as many queries: :meth:`_alike`)."""
         pool = self.pools[layer_idx]
         seqs = [self.requests[i].seqs[layer_idx] for i in group.ids]
-        keys, values, present, positions = pool.view(seqs)
-        stacked = torch.stack(self._queries(layer_idx, group))  # [B, H_q, n, D]
-        info = self.layer_info(layer_idx) if self.layer_info is not None else {}
+        held = HeldEntries(*pool.view(seqs))
         scorer = self.press.scorer
-        return LayerView(keys=keys, values=values, valid=present, queries=stacked, layer_idx=layer_idx,
-                         n_layers=len(self.pools), scaling=scaling, positions=positions,
-                         output_weight=info.get("output_weight") if scorer.needs_output_weight else None,
-                         rope_inv_freq=info.get("rope_inv_freq") if scorer.needs_rope else None,
-                         entry_scores=pool.view_scores(seqs) if scorer.reads_hidden_states else None)
+        info = self.layer_info
+        inputs = FixedInputs() if info is None else FixedInputs(lambda i: info(i)["output_weight"],
+                                                                lambda i: info(i)["rope_inv_freq"])
+        return layer_view(scorer, held, torch.stack(self._queries(layer_idx, group)), layer_idx=layer_idx,
+                          n_layers=len(self.pools), scaling=scaling, inputs=inputs,
+                          entry_scores=pool.view_scores(seqs) if scorer.reads_hidden_states else None)
 
     def _keep(self, layer_idx: int, group: _Due, keep: torch.Tensor) -> None:
         pool = self.pools[layer_idx]

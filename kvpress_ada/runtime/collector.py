@@ -3,36 +3,37 @@
 
 from __future__ import annotations
 
-from typing import Generic, Hashable, TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
 
 class EndOfStep(Generic[T]):
-    """Collects, per group (``key``: e.g. the requests due together), one item per layer of a model of
-    ``n_layers`` layers; :meth:`drain` hands each group's items in layer order once the step ends."""
+    """Collects what each layer of a model of ``n_layers`` layers evicts at the end of the step, in order: the
+    ``g``-th item every layer queued forms group ``g`` (the same sequences, due together in every layer);
+    :meth:`drain` hands each group's items in layer order once the step ends."""
 
     def __init__(self, n_layers: int):
         self.n_layers = n_layers
-        self._waiting: dict[Hashable, dict[int, T]] = {}
+        self._waiting: dict[int, list[T]] = {}
 
-    def wait(self, layer_idx: int, item: T, key: Hashable = None) -> None:
-        """Layer ``layer_idx``'s ``item`` of group ``key`` waits for the end of the step."""
-        self._waiting.setdefault(key, {})[layer_idx] = item
+    def wait(self, layer_idx: int, item: T) -> None:
+        """Layer ``layer_idx``'s next ``item`` waits for the end of the step."""
+        self._waiting.setdefault(layer_idx, []).append(item)
 
     def __bool__(self) -> bool:
         return bool(self._waiting)
 
-    def drain(self) -> list[tuple[Hashable, list[T]]]:
-        """Every group's items in layer order (in the order groups first waited), emptying the collector;
-        raises when a group missed a layer (an eviction across layers must see every layer)."""
+    def drain(self) -> list[list[T]]:
+        """Every group's items in layer order, emptying the collector; raises when a layer missed a group (an
+        eviction across layers must see every layer)."""
         waiting, self._waiting = self._waiting, {}
-        out = []
-        for key, items in waiting.items():
-            if len(items) != self.n_layers:
-                raise RuntimeError(f"an eviction across layers saw {len(items)} of {self.n_layers} layers")
-            out.append((key, [items[i] for i in range(self.n_layers)]))
-        return out
+        if not waiting:
+            return []
+        groups = {len(items) for items in waiting.values()}
+        if len(waiting) != self.n_layers or len(groups) != 1:
+            raise RuntimeError(f"an eviction across layers saw {len(waiting)} of {self.n_layers} layers")
+        return [[waiting[i][g] for i in range(self.n_layers)] for g in range(groups.pop())]
 
     def clear(self) -> None:
         """Drop what waits (the step raised)."""

@@ -109,8 +109,8 @@ class DecodeRun(Handler):
         assert window is not None  # refused at Pipeline construction
         if step.keeps_queries:
             held = state.queries[layer_idx]
-            recent = query.detach() if held is None else torch.cat([held, query.detach()], dim=2)
-            state.queries[layer_idx] = recent[:, :, recent.shape[2] - min(window, recent.shape[2]):]
+            grown = query.detach() if held is None else torch.cat([held, query.detach()], dim=2)
+            state.queries[layer_idx] = grown[:, :, grown.shape[2] - min(window, grown.shape[2]):]
             state.recorded[layer_idx] += query.shape[2]
         recent = state.queries[layer_idx]
         if step.due is None or recent is None:

@@ -55,7 +55,7 @@ class Eviction:
         if output is None or not self.pending:
             self.pending.clear()
             return []
-        [(_, waiting)] = self.pending.drain()
+        [waiting] = self.pending.drain()
         n = len(waiting)
         held: list[HeldEntries | None] = [None] * n if prepare is not None else [h for _, h in waiting]
         views: Sequence[LayerView] = [v for v, _ in waiting]

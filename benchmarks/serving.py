@@ -168,7 +168,7 @@ def main() -> None:
         changes = {"storage": storage} if storage else {}
         if args.decode_budget is not None:
             changes.update(decode_budget=args.decode_budget, decode_interval=args.decode_interval)
-        return type(press).model_validate({**press.model_dump(), **changes}) if changes else press
+        return press.replace(**changes) if changes else press
 
     configs = [("vLLM (full cache)", None)] + [(name, press_for(name)) for name in args.presets.split(",")]
     for label, press in configs:

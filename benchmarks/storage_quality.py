@@ -43,8 +43,7 @@ def entries_for(presets: list[str], ratios: list[float], storages: list[str], co
 
     def press(name: str, ratio: float, storage: str):
         if configs and name in configs:
-            return type(configs[name]).model_validate({**configs[name].model_dump(), "compression_ratio": ratio,
-                                                       "budget": None, "storage": storage})
+            return configs[name].replace(compression_ratio=ratio, budget=None, storage=storage)
         return preset(name, compression_ratio=ratio, storage=storage)
 
     out = []

@@ -15,7 +15,8 @@ class Observation:
     ``keys``/``values``: ``[B, H_kv, L, D]`` (never repeated for GQA).
     ``queries``: the last ``w`` queries ``[B, H_q, w, D]`` (``w`` = the scorer's ``query_window``).
     ``key_mask``: ``[B, L]`` bool, False on left padding.
-    ``output_weight``: the layer's ``o_proj.weight`` ``[hidden, H_q * D]`` (only for scorers that declare it).
+    ``output_weight``: the layer's output projection weight ``[hidden, H_q * D]`` (only for scorers that declare
+    it).
     ``rope_inv_freq``: RoPE inverse frequencies ``[D // 2]`` (only for scorers that declare it).
     ``pass_scores``: ``[B, H_kv, L]`` what the scorer's own model pass measured for each entry
     (only for scorers that declare ``needs_model_pass``, e.g. KVzip's context reconstruction).

@@ -67,7 +67,7 @@ def test_unsupported_layout_refused(n_kv, n_q):
 
 
 def test_rowwise_qkv_refused():
-    config = SimpleNamespace(num_key_value_heads=4, num_attention_heads=8)
+    config = SimpleNamespace(model_type="llama", num_key_value_heads=4, num_attention_heads=8)
     model = SimpleNamespace(tp_size=2, config=config, _tp_plan={"model.layers.*.self_attn.k_proj": "rowwise"})
     with pytest.raises(ValueError, match="k_proj sharded column-wise"):
         head_shard(model)

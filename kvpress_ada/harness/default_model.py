@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
+from kvpress_ada.families import family_for
 from kvpress_ada.harness.model_sources import DEFAULT, SOURCES, GGUFMetadata, ModelSource, Wheel
-from kvpress_ada.hosts.transformers.hf import SUPPORTED_MODEL_TYPES
 
 __all__ = [
     "ModelLoadError",
@@ -378,15 +378,16 @@ def _require_model_extras() -> None:
         )
 
 
-def check_model_type(model_type: str | None, source: str) -> None:
-    """Raise :class:`ModelLoadError` unless ``model_type`` is a supported architecture."""
-    if model_type not in SUPPORTED_MODEL_TYPES:
+def check_architecture(config: Any, source: str) -> None:
+    """Raise :class:`ModelLoadError` unless a registered model family (:mod:`kvpress_ada.families`) serves
+    ``config``."""
+    try:
+        family_for(config)
+    except ValueError as exc:
         raise ModelLoadError(
-            f"{source} has model_type {model_type!r}, which kvpress_ada does not support. "
-            f"Supported architectures: {', '.join(SUPPORTED_MODEL_TYPES)}. Use a model of "
-            "one of these families (e.g. load() with no argument for the default "
-            "SmolLM2-135M-Instruct)."
-        )
+            f"{source}: {exc}. Use a model of one of these families (e.g. load() with no argument for the "
+            "default SmolLM2-135M-Instruct)."
+        ) from exc
 
 
 def _corrupted_message(gguf_path: Path, detail: str) -> str:
@@ -480,7 +481,7 @@ def _dequantise(gguf_path: Path) -> tuple[Any, Any]:
     except Exception as exc:
         raise ModelLoadError(_corrupted_message(
             gguf_path, f"transformers could not read it: {type(exc).__name__}: {exc}")) from exc
-    check_model_type(getattr(model.config, "model_type", None), f"GGUF {gguf_path.name}")
+    check_architecture(model.config, f"GGUF {gguf_path.name}")
     # The weights are plain fp32 now: forget that they came from a quantised file, or
     # save_pretrained would refuse / reload would try to quantise again.
     if hasattr(model.config, "quantization_config"):

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from kvpress_ada.families import SUPPORTED_MODEL_TYPES
 from kvpress_ada.harness.default_model import (
     CONVERTED_DIRNAME,
     DISTRIBUTION,
@@ -36,7 +37,7 @@ from kvpress_ada.harness.default_model import (
     WHEEL_SHA256,
     ModelLoadError,
     cache_root,
-    check_model_type,
+    check_architecture,
     convert_gguf,
     default_model_dir,
     ensure_default_model,
@@ -46,7 +47,6 @@ from kvpress_ada.harness.default_model import (
     is_converted,
 )
 from kvpress_ada.harness.model_sources import SOURCES, source_names
-from kvpress_ada.hosts.transformers.hf import SUPPORTED_MODEL_TYPES
 from kvpress_ada.hosts.transformers.model_pass import use_tokenizer
 
 __all__ = [
@@ -80,10 +80,10 @@ def load(name: str | os.PathLike = DEFAULT_NAME, dtype: torch.dtype = torch.floa
     ``name`` is a named model (:func:`source_names`: ``"default"`` is SmolLM2-135M-Instruct,
     ``"qwen2.5-coder-0.5b"`` and ``"qwen2.5-coder-1.5b"`` 32k-position Qwen2.5-Coder-Instruct;
     fetched, verified, converted and cached on first use, see :mod:`kvpress_ada.harness.default_model`),
-    or a local directory or hub id for ``from_pretrained``. Only the architectures in
-    :data:`SUPPORTED_MODEL_TYPES` are accepted. The model is in eval mode on ``device``
-    with ``dtype`` (fp32 by default: bf16 matmuls are ~100x slower on CPU), the tokenizer
-    pads on the left and ``generation_config.pad_token_id`` is set.
+    or a local directory or hub id for ``from_pretrained``. Only the model families in
+    :data:`SUPPORTED_MODEL_TYPES` (:mod:`kvpress_ada.families`) are accepted. The model is in
+    eval mode on ``device`` with ``dtype`` (fp32 by default: bf16 matmuls are ~100x slower on
+    CPU), the tokenizer pads on the left and ``generation_config.pad_token_id`` is set.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -100,7 +100,7 @@ def load(name: str | os.PathLike = DEFAULT_NAME, dtype: torch.dtype = torch.floa
             "(config.json, weights, tokenizer), a hub id while the hub is reachable, or "
             f"a named model ({', '.join(source_names())})."
         ) from exc
-    check_model_type(getattr(config, "model_type", None), f"Model {str(name)!r}")
+    check_architecture(config, f"Model {str(name)!r}")
     try:
         model: Any = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)

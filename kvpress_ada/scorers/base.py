@@ -117,7 +117,7 @@ class PassScorer(Scorer):
 
     The integration runs :meth:`pass_chunks` through the model over the dense prefill cache; in each
     pass every layer's attention hands its post-RoPE queries and keys (and, when asked, values, the
-    ``o_proj`` weight, the pass tokens' hidden-state norms and log-sum-exps) to :meth:`pass_scores`;
+    output projection weight, the pass tokens' hidden-state norms and log-sum-exps) to :meth:`pass_scores`;
     the per-layer maxima over the passes come back as ``obs.pass_scores``. Eviction then waits for the
     end of prefill. No prefill query is read (``query_window() == 0``); chunked prefill and decode
     compression are refused (the pass reads the whole context at once)."""
@@ -155,7 +155,7 @@ class PassScorer(Scorer):
                     lse_own: torch.Tensor | None = None) -> torch.Tensor:  # pragma: no cover - abstract
         """``[B, H_kv, L]`` scores of one layer from one pass: ``query [B, H_q, T, D]`` the pass's
         queries, ``key``/``value`` ``[B, H_kv, L + T, D]`` (context then the pass's tokens),
-        ``output_weight`` the layer's ``o_proj.weight``, ``hidden_norm [B, T]``, ``lse [B, H_q, T]`` the
+        ``output_weight`` the layer's output projection weight, ``hidden_norm [B, T]``, ``lse [B, H_q, T]`` the
         pass attention's log-sum-exp when it spans exactly ``chunk.visible`` (else None), ``lse_own``
         the log-sum-exp over the pass's own tokens when the caller has it."""
         raise NotImplementedError(f"{type(self).__name__} must implement pass_scores")

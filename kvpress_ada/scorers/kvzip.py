@@ -19,7 +19,7 @@ KVzip+ (``plus=True``): the normalisation of KVzap (Jégou and Jeblick, NVIDIA 2
           a_g(j, i) * ||W_O^g v_i|| / ||h_j||
 
 ``a_g(j, i)``: KVzip's attention of query head ``g`` at pass token ``j`` on entry ``i``; ``v_i``: the
-entry's value; ``W_O^g``: the ``head_dim`` columns of ``o_proj.weight`` that query head ``g`` feeds
+entry's value; ``W_O^g``: the ``head_dim`` columns of the output projection weight that query head ``g`` feeds
 (``[:, g * D:(g + 1) * D]``, query heads numbered ``kv_head * group + g``); ``h_j``: pass token
 ``j``'s hidden state entering the attention module (after the input RMSNorm).
 """
@@ -104,7 +104,7 @@ class KVzip(PassScorer):
         the query heads of the kv group; KVzip+ weighs it by ``||W_O^g v_i|| / ||h_j||``)."""
         L = key.shape[2] - query.shape[2]
         if self.plus and (value is None or output_weight is None or hidden_norm is None):
-            raise ValueError("KVzip+ (plus=True) needs the pass's values, the layer's o_proj weight and the "
+            raise ValueError("KVzip+ (plus=True) needs the pass's values, the layer's output projection weight and the "
                              "hidden-state norms of the pass's tokens")
         log_weight = hidden_norm.float().log() if self.plus and hidden_norm is not None else None  # dividing by ||h_j||
         best, columns = max_received_attention(query, key, chunk.mask, chunk.visible, scaling, lse=lse,

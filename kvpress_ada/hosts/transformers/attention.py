@@ -15,6 +15,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ...families import family_for, family_of
 from ...observation import LayerView
 from .press_cache import HeldEntries, SequenceState
 from .tensor_parallel import HeadShard, local_weight
@@ -89,8 +90,8 @@ def attention_routed(model: Any) -> Iterator[Any]:
 
 
 def attention_modules(model: Any) -> list[torch.nn.Module]:
-    """The decoder's attention modules, in layer order (``layer.self_attn``)."""
-    return [layer.self_attn for layer in model.get_decoder().layers]
+    """The decoder's attention modules, in layer order (as the model's family reaches them)."""
+    return family_of(model).attention_modules(model)
 
 
 def attention_input(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -125,19 +126,16 @@ def dense_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
 
 def output_weight(module: torch.nn.Module) -> torch.Tensor:
-    """The attention module's ``o_proj.weight`` ``[hidden, H_q * D]`` (this rank's columns under
+    """The attention module's output projection weight ``[hidden, H_q * D]`` (this rank's columns under
     tensor parallelism)."""
-    weight = local_weight(getattr(module, "o_proj").weight)
+    weight = local_weight(family_for(getattr(module, "config", None)).output_weight(module))
     assert isinstance(weight, torch.Tensor)
     return weight
 
 
 def rope_inv_freq(model: Any) -> torch.Tensor:
-    """The model's RoPE inverse frequencies ``[D // 2]``."""
-    rotary = getattr(model.get_decoder(), "rotary_emb", None)
-    if rotary is None or not hasattr(rotary, "inv_freq"):
-        raise ValueError(f"{type(model).__name__} exposes no rotary_emb.inv_freq, which this scorer needs")
-    return rotary.inv_freq
+    """The model's RoPE inverse frequencies ``[D // 2]`` (a one-line ``ValueError`` when it has none)."""
+    return family_of(model).rope_inv_freq(model)
 
 
 def record_entry_scores(state: SequenceState, scorer: Any, layer_idx: int, hidden: torch.Tensor,

@@ -1,8 +1,8 @@
 """Small public helpers every module that calls a transformers model needs, written once.
 
 transformers 5.24 renames the forward's ``past_key_values`` argument ``cache`` (deprecated alias);
-:func:`cache_kwarg` and :func:`output_cache` hide the difference. :data:`SUPPORTED_MODEL_TYPES`
-lives here (not in the model downloader) so the integration never imports download code.
+:func:`cache_kwarg` and :func:`output_cache` hide the difference. :func:`check_supported` asks the
+model-family registry (:mod:`kvpress_ada.families`); :data:`SUPPORTED_MODEL_TYPES` is its live view.
 """
 
 from __future__ import annotations
@@ -12,15 +12,20 @@ from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+from ...families import SUPPORTED_MODEL_TYPES, Family, family_of
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "check_supported", "cache_kwarg", "output_cache", "input_shape",
+           "prefill_key_mask", "check_left_padded"]
 
 
-def check_supported(model: Any) -> None:
-    """Raise a clear error for a model whose architecture kvpress_ada does not support."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported model type {model_type!r}: kvpress_ada supports "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+def check_supported(model: Any) -> Family:
+    """``model``'s family adapter; a one-line ``ValueError`` for a family kvpress_ada does not serve (or that
+    declares this host cannot serve it)."""
+    family = family_of(model)
+    refusal = family.refuses("transformers")
+    if refusal is not None:
+        raise ValueError(f"model type {family.model_type!r} cannot be served by the transformers host: {refusal}")
+    return family
 
 
 def cache_kwarg(model: Any) -> str:

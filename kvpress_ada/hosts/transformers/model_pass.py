@@ -6,7 +6,7 @@ model with the cache; a :class:`PassRun` runs each layer's attention with
 kernel; for an unpadded pass :func:`~kvpress_ada.kernels.lse_attention.prefix_then_causal_parts`,
 which also gives the log-sum-exp over the pass's own tokens) and hands the post-RoPE queries and
 keys, and those log-sum-exps, to the scorer's ``pass_scores`` (with the layer's values and
-``o_proj`` weight, and, when the scorer's ``pass_reads_hidden_states()`` says so, the norm of each
+output projection weight, and, when the scorer's ``pass_reads_hidden_states()`` says so, the norm of each
 pass token's hidden state entering the attention module, recorded by a forward pre-hook on that
 module for the pass only) and the pass's own tokens are cropped off the cache again. The result
 is one ``[B, H_kv, L]`` map per layer, handed back to the scorer as ``Observation.pass_scores``.

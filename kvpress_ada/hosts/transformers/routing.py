@@ -21,12 +21,14 @@ from __future__ import annotations
 import threading
 import warnings
 from contextlib import contextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any, Iterator
 from weakref import WeakKeyDictionary
 
 import torch
 from transformers import DynamicCache
 
+from ...families import Family, family_of
 from . import compiled
 from .attention import ATTENTION_NAME, RUN_KWARG, Handler, attention_input, attention_modules
 from .caches import new_cache
@@ -49,12 +51,11 @@ def next_positions(position_ids: torch.Tensor | None, shape: torch.Size) -> torc
     return torch.full((shape[0],), shape[1], dtype=torch.long)
 
 
-def _check_sliding_window(model: Any, length: int) -> None:
-    """Refuse a forward that would bring a press cache past the model's sliding window."""
-    config = model.config
-    window = getattr(config, "sliding_window", None)
-    uses = config.model_type == "mistral" or getattr(config, "use_sliding_window", False)
-    if window is not None and uses and length > window:
+def _check_sliding_window(family: Family, length: int) -> None:
+    """Refuse a forward that would bring a press cache past the window of the model's sliding-window layers
+    (as its ``family`` declares them)."""
+    window = family.sliding_window
+    if window is not None and length > window:
         raise ValueError(f"this forward brings the compressed cache to {length} tokens, past the model's sliding "
                          f"window ({window}); kvpress_ada presses do not support sliding-window attention: keep "
                          f"context + generated tokens <= {window}")
@@ -72,6 +73,7 @@ class _Route:
         self.hidden_handles: list[Any] = []
         self.attached = False
         self.cache_key = cache_kwarg(model)
+        self.family = family_of(model)
         self.previous = model.config._attn_implementation
         self.handles = [model.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
                         model.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)]
@@ -87,7 +89,8 @@ class _Route:
         attention module hands its input hidden states to the forward's handler (``record_hidden``)."""
         self.hidden_blocks += 1 if on else -1
         if self.hidden_blocks == 1 and on:
-            self.hidden_handles = [m.register_forward_pre_hook(_hand_hidden_states, with_kwargs=True)
+            hook = partial(_hand_hidden_states, self.family)
+            self.hidden_handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
                                    for m in attention_modules(self.model)]
         elif self.hidden_blocks == 0:
             for handle in self.hidden_handles:
@@ -119,7 +122,7 @@ class _Route:
                 return args, kwargs
             cache = new_cache(press, self.model.config)
         shape, _ = input_shape(args, kwargs)
-        _check_sliding_window(self.model, cache.get_seq_length() + shape[1])
+        _check_sliding_window(self.family, cache.get_seq_length() + shape[1])
         kwargs.pop("past_key_values", None)
         if press is not None and cache.get_seq_length() == 0:  # a prefill under the press
             if not cache.stores(press.storage):
@@ -162,11 +165,11 @@ class _Route:
         return None if run is None else run.after_forward(output)
 
 
-def _hand_hidden_states(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+def _hand_hidden_states(family: Family, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of an attention module: its input hidden states go to the forward's handler."""
     run: Handler | None = kwargs.get(RUN_KWARG)
     if run is not None:
-        run.record_hidden(int(module.layer_idx), attention_input(args, kwargs))  # type: ignore[arg-type]
+        run.record_hidden(family.layer_index(module), attention_input(args, kwargs))
 
 
 _ROUTES: WeakKeyDictionary[torch.nn.Module, _Route] = WeakKeyDictionary()

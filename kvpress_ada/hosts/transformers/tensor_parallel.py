@@ -2,11 +2,12 @@
 ``torchrun``.
 
 Rank ``r`` of ``W`` holds a contiguous block of ``H_kv / W`` kv heads with their query groups
-(:func:`head_shard` refuses world sizes that do not divide the kv heads, or plans that do not shard
-``q/k/v_proj`` column-wise), scores them and keeps only their ragged rows. Decisions that span
-heads (Ada's head allocation, a model-scope schedule) run on every head's scores, all-gathered per
-layer (:meth:`HeadShard.gather`, ``[B, H_kv, L]`` scores, never the cache), so each rank takes its
-heads' part of the single-process decision. Design notes: ``docs/design.md`` (Scaling out).
+(:func:`head_shard` refuses world sizes that do not divide the kv heads, or plans that do not shard the
+query, key and value projections, as the model's family names them, column-wise), scores them and keeps
+only their ragged rows. Decisions that span heads (Ada's head allocation, a model-scope schedule) run on
+every head's scores, all-gathered per layer (:meth:`HeadShard.gather`, ``[B, H_kv, L]`` scores, never the
+cache), so each rank takes its heads' part of the single-process decision. Design notes:
+``docs/design.md`` (Scaling out).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ...families import family_of
 
 
 @dataclass(frozen=True)
@@ -76,11 +79,10 @@ def head_shard(model: Any) -> HeadShard | None:
                          f"heads ({n_q}) divisible by {size}, so that each rank holds whole kv heads with their query "
                          "groups; kvpress_ada presses refuse other world sizes")
     plan = getattr(model, "_tp_plan", None) or getattr(config, "base_model_tp_plan", None) or {}
-    styles = {key.rsplit(".", 1)[-1]: style for key, style in plan.items() if ".self_attn." in key}
-    for proj in ("q_proj", "k_proj", "v_proj"):
-        if styles.get(proj, "colwise") != "colwise":
+    for proj, style in family_of(model).head_projection_styles(plan).items():
+        if style != "colwise":
             raise ValueError(f"kvpress_ada presses need {proj} sharded column-wise (contiguous blocks of heads) under "
-                             f"tensor parallelism; this model's plan shards it as {styles[proj]!r}")
+                             f"tensor parallelism; this model's plan shards it as {style!r}")
     mesh = _tp_mesh(model)
     if mesh is not None:
         rank, group = mesh.get_local_rank(), mesh.get_group()
@@ -92,6 +94,7 @@ def head_shard(model: Any) -> HeadShard | None:
 
 
 def local_weight(weight: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter that may be a ``DTensor`` (``o_proj`` row-wise: the columns of its heads)."""
+    """This rank's part of a parameter that may be a ``DTensor`` (the output projection row-wise: the columns of
+    its heads)."""
     to_local = getattr(weight, "to_local", None)
     return to_local() if callable(to_local) else weight

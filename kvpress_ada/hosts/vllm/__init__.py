@@ -14,10 +14,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ...families import family_for
 from ...pipeline import Pipeline
 from ...presets import preset
 from ..serving import check_servable
-from ..transformers.hf import SUPPORTED_MODEL_TYPES
 
 CONFIG_KEY = "kvpress_ada"
 WORKER = "kvpress_ada.hosts.vllm.worker.PressWorker"
@@ -61,10 +61,10 @@ def engine_kwargs(press: Pipeline | str | dict, model: str, ratio: float | None 
         raise ValueError("a press runs on one worker: use tensor_parallel_size=1 and pipeline_parallel_size=1")
     config = Path(model) / "config.json"
     if config.is_file():
-        model_type = json.loads(config.read_text()).get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model type {model_type!r}: the vLLM host serves "
-                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        family = family_for(json.loads(config.read_text()))  # a one-line refusal of an unsupported family
+        refusal = family.refuses("vllm")
+        if refusal is not None:
+            raise ValueError(f"model type {family.model_type!r} cannot be served by the vLLM host: {refusal}")
         from transformers import AutoConfig
 
         pipeline.check_config(AutoConfig.from_pretrained(model))  # a surrogate or calibration made for another model

@@ -25,6 +25,7 @@ from vllm.config import get_current_vllm_config
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl, _get_attn_isa
 
+from ...families import family_for
 from ...pipeline import Pipeline
 from ..paging import PagePool
 from ..quantized_paging import QuantizedPagePool
@@ -49,22 +50,23 @@ class HostState:
         if self.press is not None and self.serving is None:
             self.serving = _build_serving(self.press, vllm_config, runner)
             if self.press.scorer.reads_hidden_states:
-                self._record_hidden_states(runner.model)
+                self._record_hidden_states(family_for(vllm_config.model_config.hf_config).engine_attention_modules(
+                    runner.model))
         self.hidden.clear()
         return self.serving
 
-    def _record_hidden_states(self, model: Any) -> None:
-        """A forward pre-hook on every decoder layer's attention module keeps the hidden states entering it
-        (``forward(positions, hidden_states)``), for a scorer that scores entries from them."""
+    def _record_hidden_states(self, modules: list[torch.nn.Module]) -> None:
+        """A forward pre-hook on every decoder layer's attention module (``modules``, in layer order) keeps the
+        hidden states entering it (``forward(positions, hidden_states)``), for a scorer that scores entries from
+        them."""
         def record(module: Any, args: tuple, kwargs: dict) -> None:
             hidden = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
             if isinstance(hidden, torch.Tensor):
                 self.hidden[index[id(module)]] = hidden
 
-        layers = model.model.layers
-        index = {id(layer.self_attn): i for i, layer in enumerate(layers)}
-        for layer in layers:
-            layer.self_attn.register_forward_pre_hook(record, with_kwargs=True)
+        index = {id(module): i for i, module in enumerate(modules)}
+        for module in modules:
+            module.register_forward_pre_hook(record, with_kwargs=True)
 
 
 STATE = HostState()
@@ -89,15 +91,12 @@ def _build_serving(press: Pipeline, vllm_config: Any, runner: Any) -> PagedServi
         pools = [shared] * len(caches)
     else:
         pools = [_pool(press, kv.view(blocks * heads, 2, size, two_d // 2), isa) for kv in caches]
-    model = runner.model if runner is not None else None
-    decoder = getattr(model, "model", None)
+    family = family_for(vllm_config.model_config.hf_config)
+    modules = family.engine_attention_modules(runner.model) if runner is not None else []
 
     def layer_info(i: int) -> dict[str, Any]:
-        info: dict[str, Any] = {}
-        attn = decoder.layers[i].self_attn if decoder is not None else None
-        if attn is not None and hasattr(attn, "o_proj"):
-            info["output_weight"] = attn.o_proj.weight.detach()
-        return info
+        weight = family.engine_output_weight(modules[i]) if i < len(modules) else None
+        return {} if weight is None else {"output_weight": weight.detach()}
 
     return PagedServing(press, pools, int(heads), layer_info)
 

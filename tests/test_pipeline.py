@@ -26,6 +26,7 @@ from kvpress_ada import (
     preset_names,
     register_scorer,
 )
+from kvpress_ada.components import ConfigError
 from kvpress_ada.hosts.transformers.hf import output_cache
 
 # every registered scorer (looked up lazily, so scorers registered by tests or plugins are drawn too),
@@ -156,3 +157,17 @@ def test_register_rejects_mismatched_name():
         @register_scorer("other_name_test")
         class Wrong(Scorer):
             name: Literal["wrong"] = "wrong"
+
+
+def test_replace_returns_a_validated_copy():
+    press = preset("ada_snapkv", compression_ratio=0.5)
+    changed = press.replace(compression_ratio=None, budget=16, storage="int4")
+    assert changed.budget == 16 and changed.compression_ratio is None and changed.storage.label == "int4"
+    assert changed.scorer == press.scorer and changed.allocator == press.allocator and press.budget is None
+    with pytest.raises(ConfigError, match="budget") as bad:
+        press.replace(budget=8)  # both budgets: refused by the same validator as construction
+    assert "\n" not in str(bad.value)
+    with pytest.raises(ConfigError, match="no_such_field"):
+        press.replace(no_such_field=1)
+    with pytest.raises(ConfigError, match="storage"):
+        press.replace(storage="int3")

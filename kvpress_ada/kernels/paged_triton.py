@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_kernels import dot, online_softmax
+
 __all__ = ["paged_attention_triton"]
 
 
@@ -28,10 +30,7 @@ def _paged_attn_kernel(
     stride_kp, stride_ks,
     stride_vp, stride_vs,
     stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    IEEE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -53,24 +52,11 @@ def _paged_attn_kernel(
         inside = (start + offs_s) < n
         k = tl.load(K_ptr + page * stride_kp + offs_s[:, None] * stride_ks + offs_d[None, :],
                     mask=inside[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(inside[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        s = tl.where(inside[None, :], dot(q, tl.trans(k), IEEE) * qk_scale, float("-inf"))
+        m_i, alpha, p, l_i = online_softmax(s, m_i, l_i)
         v = tl.load(V_ptr + page * stride_vp + offs_s[:, None] * stride_vs + offs_d[None, :],
                     mask=inside[:, None], other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(OUT_ptr + t.to(tl.int64) * stride_ot + (h * G + offs_g)[:, None] * stride_oh + offs_d[None, :],
              out.to(OUT_ptr.dtype.element_ty), mask=g_valid[:, None])

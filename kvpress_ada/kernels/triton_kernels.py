@@ -39,7 +39,31 @@ __all__ = [
     "compact_triton",
     "default_config",
     "merge_splits",
+    "dot",
+    "online_softmax",
 ]
+
+
+@triton.jit
+def dot(a, b, IEEE: tl.constexpr):
+    """``tl.dot(a, b)``, in IEEE fp32 precision when ``IEEE`` (fp32 inputs: no TF32 rounding)."""
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def online_softmax(s, m_i, l_i):
+    """One tile ``s [M, N]`` (base-2 logits, ``-inf`` where hidden) of an online softmax with running maxima
+    ``m_i`` and sums ``l_i [M]``: returns the new maxima, the factor ``alpha`` that rescales the partials so far,
+    the tile's weights ``p`` and the new sums. A row that has seen only ``-inf`` keeps weight 0, never NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
 
 
 @triton.jit
@@ -121,25 +145,12 @@ def _ragged_attn_split_kernel(
             kv_mask = offs_n < hi
             rel = (offs_n - lo)[:, None]
             k = tl.load(k_base + rel * stride_k + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * qk_scale
+            s = dot(q, tl.trans(k), IEEE) * qk_scale
             vis = (offs_n[None, :] < limit[:, None]) & kv_mask[None, :]
             s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i, alpha, p, l_i = online_softmax(s, m_i, l_i)
             v = tl.load(v_base + rel * stride_v + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
 
         # only the real queries' partials are written (the reduce reads only those)
         slot = pid.to(tl.int64)

@@ -37,11 +37,21 @@ import transformers  # noqa: E402
 
 import kvpress_ada  # noqa: E402
 from kvpress_ada import Mask, preset, preset_names  # noqa: E402
-from kvpress_ada.hosts.transformers import MaskedLayer, PressCache, RaggedLayer, check_press  # noqa: E402
+from kvpress_ada.hosts.transformers import (  # noqa: E402
+    MaskedLayer,
+    PressCache,
+    QuantizedRaggedLayer,
+    RaggedLayer,
+    check_press,
+)
 from kvpress_ada.hosts.transformers.fanout import capture_prefill  # noqa: E402
+from kvpress_ada.storage import Int4  # noqa: E402
 
 GOLDEN = ROOT / "benchmarks" / "results" / "selection_golden.json"
-MODES = ("one_shot", "chunked", "decode", "fanout")
+MODES = ("one_shot", "chunked", "decode", "decode_only", "fanout")
+DECODE = dict(decode_budget=72, decode_interval=4)  # above SnapKV's 64-query window: the scores choose
+TINY_LENGTHS = (160, 121)  # the two rows of the tiny models' batch (left-padded to 160)
+STORAGE_MODES = MODES  # recorded again with int4 storage ("MODE_int4")
 
 _LOG: dict[int, dict[int, torch.Tensor]] = {}  # layer -> position -> keys [B, H, D]
 _update = PressCache.update
@@ -64,22 +74,30 @@ def _logging_updates() -> Iterator[None]:
         PressCache.update = _update  # type: ignore[method-assign]
 
 
-def _held(layer: Any) -> list[list[torch.Tensor]]:
-    """Keys each (row, head) of a press cache layer holds, ``[n, D]`` each, in storage order."""
+def _held(layer: Any) -> list[list[tuple[torch.Tensor, torch.Tensor | None]]]:
+    """``(keys [n, D], positions [n] or None)`` each (row, head) of a press cache layer holds, in storage order.
+    A quantized layer's keys are dequantized and come with the positions its view reports (int4 keys are too
+    coarse to be told apart by value: ``_positions`` checks each one is near the logged key it claims)."""
+    if isinstance(layer, QuantizedRaggedLayer):
+        held = layer.view()
+        B, H = held.keys.shape[:2]
+        present = held.positions >= 0
+        return [[(held.keys[b, h][present[b, h]], held.positions[b, h][present[b, h]]) for h in range(H)]
+                for b in range(B)]
     if isinstance(layer, RaggedLayer):
         if not layer.compressed:
             B, H = layer.keys.shape[:2]
-            return [[layer.keys[b, h] for h in range(H)] for b in range(B)]
+            return [[(layer.keys[b, h], None) for h in range(H)] for b in range(B)]
         B, H, _ = layer.shape
         offsets, lengths = layer.row_offsets.tolist(), layer.row_lengths.tolist()
-        return [[layer.k_flat[offsets[b * H + h]:offsets[b * H + h] + lengths[b * H + h]] for h in range(H)]
+        return [[(layer.k_flat[offsets[b * H + h]:offsets[b * H + h] + lengths[b * H + h]], None) for h in range(H)]
                 for b in range(B)]
     if isinstance(layer, MaskedLayer):
         keys = layer.keys
         B, H, L, _ = keys.shape
         keep = torch.ones(B, H, L, dtype=torch.bool) if layer.keep is None else \
             torch.nn.functional.pad(layer.keep, (0, L - layer.keep.shape[-1]), value=True)
-        return [[keys[b, h][keep[b, h]] for h in range(H)] for b in range(B)]
+        return [[(keys[b, h][keep[b, h]], None) for h in range(H)] for b in range(B)]
     raise TypeError(type(layer).__name__)
 
 
@@ -93,9 +111,18 @@ def _positions(cache: Any) -> list[list[list[int]]]:
         rows = []
         for b, heads in enumerate(_held(layer)):
             per_head = []
-            for h, keys in enumerate(heads):
+            for h, (keys, claimed) in enumerate(heads):
                 if keys.shape[0] == 0:
                     per_head.append([])
+                    continue
+                if claimed is not None:  # quantized: each key near the logged key at the position it claims
+                    index = torch.searchsorted(pos, claimed.long())
+                    logged = table[b, h][index.clamp(max=len(pos) - 1)].float()
+                    far = (keys.float() - logged).norm(dim=-1) > 0.25 * logged.norm(dim=-1) + 1e-3
+                    if bool((pos[index.clamp(max=len(pos) - 1)] != claimed).any() | far.any()):
+                        raise RuntimeError(f"layer {i} row {b} head {h}: a held quantized key is not near the logged "
+                                           "key at the position it claims")
+                    per_head.append(sorted(claimed.tolist()))
                     continue
                 dist = torch.cdist(keys.float(), table[b, h].float(), compute_mode="donot_use_mm_for_euclid_dist")
                 best = dist.argmin(-1)
@@ -123,21 +150,23 @@ def _inputs(vocab: int, lengths: tuple[int, int], seed: int) -> tuple[torch.Tens
     return ids, mask
 
 
-def _press(name: str, mode: str, ratio: float, chunk: int, mask_evictor: bool):
+def _press(name: str, mode: str, ratio: float, chunk: int, mask_evictor: bool, storage: str = "full"):
     kwargs: dict[str, Any] = {}
+    if storage == "int4":  # groups of 16 fit the tiny models' head dim; a short ring, so most entries are int4
+        kwargs["storage"] = Int4(group_size=16, residual=4)
     if mode == "chunked":
         kwargs["prefill_chunk"] = chunk
-    if mode == "decode":
-        kwargs.update(decode_budget=12, decode_interval=4)
+    if mode in ("decode", "decode_only"):
+        kwargs.update(DECODE)
     if mask_evictor:
         kwargs["evictor"] = Mask()
-    return preset(name, compression_ratio=ratio, **kwargs)
+    return preset(name, compression_ratio=None if mode == "decode_only" else ratio, **kwargs)
 
 
 def _run(model, name: str, mode: str, ids, mask, ratio: float, chunk: int, new_tokens: int,
-         mask_evictor: bool) -> dict:
+         mask_evictor: bool, storage: str = "full") -> dict:
     try:
-        press = _press(name, mode, ratio, chunk, mask_evictor)
+        press = _press(name, mode, ratio, chunk, mask_evictor, storage)
         if mode != "fanout":
             check_press(press, model)
     except ValueError:
@@ -166,90 +195,174 @@ def _run(model, name: str, mode: str, ids, mask, ratio: float, chunk: int, new_t
     return {"tokens": tokens, "kept": _digest(_positions(cache))}
 
 
-def _tiny_models(archs: tuple[str, ...] | None = None) -> dict[str, Any]:
-    from conftest import ARCHITECTURES, build_model
+def _reinit(model: Any, seed: int) -> Any:
+    """Weights drawn here, not by transformers' initialiser (which may change between releases): every matrix
+    and bias ``N(0, 0.02)`` from one generator in parameter-name order, every norm weight 1."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.02)
+    return model
 
-    return {arch: build_model(arch) for arch in (archs or ARCHITECTURES)}
+
+def tiny_model(arch: str) -> tuple[Any, Any]:
+    """``(model, tokenizer)``: the tiny random model of ``arch`` the golden sets are recorded on (the suite's
+    config and character tokenizer, weights drawn here)."""
+    from conftest import ARCHITECTURES, build_model, build_tokenizer
+
+    return _reinit(build_model(arch), seed=1 + ARCHITECTURES.index(arch)), build_tokenizer()
 
 
-def collect(default_model: bool, tiny: bool = True, names: list[str] | None = None,
-            archs: tuple[str, ...] | None = None) -> dict:
-    """Records of every preset (or ``names``) in every mode, on the tiny models (or ``archs``) and,
-    with ``default_model``, the embedded default model."""
-    results: dict[str, Any] = {"versions": _versions()}
-    models: dict[str, tuple[Any, tuple[int, int], float, int, int]] = {}
-    if tiny:
-        for arch, model in _tiny_models(archs).items():
-            models[arch] = (model, (160, 121), 0.5, 48, 6)
+def _models(default_model: bool, archs: tuple[str, ...] | None) -> dict[str, tuple]:
+    """``name -> ((model, tokenizer), (row lengths), ratio, prefill chunk, new tokens)``: the tiny models (or
+    ``archs``; ``()`` for none) and, with ``default_model``, the embedded default model."""
+    from conftest import ARCHITECTURES
+
+    models: dict[str, tuple] = {arch: (tiny_model(arch), TINY_LENGTHS, 0.5, 48, 10)
+                                for arch in (ARCHITECTURES if archs is None else archs)}
     if default_model:
         from kvpress_ada.models import load
 
-        model, _ = load("default")
-        models["default"] = (model, (300, 233), 0.6, 128, 8)
+        models["default"] = (load("default"), (300, 233), 0.6, 128, 8)
+    return models
+
+
+def _model_inputs(model: Any, lengths: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    return _inputs(min(int(model.config.vocab_size), 5000), lengths, seed=0)
+
+
+def numerics(model: Any, tokenizer: Any, lengths: tuple[int, int], new_tokens: int) -> str:
+    """Digest of what the model computes without a press on the golden inputs, bit for bit (the prefill's and
+    every greedy step's logits, the final cache's keys and values) and of its tokenizer's ids for a fixed text.
+    Where it equals a recorded one, every kept set must equal that recording's: only the selection code can
+    differ. Two transformers releases, or two machines, may round differently (then it differs)."""
+    ids, mask = _model_inputs(model, lengths)
+    h = hashlib.sha256()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                             return_dict_in_generate=True, output_logits=True)
+    cache = [x for layer in out.past_key_values.layers for x in (layer.keys, layer.values)]
+    for t in [*out.logits, *cache]:
+        h.update(t.detach().float().contiguous().numpy().tobytes())
+    h.update(json.dumps(list(tokenizer("Repeat the previous context exactly.\n")["input_ids"])).encode())
+    return h.hexdigest()[:16]
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """One torch thread while inside (a thread count can change how a reduction rounds)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def collect(default_model: bool, names: list[str] | None = None, archs: tuple[str, ...] | None = None) -> dict:
+    """``{variant key: {"versions", "records"}}``, a variant key being ``"llama@<numerics digest>"``: every
+    preset (or ``names``) in every mode on the tiny models (or ``archs``) and, with ``default_model``, the
+    embedded default model."""
+    out: dict[str, Any] = {}
     names = names or preset_names()
-    with _logging_updates():
-        _collect_into(results, models, names)
+    with _logging_updates(), _one_thread():
+        for key, ((model, tokenizer), lengths, ratio, chunk, new_tokens) in _models(default_model, archs).items():
+            variant = f"{key}@{numerics(model, tokenizer, lengths, new_tokens)}"
+            records = _collect_model(key, model, names, lengths, ratio, chunk, new_tokens)
+            out[variant] = {"versions": [_versions()], "records": records}
+    return out
+
+
+def _collect_model(key: str, model: Any, names: list[str], lengths: tuple[int, int], ratio: float, chunk: int,
+                   new_tokens: int) -> dict:
+    ids, mask = _model_inputs(model, lengths)
+    results: dict[str, Any] = {}
+    for name in names:
+        for mode in MODES:
+            results[f"{key}/{name}/{mode}"] = _run(model, name, mode, ids, mask, ratio, chunk, new_tokens, False)
+        results[f"{key}/{name}/one_shot_mask"] = _run(model, name, "one_shot", ids, mask, ratio, chunk,
+                                                      new_tokens, True)
+        for mode in STORAGE_MODES:
+            results[f"{key}/{name}/{mode}_int4"] = _run(model, name, mode, ids, mask, ratio, chunk, new_tokens,
+                                                        False, "int4")
+        if __name__ == "__main__":
+            print(key, name, flush=True, file=sys.stderr)
     return results
-
-
-def _collect_into(results: dict, models: dict, names: list[str]) -> None:
-    for key, (model, lengths, ratio, chunk, new_tokens) in models.items():
-        vocab = int(model.config.vocab_size)
-        ids, mask = _inputs(min(vocab, 5000), lengths, seed=0)
-        for name in names:
-            for mode in MODES:
-                results[f"{key}/{name}/{mode}"] = _run(model, name, mode, ids, mask, ratio, chunk, new_tokens, False)
-            results[f"{key}/{name}/one_shot_mask"] = _run(model, name, "one_shot", ids, mask, ratio, chunk,
-                                                          new_tokens, True)
-            if __name__ == "__main__":
-                print(key, name, flush=True, file=sys.stderr)
 
 
 def _versions() -> dict[str, str]:
     return {"torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def _collected(key: str, names: list[str] | None, default_model: bool) -> bool:
-    """Whether a run of ``collect(default_model, names=names)`` writes the record ``key`` (model/preset/mode)."""
-    model, preset_name = key.split("/")[:2]
-    return (default_model or model != "default") and (names is None or preset_name in names)
-
-
 def compare(golden: dict, now: dict) -> list[str]:
-    """Keys whose record differs (versions aside)."""
-    return [k for k in sorted(set(golden) | set(now)) if k != "versions" and golden.get(k) != now.get(k)]
+    """Record keys whose record differs."""
+    return [k for k in sorted(set(golden) | set(now)) if golden.get(k) != now.get(k)]
+
+
+def missing_message(variant: str, golden: dict) -> str:
+    """One line: no golden records for ``variant`` (this environment's numerics) and the command recording them."""
+    name = variant.split("@")[0]
+    known = [f"{k} (" + "; ".join(f"torch {e['torch']}, transformers {e['transformers']}" for e in v["versions"]) + ")"
+             for k, v in sorted(golden["variants"].items()) if k.split("@")[0] == name]
+    flag = " --default-model" if name == "default" else ""
+    return (f"no golden kept sets for {variant} (torch {torch.__version__}, transformers {transformers.__version__}: "
+            f"this model computes differently here than in {', '.join(known) or 'any recording'}); record them at a "
+            f"commit whose kept sets you trust: python benchmarks/selection_golden.py --record{flag}")
+
+
+def load(path: Path = GOLDEN) -> dict:
+    """The golden file: ``{"variants": {variant key: {"versions", "records"}}}``."""
+    return json.loads(path.read_text()) if path.exists() else {"variants": {}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--record", action="store_true", help="write the golden file")
+    parser.add_argument("--record", action="store_true", help="write this environment's records into the golden file")
     parser.add_argument("--check", action="store_true", help="compare against the golden file")
     parser.add_argument("--default-model", action="store_true", help="include the embedded default model")
+    parser.add_argument("--archs", default="", help="comma-separated tiny models (default: all; 'none': none)")
     parser.add_argument("--presets", default="",
                         help="comma-separated presets to collect (default: all); --record keeps the others' records")
     parser.add_argument("--out", type=Path, default=GOLDEN)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    from conftest import ARCHITECTURES
+
     names = [n for n in args.presets.split(",") if n] or None
     unknown = sorted(set(names or ()) - set(preset_names()))
     if unknown:
         parser.error(f"unknown preset(s) {', '.join(unknown)}; known: {', '.join(preset_names())}")
-    kept: dict[str, Any] = {}
-    if args.record and args.out.exists():  # keep what this run does not collect (the default model's, other presets')
-        old = json.loads(args.out.read_text())
-        kept = {k: v for k, v in old.items() if k != "versions" and not _collected(k, names, args.default_model)}
-        if kept and old.get("versions") != _versions():
-            parser.error(f"{args.out} was recorded with {old.get('versions')}, this run has {_versions()}: "
-                         "keeping its other records would mix versions; record every preset with --default-model")
-    now = collect(args.default_model, names=names)
+    archs = None if not args.archs else () if args.archs == "none" else tuple(a for a in args.archs.split(",") if a)
+    if archs and set(archs) - set(ARCHITECTURES):
+        parser.error(f"unknown tiny model(s) {', '.join(sorted(set(archs) - set(ARCHITECTURES)))}; "
+                     f"known: {', '.join(ARCHITECTURES)}, none")
+    golden = load(args.out)
+    now = collect(args.default_model, names=names, archs=archs)
     if args.record:
-        now = {**kept, **now}
-        args.out.write_text(json.dumps(now, indent=0, sort_keys=True))
-        print(f"wrote {args.out} ({len(now) - 1} records, kvpress_ada {kvpress_ada.__version__})")
+        for variant, fresh in now.items():
+            old = golden["variants"].get(variant)
+            if names and old is None:
+                parser.error(f"{variant} has no records in {args.out} yet: record every preset first (no --presets)")
+            records = {**(old["records"] if old and names else {}), **fresh["records"]}
+            seen = old["versions"] if old else []
+            versions = seen + [v for v in fresh["versions"] if v not in seen]
+            golden["variants"][variant] = {"versions": versions, "records": dict(sorted(records.items()))}
+        args.out.write_text(json.dumps(golden, indent=0, sort_keys=True) + "\n")
+        print(f"wrote {args.out}: {', '.join(now)} ({sum(len(v['records']) for v in now.values())} records, "
+              f"kvpress_ada {kvpress_ada.__version__})")
     if args.check:
-        golden = json.loads(args.out.read_text())
-        golden = {k: v for k, v in golden.items() if k != "versions" and _collected(k, names, args.default_model)}
-        diff = compare(golden, now)
+        diff: list[str] = []
+        for variant, fresh in now.items():
+            if variant not in golden["variants"]:
+                print(missing_message(variant, golden))
+                sys.exit(1)
+            recorded = golden["variants"][variant]["records"]
+            diff += compare({k: v for k, v in recorded.items() if k.split("/")[1] in (names or preset_names())},
+                            fresh["records"])
         print("identical" if not diff else f"{len(diff)} records differ:\n" + "\n".join(diff))
         sys.exit(1 if diff else 0)
 

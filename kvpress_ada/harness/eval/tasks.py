@@ -205,21 +205,21 @@ def _haystack_context(task: str, tokenizer: Any, rng: random.Random, context_tok
     lo = 0  # invariant: assemble(lo) fits (checked above through `needed`)
     while _count(tokenizer, assemble(hi)) <= context_tokens:  # estimate was short
         lo, hi = hi, hi + max(1, hi // 4)
+    lo = _largest(lo, hi, lambda k: _count(tokenizer, assemble(k)) <= context_tokens)
+    words = hay(lo).split(" ")
+    w = _largest(0, len(words), lambda m: _count(tokenizer, assemble(lo, " ".join(words[:m]))) <= context_tokens)
+    return assemble(lo, " ".join(words[:w]))
+
+
+def _largest(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
+    """The largest ``m`` in ``[lo, hi]`` with ``fits(m)`` (binary search; ``fits`` monotone and true at ``lo``)."""
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _count(tokenizer, assemble(mid)) <= context_tokens:
+        if fits(mid):
             lo = mid
         else:
             hi = mid - 1
-    words = hay(lo).split(" ")
-    wlo, whi = 0, len(words)
-    while wlo < whi:
-        mid = (wlo + whi + 1) // 2
-        if _count(tokenizer, assemble(lo, " ".join(words[:mid]))) <= context_tokens:
-            wlo = mid
-        else:
-            whi = mid - 1
-    return assemble(lo, " ".join(words[:wlo]))
+    return lo
 
 
 # ---------------------------------------------------------------- needle values
@@ -273,6 +273,14 @@ _MAGIC_PREFACE = ("Some special magic numbers are hidden within the following te
                   "sure to memorize them. I will quiz you about {what} afterwards.\n\n")
 
 
+def _magic_context(task: str, tok, rng: random.Random, n_tokens: int, keys: Sequence[str], values: Sequence[str],
+                   what: str) -> str:
+    """The haystack with one magic-number needle per ``(key, value)`` pair, each at a seeded depth."""
+    needles = [_MAGIC.format(key=k, value=v) for k, v in zip(keys, values)]
+    depths = [rng.random() for _ in needles]
+    return _haystack_context(task, tok, rng, n_tokens, _MAGIC_PREFACE.format(what=what), needles, depths)
+
+
 # ----------------------------------------------------------------------- tasks
 
 
@@ -289,10 +297,7 @@ def _multikey(tok, rng, n_tokens, num_keys: int = 4):
     taken: set[str] = set()
     keys = _keys(rng, num_keys)
     values = [_number(rng, 7, taken) for _ in keys]
-    needles = [_MAGIC.format(key=k, value=v) for k, v in zip(keys, values)]
-    depths = [rng.random() for _ in needles]
-    ctx = _haystack_context("multikey", tok, rng, n_tokens,
-                            _MAGIC_PREFACE.format(what="one of them"), needles, depths)
+    ctx = _magic_context("multikey", tok, rng, n_tokens, keys, values, "one of them")
     q = f"What is the special magic number for {keys[0]}? Answer with the number only."
     return ctx, q, [values[0]], {"distractors": values[1:]}
 
@@ -301,10 +306,7 @@ def _multivalue(tok, rng, n_tokens, num_values: int = 4):
     taken: set[str] = set()
     keys = _keys(rng, 1)
     values = [_number(rng, 7, taken) for _ in range(num_values)]
-    needles = [_MAGIC.format(key=keys[0], value=v) for v in values]
-    depths = [rng.random() for _ in needles]
-    ctx = _haystack_context("multivalue", tok, rng, n_tokens,
-                            _MAGIC_PREFACE.format(what="them"), needles, depths)
+    ctx = _magic_context("multivalue", tok, rng, n_tokens, keys * num_values, values, "them")
     q = (f"What are all the special magic numbers for {keys[0]}? Answer with the numbers "
          "only, separated by commas.")
     return ctx, q, values, {}
@@ -314,10 +316,7 @@ def _multiquery(tok, rng, n_tokens, num_keys: int = 4):
     taken: set[str] = set()
     keys = _keys(rng, num_keys)
     values = [_number(rng, 7, taken) for _ in keys]
-    needles = [_MAGIC.format(key=k, value=v) for k, v in zip(keys, values)]
-    depths = [rng.random() for _ in needles]
-    ctx = _haystack_context("multiquery", tok, rng, n_tokens,
-                            _MAGIC_PREFACE.format(what="them"), needles, depths)
+    ctx = _magic_context("multiquery", tok, rng, n_tokens, keys, values, "them")
     q = (f"What are the special magic numbers for {_join(keys)}? Answer with the numbers "
          "only, separated by commas.")
     return ctx, q, values, {}
@@ -380,13 +379,7 @@ def _cwe(tok, rng, n_tokens, num_common: int = 3, freq_uncommon: int = 2):
     needed = _count(tok, assemble(num_common))
     if needed > n_tokens:
         raise ContextTooSmall("cwe", n_tokens, needed)
-    lo, hi = num_common, min(len(others) - 64, capacity + 1)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _count(tok, assemble(mid)) <= n_tokens:
-            lo = mid
-        else:
-            hi = mid - 1
+    lo = _largest(num_common, min(len(others) - 64, capacity + 1), lambda m: _count(tok, assemble(m)) <= n_tokens)
     singles: list[str] = []  # fill the last few tokens with words listed once
     for w in others[lo:lo + 16]:
         if _count(tok, assemble(lo, singles + [w])) <= n_tokens:

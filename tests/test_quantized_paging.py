@@ -10,17 +10,20 @@ import torch
 from kvpress_ada.hosts.paging import PagedSequence, PoolExhausted
 from kvpress_ada.hosts.quantized_paging import QuantizedPagePool
 from kvpress_ada.hosts.transformers.quantized_cache import QuantizedRaggedLayer
-from kvpress_ada.kernels.quantized import quantized_attention_ref
+from kvpress_ada.kernels.quantized import RecordLayout, quantized_attention_ref
+from kvpress_ada.storage import Fp8, Int4
 
 B, H, G, L, D, S = 2, 2, 2, 40, 32, 8
-CASES = [(4, 32, 4, torch.float32), (8, 32, 0, torch.float32), (4, 16, 4, torch.bfloat16), (4, 32, 32, torch.float32)]
-# the last: each row's side tensors span five pages (179 record slots of 42 a page)
-IDS = pytest.mark.parametrize("bits,group,residual,dtype", CASES, ids=["int4-r4", "int8-r0", "int4-bf16", "int4-r32"])
+CASES = [(RecordLayout("int", 4, 32, 4), torch.float32), (RecordLayout("int", 8, 32, 0), torch.float32),
+         (RecordLayout("int", 4, 16, 4), torch.bfloat16), (RecordLayout("int", 4, 32, 32), torch.float32),
+         (Fp8().layout, torch.float32), (Fp8(group_size=16, residual=4).layout, torch.bfloat16)]
+# int4-r32: each row's side tensors span five pages (179 record slots of 42 a page)
+IDS = pytest.mark.parametrize("layout,dtype", CASES,
+                              ids=["int4-r4", "int8-r0", "int4-bf16", "int4-r32", "fp8", "fp8-g16-r4-bf16"])
 
 
-def _pool(bits, group, residual, dtype, pages=64):
-    return QuantizedPagePool(torch.zeros(pages, 2 * S * D * dtype.itemsize, dtype=torch.uint8), S, D, dtype, bits,
-                             group, residual)
+def _pool(layout, dtype, pages=64):
+    return QuantizedPagePool(torch.zeros(pages, 2 * S * D * dtype.itemsize, dtype=torch.uint8), S, D, dtype, layout)
 
 
 def _packed(x):
@@ -28,17 +31,17 @@ def _packed(x):
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1])
 
 
-def _both(bits, group, residual, dtype, seed=0):
+def _both(layout, dtype, seed=0):
     """A pool and a ragged layer holding the same dense prefill, evicted with the same mask."""
     gen = torch.Generator().manual_seed(seed)
     keys = (torch.randn(B, H, L, D, generator=gen) + 2 * torch.randn(D, generator=gen)).to(dtype)
     values = torch.randn(B, H, L, D, generator=gen).to(dtype)
     keep = torch.rand(B, H, L, generator=gen) < torch.tensor([0.3, 0.8]).view(1, H, 1)
     keep[1, 0] = False  # a row keeping nothing
-    layer = QuantizedRaggedLayer(bits, group, residual=residual)
+    layer = QuantizedRaggedLayer(layout)
     layer.update(keys, values)
     layer.retain(keep, layer.view())
-    pool = _pool(bits, group, residual, dtype)
+    pool = _pool(layout, dtype)
     seqs = [PagedSequence(H) for _ in range(B)]
     pool.append(seqs, _packed(keys), _packed(values), torch.arange(L).repeat(B), [L] * B)
     assert torch.equal(pool.view(seqs)[0], keys)  # full precision until the first eviction
@@ -56,8 +59,8 @@ def _assert_same_view(pool, seqs, layer):
 
 
 @IDS
-def test_view_and_attention_equal_the_ragged_layer(bits, group, residual, dtype):
-    pool, seqs, layer, gen = _both(bits, group, residual, dtype)
+def test_view_and_attention_equal_the_ragged_layer(layout, dtype):
+    pool, seqs, layer, gen = _both(layout, dtype)
     _assert_same_view(pool, seqs, layer)
     for Q in (3, 1, 1, 6):  # appends (a row empty so far takes its first as anchor), the ring turning over
         k_new = torch.randn(B, H, Q, D, generator=gen).to(dtype)
@@ -68,7 +71,7 @@ def test_view_and_attention_equal_the_ragged_layer(bits, group, residual, dtype)
                                      [Q] * B)
         q = torch.randn(B, H * G, Q, D, generator=gen).to(dtype)
         expected = quantized_attention_ref(q, layer.k_flat, layer.v_flat, layer.row_offsets, layer.row_lengths,
-                                           layer.side, D ** -0.5, bits, group)
+                                           layer.side, D ** -0.5, layout)
         out = pool.attend(_packed(q), table, lengths, torch.arange(B + 1, dtype=torch.int32) * Q, D ** -0.5)
         # the same records and side tensors; the layer's rows lie apart (decode reserve), so float32 sums may run
         # in another order; a bf16 output is then at most one unit in its last place away
@@ -77,8 +80,8 @@ def test_view_and_attention_equal_the_ragged_layer(bits, group, residual, dtype)
 
 
 @IDS
-def test_retain_moves_records_unchanged_and_fixes_anchors_like_the_ragged_layer(bits, group, residual, dtype):
-    pool, seqs, layer, gen = _both(bits, group, residual, dtype, seed=1)
+def test_retain_moves_records_unchanged_and_fixes_anchors_like_the_ragged_layer(layout, dtype):
+    pool, seqs, layer, gen = _both(layout, dtype, seed=1)
     k_new, v_new = torch.randn(2, B, H, 5, D, generator=gen).to(dtype)
     layer.update(k_new, v_new)
     pool.append(seqs, _packed(k_new), _packed(v_new), torch.arange(L, L + 5).repeat(B), [5] * B)
@@ -103,8 +106,8 @@ def _align(keep, present, valid):
 
 
 @IDS
-def test_pages_hold_records_and_side_tensors_and_return_on_release(bits, group, residual, dtype):
-    pool, seqs, _, _ = _both(bits, group, residual, dtype, seed=2)
+def test_pages_hold_records_and_side_tensors_and_return_on_release(layout, dtype):
+    pool, seqs, _, _ = _both(layout, dtype, seed=2)
     per, side = pool.records_per_page, pool.side_slots
     assert per > S  # a page of records holds more entries than a full-precision page
     for seq in seqs:
@@ -121,11 +124,11 @@ def test_pages_hold_records_and_side_tensors_and_return_on_release(bits, group, 
 
 
 @IDS
-def test_a_step_of_mixed_token_counts_equals_each_sequence_alone(bits, group, residual, dtype):
+def test_a_step_of_mixed_token_counts_equals_each_sequence_alone(layout, dtype):
     """Sequences with different token counts in one step (grouped by count, each group its own quantized op and
     its share of the step's side tensors) read back and attend as each appended alone."""
-    together, seqs, _, gen = _both(bits, group, residual, dtype, seed=3)
-    alone, rows, _, _ = _both(bits, group, residual, dtype, seed=3)
+    together, seqs, _, gen = _both(layout, dtype, seed=3)
+    alone, rows, _, _ = _both(layout, dtype, seed=3)
     seen = [L] * B
     for counts in ([1, 3], [0, 2], [5, 1], [1, 1]):
         T = sum(counts)
@@ -149,3 +152,25 @@ def test_a_step_of_mixed_token_counts_equals_each_sequence_alone(bits, group, re
             assert torch.equal(a, b)
         for a, b in zip(mine[:2], theirs[:2]):  # keys are rotated back by a float32 matmul over all the rows read
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("storage", [Int4(group_size=16, residual=4), Fp8(), Fp8(group_size=16, residual=2)],
+                         ids=["int4", "fp8", "fp8-g16"])
+def test_the_storage_kind_builds_its_pool(storage):
+    """``storage.page_pool`` over an engine's pages ``[P, 2, S, D]`` is a pool of the kind's records over the same
+    bytes (what the vLLM host builds), which stores that kind and no other; a full-precision kind's is a plain
+    pool, or the host's native one; ``pool_reserve`` is what the pool's geometry says."""
+    from kvpress_ada.hosts.paging import PagePool
+    from kvpress_ada.storage import FullPrecision
+
+    pages = torch.zeros(16, 2, S, D)
+    pool = storage.page_pool(pages)
+    assert isinstance(pool, QuantizedPagePool) and pool.layout == storage.layout
+    assert pool.pages.data_ptr() == pages.data_ptr() and pool.stores(storage) and not pool.stores(FullPrecision())
+    assert not pool.stores(Int4(group_size=16, residual=storage.layout.residual + 1))
+    assert storage.pool_reserve(S, D, torch.float32) == QuantizedPagePool.reserve_pages(S, D, torch.float32,
+                                                                                         storage.layout) >= 1
+    full = FullPrecision().page_pool(pages)
+    assert type(full) is PagePool and full.stores(FullPrecision()) and not full.stores(storage)
+    assert FullPrecision().page_pool(pages, native=lambda p: ("native", p))[0] == "native"
+    assert FullPrecision().pool_reserve(S, D, torch.float32) == 0

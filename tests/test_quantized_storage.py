@@ -19,7 +19,7 @@ from kvpress_ada.hosts.transformers.hf import cache_kwarg, output_cache
 from kvpress_ada.hosts.transformers.quantized_cache import QuantizedRaggedCache, QuantizedRaggedLayer
 from kvpress_ada.hosts.transformers.ragged_cache import RaggedLayer
 from kvpress_ada.kernels import dequantize, quantize, record_width
-from kvpress_ada.kernels.quantized import decode_keys, encode_keys, rotation, row_side
+from kvpress_ada.kernels.quantized import RecordLayout, decode_keys, encode_keys, rotation, row_side
 from kvpress_ada.kernels.reference import CHUNK
 from kvpress_ada.presets import portable_preset_names
 from kvpress_ada.scorers import SnapKV
@@ -39,20 +39,19 @@ class RoundedLayer(RaggedLayer):
     (a row's first entry exact; keys centred by the row's centre, fixed at compression, and rotated); entries
     it already holds are moved as they are (test oracle)."""
 
-    def __init__(self, bits, group, decode_reserve=8):
+    def __init__(self, layout, decode_reserve=8):
         super().__init__(decode_reserve)
-        self.bits, self.group, self._moving = bits, group, False
+        self.layout, self._moving = layout, False
 
     def _round(self, keys, values, centre):
-        D = keys.shape[-1]
-        return (decode_keys(encode_keys(keys, centre, self.bits, self.group), centre, D, self.bits, self.group,
-                            keys.dtype),
-                dequantize(quantize(values, self.bits, self.group), D, self.bits, self.group, values.dtype))
+        D, layout = keys.shape[-1], self.layout
+        return (decode_keys(encode_keys(keys, centre, layout), centre, D, layout, keys.dtype),
+                dequantize(quantize(values, layout), D, layout, values.dtype))
 
     def _compact_entries(self, keys, values, keep):
         if not self._moving:
             B, H, _, D = keys.shape
-            side = row_side(keys, values, keep).view(3, B, H, 1, D)
+            side = row_side(keys, values, keep, self.layout.rotate_keys).view(3, B, H, 1, D)
             self.centre = side[2]
             first = (keep & (torch.cumsum(keep, -1) == 1))[..., None]
             rounded = self._round(keys, values, self.centre)
@@ -76,11 +75,11 @@ class RoundedLayer(RaggedLayer):
 
 class RoundedCache(RaggedCache):
     def __init__(self, storage, config):
-        self.bits, self.group = type(storage).bits, storage.group_size
+        self.layout = storage.layout
         super().__init__(config=config)
 
     def _new_layer(self, decode_reserve):
-        return RoundedLayer(self.bits, self.group, decode_reserve)
+        return RoundedLayer(self.layout, decode_reserve)
 
 
 _MODELS = {}
@@ -145,7 +144,7 @@ def test_every_preset_keeps_the_full_precision_positions(storage, name):
                                                                              use_cache=True))
     full, quantized = caches["full"], caches["quantized"]
     assert isinstance(quantized, QuantizedRaggedCache) and not isinstance(full, QuantizedRaggedCache)
-    step = 1 / 15 if storage.bits == 4 else 1 / 255
+    step = 1 / 15 if storage.layout.bits == 4 else 1 / 255
     for i in range(len(full.layers)):
         assert torch.equal(quantized.head_lengths(i), full.head_lengths(i))
         layer = quantized.layers[i]
@@ -177,8 +176,8 @@ def test_nbytes_are_the_records_held(storage):
     with torch.no_grad(), preset("ada_snapkv", compression_ratio=0.6, storage=storage)(model):
         cache = output_cache(model(ids, attention_mask=mask, use_cache=True))
     D = model.config.hidden_size // model.config.num_attention_heads
-    width = record_width(D, storage.bits, 16, torch.float32)
-    assert width == D * storage.bits // 8 + 2 * (D // 16) * 4
+    width = record_width(D, storage.layout, torch.float32)
+    assert width == D * storage.layout.bits // 8 + 2 * (D // 16) * 4
     slots = sum(int((-(-(cache.head_lengths(i) + 8) // CHUNK) * CHUNK).sum()) for i in range(len(cache.layers)))
     rows = sum(cache.head_lengths(i).numel() for i in range(len(cache.layers)))
     assert cache.nbytes() == _held_bytes(cache) == slots * width * 2 + rows * (3 + 2 * storage.residual) * D * 4
@@ -334,7 +333,8 @@ def test_deferred_appends_write_the_records_of_immediate_ones(bits):
     keys, values = torch.randn(B, H, L, D, generator=gen), torch.randn(B, H, L, D, generator=gen)
     keep = torch.rand(B, H, L, generator=gen) < 0.5
     keep[1, 1] = False  # an empty row: its first appended token becomes its anchor
-    layers = [cls(bits, 16, decode_reserve=32, residual=residual) for cls in (QuantizedRaggedLayer, ImmediateLayer)]
+    layout = RecordLayout("int", bits, 16, residual)
+    layers = [cls(layout, decode_reserve=32) for cls in (QuantizedRaggedLayer, ImmediateLayer)]
     for layer in layers:
         layer.update(keys, values)
         layer.compress(keep)
@@ -356,7 +356,7 @@ def test_deferred_appends_write_the_records_of_immediate_ones(bits):
     assert torch.equal(deferred.side, immediate.side)
     deferred._record_pending()
     assert deferred._unrecorded == 0 and torch.equal(deferred.v_flat, immediate.v_flat)
-    got, want = (dequantize(layer.k_flat, D, bits, 16, torch.float32) for layer in layers)
+    got, want = (dequantize(layer.k_flat, D, layout, torch.float32) for layer in layers)
     step_size = (want.abs().amax() * 2 / (2**bits - 1)).item()
     assert ((got - want).abs() <= step_size).all() and ((got - want).abs() > 1e-6).float().mean() < 0.01
 
@@ -463,7 +463,7 @@ def test_one_line_refusals():
         with press(model):
             pass
     assert "\n" not in str(err.value)
-    with pytest.raises(ValueError, match="not quantized"):
+    with pytest.raises(ValueError, match="keeps entries in the model's dtype, not as records"):
         QuantizedRaggedCache(storage=preset("snapkv", compression_ratio=0.5).storage, num_layers=2)
 
 
@@ -584,7 +584,7 @@ def test_bfloat16_model_keeps_16_bit_scales():
     cache = _assert_like_rounded(model, preset("snapkv", compression_ratio=0.5), storage, ids, mask, new_tokens=4,
                                  atol=2e-2, appended_atol=0.1)
     layer = cache.layers[0]
-    assert layer.k_flat.shape[1] == record_width(16, 4, 16, torch.bfloat16) == 12
+    assert layer.k_flat.shape[1] == record_width(16, storage.layout, torch.bfloat16) == 12
     assert layer.view().keys.dtype == torch.bfloat16
 
 

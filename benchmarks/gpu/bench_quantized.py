@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Check and time the quantized ragged decode attention (int8 / int4 records) on a CUDA GPU.
+"""Check and time the quantized ragged decode attention (int8 / int4 / fp8 records) on a CUDA GPU.
 
 1. Correctness: the Triton kernel against the torch reference (which dequantizes the records and runs
-   the full-precision reference) in bf16 and fp16, int8 and int4, Q in {1, 4}, Ada-shaped rows with an
+   the full-precision reference) in bf16 and fp16, int8, int4 and fp8, Q in {1, 4}, Ada-shaped rows with an
    empty one; and against full-precision attention over the original entries (the quantization error,
    reported, not a pass/fail criterion).
 2. Time of one decode step (Q=1) of one layer, H_kv=8, G=4, D=128, B=1 and 8, at the contexts given
-   (default 32k and 128k), Ada-shaped rows: full-precision Triton kernel, int8 and int4 records (CUDA-graph
+   (default 32k and 128k), Ada-shaped rows: full-precision Triton kernel, int8, int4, fp8 records (CUDA-graph
    replay, caches rotated so the reads come from HBM). Reported: microseconds, bytes held per layer, and
    the ratio to the full-precision kernel (the records hold ``bits / 16`` of a 16-bit cache plus scales,
    so a memory-bound kernel should run faster, not slower).
@@ -42,6 +42,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _layouts(group: int) -> dict:
+    """The record layouts measured, by name: the storage kinds' own (int groups of ``group`` channels)."""
+    from kvpress_ada.storage import Fp8, Int4, Int8
+
+    return {"int8": Int8(group_size=group, residual=0).layout, "int4": Int4(group_size=group, residual=0).layout,
+            "fp8": Fp8().layout}
+
+
 def check(kernels, qt, tk, bench, dtypes, device, gen, small: bool, group: int) -> list[dict]:
     import torch
 
@@ -51,23 +59,23 @@ def check(kernels, qt, tk, bench, dtypes, device, gen, small: bool, group: int) 
     ctx = 64 if small else 4096
     tol = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
     for dtype in dtypes:
-        for bits in (8, 4):
+        for name, layout in _layouts(group).items():
             for Q in (1, 4):
                 B, H_kv, G = 2, 2 if small else 8, 4
                 lens = bench.ada_lengths(B * H_kv, ctx, 0.5, 10.0, gen)
                 lens[0] = 0
                 q, k, v, offs, lens_t = bench.make_ragged(B, H_kv, G, D, Q, lens, dtype, device, gen, gaps=3)
-                k_rec, v_rec, side = kernels.quantized.quantize_rows(k, v, offs, lens_t, bits, group)
+                k_rec, v_rec, side = kernels.quantized.quantize_rows(k, v, offs, lens_t, layout)
                 scale = D ** -0.5
-                got = qt.quantized_attention_triton(q, k_rec, v_rec, offs, lens_t, side, scale, bits, group)
-                ref = kernels.quantized.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, side, scale, bits,
-                                                                group)
+                got = qt.quantized_attention_triton(q, k_rec, v_rec, offs, lens_t, side, scale, layout)
+                ref = kernels.quantized.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, side, scale, layout)
                 full = kernels.ragged_attention_ref(q, k, v, offs, lens_t, scale)
                 err = (got.float() - ref.float()).abs().max().item()
                 quant_err = (ref.float() - full.float()).abs().max().item()
                 ok = bool(torch.isfinite(got).all()) and err <= tol[dtype] * max(1.0, ref.float().abs().max().item())
-                out.append(dict(dtype=str(dtype), bits=bits, Q=Q, max_abs_err=err, quantization_err=quant_err, ok=ok))
-                print(f"  check int{bits} {str(dtype):15s} Q={Q}: max|triton - ref|={err:.2e} "
+                out.append(dict(dtype=str(dtype), storage=name, Q=Q, max_abs_err=err, quantization_err=quant_err,
+                                ok=ok))
+                print(f"  check {name} {str(dtype):15s} Q={Q}: max|triton - ref|={err:.2e} "
                       f"(|quantized - full precision| {quant_err:.2e}) {'ok' if ok else 'FAIL'}")
     return out
 
@@ -84,17 +92,17 @@ def measure(args, kernels, qt, tk, bench, context, B, dtype, device, gen, cuda) 
     fns = [lambda c=c: tk.ragged_attention_triton(c[0], c[1], c[2], c[3], c[4], scale) for c in caches]
     row["full_us"] = bench.time_fns(fns, args.iters, cuda) * 1e6
     parts = [f"full {row['full_us']:8.1f} us"]
-    for bits in (8, 4):
-        recs = [(c[0], *kernels.quantized.quantize_rows(c[1], c[2], c[3], c[4], bits, args.group_size), c[3], c[4])
+    for name, layout in _layouts(args.group_size).items():
+        recs = [(c[0], *kernels.quantized.quantize_rows(c[1], c[2], c[3], c[4], layout), c[3], c[4])
                 for c in caches]  # (q, k_rec, v_rec, side, offsets, lengths)
-        fns = [lambda c=c, b=bits: qt.quantized_attention_triton(c[0], c[1], c[2], c[4], c[5], c[3], scale, b,
-                                                                 args.group_size) for c in recs]
+        fns = [lambda c=c, lay=layout: qt.quantized_attention_triton(c[0], c[1], c[2], c[4], c[5], c[3], scale, lay)
+               for c in recs]
         us = bench.time_fns(fns, args.iters, cuda) * 1e6
-        row[f"int{bits}_us"] = us
-        row[f"int{bits}_bytes"] = 2 * recs[0][1].shape[0] * recs[0][1].shape[1] + recs[0][3].nbytes
-        row[f"int{bits}_vs_full"] = us / row["full_us"]
-        parts.append(f"int{bits} {us:8.1f} us ({us / row['full_us']:.2f}x, "
-                     f"{row[f'int{bits}_bytes'] / full_bytes:.2f} of the bytes)")
+        row[f"{name}_us"] = us
+        row[f"{name}_bytes"] = 2 * recs[0][1].shape[0] * recs[0][1].shape[1] + recs[0][3].nbytes
+        row[f"{name}_vs_full"] = us / row["full_us"]
+        parts.append(f"{name} {us:8.1f} us ({us / row['full_us']:.2f}x, "
+                     f"{row[f'{name}_bytes'] / full_bytes:.2f} of the bytes)")
     print(f"  ctx={context:>6} B={B}: " + " | ".join(parts))
     return row
 

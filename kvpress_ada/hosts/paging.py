@@ -267,9 +267,10 @@ class PagePool:
     """What the pool keeps entries as, in words (for messages)."""
 
     def stores(self, storage: Any) -> bool:
-        """Whether this pool keeps entries as ``storage`` (a :class:`~kvpress_ada.storage.Storage`) says: full
-        precision here (:class:`~.quantized_paging.QuantizedPagePool` keeps records)."""
-        return not storage.quantized
+        """Whether this pool keeps entries as ``storage`` (a :class:`~kvpress_ada.storage.Storage`) says: in the
+        model's dtype here, a kind without a record layout (:class:`~.quantized_paging.QuantizedPagePool` keeps
+        records of one)."""
+        return storage.layout is None
 
     def nbytes(self, seqs: list[PagedSequence]) -> int:
         """Bytes of keys and values the pages of ``seqs`` hold (whole pages: what they keep others from)."""

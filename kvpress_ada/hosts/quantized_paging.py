@@ -1,5 +1,6 @@
-"""Pages per (layer, kv head) whose kept entries are int8 / int4 records: the paged layer of a quantized storage,
-for every host that pages, with the scheme of the transformers host's quantized ragged cache
+"""Pages per (layer, kv head) whose kept entries are records of a storage kind's layout (int8, int4, fp8, ...): the
+paged layer of a record storage (:meth:`~kvpress_ada.storage.Storage.page_pool`), for every host that pages, with
+the scheme of the transformers host's quantized ragged cache
 (:mod:`kvpress_ada.kernels.quantized`, ``docs/design.md`` "Scheme"), through the same functions.
 
 A :class:`QuantizedPagePool` is a :class:`~.paging.PagePool` over ``pages uint8 [P, bytes]``: each page the bytes
@@ -24,7 +25,15 @@ import torch
 
 from .. import kernels
 from ..kernels.paged import paged_attention
-from ..kernels.quantized import decode_keys, dequantize, fill_residual, record_width, row_anchors, side_slots
+from ..kernels.quantized import (
+    RecordLayout,
+    decode_keys,
+    dequantize,
+    fill_residual,
+    record_width,
+    row_anchors,
+    side_slots,
+)
 from .paging import PagedSequence, PagePool, PoolExhausted
 
 
@@ -34,11 +43,12 @@ def _cdiv(a: int, b: int) -> int:
 
 class QuantizedPagePool(PagePool):
     """One layer's pages (module docstring): ``pages uint8 [P, 2 * S * D * itemsize]`` (contiguous), entries of
-    ``head_dim`` channels of ``dtype`` stored as ``bits``-bit records in groups of ``group`` with a residual of
-    ``residual`` entries per row once a sequence is compressed."""
+    ``head_dim`` channels of ``dtype`` stored as records of ``layout`` (with its residual of entries per row) once
+    a sequence is compressed."""
 
-    def __init__(self, pages: torch.Tensor, page_size: int, head_dim: int, dtype: torch.dtype, bits: int,
-                 group: int, residual: int = 0):
+    def __init__(self, pages: torch.Tensor, page_size: int, head_dim: int, dtype: torch.dtype, layout: RecordLayout):
+        if not isinstance(layout, RecordLayout):
+            raise TypeError(f"layout must be a RecordLayout (a storage kind's layout), got {layout!r}")
         P = pages.shape[0]
         size = 2 * page_size * head_dim * dtype.itemsize
         if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != size or not pages.is_contiguous():
@@ -47,12 +57,12 @@ class QuantizedPagePool(PagePool):
         full = pages.view(dtype).view(P, 2, page_size, head_dim)
         super().__init__(full[:, 0], full[:, 1])
         self.pages, self.dtype, self.head_dim = pages, dtype, head_dim
-        self.bits, self.group, self.residual = bits, group, residual
-        self.width = record_width(head_dim, bits, group, dtype)
+        self.layout, self.residual = layout, layout.residual
+        self.width = record_width(head_dim, layout, dtype)
         if self.width % 4:
-            raise ValueError(f"records of {self.width} bytes (head_dim={head_dim}, {bits} bits, groups of {group}, "
-                             f"{dtype}) are not whole 32-bit words: use a head dim and group of multiples of 8")
-        self.records_per_page, self.side_slots = self.geometry(page_size, head_dim, dtype, bits, group, residual)
+            raise ValueError(f"records of {self.width} bytes (head_dim={head_dim}, {layout.label}, {dtype}) are not "
+                             "whole 32-bit words: use a head dim and group of multiples of 8")
+        self.records_per_page, self.side_slots = self.geometry(page_size, head_dim, dtype, layout)
         records = pages[:, :2 * self.records_per_page * self.width].view(P, 2, self.records_per_page, self.width)
         self.k_rec, self.v_rec = records[:, 0], records[:, 1]
         # the same records as 32-bit words (a record's width is a multiple of 4 bytes): page-wise gathers move and
@@ -67,26 +77,25 @@ class QuantizedPagePool(PagePool):
         self._last: tuple[torch.Tensor, list[PagedSequence], list[int], torch.Tensor | None] | None = None
 
     @staticmethod
-    def geometry(page_size: int, head_dim: int, dtype: torch.dtype, bits: int, group: int,
-                 residual: int) -> tuple[int, int]:
-        """``(records_per_page, side_slots)``: the records a page of ``page_size`` full-precision entries holds,
-        and the record slots a row's side tensors take (``3 + 2 * residual`` vectors)."""
-        width = record_width(head_dim, bits, group, dtype)
-        side = (3 + 2 * residual) * head_dim * dtype.itemsize
+    def geometry(page_size: int, head_dim: int, dtype: torch.dtype, layout: RecordLayout) -> tuple[int, int]:
+        """``(records_per_page, side_slots)``: the records of ``layout`` a page of ``page_size`` full-precision
+        entries holds, and the record slots a row's side tensors take (``3 + 2 * residual`` vectors)."""
+        width = record_width(head_dim, layout, dtype)
+        side = (3 + 2 * layout.residual) * head_dim * dtype.itemsize
         return 2 * page_size * head_dim * dtype.itemsize // (2 * width), _cdiv(side, 2 * width)
 
     @staticmethod
-    def reserve_pages(page_size: int, head_dim: int, dtype: torch.dtype, bits: int, group: int, residual: int) -> int:
+    def reserve_pages(page_size: int, head_dim: int, dtype: torch.dtype, layout: RecordLayout) -> int:
         """Pages per row a first eviction may take beyond the full-precision pages it frees (its side tensors)."""
-        per_page, side = QuantizedPagePool.geometry(page_size, head_dim, dtype, bits, group, residual)
+        per_page, side = QuantizedPagePool.geometry(page_size, head_dim, dtype, layout)
         return _cdiv(side, per_page)
 
     @property
     def storage_label(self) -> str:  # type: ignore[override]
-        return f"int{self.bits} records (group {self.group}, residual {self.residual})"
+        return self.layout.label
 
     def stores(self, storage: Any) -> bool:
-        return storage.record_scheme() == (self.bits, self.group, self.residual)
+        return storage.layout == self.layout
 
     def grow(self, extra: int) -> None:
         raise NotImplementedError("a quantized pool is a view of fixed pages: it cannot grow")
@@ -212,8 +221,8 @@ class QuantizedPagePool(PagePool):
         centre = side[2].repeat_interleave(lengths.long(), dim=0, output_size=n)
         keys = torch.empty(n + 1, D, dtype=self.dtype, device=k_rec.device)
         values = torch.empty_like(keys)
-        keys[:n] = decode_keys(k_rec, centre, D, self.bits, self.group, self.dtype)
-        values[:n] = dequantize(v_rec, D, self.bits, self.group, self.dtype)
+        keys[:n] = decode_keys(k_rec, centre, D, self.layout, self.dtype)
+        values[:n] = dequantize(v_rec, D, self.layout, self.dtype)
         R = self.residual
         at = side_slots(offsets, lengths, R, n).reshape(-1)  # anchor, then ring slots; n: stands for no slot
         keys.index_copy_(0, at, torch.cat((side[:1], side[3:3 + R])).reshape(-1, D))
@@ -298,7 +307,7 @@ class QuantizedPagePool(PagePool):
         v_out = torch.zeros_like(k_out)
         # the offsets put row r's new records at r * c .. r * c + c - 1 of k_out (its length stays its own: the ring)
         offsets = torch.arange(B * H, device=before.device) * c - before
-        kernels.quantized_append(k_new, v_new, k_out, v_out, offsets, before.clone(), side, self.bits, self.group)
+        kernels.quantized_append(k_new, v_new, k_out, v_out, offsets, before.clone(), side, self.layout)
         # the side vectors the append may change: the anchors (a row empty so far) and the new tokens' ring slots
         R, t = self.residual, min(c, self.residual)
         ring = (before[:, None] + torch.arange(c - t, c, device=before.device)) % max(R, 1)
@@ -348,7 +357,7 @@ class QuantizedPagePool(PagePool):
             k_rec, v_rec, offsets = self._gathered(by_row[members].flatten(0, 1), row_lengths)
             part = side if pick is None else side[:, pick]
             q = query[tokens].view(len(members), c, H_q, D).transpose(1, 2)
-            o = kernels.quantized_attention(q, k_rec, v_rec, offsets, row_lengths, part, scale, self.bits, self.group)
+            o = kernels.quantized_attention(q, k_rec, v_rec, offsets, row_lengths, part, scale, self.layout)
             out[tokens] = o.transpose(1, 2).reshape(len(members) * c, H_q, D)
         return out
 
@@ -408,8 +417,7 @@ class QuantizedPagePool(PagePool):
                 v_rec = torch.zeros_like(k_rec)
                 c = torch.tensor(counts[n], dtype=torch.int32, device=keys.device)
                 kernels.quantized_compact(keys[n:n + 1].to(self.dtype), values[n:n + 1].to(self.dtype), kept,
-                                          (torch.cumsum(c, 0) - c).to(torch.int32), k_rec, v_rec, side, self.bits,
-                                          self.group)
+                                          (torch.cumsum(c, 0) - c).to(torch.int32), k_rec, v_rec, side, self.layout)
             self._write_side(self._rows([seq]), side)
             self._place(seq, k_rec, v_rec, positions[n][kept[0]], scores[n][kept[0]])
 

@@ -10,8 +10,8 @@ Ops (``torch.library`` custom ops in ``kernels.ops``, compile with ``fullgraph=T
 * :func:`compact` - gather each row's kept tokens into the ragged layout;
 * :func:`append` - in-place append of new tokens, ``row_lengths += Q``;
 * :func:`quantized_attention`, :func:`quantized_append`, :func:`quantized_compact` - the same over
-  rows of int8 / int4 records with each row's side tensors (anchor, key centre) (:mod:`.quantized`: the
-  scheme, :func:`quantize`, :func:`dequantize`).
+  rows of records of a :class:`RecordLayout` (int8 / int4 / e4m3) with each row's side tensors (anchor, key
+  centre) (:mod:`.quantized`: the scheme, :func:`quantize`, :func:`dequantize`).
 
 Modules: ``support`` (what the kernels support and which backend runs them: supported head
 dims, ``$TRITON_INTERPRET`` read as Triton reads it, triton availability, backend choice),
@@ -26,7 +26,7 @@ CPU tensors needs ``TRITON_INTERPRET=1`` set before ``triton_kernels`` is import
 """
 
 from .ops import append, compact, ragged_attention
-from .quantized import dequantize, quantize, record_width
+from .quantized import RecordLayout, dequantize, quantize, record_width
 from .quantized_ops import quantized_append, quantized_append_side, quantized_attention, quantized_compact
 from .reference import append_ref, compact_ref, ragged_attention_ref
 from .support import (
@@ -45,6 +45,7 @@ __all__ = [
     "ragged_attention",
     "compact",
     "append",
+    "RecordLayout",
     "quantize",
     "dequantize",
     "record_width",

@@ -41,7 +41,7 @@ def _compile(kernel, types, consts, num_warps, num_stages, arch):
 
 def check(dtype: str, head_dim: int, m_total: int, arch: int = 90) -> dict:
     """Compile the split, reduce and compact kernels, and the split kernel over int8 / int4 records (groups of
-    32 channels), for one (dtype, head_dim, G*Q)."""
+    32 channels) and e4m3 records (one scale per head), for one (dtype, head_dim, G*Q)."""
     import torch
 
     from . import quantized_triton as qt
@@ -63,12 +63,14 @@ def check(dtype: str, head_dim: int, m_total: int, arch: int = 90) -> dict:
         cfg["num_stages"],
         arch,
     )
-    for bits in (8, 4):
-        out[f"quantized_split_int{bits}"] = _compile(
+    for name, bits, group, e4m3 in (("int8", 8, min(32, head_dim), False), ("int4", 4, min(32, head_dim), False),
+                                    ("e4m3", 8, head_dim, True)):
+        scales = "*fp32" if e4m3 else t  # e4m3 records keep float32 scales
+        out[f"quantized_split_{name}"] = _compile(
             qt._quantized_split_kernel,
-            {"Q_ptr": t, "K_ptr": "*u8", "V_ptr": "*u8", "KS_ptr": t, "VS_ptr": t, "AK_ptr": "*fp32", "AV_ptr": t,
-             "TK_ptr": "*fp32", "TV_ptr": "*fp32", "OFF_ptr": "*i32", "qk_scale": "fp32", **f32},
-            dict(HEAD_DIM=head_dim, BITS=bits, GROUP=min(32, head_dim), RESID=32, BLOCK_M=cfg["block_m"],
+            {"Q_ptr": t, "K_ptr": "*u8", "V_ptr": "*u8", "KS_ptr": scales, "VS_ptr": scales, "AK_ptr": "*fp32",
+             "AV_ptr": t, "TK_ptr": "*fp32", "TV_ptr": "*fp32", "OFF_ptr": "*i32", "qk_scale": "fp32", **f32},
+            dict(HEAD_DIM=head_dim, BITS=bits, GROUP=group, E4M3=e4m3, RESID=32, BLOCK_M=cfg["block_m"],
                  BLOCK_N=cfg["block_n"], R_PAD=16, IEEE=dtype == "fp32"),
             cfg["num_warps"],
             cfg["num_stages"],

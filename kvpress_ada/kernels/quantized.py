@@ -1,5 +1,6 @@
-"""Quantized entries of the ragged cache: the record layout, quantize / dequantize, the rows' side tensors
-(anchor and key centre), and the torch reference of ragged attention over quantized rows (the CPU path).
+"""Quantized entries of the ragged cache: the record layout (:class:`RecordLayout`, what a storage kind
+declares), quantize / dequantize, the rows' side tensors (anchor and key centre), and the torch reference of
+ragged attention over quantized rows (the CPU path).
 
 Scheme (``docs/design.md``, "Scheme"). Each ragged row (batch ``b``, kv head ``h``) of a layer holds, beside
 its records, full-precision vectors in the entries' dtype: ``side [3 + 2R, rows, D]`` = (anchor key, anchor
@@ -9,10 +10,11 @@ value, key centre, then ``R`` residual keys and ``R`` residual values: :func:`re
   precision, key and value. Its slot still holds a record (of the same scheme), which is never read: the
   anchor is read in its place. An empty row has no anchor until a token is appended to it (that token
   becomes its anchor); a row whose anchor is evicted takes the read-back value of its new first entry.
-* **Keys**: centred by the row's centre ``c`` (the mean of the row's kept keys, anchor excluded; 0 when the
-  anchor is alone) and rotated by :func:`rotation` ``R`` (a fixed random-sign Hadamard matrix, orthogonal):
-  the record holds ``y = (k - c) @ R`` and reads back as ``dequant(y) @ R^T + c``. Decode tokens appended
-  later are centred with the same ``c``.
+* **Keys** (a layout with ``rotate_keys``, the integer ones): centred by the row's centre ``c`` (the mean of the
+  row's kept keys, anchor excluded; 0 when the anchor is alone) and rotated by :func:`rotation` ``R`` (a fixed
+  random-sign Hadamard matrix, orthogonal): the record holds ``y = (k - c) @ R`` and reads back as
+  ``dequant(y) @ R^T + c``. Decode tokens appended later are centred with the same ``c``. Without
+  ``rotate_keys`` (e4m3) the centre is 0 and ``R`` the identity: the record holds the key itself.
 * **Values**: the record holds ``v`` itself.
 * **Residual** (``R`` = the storage's ``residual``, 0: none): each row's newest ``min(R, length)`` entries,
   key and value, in full precision in a ring (rank ``j`` at ``j % R``). Every entry also has its record;
@@ -20,7 +22,8 @@ value, key centre, then ``R`` residual keys and ``R`` residual values: :func:`re
   window needs no work). So a record may be written late: :func:`append_side` alone appends to the ring and
   :func:`record_newest` writes the records of each row's newest entries from it, before they leave it.
 
-Integers (:func:`quantize`): asymmetric per token, in groups of ``group`` channels of what the record holds.
+Integers (:func:`quantize`, encoding ``"int"``): asymmetric per token, in groups of ``group`` channels of what
+the record holds.
 A group ``x[0..group)`` is stored as ``zero = min(x)`` rounded *down* to the storage dtype (exact when ``x``
 is in that dtype, as values are), ``scale = (max(x) - zero) / (2^bits - 1)`` rounded *up* (the top of the
 range stays covered), and integers ``q = round((x - zero) / scale)`` in ``[0, 2^bits - 1]``; it reads back as
@@ -29,14 +32,22 @@ the rotated, centred space, where the rotation spreads an outlier channel over e
 Hadamard block; a constant group (``scale = 0``) reads back exactly. (A key's ``y`` is at most its distance
 from the centre, ``|k - c|``, per element: for float16 entries that must stay below 65504.)
 
-Record: each token of a key (or value) row is one ``uint8`` row of :func:`record_width` bytes, the
-integers followed by that token's scales and zero points (as llama.cpp's ``Q4_1`` block keeps its
-``d`` and ``m`` beside its nibbles)::
+e4m3 (encoding ``"e4m3"``, 8 bits): symmetric per token, one float32 scale per group (``group`` 0: the whole
+head dimension, one scale per token per kv head), ``scale = max|x| / 448`` (float32), elements
+``float8_e4m3fn(x / scale)`` (round to nearest, clamped to +-448: never NaN), read back as ``e * scale``. Each
+element is within ``2^-4 |x| + 2^-10 scale`` of ``x`` (3 mantissa bits; the second term where ``x / scale``
+is subnormal); a zero group reads back as 0.
 
-    [ integers: head_dim * bits / 8 bytes | scales: head_dim / group x dtype | zeros: head_dim / group x dtype ]
+Record: each token of a key (or value) row is one ``uint8`` row of :func:`record_width` bytes, the
+elements followed by that token's scales (and, for integers, zero points; as llama.cpp's ``Q4_1`` block keeps
+its ``d`` and ``m`` beside its nibbles)::
+
+    int:  [ integers: head_dim * bits / 8 bytes | scales: groups x dtype | zeros: groups x dtype ]
+    e4m3: [ float8 e4m3: head_dim bytes         | scales: groups x float32 ]
 
 int8: one byte per channel; int4: two channels per byte, channel ``j`` in the low nibble of byte
-``j`` and channel ``j + head_dim / 2`` in its high nibble (unpacking is two whole-half operations).
+``j`` and channel ``j + head_dim / 2`` in its high nibble (unpacking is two whole-half operations); e4m3:
+one byte per channel.
 A token is quantized on its own (given its row's centre), so a ragged row appends in place and every
 row-level operation of the full-precision cache (compaction, append, re-layout, gather) moves records as
 plain bytes. Free slots are zero bytes: they read back as 0 (values) or the row's centre (keys), never NaN.
@@ -50,6 +61,7 @@ the values (the anchor slot: the anchor value; the residual slots: the ring's va
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -58,6 +70,9 @@ from .reference import ragged_attention_ref
 
 __all__ = [
     "BITS",
+    "ENCODINGS",
+    "E4M3_MAX",
+    "RecordLayout",
     "record_width",
     "check_record",
     "check_side",
@@ -83,28 +98,89 @@ __all__ = [
     "residual_operands",
     "side_slots",
     "side_operands",
+    "key_rotation",
+    "attention_operands",
 ]
 
 BITS = (4, 8)
 """Integer widths a record can hold."""
+ENCODINGS = {"int": BITS, "e4m3": (8,)}
+"""Element encodings of a record and the bits per element each takes."""
+E4M3_MAX = 448.0
+"""The largest finite ``float8_e4m3fn``: an e4m3 group's largest magnitude is stored as it."""
 _SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SIGN_SEED = 0
 """Seed of the rotation's sign vector (``torch.Generator().manual_seed(SIGN_SEED)``, CPU)."""
 
 
-def record_width(head_dim: int, bits: int, group: int, dtype: torch.dtype) -> int:
-    """Bytes of one token's record: ``head_dim * bits / 8 + 2 * (head_dim / group) * itemsize(dtype)``."""
-    check_record(head_dim, bits, group, dtype)
-    return head_dim * bits // 8 + 2 * (head_dim // group) * dtype.itemsize
+@dataclass(frozen=True)
+class RecordLayout:
+    """What a storage kind keeps per kept token and per row (module docstring): ``encoding`` of the elements
+    (``"int"``: asymmetric integers, a scale and a zero point per group in the entries' dtype; ``"e4m3"``: float8
+    e4m3, one float32 scale per group), ``bits`` per element, ``group`` channels per scale (0: the whole head
+    dimension), each row's newest ``residual`` entries also kept in full precision (a ring), and whether keys
+    are centred by their row's mean and rotated before they are encoded (``rotate_keys``). Hosts build their
+    layers from it and pass it to every op of :mod:`.quantized_ops`; :meth:`width` is the bytes of a record."""
+
+    encoding: str = "int"
+    bits: int = 8
+    group: int = 32
+    residual: int = 0
+    rotate_keys: bool = True
+
+    def __post_init__(self) -> None:
+        widths = ENCODINGS.get(self.encoding)
+        if widths is None:
+            raise ValueError(f"encoding={self.encoding!r}: records are encoded as {' or '.join(ENCODINGS)}")
+        if self.bits not in widths:
+            raise ValueError(f"bits={self.bits}: {self.encoding} records hold {' or '.join(map(str, widths))}-bit "
+                             "elements")
+        if self.group < 0 or self.group % 2:
+            raise ValueError(f"group={self.group} must be even (0: the whole head dimension)")
+        if self.residual < 0:
+            raise ValueError(f"residual={self.residual} must be 0 (none) or more entries per row")
+
+    @property
+    def label(self) -> str:
+        """In words, for messages: ``int4 records (group 32, residual 32)``."""
+        kind = f"int{self.bits}" if self.encoding == "int" else self.encoding
+        return f"{kind} records (group {self.group or 'per head'}, residual {self.residual})"
+
+    def group_size(self, head_dim: int) -> int:
+        """Channels sharing one scale for a head dimension of ``head_dim``."""
+        return self.group or head_dim
+
+    def scale_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the scales (and zero points) of records made from entries of ``dtype``."""
+        return dtype if self.encoding == "int" else torch.float32
+
+    def element_bytes(self, head_dim: int) -> int:
+        """Bytes of a record's elements (before its scales)."""
+        return head_dim * self.bits // 8
+
+    def width(self, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of one token's record (:func:`record_width`)."""
+        return record_width(head_dim, self, dtype)
+
+    def records(self) -> "RecordLayout":
+        """This layout without its residual: what a record's bytes depend on (ops rebuild it from their
+        arguments; the residual is read from the rows' ``side``)."""
+        return replace(self, residual=0)
 
 
-def check_record(head_dim: int, bits: int, group: int, dtype: torch.dtype) -> None:
-    """Raise ``ValueError`` when no record holds ``head_dim`` channels of ``dtype`` as ``bits``-bit integers in
-    groups of ``group``."""
-    if bits not in BITS:
-        raise ValueError(f"bits={bits}: records hold {' or '.join(map(str, BITS))}-bit integers")
+def record_width(head_dim: int, layout: RecordLayout, dtype: torch.dtype) -> int:
+    """Bytes of one token's record: its elements (``head_dim * bits / 8``) then its scales, ``head_dim / group``
+    of them (and as many zero points for integers) in :meth:`RecordLayout.scale_dtype`."""
+    check_record(head_dim, layout, dtype)
+    n_scales = head_dim // layout.group_size(head_dim) * (2 if layout.encoding == "int" else 1)
+    return layout.element_bytes(head_dim) + n_scales * layout.scale_dtype(dtype).itemsize
+
+
+def check_record(head_dim: int, layout: RecordLayout, dtype: torch.dtype) -> None:
+    """Raise ``ValueError`` when no record of ``layout`` holds ``head_dim`` channels of ``dtype``."""
+    group = layout.group_size(head_dim)
     if group <= 0 or group % 2 or head_dim % group:
-        raise ValueError(f"group={group} must be even and divide head_dim={head_dim}")
+        raise ValueError(f"group={layout.group} must be even and divide head_dim={head_dim}")
     if dtype not in _SCALE_DTYPES:
         raise ValueError(f"records quantize float32, float16 or bfloat16 entries, not {dtype}")
 
@@ -179,19 +255,23 @@ def _round_down(x: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.where(high, below.view(dtype), stored)
 
 
-def _int_bytes(head_dim: int, bits: int) -> int:
-    return head_dim * bits // 8
-
-
-def quantize(x: Tensor, bits: int, group: int, dtype: torch.dtype | None = None) -> Tensor:
-    """Records ``uint8 [..., record_width]`` of ``x [..., D]`` (float32/float16/bfloat16), scales and zero
-    points in ``dtype`` (default ``x.dtype``). See the module docstring for the integers and their bound."""
+def quantize(x: Tensor, layout: RecordLayout, dtype: torch.dtype | None = None) -> Tensor:
+    """Records ``uint8 [..., record_width]`` of ``x [..., D]`` (float32/float16/bfloat16) as ``layout`` encodes
+    them, integer scales and zero points in ``dtype`` (default ``x.dtype``). See the module docstring for the
+    encodings and their bounds."""
     *lead, D = x.shape
     dtype = x.dtype if dtype is None else dtype
-    check_record(D, bits, group, x.dtype)
-    check_record(D, bits, group, dtype)
-    levels = (1 << bits) - 1
+    check_record(D, layout, x.dtype)
+    check_record(D, layout, dtype)
+    group = layout.group_size(D)
     xf = x.float().reshape(*lead, D // group, group)
+    if layout.encoding == "e4m3":
+        scale = xf.abs().amax(-1) / E4M3_MAX
+        # float32 division may land a hair above 448: clamped (torch's conversion gives NaN from 480 up)
+        e = (xf / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).clamp_(-E4M3_MAX, E4M3_MAX)
+        elements = e.to(torch.float8_e4m3fn).view(torch.uint8).reshape(*lead, D)
+        return torch.cat([elements, scale.contiguous().view(torch.uint8)], dim=-1)
+    levels = (1 << layout.bits) - 1
     low, top = torch.aminmax(xf, dim=-1)
     zero = _round_down(low, dtype)  # exact when x is in dtype: then it is one of the entries
     zf = zero.float()
@@ -200,41 +280,50 @@ def quantize(x: Tensor, bits: int, group: int, dtype: torch.dtype | None = None)
     # a constant group (scale 0) has x - zero = 0: any positive divisor gives 0
     q = (xf - zf[..., None]).div_(sf.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).round_().clamp_(0, levels)
     q = q.to(torch.uint8).reshape(*lead, D)
-    if bits == 4:
+    if layout.bits == 4:
         q = q[..., : D // 2] | (q[..., D // 2:] << 4)
     scales = scale.contiguous().view(torch.uint8)
     zeros = zero.contiguous().view(torch.uint8)
     return torch.cat([q, scales, zeros], dim=-1)
 
 
-def record_scales(records: Tensor, head_dim: int, bits: int, group: int,
-                  dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """``(integers uint8 [..., D * bits / 8], scales [..., D / group], zeros [..., D / group])`` of ``records``
-    (scales and zeros in ``dtype``; views when ``records`` is contiguous)."""
-    n_int = _int_bytes(head_dim, bits)
-    n_scale = head_dim // group * dtype.itemsize
-    if records.shape[-1] != n_int + 2 * n_scale:
-        raise ValueError(f"records of width {records.shape[-1]} do not hold head_dim={head_dim} at {bits} bits in "
-                         f"groups of {group} ({dtype}): expected width {n_int + 2 * n_scale}")
+def record_scales(records: Tensor, head_dim: int, layout: RecordLayout,
+                  dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(elements uint8 [..., D * bits / 8], scales [..., groups], zeros [..., groups] or None)`` of ``records``
+    made from entries of ``dtype`` (scales and zeros in :meth:`RecordLayout.scale_dtype`; e4m3 records have no
+    zero points; views when ``records`` is contiguous)."""
+    n_el = layout.element_bytes(head_dim)
+    sdtype = layout.scale_dtype(dtype)
+    n_scale = head_dim // layout.group_size(head_dim) * sdtype.itemsize
+    has_zero = layout.encoding == "int"
+    width = n_el + (2 if has_zero else 1) * n_scale
+    if records.shape[-1] != width:
+        raise ValueError(f"records of width {records.shape[-1]} do not hold head_dim={head_dim} as {layout.label} "
+                         f"({dtype}): expected width {width}")
     if records.dtype != torch.uint8:
         raise TypeError(f"records are uint8, got {records.dtype}")
 
     def floats(lo: int, hi: int) -> Tensor:
         part = records[..., lo:hi]
-        return part.view(dtype) if part.stride(-1) == 1 and records.is_contiguous() else part.contiguous().view(dtype)
+        return part.view(sdtype) if part.stride(-1) == 1 and records.is_contiguous() else \
+            part.contiguous().view(sdtype)
 
-    return records[..., :n_int], floats(n_int, n_int + n_scale), floats(n_int + n_scale, n_int + 2 * n_scale)
+    zeros = floats(n_el + n_scale, n_el + 2 * n_scale) if has_zero else None
+    return records[..., :n_el], floats(n_el, n_el + n_scale), zeros
 
 
-def dequantize(records: Tensor, head_dim: int, bits: int, group: int, dtype: torch.dtype,
+def dequantize(records: Tensor, head_dim: int, layout: RecordLayout, dtype: torch.dtype,
                out_dtype: torch.dtype | None = None) -> Tensor:
-    """``[..., head_dim]`` what ``records`` hold (made by :func:`quantize` with scales in ``dtype``), computed
-    in float32 and returned in ``out_dtype`` (default ``dtype``). For a key record this is its rotated,
-    centred ``y``: :func:`decode_keys` gives the key."""
-    ints, scale, zero = record_scales(records, head_dim, bits, group, dtype)
+    """``[..., head_dim]`` what ``records`` hold (made by :func:`quantize` from entries of ``dtype``), computed
+    in float32 and returned in ``out_dtype`` (default ``dtype``). For a key record of a layout that rotates keys
+    this is its rotated, centred ``y``: :func:`decode_keys` gives the key."""
+    ints, scale, zero = record_scales(records, head_dim, layout, dtype)
+    group = layout.group_size(head_dim)
     *lead, _ = records.shape
     out = torch.empty(*lead, head_dim, dtype=torch.float32, device=records.device)
-    if bits == 8:
+    if layout.encoding == "e4m3":
+        out.copy_(ints.view(torch.float8_e4m3fn))
+    elif layout.bits == 8:
         out.copy_(ints)
     else:  # the low nibbles are channels [0, D/2), the high ones [D/2, D): convert each half in place
         half = head_dim // 2
@@ -243,7 +332,9 @@ def dequantize(records: Tensor, head_dim: int, bits: int, group: int, dtype: tor
         out[..., half:].copy_(high)
     # scale and shift in place, scales and zeros contiguous (broadcasting a strided view is slow on CPU)
     grouped = out.view(*lead, head_dim // group, group)
-    grouped.mul_(scale.float().contiguous()[..., None]).add_(zero.float().contiguous()[..., None])
+    grouped.mul_(scale.float().contiguous()[..., None])
+    if zero is not None:
+        grouped.add_(zero.float().contiguous()[..., None])
     target = dtype if out_dtype is None else out_dtype
     return out if target == torch.float32 else out.to(target)
 
@@ -277,45 +368,57 @@ def row_anchors(keys: Tensor, values: Tensor, keep: Tensor) -> Tensor:
     return anchor.reshape(2, B * H, D)
 
 
-def row_side(keys: Tensor, values: Tensor, keep: Tensor) -> Tensor:
+def row_side(keys: Tensor, values: Tensor, keep: Tensor, centred: bool = True) -> Tensor:
     """``side [3, B * H, D]`` in ``keys.dtype`` of the kept entries (``keep`` bool ``[B, H, L]``) of
     ``keys, values [B, H, L, D]``: each row's anchor key and value (:func:`row_anchors`) and key centre (the
-    mean of its other kept keys, float32 then rounded; 0 if none)."""
+    mean of its other kept keys, float32 then rounded; 0 if none, or when not ``centred``)."""
     B, H, L, D = keys.shape
+    if not centred:
+        centre = torch.zeros(1, B * H, D, dtype=keys.dtype, device=keys.device)
+        return torch.cat((row_anchors(keys, values, keep), centre))
     rest = (keep & ~first_kept(keep)).to(torch.float32)
     centre = (rest[..., None, :] @ keys.float()).squeeze(-2) / rest.sum(-1).clamp(min=1)[..., None]
     return torch.cat((row_anchors(keys, values, keep), centre.to(keys.dtype).reshape(1, B * H, D)))
 
 
-def _rotated(keys: Tensor, centre: Tensor) -> Tensor:
-    """``(keys - centre) @ R`` in float32: what a key's record holds (module docstring, "Keys")."""
-    return (keys.float() - centre.float()) @ rotation(keys.shape[-1], keys.device)
+def key_rotation(layout: RecordLayout, head_dim: int, device: torch.device | str = "cpu") -> Tensor | None:
+    """:func:`rotation` when ``layout`` rotates keys, else ``None`` (keys are stored as they are)."""
+    return rotation(head_dim, device) if layout.rotate_keys else None
 
 
-def encode_keys(keys: Tensor, centre: Tensor, bits: int, group: int) -> Tensor:
+def _rotated(keys: Tensor, centre: Tensor, layout: RecordLayout) -> Tensor:
+    """``(keys - centre) @ R`` in float32 (``keys - centre`` without a rotation): what a key's record holds
+    (module docstring, "Keys")."""
+    y = keys.float() - centre.float()
+    R = key_rotation(layout, keys.shape[-1], keys.device)
+    return y if R is None else y @ R
+
+
+def encode_keys(keys: Tensor, centre: Tensor, layout: RecordLayout) -> Tensor:
     """Records of ``keys [..., D]`` centred by ``centre`` (broadcast against them, in their dtype) and
     rotated: ``quantize((keys - centre) @ R)`` with scales in ``keys.dtype``."""
-    return quantize(_rotated(keys, centre), bits, group, dtype=keys.dtype)
+    return quantize(_rotated(keys, centre, layout), layout, dtype=keys.dtype)
 
 
-def encode_entries(keys: Tensor, values: Tensor, centre: Tensor, bits: int, group: int) -> Tensor:
+def encode_entries(keys: Tensor, values: Tensor, centre: Tensor, layout: RecordLayout) -> Tensor:
     """``[2, ..., record_width]``: the records of ``keys`` (:func:`encode_keys`) and of ``values`` (of the same
     shape and dtype), quantized in one pass."""
-    return quantize(torch.stack((_rotated(keys, centre), values.float())), bits, group, dtype=keys.dtype)
+    return quantize(torch.stack((_rotated(keys, centre, layout), values.float())), layout, dtype=keys.dtype)
 
 
-def decode_keys(records: Tensor, centre: Tensor, head_dim: int, bits: int, group: int, dtype: torch.dtype,
+def decode_keys(records: Tensor, centre: Tensor, head_dim: int, layout: RecordLayout, dtype: torch.dtype,
                 out_dtype: torch.dtype | None = None) -> Tensor:
     """Keys ``[..., head_dim]`` of key ``records``: ``dequantize(records) @ R^T + centre`` (float32), in
     ``out_dtype`` (default ``dtype``)."""
-    y = dequantize(records, head_dim, bits, group, dtype, torch.float32)
-    out = (y @ rotation(head_dim, records.device).T).add_(centre.float())
+    y = dequantize(records, head_dim, layout, dtype, torch.float32)
+    R = key_rotation(layout, head_dim, records.device)
+    out = (y if R is None else y @ R.T).add_(centre.float())
     target = dtype if out_dtype is None else out_dtype
     return out if target == torch.float32 else out.to(target)
 
 
-def quantize_rows(k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor, bits: int,
-                  group: int) -> tuple[Tensor, Tensor, Tensor]:
+def quantize_rows(k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor,
+                  layout: RecordLayout) -> tuple[Tensor, Tensor, Tensor]:
     """``(k_rec, v_rec, side)`` of a full-precision ragged layer ``k_flat, v_flat [N, D]`` (rows at
     ``row_offsets``, ``row_lengths`` long): each row's side tensors from all its entries (its first entry the
     anchor), every slot quantized (gaps and free slots with a zero centre). A helper for tests and
@@ -326,16 +429,17 @@ def quantize_rows(k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengt
     for r, (o, n) in enumerate(zip(row_offsets.tolist(), row_lengths.tolist())):
         if n:
             every = torch.ones(1, 1, n, dtype=torch.bool, device=k_flat.device)
-            side[:, r] = row_side(k_flat[None, None, o:o + n], v_flat[None, None, o:o + n], every)[:, 0]
+            side[:, r] = row_side(k_flat[None, None, o:o + n], v_flat[None, None, o:o + n], every,
+                                  layout.rotate_keys)[:, 0]
             centres[o:o + n] = side[2, r]
-    return encode_keys(k_flat, centres, bits, group), quantize(v_flat, bits, group), side
+    return encode_keys(k_flat, centres, layout), quantize(v_flat, layout), side
 
 
 # ----------------------------------------------------------------------------- ops (torch reference)
 
 
 def quantized_append_ref(k_new: Tensor, v_new: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor,
-                         row_lengths: Tensor, side: Tensor, bits: int, group: int) -> None:
+                         row_lengths: Tensor, side: Tensor, layout: RecordLayout) -> None:
     """Quantize ``k_new, v_new [B, H_kv, Q, D]`` (keys centred by their row's centre ``side[2]``) and append
     their records at ``row_offsets + row_lengths`` (in place); a row empty so far takes its first new token as
     its anchor (``side[0], side[1]``); then ``row_lengths += Q``. Device-side index ops only (no host sync)."""
@@ -344,7 +448,7 @@ def quantized_append_ref(k_new: Tensor, v_new: Tensor, k_rec: Tensor, v_rec: Ten
     dst = (row_offsets + row_lengths).to(torch.int64)
     if Q > 1:
         dst = (dst.unsqueeze(1) + torch.arange(Q, device=dst.device)).reshape(-1)
-    records = encode_entries(k_new, v_new, side[2].view(B, H, 1, D), bits, group).view(2, rows * Q, -1)
+    records = encode_entries(k_new, v_new, side[2].view(B, H, 1, D), layout).view(2, rows * Q, -1)
     k_rec.index_copy_(0, dst, records[0])
     v_rec.index_copy_(0, dst, records[1])
     append_side(k_new, v_new, row_lengths, side)
@@ -374,7 +478,7 @@ def append_side(k_new: Tensor, v_new: Tensor, row_lengths: Tensor, side: Tensor,
 
 
 def record_newest(k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor, side: Tensor, n: int,
-                  bits: int, group: int) -> None:
+                  layout: RecordLayout) -> None:
     """Write the records of each row's newest ``n`` entries (``0 < n <= R``; every row at least ``n`` long)
     from its residual ring: what :func:`quantized_append_ref` writes for them when they are appended (the ring
     holds them as appended, in the entries' dtype, and the row's centre does not change while they are
@@ -386,29 +490,29 @@ def record_newest(k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths
     rank = row_lengths.to(torch.int64)[:, None] - n + torch.arange(n, device=row_lengths.device)  # [rows, n]
     ring = torch.remainder(rank, residual) + 3
     index = torch.arange(rows, device=side.device)[:, None]
-    records = encode_entries(side[ring, index], side[ring + residual, index], side[2].view(rows, 1, D), bits,
-                             group).view(2, rows * n, -1)
+    records = encode_entries(side[ring, index], side[ring + residual, index], side[2].view(rows, 1, D),
+                             layout).view(2, rows * n, -1)
     dst = (row_offsets.to(torch.int64)[:, None] + rank).view(-1)
     k_rec.index_copy_(0, dst, records[0])
     v_rec.index_copy_(0, dst, records[1])
 
 
 def quantized_compact_ref(keys: Tensor, values: Tensor, keep: Tensor, row_offsets: Tensor, k_rec: Tensor,
-                          v_rec: Tensor, side: Tensor, bits: int, group: int) -> None:
+                          v_rec: Tensor, side: Tensor, layout: RecordLayout) -> None:
     """Fix each row's side tensors from its kept entries (``side.copy_(row_side(keys, values, keep))``), then
     quantize the kept entries of ``keys, values [B, H_kv, L, D]`` (``keep`` bool ``[B, H_kv, L]``) into row
     ``b * H_kv + h`` of the records, in ascending position order from ``row_offsets``; only kept entries are
     quantized (the anchor's too: its record is never read). The caller sets ``row_lengths`` to the counts."""
     B, H, _, D = keys.shape
-    side[:3].copy_(row_side(keys, values, keep))
+    side[:3].copy_(row_side(keys, values, keep, layout.rotate_keys))
     side[3:].zero_()
     b, h, pos = keep.nonzero(as_tuple=True)
     if b.numel() == 0:
         return
     rank = torch.cumsum(keep, dim=-1, dtype=torch.int64)[b, h, pos] - 1
     dst = row_offsets.to(torch.int64)[b * H + h] + rank
-    k_rec.index_copy_(0, dst, encode_keys(keys[b, h, pos], side[2][b * H + h], bits, group))
-    v_rec.index_copy_(0, dst, quantize(values[b, h, pos], bits, group))
+    k_rec.index_copy_(0, dst, encode_keys(keys[b, h, pos], side[2][b * H + h], layout))
+    v_rec.index_copy_(0, dst, quantize(values[b, h, pos], layout))
     fill_residual(side, keys, values, keep)
 
 
@@ -427,19 +531,23 @@ def fill_residual(side: Tensor, keys: Tensor, values: Tensor, keep: Tensor) -> N
     side.index_put_((3 + residual + ring, rows), values[b, h, pos].to(side.dtype))
 
 
-def attention_operands(q: Tensor, side: Tensor) -> tuple[Tensor, Tensor]:
+def _rotate(x: Tensor, R: Tensor | None) -> Tensor:
+    return x if R is None else x @ R
+
+
+def attention_operands(q: Tensor, side: Tensor, layout: RecordLayout) -> tuple[Tensor, Tensor]:
     """``(q @ R, (anchor key - centre) @ R)`` in float32: the rotated query and each row's anchor in the space
     its records hold (what both attention paths attend with; see the module docstring)."""
-    R = rotation(q.shape[-1], q.device)
-    return q.float() @ R, (side[0].float() - side[2].float()) @ R
+    R = key_rotation(layout, q.shape[-1], q.device)
+    return _rotate(q.float(), R), _rotate(side[0].float() - side[2].float(), R)
 
 
-def residual_operands(side: Tensor) -> tuple[Tensor, Tensor]:
+def residual_operands(side: Tensor, layout: RecordLayout) -> tuple[Tensor, Tensor]:
     """``(keys, values)`` float32 ``[R, rows, D]`` of the rows' residual rings: the keys in the records' space
     (``(k - c) @ R``), the values as they are."""
     residual = residual_of(side)
-    R = rotation(side.shape[-1], side.device)
-    return (side[3:3 + residual].float() - side[2].float()) @ R, side[3 + residual:].float()
+    R = key_rotation(layout, side.shape[-1], side.device)
+    return _rotate(side[3:3 + residual].float() - side[2].float(), R), side[3 + residual:].float()
 
 
 @functools.lru_cache(maxsize=None)
@@ -470,19 +578,23 @@ def side_slots(row_offsets: Tensor, row_lengths: Tensor, residual: int, free: in
     return torch.cat((anchor, torch.where(rank >= 1, offs + rank, free)))
 
 
-def side_operands(side: Tensor) -> Tensor:
+def side_operands(side: Tensor, layout: RecordLayout) -> Tensor:
     """float32 ``[2 (1 + R), rows, D]``: the keys then the values each row reads in full precision, each in
     the order of :func:`side_slots` (its anchor, then its ring slots), keys in the records' space
     (``(k - c) @ R``)."""
     residual = residual_of(side)
     out = side.index_select(0, _side_rows(residual, side.device)).float()
     keys = out[:1 + residual]
-    torch.matmul(keys - side[2].float(), rotation(side.shape[-1], side.device), out=keys)
+    R = key_rotation(layout, side.shape[-1], side.device)
+    if R is None:
+        keys.sub_(side[2].float())
+    else:
+        torch.matmul(keys - side[2].float(), R, out=keys)
     return out
 
 
 def quantized_attention_ref(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor,
-                            side: Tensor, scale: float, bits: int, group: int) -> Tensor:
+                            side: Tensor, scale: float, layout: RecordLayout) -> Tensor:
     """Ragged attention (contract of :func:`~.reference.ragged_attention_ref`) over quantized records made
     from entries of ``q.dtype``, with the rows' ``side`` tensors. The CPU path: the layer's records are
     dequantized to float32 in one vectorised pass (transient, one layer at a time), the slots read in full
@@ -492,9 +604,9 @@ def quantized_attention_ref(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets
     D, N = q.shape[-1], k_rec.shape[0]
     pad = torch.zeros(1, k_rec.shape[1], dtype=torch.uint8, device=k_rec.device)
     # keys at [0, N), values at [N + 1, 2N + 1); slot N (and 2N + 1) takes what stands for no slot
-    kv = dequantize(torch.cat((k_rec, pad, v_rec, pad)), D, bits, group, q.dtype, torch.float32)
+    kv = dequantize(torch.cat((k_rec, pad, v_rec, pad)), D, layout, q.dtype, torch.float32)
     slots = side_slots(row_offsets, row_lengths, residual_of(side), N)
-    kv.index_copy_(0, torch.cat((slots, slots + (N + 1))).view(-1), side_operands(side).view(-1, D))
-    q_rot = q.float() @ rotation(D, q.device)
+    kv.index_copy_(0, torch.cat((slots, slots + (N + 1))).view(-1), side_operands(side, layout).view(-1, D))
+    q_rot = _rotate(q.float(), key_rotation(layout, D, q.device))
     out = ragged_attention_ref(q_rot, kv[:N], kv[N + 1:2 * N + 1], row_offsets, row_lengths, scale)
     return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -5,7 +5,8 @@
  * and loaded by quantized_cpu.py (ctypes); one thread, no allocation but one score buffer per call.
  *
  *   q      float32 [B, H_kv, G, Q, D]  rotated queries (q @ R), not scaled
- *   k_rec, v_rec  uint8 [N, width]     records: integers | scales | zeros (scales and zeros in sdtype)
+ *   k_rec, v_rec  uint8 [N, width]     records: elements | scales [| zeros] (in sdtype); enc 0: integers
+ *                                       with scales and zero points, 1: float8 e4m3 with scales only
  *   offs, lens    int64 [rows]         row r = b * H_kv + h at k_rec[offs[r] : offs[r] + lens[r]]
  *   side   float32 [2 (1 + R), rows, D] each row's keys then values read in full precision, keys in the
  *                                       records' space: index 0 the anchor (rank 0), 1 + j ring slot j
@@ -46,9 +47,29 @@ static inline float read_scale(const uint8_t *p, int sdtype) {
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* out[D] = what a record holds: q * scale + zero per group of channels */
-INLINE void dequantize(const uint8_t *restrict rec, int D, int bits, int group, int sdtype, float *restrict out) {
+/* the 256 values of a float8 e4m3 (fn) byte: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is
+ * subnormal (m * 2^-9); 0x7f / 0xff (NaN) are never stored */
+static void e4m3_table(float *lut) {
+    for (uint32_t b = 0; b < 256; b++) {
+        const uint32_t e = (b >> 3) & 15u, m = b & 7u;
+        const float f = e ? from_bits(((e + 120u) << 23) | (m << 20)) : (float)m * 0.001953125f;
+        lut[b] = (b & 0x80u) ? -f : f;
+    }
+}
+
+/* out[D] = what a record holds: q * scale + zero per group of channels (e4m3: e * scale) */
+INLINE void dequantize(const uint8_t *restrict rec, int D, int enc, int bits, int group, int sdtype,
+                       const float *restrict lut, float *restrict out) {
     const int n_int = D * bits / 8, groups = D / group, ssz = sdtype == 0 ? 4 : 2;
+    if (enc == 1) {
+        for (int c = 0; c < D; c++) out[c] = lut[rec[c]];
+        for (int g = 0; g < groups; g++) {
+            const float s = read_scale(rec + n_int + g * ssz, sdtype);
+            float *restrict o = out + g * group;
+            for (int c = 0; c < group; c++) o[c] *= s;
+        }
+        return;
+    }
     if (bits == 8) {
         for (int c = 0; c < D; c++) out[c] = (float)rec[c];
     } else {
@@ -69,11 +90,11 @@ INLINE void dequantize(const uint8_t *restrict rec, int D, int bits, int group, 
 /* the entry of rank t of a row of length n: its full-precision slot in side (keys: base = side,
  * values: base = side + (1 + R) * rows * D), or its record dequantized into buf */
 INLINE const float *entry(int64_t t, int64_t n, int64_t R, int64_t r, int64_t rows, int D,
-                                 const float *base, const uint8_t *rec, int bits, int group, int sdtype,
-                                 float *buf) {
+                                 const float *base, const uint8_t *rec, int enc, int bits, int group, int sdtype,
+                                 const float *lut, float *buf) {
     if (t == 0) return base + r * D;
     if (R > 0 && t >= n - R) return base + ((1 + t % R) * rows + r) * D;
-    dequantize(rec, D, bits, group, sdtype, buf);
+    dequantize(rec, D, enc, bits, group, sdtype, lut, buf);
     return buf;
 }
 
@@ -83,10 +104,11 @@ static inline int64_t first_seeing(int64_t t, int64_t n, int64_t Q) {
     return i > 0 ? i : 0;
 }
 
-/* the kernel body; inlined into specialisations where D, bits and group are compile-time constants */
+/* the kernel body; inlined into specialisations where D, enc, bits and group are compile-time constants */
 INLINE int attend(const float *q, const uint8_t *k_rec, const uint8_t *v_rec, int64_t width, const int64_t *offs,
                   const int64_t *lens, const float *side, int64_t R, int64_t B, int64_t H_kv, int64_t G, int64_t Q,
-                  const int64_t D, const int bits, const int group, int64_t sdtype, float scale, float *out) {
+                  const int64_t D, const int enc, const int bits, const int group, int64_t sdtype,
+                  const float *lut, float scale, float *out) {
     const int64_t rows = B * H_kv, M = G * Q;
     const float *v_side = side + (1 + R) * rows * D;
     int64_t longest = 0;
@@ -101,8 +123,8 @@ INLINE int attend(const float *q, const uint8_t *k_rec, const uint8_t *v_rec, in
         const float *qr = q + r * M * D;
         float *o = out + r * M * D;
         for (int64_t t = 0; t < n; t++) {
-            const float *k = entry(t, n, R, r, rows, (int)D, side, k_rec + (off + t) * width, (int)bits,
-                                   (int)group, (int)sdtype, buf);
+            const float *k = entry(t, n, R, r, rows, (int)D, side, k_rec + (off + t) * width, enc, bits, group,
+                                   (int)sdtype, lut, buf);
             for (int64_t i = first_seeing(t, n, Q); i < Q; i++) {
                 for (int64_t m = i; m < M; m += Q) {
                     const float *qm = qr + m * D;
@@ -124,8 +146,8 @@ INLINE int attend(const float *q, const uint8_t *k_rec, const uint8_t *v_rec, in
             for (int64_t t = 0; t < seen; t++) s[t] /= total;
         }
         for (int64_t t = 0; t < n; t++) {
-            const float *v = entry(t, n, R, r, rows, (int)D, v_side, v_rec + (off + t) * width, (int)bits,
-                                   (int)group, (int)sdtype, buf);
+            const float *v = entry(t, n, R, r, rows, (int)D, v_side, v_rec + (off + t) * width, enc, bits, group,
+                                   (int)sdtype, lut, buf);
             for (int64_t i = first_seeing(t, n, Q); i < Q; i++) {
                 for (int64_t m = i; m < M; m += Q) {
                     const float p = scores[m * n + t];
@@ -140,22 +162,27 @@ INLINE int attend(const float *q, const uint8_t *k_rec, const uint8_t *v_rec, in
     return 0;
 }
 
-#define SPECIALISED(D_, BITS_, GROUP_)                                                                          \
-    if (D == D_ && bits == BITS_ && group == GROUP_)                                                          \
-        return attend(q, k_rec, v_rec, width, offs, lens, side, R, B, H_kv, G, Q, D_, BITS_, GROUP_, sdtype, scale, \
-                      out);
+#define SPECIALISED(D_, ENC_, BITS_, GROUP_)                                                                   \
+    if (D == D_ && enc == ENC_ && bits == BITS_ && group == GROUP_)                                           \
+        return attend(q, k_rec, v_rec, width, offs, lens, side, R, B, H_kv, G, Q, D_, ENC_, BITS_, GROUP_, sdtype, \
+                      lut, scale, out);
 
+/* enc 0: integers of bits 4 or 8; enc 1: float8 e4m3 (bits 8); group: channels per scale (the head dim for one) */
 int kvq_attention(const float *q, const uint8_t *k_rec, const uint8_t *v_rec, int64_t width,
                   const int64_t *offs, const int64_t *lens, const float *side, int64_t R, int64_t B,
-                  int64_t H_kv, int64_t G, int64_t Q, int64_t D, int64_t bits, int64_t group, int64_t sdtype,
-                  float scale, float *out) {
-    SPECIALISED(64, 4, 32)
-    SPECIALISED(64, 8, 32)
-    SPECIALISED(128, 4, 32)
-    SPECIALISED(128, 8, 32)
-    SPECIALISED(64, 4, 64)
-    SPECIALISED(128, 4, 64)
-    SPECIALISED(128, 4, 128)
-    return attend(q, k_rec, v_rec, width, offs, lens, side, R, B, H_kv, G, Q, D, (int)bits, (int)group, sdtype, scale,
-                  out);
+                  int64_t H_kv, int64_t G, int64_t Q, int64_t D, int64_t enc, int64_t bits, int64_t group,
+                  int64_t sdtype, float scale, float *out) {
+    float lut[256];
+    e4m3_table(lut);
+    SPECIALISED(64, 0, 4, 32)
+    SPECIALISED(64, 0, 8, 32)
+    SPECIALISED(128, 0, 4, 32)
+    SPECIALISED(128, 0, 8, 32)
+    SPECIALISED(64, 0, 4, 64)
+    SPECIALISED(128, 0, 4, 64)
+    SPECIALISED(128, 0, 4, 128)
+    SPECIALISED(64, 1, 8, 64)
+    SPECIALISED(128, 1, 8, 128)
+    return attend(q, k_rec, v_rec, width, offs, lens, side, R, B, H_kv, G, Q, D, (int)enc, (int)bits, (int)group,
+                  sdtype, lut, scale, out);
 }

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .quantized import residual_of, rotation, side_operands
+from .quantized import RecordLayout, key_rotation, residual_of, side_operands
 
 __all__ = ["MAX_QUERIES", "ENV_VAR", "cpu_kernel", "use_cpu_kernel", "quantized_attention_cpu"]
 
@@ -121,7 +121,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     fn = lib.kvq_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [_P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P]
+    fn.argtypes = [_P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P]
     return lib
 
 
@@ -130,28 +130,34 @@ def cpu_kernel() -> bool:
     return _wanted() and _library() is not None
 
 
+_ENCODINGS = {"int": 0, "e4m3": 1}
+
+
 def quantized_attention_cpu(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor,
-                            side: Tensor, scale: float, bits: int, group: int) -> Tensor | None:
+                            side: Tensor, scale: float, layout: RecordLayout) -> Tensor | None:
     """What :func:`~.quantized.quantized_attention_ref` returns for these (validated) arguments, by the
     fused kernel; ``None`` when it does not serve the call (not CPU tensors, more than :data:`MAX_QUERIES`
-    queries per row, or the kernel unavailable): the caller then runs the reference."""
+    queries per row, an encoding it does not know, or the kernel unavailable): the caller then runs the reference."""
     B, H_q, Q, D = q.shape
     rows = row_offsets.shape[0]
-    if q.device.type != "cpu" or Q > MAX_QUERIES or q.dtype not in _SCALE_DTYPES or not _wanted():
+    if q.device.type != "cpu" or Q > MAX_QUERIES or q.dtype not in _SCALE_DTYPES or not _wanted() \
+            or layout.encoding not in _ENCODINGS:
         return None
     lib = _library()
     if lib is None:
         return None
     H_kv = rows // B
-    q_rot = (q.float() @ rotation(D, q.device)).contiguous()
-    operands = side_operands(side).contiguous()
+    R = key_rotation(layout, D, q.device)
+    q_rot = (q.float() if R is None else q.float() @ R).contiguous()
+    operands = side_operands(side, layout).contiguous()
     offs = row_offsets.to(torch.int64).contiguous()
     lens = row_lengths.to(torch.int64).contiguous()
     k_rec, v_rec = k_rec.contiguous(), v_rec.contiguous()
     out = torch.empty(B, H_q, Q, D, dtype=torch.float32)
     status = lib.kvq_attention(q_rot.data_ptr(), k_rec.data_ptr(), v_rec.data_ptr(), k_rec.shape[1], offs.data_ptr(),
                                lens.data_ptr(), operands.data_ptr(), residual_of(side), B, H_kv, H_q // H_kv, Q, D,
-                               bits, group, _SCALE_DTYPES[q.dtype], float(scale), out.data_ptr())
+                               _ENCODINGS[layout.encoding], layout.bits, layout.group_size(D),
+                               _SCALE_DTYPES[layout.scale_dtype(q.dtype)], float(scale), out.data_ptr())
     if status:
         raise MemoryError("quantized attention (CPU kernel): out of memory for the score buffer")
     return out if q.dtype == torch.float32 else out.to(q.dtype)

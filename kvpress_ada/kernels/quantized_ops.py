@@ -12,8 +12,10 @@ call the implementation directly (no custom-op dispatch per layer and step).
 * :func:`quantized_append_side` - a deferred append: new tokens into the rows' residual rings only;
 * :func:`quantized_compact` - fix each row's side tensors and quantize its kept entries into the ragged layout.
 
-Every op takes the layer's ``side [3 + 2R, rows, D]`` (each row's anchor key, anchor value, key centre and
-its newest ``R`` entries' keys and values, in the entries' dtype: :mod:`.quantized`); compaction writes it,
+Every op takes the records' :class:`~.quantized.RecordLayout` (a storage kind's ``layout``; a custom op
+receives its fields as plain arguments) and the layer's ``side [3 + 2R, rows, D]`` (each row's anchor key,
+anchor value, key centre and its newest ``R`` entries' keys and values, in the entries' dtype:
+:mod:`.quantized`); compaction writes it,
 an append writes the anchor of a row that was empty and its newest tokens into the residual, attention
 reads it.
 """
@@ -24,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .quantized import (
+    RecordLayout,
     append_side,
     check_side,
     quantized_append_ref,
@@ -42,14 +45,16 @@ __all__ = ["quantized_attention", "quantized_append", "quantized_append_side", "
 
 
 def _check_records(k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor | None, side: Tensor,
-                   head_dim: int, bits: int, group: int, dtype: torch.dtype) -> None:
-    width = record_width(head_dim, bits, group, dtype)
+                   head_dim: int, layout: RecordLayout, dtype: torch.dtype) -> None:
+    if not isinstance(layout, RecordLayout):
+        raise TypeError(f"layout must be a RecordLayout (a storage kind's layout), got {layout!r}")
+    width = record_width(head_dim, layout, dtype)
     for name, rec in (("k_rec", k_rec), ("v_rec", v_rec)):
         if rec.dim() != 2 or rec.dtype != torch.uint8:
             raise ValueError(f"{name} must be uint8 [N, width], got {rec.dtype} {tuple(rec.shape)}")
         if rec.shape[1] != width:
-            raise ValueError(f"{name} rows are {rec.shape[1]} bytes; {bits}-bit records of head_dim={head_dim} in "
-                             f"groups of {group} ({dtype}) are {width}")
+            raise ValueError(f"{name} rows are {rec.shape[1]} bytes; {layout.label} of head_dim={head_dim} "
+                             f"({dtype}) are {width}")
         if not rec.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
         if rec.device != row_offsets.device:
@@ -84,39 +89,53 @@ def _same_entries(k_new: Tensor, v_new: Tensor) -> None:
 # ----------------------------------------------------------------------------- custom ops
 
 
+def _fields(layout: RecordLayout) -> tuple[str, int, int, bool]:
+    """What a custom op receives of ``layout`` (its record fields; the residual is read from ``side``)."""
+    return str(layout.encoding), int(layout.bits), int(layout.group), bool(layout.rotate_keys)
+
+
+def _layout(encoding: str, bits: int, group: int, rotate_keys: bool) -> RecordLayout:
+    return RecordLayout(encoding, bits, group, 0, rotate_keys)
+
+
+
 @torch.library.custom_op("kvpress_ada::quantized_attention", mutates_args=())
 def _quantized_attention_op(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor,
-                            side: Tensor, scale: float, bits: int, group: int, split_size: int = 0) -> Tensor:
+                            side: Tensor, scale: float, encoding: str, bits: int, group: int, rotate_keys: bool,
+                            split_size: int = 0) -> Tensor:
     """Raw op behind :func:`quantized_attention` (no validation): backend dispatch."""
-    return _attention_impl(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, bits, group, split_size)
+    return _attention_impl(q, k_rec, v_rec, row_offsets, row_lengths, side, scale,
+                           _layout(encoding, bits, group, rotate_keys), split_size)
 
 
-def _attention_impl(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, bits, group, split_size):
+def _attention_impl(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, layout, split_size):
     if q.numel() == 0:
         return torch.zeros_like(q)
     if resolve_backend(q.device, q.shape[-1]) == "triton":
         kernel = triton_module("quantized_triton").quantized_attention_triton
-        return kernel(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, bits, group, split_size=split_size)
-    out = quantized_attention_cpu(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, bits, group)
-    return quantized_attention_ref(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, bits, group) \
+        return kernel(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, layout, split_size=split_size)
+    out = quantized_attention_cpu(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, layout)
+    return quantized_attention_ref(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, layout) \
         if out is None else out
 
 
 @_quantized_attention_op.register_fake
-def _(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, bits, group, split_size=0):
+def _(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, encoding, bits, group, rotate_keys, split_size=0):
     return torch.empty_like(q)
 
 
 @torch.library.custom_op("kvpress_ada::quantized_append", mutates_args=("k_rec", "v_rec", "row_lengths", "side"))
 def _quantized_append_op(k_new: Tensor, v_new: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor,
-                         row_lengths: Tensor, side: Tensor, bits: int, group: int) -> None:
+                         row_lengths: Tensor, side: Tensor, encoding: str, bits: int, group: int,
+                         rotate_keys: bool) -> None:
     """Raw op behind :func:`quantized_append` (no validation); torch ops on every backend."""
     if k_new.numel():
-        quantized_append_ref(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side, bits, group)
+        quantized_append_ref(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side,
+                             _layout(encoding, bits, group, rotate_keys))
 
 
 @_quantized_append_op.register_fake
-def _(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side, bits, group):
+def _(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side, encoding, bits, group, rotate_keys):
     return None
 
 
@@ -134,14 +153,16 @@ def _(k_new, v_new, row_lengths, side):
 
 @torch.library.custom_op("kvpress_ada::quantized_compact", mutates_args=("k_rec", "v_rec", "side"))
 def _quantized_compact_op(keys: Tensor, values: Tensor, keep: Tensor, row_offsets: Tensor, k_rec: Tensor,
-                          v_rec: Tensor, side: Tensor, bits: int, group: int) -> None:
+                          v_rec: Tensor, side: Tensor, encoding: str, bits: int, group: int,
+                          rotate_keys: bool) -> None:
     """Raw op behind :func:`quantized_compact` (no validation); torch ops on every backend."""
     if keys.numel():
-        quantized_compact_ref(keys, values, keep, row_offsets, k_rec, v_rec, side, bits, group)
+        quantized_compact_ref(keys, values, keep, row_offsets, k_rec, v_rec, side,
+                              _layout(encoding, bits, group, rotate_keys))
 
 
 @_quantized_compact_op.register_fake
-def _(keys, values, keep, row_offsets, k_rec, v_rec, side, bits, group):
+def _(keys, values, keep, row_offsets, k_rec, v_rec, side, encoding, bits, group, rotate_keys):
     return None
 
 
@@ -153,34 +174,35 @@ def _direct(*tensors: Tensor) -> bool:
 
 
 def quantized_attention(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor,
-                        side: Tensor, scale: float, bits: int, group: int, split_size: int = 0) -> Tensor:
+                        side: Tensor, scale: float, layout: RecordLayout, split_size: int = 0) -> Tensor:
     """Ragged attention (contract of :func:`~.ops.ragged_attention`: ``q [B, H_q, Q, D]``, bottom-right
     causal, 0 for a query that sees nothing, output in ``q.dtype``) over rows of quantized records
-    ``k_rec, v_rec uint8 [N_cap, width]`` made from entries of ``q.dtype``, with the rows' ``side`` tensors,
+    ``k_rec, v_rec uint8 [N_cap, width]`` of ``layout`` made from entries of ``q.dtype``, with the rows' ``side``
+    tensors,
     dequantized as they are read (each non-empty row's first slot reads as its anchor). Triton path: the
     split-K kernel of the full-precision cache, dequantizing each K/V tile in registers; CPU: the fused C
     kernel (:mod:`.quantized_cpu`) for up to 4 queries per head, the torch reference for longer calls."""
-    _check_records(k_rec, v_rec, row_offsets, row_lengths, side, q.shape[-1], bits, group, q.dtype)
+    _check_records(k_rec, v_rec, row_offsets, row_lengths, side, q.shape[-1], layout, q.dtype)
     _rows("q", q, row_offsets, same_heads=False)
-    args = (q, k_rec, v_rec, row_offsets, row_lengths, side, float(scale), int(bits), int(group), int(split_size))
+    args = (q, k_rec, v_rec, row_offsets, row_lengths, side, float(scale))
     if _direct(q, k_rec, v_rec, row_offsets, row_lengths, side):
-        return _attention_impl(*args)
-    return _quantized_attention_op(*args)
+        return _attention_impl(*args, layout.records(), int(split_size))
+    return _quantized_attention_op(*args, *_fields(layout), int(split_size))
 
 
 def quantized_append(k_new: Tensor, v_new: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor,
-                     row_lengths: Tensor, side: Tensor, bits: int, group: int) -> None:
+                     row_lengths: Tensor, side: Tensor, layout: RecordLayout) -> None:
     """Quantize ``k_new, v_new [B, H_kv, Q, D]`` (keys centred by their row's centre) and write their records at
     ``row_offsets[r] + row_lengths[r] + i``; a row empty so far takes its first new token as its anchor
     (``side``); then ``row_lengths += Q`` (in place, no host sync). The caller guarantees the capacity."""
-    _check_records(k_rec, v_rec, row_offsets, row_lengths, side, k_new.shape[-1], bits, group, k_new.dtype)
+    _check_records(k_rec, v_rec, row_offsets, row_lengths, side, k_new.shape[-1], layout, k_new.dtype)
     _rows("k_new", k_new, row_offsets, same_heads=True)
     _same_entries(k_new, v_new)
     if _direct(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side):
         if k_new.numel():
-            quantized_append_ref(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side, bits, group)
+            quantized_append_ref(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side, layout)
         return
-    _quantized_append_op(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side, int(bits), int(group))
+    _quantized_append_op(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side, *_fields(layout))
 
 
 def quantized_append_side(k_new: Tensor, v_new: Tensor, row_lengths: Tensor, side: Tensor) -> None:
@@ -202,18 +224,18 @@ def quantized_append_side(k_new: Tensor, v_new: Tensor, row_lengths: Tensor, sid
 
 
 def quantized_compact(keys: Tensor, values: Tensor, keep: Tensor, row_offsets: Tensor, k_rec: Tensor,
-                      v_rec: Tensor, side: Tensor, bits: int, group: int) -> None:
+                      v_rec: Tensor, side: Tensor, layout: RecordLayout) -> None:
     """Write row ``b * H_kv + h``'s side tensors (anchor: its first kept entry; key centre: the mean of its
     other kept keys) into ``side``, then quantize its kept entries (``keep`` bool ``[B, H_kv, L]`` over
     ``keys, values [B, H_kv, L, D]``) into ``k_rec[row_offsets[r] + j]``, ascending positions. The caller
     guarantees the capacity and sets ``row_lengths`` to the counts."""
-    _check_records(k_rec, v_rec, row_offsets, None, side, keys.shape[-1], bits, group, keys.dtype)
+    _check_records(k_rec, v_rec, row_offsets, None, side, keys.shape[-1], layout, keys.dtype)
     _rows("keys", keys, row_offsets, same_heads=True)
     if keep.dtype != torch.bool or tuple(keep.shape) != tuple(keys.shape[:3]) or keys.shape != values.shape:
         raise ValueError(f"keep must be a bool [B, H_kv, L] mask over keys and values of one shape, got keep "
                          f"{keep.dtype} {tuple(keep.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}")
     if _direct(keys, values, keep, row_offsets, k_rec, v_rec, side):
         if keys.numel():
-            quantized_compact_ref(keys, values, keep, row_offsets, k_rec, v_rec, side, bits, group)
+            quantized_compact_ref(keys, values, keep, row_offsets, k_rec, v_rec, side, layout)
         return
-    _quantized_compact_op(keys, values, keep, row_offsets, k_rec, v_rec, side, int(bits), int(group))
+    _quantized_compact_op(keys, values, keep, row_offsets, k_rec, v_rec, side, *_fields(layout))

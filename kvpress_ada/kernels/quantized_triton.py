@@ -4,9 +4,10 @@ The split-K scheme of :mod:`.triton_kernels` (FlashDecoding over variable-length
 prefix sum maps each program to its (row, split), the GQA group x queries packed into one tile, a
 second launch merging the splits' online-softmax partials: :func:`~.triton_kernels.merge_splits`)
 with two changes: each ``[BLOCK_N, D]`` tile of keys or values is read as integers plus the scales
-and zero points of its tokens and dequantized in registers (float32), then cast to the query's dtype
-for ``tl.dot``; and the scheme's rows (:mod:`.quantized`): the query is rotated once before the launch
-(``q @ R``, so the keys' ``y = (k - c) @ R`` are never un-rotated and the centre ``c`` shifts every logit
+and zero points of its tokens (e4m3 records: float8 bytes decoded with integer ops, plus their float32 scales)
+and dequantized in registers (float32), then cast to the query's dtype for ``tl.dot``; and the scheme's rows
+(:mod:`.quantized`): the query is rotated once before the launch (a layout that rotates keys:
+``q @ R``, so the keys' ``y = (k - c) @ R`` are never un-rotated and the centre ``c`` shifts every logit
 of a row alike, which softmax ignores), and a row's first slot reads as its anchor (the anchor key in the
 records' space, ``(anchor - c) @ R``, float32, and the anchor value). The cache is read at ``bits / 16``
 of a 16-bit cache's bytes plus the scales. A row's newest ``RESID`` slots (the storage's residual, when set)
@@ -24,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quantized import attention_operands, check_record, residual_of, residual_operands
+from .quantized import RecordLayout, attention_operands, check_record, residual_of, residual_operands
 from .support import check_head_dim
 from .triton_kernels import default_config, merge_splits
 
@@ -32,21 +33,36 @@ __all__ = ["quantized_attention_triton"]
 
 
 @triton.jit
+def _e4m3(byte):
+    """float32 values of float8 e4m3 (fn) bytes: (-1)^s (1 + m / 8) 2^(e - 7), or m 2^-9 when e = 0."""
+    b = byte.to(tl.int32)
+    e = (b >> 3) & 15
+    m = (b & 7).to(tl.float32)
+    magnitude = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
+    return tl.where(b >= 128, -magnitude, magnitude)
+
+
+@triton.jit
 def _dequantized_tile(REC_ptr, SC_ptr, rows, kv_mask, offs_d, rec_width, sc_width,
-                      HEAD_DIM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
+                      HEAD_DIM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, E4M3: tl.constexpr):
     """``[BLOCK_N, HEAD_DIM]`` float32 entries of the records at ``rows`` (int64 ``[BLOCK_N, 1]``)."""
-    if BITS == 8:
-        ints = tl.load(REC_ptr + rows * rec_width + offs_d[None, :], mask=kv_mask, other=0)
+    if E4M3:
+        elements = _e4m3(tl.load(REC_ptr + rows * rec_width + offs_d[None, :], mask=kv_mask, other=0))
+    elif BITS == 8:
+        elements = tl.load(REC_ptr + rows * rec_width + offs_d[None, :], mask=kv_mask, other=0).to(tl.float32)
     else:  # channel j in the low nibble of byte j, channel j + D/2 in its high nibble
         half = HEAD_DIM // 2
         byte = tl.load(REC_ptr + rows * rec_width + (offs_d % half)[None, :], mask=kv_mask, other=0)
-        ints = (byte >> ((offs_d // half) * 4).to(tl.uint8)[None, :]) & 15
+        elements = ((byte >> ((offs_d // half) * 4).to(tl.uint8)[None, :]) & 15).to(tl.float32)
     n_groups = HEAD_DIM // GROUP
     first_scale = (HEAD_DIM * BITS // 8) // (SC_ptr.dtype.element_ty.primitive_bitwidth // 8)
     sc_ptrs = SC_ptr + rows * sc_width + first_scale + (offs_d // GROUP)[None, :]
     scale = tl.load(sc_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-    zero = tl.load(sc_ptrs + n_groups, mask=kv_mask, other=0.0).to(tl.float32)
-    return ints.to(tl.float32) * scale + zero
+    if E4M3:
+        out = elements * scale
+    else:
+        out = elements * scale + tl.load(sc_ptrs + n_groups, mask=kv_mask, other=0.0).to(tl.float32)
+    return out
 
 
 @triton.jit
@@ -58,7 +74,7 @@ def _quantized_split_kernel(
     rec_width,  # bytes per record
     sc_width,  # scale-dtype elements per record
     stride_pm, stride_pacc_s, stride_pacc_m,
-    HEAD_DIM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, RESID: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, E4M3: tl.constexpr, RESID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -105,7 +121,7 @@ def _quantized_split_kernel(
             rows = base + offs_n.to(tl.int64)[:, None]
             is_anchor = (offs_n == 0)[:, None]
             k = _dequantized_tile(K_ptr, KS_ptr, rows, kv_mask, offs_d, rec_width, sc_width,
-                                  HEAD_DIM, BITS, GROUP)
+                                  HEAD_DIM, BITS, GROUP, E4M3)
             if RESID > 0:  # the row's newest RESID slots: its residual ring (float32, [RESID, R, D])
                 in_tail = (offs_n >= n - RESID)[:, None] & kv_mask
                 tail = ((offs_n % RESID).to(tl.int64)[:, None] * R + row) * HEAD_DIM + offs_d[None, :]
@@ -124,7 +140,7 @@ def _quantized_split_kernel(
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = _dequantized_tile(V_ptr, VS_ptr, rows, kv_mask, offs_d, rec_width, sc_width,
-                                  HEAD_DIM, BITS, GROUP)
+                                  HEAD_DIM, BITS, GROUP, E4M3)
             if RESID > 0:
                 v = tl.where(in_tail, tl.load(TV_ptr + tail, mask=in_tail, other=0.0), v)
             v = tl.where(is_anchor, anchor_v, v).to(q.dtype)
@@ -143,20 +159,22 @@ def _quantized_split_kernel(
 
 
 def quantized_attention_triton(q: torch.Tensor, k_rec: torch.Tensor, v_rec: torch.Tensor, row_offsets: torch.Tensor,
-                               row_lengths: torch.Tensor, side: torch.Tensor, scale: float, bits: int, group: int, *,
+                               row_lengths: torch.Tensor, side: torch.Tensor, scale: float, layout: RecordLayout, *,
                                split_size: int = 0) -> torch.Tensor:
     """Split-K ragged attention over quantized records with the rows' ``side`` tensors (two launches, no host
     sync); inputs validated by :func:`~.quantized_ops.quantized_attention`. ``split_size`` 0:
     :func:`~.triton_kernels.default_config`."""
     B, H_q, Q, D = q.shape
     check_head_dim(D)
-    check_record(D, bits, group, q.dtype)
+    check_record(D, layout, q.dtype)
+    if layout.encoding not in ("int", "e4m3"):
+        raise ValueError(f"the Triton kernel reads int and e4m3 records, not {layout.encoding!r}")
     dtype = q.dtype
-    q_rot, anchor_k = attention_operands(q, side)
+    q_rot, anchor_k = attention_operands(q, side, layout)
     q = q_rot.to(dtype).contiguous()
     anchor_k, anchor_v = anchor_k.contiguous(), side[1].contiguous()
     residual = residual_of(side)
-    tail_k, tail_v = (t.contiguous() for t in residual_operands(side)) if residual else (anchor_k, anchor_k)
+    tail_k, tail_v = (t.contiguous() for t in residual_operands(side, layout)) if residual else (anchor_k, anchor_k)
     R = row_offsets.shape[0]
     H_kv = R // B
     G = H_q // H_kv
@@ -172,15 +190,17 @@ def quantized_attention_triton(q: torch.Tensor, k_rec: torch.Tensor, v_rec: torc
     pm = torch.empty(slots, m_tiles * block_m, device=q.device, dtype=torch.float32)
     pl = torch.empty_like(pm)
     pacc = torch.empty(slots, m_tiles * block_m, D, device=q.device, dtype=torch.float32)
-    itemsize = q.dtype.itemsize
-    ks, vs = k_rec.view(q.dtype), v_rec.view(q.dtype)  # the same bytes, indexed in scale-sized elements
+    sdtype = layout.scale_dtype(q.dtype)
+    itemsize = sdtype.itemsize
+    ks, vs = k_rec.view(sdtype), v_rec.view(sdtype)  # the same bytes, indexed in scale-sized elements
     _quantized_split_kernel[(slots, m_tiles)](
         q, k_rec, v_rec, ks, vs, anchor_k, anchor_v, tail_k, tail_v, row_offsets, row_lengths, pm, pl, pacc,
         float(scale) * math.log2(math.e), R, H_kv, G, Q, M_total, split,
         q.stride(0), q.stride(1), q.stride(2),
         k_rec.shape[1], k_rec.shape[1] // itemsize,
         pm.stride(0), pacc.stride(0), pacc.stride(1),
-        HEAD_DIM=D, BITS=bits, GROUP=group, RESID=residual, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=D, BITS=layout.bits, GROUP=layout.group_size(D), E4M3=layout.encoding == "e4m3", RESID=residual,
+        BLOCK_M=block_m, BLOCK_N=block_n,
         R_PAD=max(16, 1 << max(0, (R - 1).bit_length())), IEEE=q.dtype == torch.float32,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -1,9 +1,10 @@
 """Which cache a press's kept entries go to, on this host: the host, not the evictor, picks the storage.
 
-An evictor that frees memory (``TopK``) compacts into a :class:`~.ragged_cache.RaggedCache` of the
-press's ``storage`` (int8 / int4: a :class:`~.quantized_cache.QuantizedRaggedCache`); one that keeps
-the dense cache and hides entries (``Mask``) into a :class:`~.masked_cache.MaskedCache` (full
-precision only: ``Pipeline`` refuses a quantized storage with it).
+An evictor that frees memory (``TopK``) compacts into the ragged cache the press's ``storage`` kind declares
+(:meth:`~kvpress_ada.storage.Storage.ragged_cache`: a :class:`~.ragged_cache.RaggedCache` whose layers are the
+kind's; records: a :class:`~.quantized_cache.QuantizedRaggedCache`); one that keeps the dense cache and hides
+entries (``Mask``) into a :class:`~.masked_cache.MaskedCache` (full precision only: ``Pipeline`` refuses a
+storage kept as records with it).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 from .masked_cache import MaskedCache
 from .press_cache import PressCache
-from .quantized_cache import QuantizedRaggedCache
 from .ragged_cache import RaggedCache
 
 if TYPE_CHECKING:
@@ -28,6 +28,5 @@ def new_cache(press: Pipeline, config: Any) -> PressCache:
 
 
 def ragged_cache(storage: Storage, config: Any) -> RaggedCache:
-    """An empty ragged cache whose layers store entries as ``storage`` says (full precision: :class:`RaggedCache`;
-    int8 / int4: :class:`~.quantized_cache.QuantizedRaggedCache`)."""
-    return QuantizedRaggedCache(storage, config=config) if storage.quantized else RaggedCache(config=config)
+    """An empty ragged cache whose layers store entries as ``storage`` says (the kind's own cache class)."""
+    return storage.ragged_cache(config=config)

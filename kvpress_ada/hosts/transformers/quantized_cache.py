@@ -1,10 +1,12 @@
-"""QuantizedRaggedCache: the ragged cache with its kept entries stored as int8 or int4 records.
+"""QuantizedRaggedCache: the ragged cache with its kept entries stored as records of a storage kind's layout
+(int8, int4, fp8, or a registered kind's :class:`~kvpress_ada.kernels.quantized.RecordLayout`).
 
 A layer is a :class:`~.ragged_cache.RaggedLayer` (same rows, offsets, reserve, re-layout, crop, compiled
 decode step) whose slots hold one ``uint8`` record per token instead of ``head_dim`` floats: the
-integers with the token's scales and zero points (:mod:`kvpress_ada.kernels.quantized`), plus, per row,
+elements with the token's scales (and zero points) (:mod:`kvpress_ada.kernels.quantized`), plus, per row,
 ``side [3 + 2 * residual, rows, D]`` in the entries' dtype: the row's anchor (its first entry, key and
-value, kept in full precision), its key centre (keys are stored centred and rotated) and, with a
+value, kept in full precision), its key centre (a layout that rotates keys stores them centred and rotated) and,
+with a
 ``residual``, its newest entries in full precision (a ring beside their records). The dense prefill stays
 in full precision until the layer is compressed, so selection reads full-precision entries; compression fixes
 each row's side tensors and quantizes the kept entries, a decode token is quantized when it is appended
@@ -17,7 +19,7 @@ part of a compressed layer moves the kept records as they are (never quantized t
 row whose anchor is dropped takes its new first entry's read-back value as anchor; each row's residual is
 refilled from what its newest kept entries read back as: kept residual entries stay exact, and the same
 after a crop). ``nbytes()`` counts the records, scales and zero points included, and the side tensors
-(the residual included).
+(the residual included). Every record operation takes the layer's ``layout``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from ... import kernels
 from ...kernels.quantized import (
+    RecordLayout,
     append_side,
     decode_keys,
     dequantize,
@@ -43,16 +46,18 @@ from .ragged_cache import RaggedCache, RaggedLayer
 
 
 class QuantizedRaggedLayer(RaggedLayer):
-    """One layer of a :class:`QuantizedRaggedCache`: ``bits``-bit records in groups of ``group`` channels,
-    and each row's ``side`` tensors (anchor key, anchor value, key centre, then its newest ``residual``
-    entries' keys and values, a ring: :func:`~kvpress_ada.kernels.quantized.residual_of`)."""
+    """One layer of a :class:`QuantizedRaggedCache`: records of ``layout``, and each row's ``side`` tensors
+    (anchor key, anchor value, key centre, then its newest ``layout.residual`` entries' keys and values, a ring:
+    :func:`~kvpress_ada.kernels.quantized.residual_of`)."""
 
     defer_appends: ClassVar[bool] = True
     """Whether eager appends write their records in batches (see :meth:`_append_entries`)."""
 
-    def __init__(self, bits: int, group: int, decode_reserve: int = 8, growth: float = 0.125, residual: int = 0):
+    def __init__(self, layout: RecordLayout, decode_reserve: int = 8, growth: float = 0.125):
+        if not isinstance(layout, RecordLayout):
+            raise TypeError(f"layout must be a RecordLayout (a storage kind's layout), got {layout!r}")
         super().__init__(decode_reserve, growth)
-        self.bits, self.group, self.residual = bits, group, residual
+        self.layout, self.residual = layout, layout.residual
 
     def _clear(self) -> None:
         super()._clear()
@@ -72,11 +77,11 @@ class QuantizedRaggedLayer(RaggedLayer):
         """Write the records of the appended entries that have none yet (a no-op when none is pending)."""
         if self._unrecorded:
             record_newest(self.k_flat, self.v_flat, self.row_offsets, self.row_lengths, self.side,
-                          self._unrecorded, self.bits, self.group)
+                          self._unrecorded, self.layout)
             self._unrecorded = 0
 
     def _empty_slots(self, total: int) -> torch.Tensor:
-        width = record_width(self.head_dim, self.bits, self.group, self.dtype)
+        width = record_width(self.head_dim, self.layout, self.dtype)
         return torch.zeros(total, width, dtype=torch.uint8, device=self.device)
 
     def _compact_entries(self, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor) -> None:
@@ -91,7 +96,7 @@ class QuantizedRaggedLayer(RaggedLayer):
         if self.side.device.type == "cuda" and not torch.compiler.is_compiling():
             torch._dynamo.mark_static_address(self.side)  # mutated in place by appends (see _mark_for_compile)
         kernels.quantized_compact(keys, values, keep, self.row_offsets, self.k_flat, self.v_flat, self.side,
-                                  self.bits, self.group)
+                                  self.layout)
 
     def _append_entries(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Eager appends of at most ``residual`` tokens are deferred: the tokens go into the residual ring
@@ -109,14 +114,14 @@ class QuantizedRaggedLayer(RaggedLayer):
             append_side(keys, values, self.row_lengths, self.side, empty_rows=empty)
             return
         kernels.quantized_append(keys, values, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths,
-                                 self.side, self.bits, self.group)
+                                 self.side, self.layout)
 
     def _read_slots(self, index: torch.Tensor, present: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, H, _ = self.shape
         D = self.head_dim
         anchor_k, anchor_v, centre = self.side[:3].view(3, B, H, 1, D)
-        keys = decode_keys(gather_slots(self.k_flat, index, present), centre, D, self.bits, self.group, self.dtype)
-        values = dequantize(gather_slots(self.v_flat, index, present), D, self.bits, self.group, self.dtype)
+        keys = decode_keys(gather_slots(self.k_flat, index, present), centre, D, self.layout, self.dtype)
+        values = dequantize(gather_slots(self.v_flat, index, present), D, self.layout, self.dtype)
         rank = index - self.row_offsets.view(B, H, 1).long()
         first = (present & (rank == 0))[..., None]  # each row's anchor slot
         if self.residual:  # the newest entries of each row: its residual ring, in full precision
@@ -133,7 +138,7 @@ class QuantizedRaggedLayer(RaggedLayer):
 
     def _attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         return kernels.quantized_attention(query, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths,
-                                           self.side, scaling, self.bits, self.group)
+                                           self.side, scaling, self.layout)
 
     def retain(self, keep: torch.Tensor, held: HeldEntries, spare: int | None = None) -> None:
         """As :meth:`RaggedLayer.retain`; on a compressed layer the kept entries' records move unchanged
@@ -190,20 +195,13 @@ class QuantizedRaggedLayer(RaggedLayer):
 
 
 class QuantizedRaggedCache(RaggedCache):
-    """A :class:`~.ragged_cache.RaggedCache` of :class:`QuantizedRaggedLayer` objects for a quantized
-    ``storage`` (:class:`~kvpress_ada.storage.Int8` or :class:`~kvpress_ada.storage.Int4`)."""
+    """A :class:`~.ragged_cache.RaggedCache` for a ``storage`` kept as records (a
+    :class:`~kvpress_ada.storage.RecordStorage`: int8, int4, fp8, ...): its layers are the kind's
+    :meth:`~kvpress_ada.storage.Storage.ragged_layer` (:class:`QuantizedRaggedLayer` of its layout)."""
 
     def __init__(self, storage: Storage, config: Any = None, num_layers: int | None = None,
                  decode_reserve: int = 8):
-        scheme = storage.record_scheme()
-        if scheme is None:
-            raise ValueError(f"storage={storage.label!r} is not quantized: use RaggedCache")
-        self.storage = storage
-        self.bits, self.group, self.residual = scheme
-        super().__init__(config=config, num_layers=num_layers, decode_reserve=decode_reserve)
-
-    def _new_layer(self, decode_reserve: int) -> RaggedLayer:
-        return QuantizedRaggedLayer(self.bits, self.group, decode_reserve, residual=self.residual)
-
-    def stores(self, storage: Any) -> bool:
-        return storage == self.storage
+        if storage.layout is None:
+            raise ValueError(f"storage={storage.label!r} keeps entries in the model's dtype, not as records: "
+                             "use RaggedCache")
+        super().__init__(config=config, num_layers=num_layers, decode_reserve=decode_reserve, storage=storage)

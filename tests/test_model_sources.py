@@ -369,7 +369,7 @@ def test_a_path_that_does_not_exist_is_said_so(tmp_path, monkeypatch, kind):
 def test_cli_model_that_does_not_exist_is_one_line(tmp_path, capsys):
     code = main(["eval", "--model", "/nonexistent", "--presets", "snapkv", "--n", "1", "--out", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 1
+    assert code == 2  # bad input, as in every command (serve too)
     assert err[-1] == ("kvpress-ada eval: error: model path '/nonexistent' does not exist; pass a directory holding "
                        "a transformers checkpoint, a hub id, or a named model (default, qwen2.5-coder-0.5b, "
                        "qwen2.5-coder-1.5b)")

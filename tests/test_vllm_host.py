@@ -259,8 +259,9 @@ SERVER_START_S = 600  # about 30-60 s on 2 idle cores; minutes when other jobs s
 
 
 def test_kvpress_ada_serve_answers_an_openai_completion_with_a_compressed_cache(model_dir, hf_model):
-    """The server ``kvpress-ada serve`` starts (its own processes, as users run it) answers a completion request
-    with the text the transformers host generates under the same press."""
+    """The server ``kvpress-ada serve`` starts (its own processes, as users run it: torchvision etc. installed, the
+    KV memory its own choice) answers a completion request with the text the transformers host generates under the
+    same press; SIGTERM to serve's pid stops it and every process it started."""
     import signal
     import socket
     import subprocess
@@ -271,7 +272,8 @@ def test_kvpress_ada_serve_answers_an_openai_completion_with_a_compressed_cache(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     server = subprocess.Popen([sys.executable, "-m", "kvpress_ada.harness.cli", "serve", "--model", model_dir,
                                "--preset", "snapkv", "--ratio", "0.5", "--port", str(port), "--max-model-len", "512"],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -291,9 +293,21 @@ def test_kvpress_ada_serve_answers_an_openai_completion_with_a_compressed_cache(
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
         answer = json.loads(urllib.request.urlopen(request, timeout=60).read())["choices"][0]["text"]
+        served = [m["id"] for m in json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models").read())["data"]]
+        with open(f"/proc/{server.pid}/task/{server.pid}/children") as children:
+            groups = [int(pid) for pid in children.read().split()]  # the vLLM server, leading its process group
+        server.send_signal(signal.SIGTERM)  # serve's pid alone
+        assert server.wait(timeout=120) == 128 + signal.SIGTERM and groups
+        for group in groups:
+            with pytest.raises(ProcessLookupError):  # nothing of what serve started is left
+                os.killpg(group, 0)
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=120)
+    assert served == [model_dir]  # the name it was given
     tokenizer = build_tokenizer()
     ids = tokenizer(prompt)["input_ids"]
     assert len(ids) >= 64  # snapkv's window: the press compresses this prompt

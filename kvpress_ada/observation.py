@@ -8,8 +8,26 @@ from typing import Any
 import torch
 
 
-@dataclass(frozen=True)
-class Observation:
+@dataclass(frozen=True, kw_only=True)
+class _LayerFields:
+    """What :class:`Observation` and :class:`LayerView` both carry about one layer (described in
+    :class:`Observation`); keyword-only, so each adds its own fields after these."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    queries: torch.Tensor
+    layer_idx: int
+    n_layers: int
+    scaling: float
+    output_weight: torch.Tensor | None = None
+    rope_inv_freq: torch.Tensor | None = None
+    pass_scores: torch.Tensor | None = None
+    shard: Any = None
+    entry_scores: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Observation(_LayerFields):
     """Post-RoPE keys/values of one layer plus the queries a scorer asked for.
 
     ``keys``/``values``: ``[B, H_kv, L, D]`` (never repeated for GQA).
@@ -31,19 +49,8 @@ class Observation:
     whole layer (what scorers that depend on a head's index use).
     """
 
-    keys: torch.Tensor
-    values: torch.Tensor
-    queries: torch.Tensor
     key_mask: torch.Tensor
-    layer_idx: int
-    n_layers: int
-    scaling: float
-    output_weight: torch.Tensor | None = None
-    rope_inv_freq: torch.Tensor | None = None
-    pass_scores: torch.Tensor | None = None
     head_offset: int = 0
-    shard: Any = None
-    entry_scores: torch.Tensor | None = None
 
     @property
     def global_head_offset(self) -> int:
@@ -67,8 +74,8 @@ class Observation:
         return self.key_mask.sum(-1)
 
 
-@dataclass(frozen=True)
-class LayerView:
+@dataclass(frozen=True, kw_only=True)
+class LayerView(_LayerFields):
     """One attention layer as the selection policy (:meth:`~kvpress_ada.Pipeline.keep`) sees it.
 
     ``keys``/``values``: ``[B, H_kv, L, D]`` what each (batch row, kv head) holds, left-padded per
@@ -79,19 +86,8 @@ class LayerView:
     those of :class:`Observation`.
     """
 
-    keys: torch.Tensor
-    values: torch.Tensor
     valid: torch.Tensor
-    queries: torch.Tensor
-    layer_idx: int
-    n_layers: int
-    scaling: float
-    output_weight: torch.Tensor | None = None
-    rope_inv_freq: torch.Tensor | None = None
-    pass_scores: torch.Tensor | None = None
-    shard: Any = None
     positions: torch.Tensor | None = None
-    entry_scores: torch.Tensor | None = None
     uniform: bool | None = None  # every kv head of a row holds the same entries (None: not known, checked)
 
     @classmethod

@@ -86,14 +86,17 @@ def _held(layer: Any) -> list[list[tuple[torch.Tensor, torch.Tensor | None]]]:
                 for b in range(B)]
     if isinstance(layer, RaggedLayer):
         if not layer.compressed:
-            B, H = layer.keys.shape[:2]
-            return [[(layer.keys[b, h], None) for h in range(H)] for b in range(B)]
+            dense = layer.keys
+            assert dense is not None
+            B, H = dense.shape[:2]
+            return [[(dense[b, h], None) for h in range(H)] for b in range(B)]
         B, H, _ = layer.shape
         offsets, lengths = layer.row_offsets.tolist(), layer.row_lengths.tolist()
         return [[(layer.k_flat[offsets[b * H + h]:offsets[b * H + h] + lengths[b * H + h]], None) for h in range(H)]
                 for b in range(B)]
     if isinstance(layer, MaskedLayer):
         keys = layer.keys
+        assert keys is not None
         B, H, L, _ = keys.shape
         keep = torch.ones(B, H, L, dtype=torch.bool) if layer.keep is None else \
             torch.nn.functional.pad(layer.keep, (0, L - layer.keep.shape[-1]), value=True)
@@ -101,7 +104,7 @@ def _held(layer: Any) -> list[list[tuple[torch.Tensor, torch.Tensor | None]]]:
     raise TypeError(type(layer).__name__)
 
 
-def _positions(cache: Any) -> list[list[list[int]]]:
+def _positions(cache: Any) -> list[list[list[list[int]]]]:
     """Positions held per (layer, row, head), each matched to the logged key it equals."""
     out = []
     for i, layer in enumerate(cache.layers):
@@ -110,7 +113,7 @@ def _positions(cache: Any) -> list[list[list[int]]]:
         table = torch.stack([log[p] for p in pos.tolist()], dim=2)  # [B, H, P, D]
         rows = []
         for b, heads in enumerate(_held(layer)):
-            per_head = []
+            per_head: list[list[int]] = []
             for h, (keys, claimed) in enumerate(heads):
                 if keys.shape[0] == 0:
                     per_head.append([])
@@ -134,7 +137,7 @@ def _positions(cache: Any) -> list[list[list[int]]]:
     return out
 
 
-def _digest(positions: list[list[list[int]]]) -> dict:
+def _digest(positions: list[list[list[list[int]]]]) -> dict:
     return {"layers": [hashlib.sha256(json.dumps(layer).encode()).hexdigest()[:16] for layer in positions],
             "counts": [[[len(h) for h in row] for row in layer] for layer in positions]}
 
@@ -224,7 +227,7 @@ def _models(default_model: bool, archs: tuple[str, ...] | None) -> dict[str, tup
     models: dict[str, tuple] = {arch: (tiny_model(arch), TINY_LENGTHS, 0.5, 48, 10)
                                 for arch in (ARCHITECTURES if archs is None else archs)}
     if default_model:
-        from kvpress_ada.models import load
+        from kvpress_ada.models import load  # type: ignore[attr-defined]  # the loader module, aliased
 
         models["default"] = (load("default"), (300, 233), 0.6, 128, 8)
     return models
@@ -294,6 +297,59 @@ def _collect_model(key: str, model: Any, names: list[str], lengths: tuple[int, i
     return results
 
 
+POLICY_SHAPE = dict(B=2, H=2, G=2, L=160, D=16, layers=3)  # fixed tensors fed to Pipeline.keep
+POLICY_CASES = ("uniform", "ragged", "capped")
+
+
+def _policy_views(case: str, window: int | None) -> tuple[list[Any], Any]:
+    """``(views, budget)`` from fixed random tensors (torch's generator: no model, no transformers): a batch
+    of two rows (the second left-padded to 121 entries) in every kv head (``uniform``) or with a head of the
+    first row holding 20 entries fewer (``ragged``, as after an earlier eviction); ``capped``: the uniform
+    views with a per-head ceiling (a chunked prefill's)."""
+    from kvpress_ada import Budget, LayerView
+
+    B, H, G, L, D, n = (POLICY_SHAPE[k] for k in ("B", "H", "G", "L", "D", "layers"))
+    g = torch.Generator().manual_seed(7)
+    valid = torch.ones(B, H, L, dtype=torch.bool)
+    valid[1, :, :L - 121] = False
+    if case == "ragged":
+        valid[0, 1, :20] = False
+    w = L if window is None else min(window, L)
+    views = []
+    for i in range(n):
+        scale = torch.rand(B, H, L, 1, generator=g) * 2  # keys of uneven norms: scores far apart
+        views.append(LayerView(
+            keys=torch.randn(B, H, L, D, generator=g) * scale, values=torch.randn(B, H, L, D, generator=g),
+            valid=valid, queries=torch.randn(B, H * G, w, D, generator=g), layer_idx=i, n_layers=n,
+            scaling=D ** -0.5, output_weight=torch.randn(H * G * D, H * G * D, generator=g) * 0.1,
+            rope_inv_freq=1.0 / 10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D),
+            pass_scores=torch.rand(B, H, L, generator=g), entry_scores=torch.randn(B, H, L, generator=g),
+            uniform=None if case == "ragged" else True))
+    lengths = valid[:, 0].sum(-1)
+    cap = torch.tensor([70, 70]) if case == "capped" else None
+    return views, Budget(average=torch.tensor([80.0, 60.0]), lengths=lengths, cap=cap)
+
+
+def policy_records(names: list[str] | None = None) -> dict:
+    """``{"preset/case": record}``: what ``Pipeline.keep`` keeps from fixed tensors (no model: exact wherever
+    torch rounds as it did at the recording), per layer a digest of the kept positions of every (row, head)."""
+    out: dict[str, Any] = {}
+    with _one_thread():
+        for name in names or preset_names():
+            for case in POLICY_CASES:
+                try:
+                    press = preset(name, compression_ratio=0.5)
+                    views, budget = _policy_views(case, press.scorer.query_window())
+                    keep = press.keep(views, budget)
+                except ValueError:
+                    out[f"{name}/{case}"] = {"refused": True}
+                    continue
+                out[f"{name}/{case}"] = {"kept": _digest([[[torch.nonzero(k[b, h])[:, 0].tolist()
+                                                             for h in range(k.shape[1])] for b in range(k.shape[0])]
+                                                           for k in keep])}
+    return out
+
+
 def _versions() -> dict[str, str]:
     return {"torch": torch.__version__, "transformers": transformers.__version__}
 
@@ -315,8 +371,49 @@ def missing_message(variant: str, golden: dict) -> str:
 
 
 def load(path: Path = GOLDEN) -> dict:
-    """The golden file: ``{"variants": {variant key: {"versions", "records"}}}``."""
-    return json.loads(path.read_text()) if path.exists() else {"variants": {}}
+    """The golden file: ``{"policy": {"versions", "records"}, "variants": {variant key: {"versions", "records"}}}``
+    (``versions``: the torch / transformers pairs that recorded it). On disk a variant may name a ``base`` variant
+    and hold only the records that differ from it (:func:`dumps`)."""
+    golden = json.loads(path.read_text()) if path.exists() else {"variants": {}}
+    for variant in golden["variants"].values():
+        if "base" in variant:
+            variant["records"] = {**golden["variants"][variant.pop("base")]["records"], **variant["records"]}
+    return golden
+
+
+def dumps(golden: dict) -> str:
+    """The golden file's text: one record per line; a variant with the same records as the first variant of its
+    model (a release that rounds differently, keeps the same) holds only those that differ, over that ``base``."""
+    def block(records: dict) -> str:
+        return "{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v, sort_keys=True)}"
+                                   for k, v in sorted(records.items())) + "\n}"
+
+    firsts: dict[str, str] = {}
+    parts = []
+    for key, variant in sorted(golden["variants"].items()):
+        model, records = key.split("@")[0], variant["records"]
+        base = firsts.setdefault(model, key)
+        head = f"{json.dumps(key)}: {{\"versions\": {json.dumps(variant['versions'])}"
+        base_records = golden["variants"][base]["records"]
+        if base != key and set(base_records) == set(records):
+            own = {k: v for k, v in records.items() if base_records[k] != v}
+            parts.append(f"{head}, \"base\": {json.dumps(base)}, \"records\": {block(own)}}}")
+        else:
+            parts.append(f"{head}, \"records\": {block(records)}}}")
+    policy = golden.get("policy")
+    text = "{\n"
+    if policy:
+        versions = json.dumps(policy["versions"])
+        text += f"\"policy\": {{\"versions\": {versions}, \"records\": {block(policy['records'])}}},\n"
+    return text + "\"variants\": {\n" + ",\n".join(parts) + "\n}\n}\n"
+
+
+def _merged(old: dict | None, records: dict, partial: bool) -> dict:
+    """``{"versions", "records"}``: ``records`` recorded here, over ``old``'s other records when ``partial``."""
+    seen = old["versions"] if old else []
+    kept = old["records"] if old and partial else {}
+    return {"versions": seen + [v for v in [_versions()] if v not in seen],
+            "records": dict(sorted({**kept, **records}.items()))}
 
 
 def main() -> None:
@@ -342,20 +439,21 @@ def main() -> None:
                      f"known: {', '.join(ARCHITECTURES)}, none")
     golden = load(args.out)
     now = collect(args.default_model, names=names, archs=archs)
+    policy = policy_records(names)
     if args.record:
-        for variant, fresh in now.items():
-            old = golden["variants"].get(variant)
-            if names and old is None:
+        for variant in now:
+            if names and variant not in golden["variants"]:
                 parser.error(f"{variant} has no records in {args.out} yet: record every preset first (no --presets)")
-            records = {**(old["records"] if old and names else {}), **fresh["records"]}
-            seen = old["versions"] if old else []
-            versions = seen + [v for v in fresh["versions"] if v not in seen]
-            golden["variants"][variant] = {"versions": versions, "records": dict(sorted(records.items()))}
-        args.out.write_text(json.dumps(golden, indent=0, sort_keys=True) + "\n")
-        print(f"wrote {args.out}: {', '.join(now)} ({sum(len(v['records']) for v in now.values())} records, "
+        golden["policy"] = _merged(golden.get("policy"), policy, partial=bool(names))
+        for variant, fresh in now.items():
+            golden["variants"][variant] = _merged(golden["variants"].get(variant), fresh["records"], bool(names))
+        args.out.write_text(dumps(golden))
+        print(f"wrote {args.out}: policy, {', '.join(now) or 'no model'} "
+              f"({len(policy) + sum(len(v['records']) for v in now.values())} records, "
               f"kvpress_ada {kvpress_ada.__version__})")
     if args.check:
-        diff: list[str] = []
+        diff = compare({k: v for k, v in golden.get("policy", {}).get("records", {}).items()
+                        if k.split("/")[0] in (names or preset_names())}, policy)
         for variant, fresh in now.items():
             if variant not in golden["variants"]:
                 print(missing_message(variant, golden))

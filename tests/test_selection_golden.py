@@ -1,15 +1,20 @@
-"""The golden kept sets (``benchmarks/results/selection_golden.json``, written by
-``benchmarks/selection_golden.py``): every registered preset, in every mode (one-shot, chunked prefill,
-decode compression after a compressed or a full prefill, fan-out, the mask evictor, each again with int4
-storage), on a left-padded batch of two rows, on the tiny model of each supported family, keeps exactly the
-recorded positions and generates the recorded tokens.
+"""The golden kept sets (``benchmarks/results/selection_golden.json``, written by ``benchmarks/selection_golden.py``).
 
-The records are filed under a digest of what the model computes without a press (bit for bit): where it equals a
-recorded one the comparison is exact, whatever the transformers release; a release or machine that rounds
-differently has no records and fails in one line naming the command that records them (run it at a commit whose
-kept sets you trust)::
+Two comparisons, both exact:
 
-    python benchmarks/selection_golden.py --record     # this environment's records (tiny models)
+- **policy**: ``Pipeline.keep`` of every preset on fixed random tensors (uniform, per-head ragged and capped views of
+  a left-padded batch of two rows, three layers): no model and no transformers, so one set of records serves every
+  transformers release;
+- **end to end**: every preset in every mode (one-shot, chunked prefill, decode compression after a compressed or a
+  full prefill, fan-out, the mask evictor, each again with int4 storage) on a left-padded batch of two rows, on the
+  tiny model of each supported family: the positions each (layer, row, kv head) keeps and the generated tokens.
+  These records are filed under a digest of what the model computes without a press (prefill and greedy steps, bit
+  for bit): where it equals a recorded one only the selection code can differ. A transformers release (or machine)
+  that rounds differently has no records yet and fails in one line naming the command below.
+
+Regenerate, at a commit whose kept sets you trust, once per environment (CI's: the newest transformers and 5.18.0)::
+
+    python benchmarks/selection_golden.py --record
 """
 
 import json
@@ -45,6 +50,13 @@ def test_every_preset_keeps_the_golden_entries(arch):
     assert selection_golden.compare(recorded, now["records"]) == []
 
 
+def test_every_preset_keeps_the_golden_entries_from_fixed_tensors():
+    recorded = GOLDEN["policy"]["records"]
+    assert set(recorded) == {f"{n}/{c}" for n in selection_golden.preset_names() for c in selection_golden.POLICY_CASES}
+    assert sum("refused" not in r for r in recorded.values()) >= len(recorded) - 3
+    assert selection_golden.compare(recorded, selection_golden.policy_records()) == []
+
+
 def test_every_mode_and_storage_is_recorded_and_some_of_each_run():
     for variant, entry in GOLDEN["variants"].items():
         ran = {key.split("/", 2)[2] for key, r in entry["records"].items() if "refused" not in r}
@@ -69,15 +81,27 @@ def _golden_here(tmp_path) -> tuple[Path, str]:
 
 def test_recording_one_preset_keeps_every_other_record(tmp_path):
     out, variant = _golden_here(tmp_path)
-    before = json.loads(out.read_text())["variants"]
+    before = selection_golden.load(out)["variants"]
     _run_golden("--record", "--archs", "llama", "--presets", "streamingllm", "--out", str(out)).check_returncode()
-    written = json.loads(out.read_text())["variants"]
+    written = selection_golden.load(out)["variants"]
     assert {k: v for k, v in written.items() if k != variant} == {k: v for k, v in before.items() if k != variant}
     records = written[variant]["records"]
     assert {k: v for k, v in records.items() if "/streamingllm/" not in k} == \
         {k: v for k, v in before[variant]["records"].items() if "/streamingllm/" not in k}
     [(_, fresh)] = selection_golden.collect(default_model=False, names=["streamingllm"], archs=("llama",)).items()
     assert {k: v for k, v in records.items() if "/streamingllm/" in k} == fresh["records"] != {}
+
+
+def test_the_file_round_trips_and_stores_a_variant_with_its_base_records_once(tmp_path):
+    out = tmp_path / "golden.json"
+    out.write_text(selection_golden.dumps(GOLDEN))
+    assert selection_golden.load(out) == GOLDEN
+    base = {"versions": [{"torch": "a"}], "records": {"llama/x/a": {"kept": 1}, "llama/y/a": {"kept": 2}}}
+    other = {"versions": [{"torch": "b"}], "records": {"llama/x/a": {"kept": 1}, "llama/y/a": {"kept": 3}}}
+    out.write_text(selection_golden.dumps({"variants": {"llama@a": base, "llama@b": other}}))
+    assert json.loads(out.read_text())["variants"]["llama@b"] == \
+        {"versions": [{"torch": "b"}], "base": "llama@a", "records": {"llama/y/a": {"kept": 3}}}
+    assert selection_golden.load(out) == {"variants": {"llama@a": base, "llama@b": other}}
 
 
 def test_an_unknown_preset_is_refused_in_one_line():

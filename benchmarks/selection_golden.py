@@ -1,19 +1,23 @@
 """Golden kept sets: what every registered preset keeps, in every mode, on fixed inputs.
 
-For each preset x model x mode (one-shot prefill, chunked prefill, decode compression, fan-out),
-on a batch of 2 left-padded rows, records the generated tokens and, per (layer, row, kv head),
-the positions the final cache holds (a digest per layer, plus the counts). A refactor of the
-selection path must leave this file unchanged; ``--check`` compares against it.
+Two kinds of records (``benchmarks/README.md``, "Golden kept sets"), both compared exactly by ``--check`` and
+``tests/test_selection_golden.py``:
 
-Positions are found without reading the press's internals: every key entering a press cache
-passes through ``Cache.update`` (logged with its position in the sequence), and each kept key is
-matched to the logged key it equals.
+- policy: ``Pipeline.keep`` on fixed random tensors (:func:`policy_records`; no model, no transformers);
+- end to end: for each preset x tiny model x mode (one-shot, chunked prefill, decode compression after a
+  compressed or a full prefill, fan-out, the mask evictor; each again with int4 storage), on a batch of 2
+  left-padded rows, the generated tokens and, per (layer, row, kv head), the positions the final cache holds (a
+  digest per layer, plus the counts); filed under a digest of the model's press-free numerics
+  (:func:`numerics`), so a transformers release that rounds differently gets records of its own.
 
-    python benchmarks/selection_golden.py --record            # tiny models (+ --default-model)
-    python benchmarks/selection_golden.py --check [--default-model]
-    python benchmarks/selection_golden.py --record --default-model --presets kvzap   # one changed preset
+Positions are found without reading the press's internals: every key entering a press cache passes through
+``Cache.update`` (logged with its position in the sequence), and each kept key is matched to the logged key it
+equals (int4 keys: the positions the layer reports, each checked near its logged key).
+
+    python benchmarks/selection_golden.py --record            # this environment's records (+ --default-model)
+    python benchmarks/selection_golden.py --check [--default-model] [--archs llama] [--presets snapkv]
+    python benchmarks/selection_golden.py --record --presets kvzap   # one changed preset, the others kept
 """
-
 from __future__ import annotations
 
 import argparse

@@ -25,6 +25,10 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+# --help and the arguments' own checks answer before torch is imported: at module level only the standard
+# library and the light name lists of .choices; each command imports what it runs once its arguments are checked
+from . import choices
+
 DEFAULT_PRESETS = "snapkv,ada_snapkv"
 DEFAULT_RATIOS = "0.25,0.5,0.75"
 DEMO_PRESET = "kvzip"  # the best question-agnostic composition of the quality grid (benchmarks/README.md)
@@ -232,23 +236,23 @@ def _load_model(name: str):
 
 # --------------------------------------------------------------------------- demo
 def cmd_demo(args) -> int:
-    import torch
-
-    from kvpress_ada.hosts.transformers.fanout import capture_prefill
-    from kvpress_ada.hosts.transformers.generation import continue_rows, decode_rows, eos_ids, split_prompt
-    from kvpress_ada.presets import preset, preset_names
-    from kvpress_ada.tokens import encode
-
     names = [args.preset, *_unique("--compare", _split(args.compare or ""))]
     for name in names:
-        if name not in preset_names():
-            raise UsageError(f"unknown preset {name!r}; valid presets: {', '.join(preset_names())}")
+        if name not in choices.preset_names():
+            raise UsageError(f"unknown preset {name!r}; valid presets: {', '.join(choices.preset_names())}")
     if args.preset in names[1:]:
         raise UsageError(f"--compare lists the main --preset {args.preset!r} again; give each preset once")
     if not 0.0 <= args.ratio < 1.0:
         raise UsageError(f"--ratio must be in [0, 1) (fraction of KV entries evicted), got {args.ratio}")
     _check_common(args)
     _check_decode(args)
+    import torch
+
+    from kvpress_ada.hosts.transformers.fanout import capture_prefill
+    from kvpress_ada.hosts.transformers.generation import continue_rows, decode_rows, eos_ids, split_prompt
+    from kvpress_ada.presets import preset
+    from kvpress_ada.tokens import encode
+
     presses = {name: _with_storage(_with_decode(preset(name, compression_ratio=args.ratio), args), args)
                for name in names}
     model, tok = _load_model(args.model)
@@ -328,12 +332,11 @@ def cmd_demo(args) -> int:
 def _eval_inputs(args) -> tuple[list[str], list[str], list[float], dict]:
     """Presets, tasks, ratios and ``{label: Pipeline}`` configs, all checked; nothing loaded yet."""
     from kvpress_ada.harness.eval.tasks import TASKS
-    from kvpress_ada.presets import preset_names
 
     presets = _unique("--presets", _split(args.presets) if args.presets else [])
-    unknown = [p for p in presets if p not in preset_names()]
+    unknown = [p for p in presets if p not in choices.preset_names()]
     if unknown:
-        raise UsageError(f"unknown preset {unknown[0]!r}; valid presets: {', '.join(preset_names())}")
+        raise UsageError(f"unknown preset {unknown[0]!r}; valid presets: {', '.join(choices.preset_names())}")
     tasks = _unique("--tasks", _split(args.tasks))
     unknown = [t for t in tasks if t not in TASKS]
     if unknown or not tasks:
@@ -415,15 +418,18 @@ def _resume_hint(args) -> str:
 
 
 def cmd_eval(args) -> int:
+    presets, tasks, ratios, configs = _eval_inputs(args)
+    if args.workers is not None and args.workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {args.workers}")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise UsageError(f"--prefill-chunk must be >= 1 token, got {args.prefill_chunk}")
+    _check_decode(args)
     from kvpress_ada.harness.distributed import init, launched
     from kvpress_ada.harness.eval import parallel
     from kvpress_ada.harness.eval.report import format_table, plot_accuracy
     from kvpress_ada.harness.eval.runner import EvalResult, evaluate, grid
 
-    presets, tasks, ratios, configs = _eval_inputs(args)
     if args.workers is not None:
-        if args.workers < 1:
-            raise UsageError(f"--workers must be >= 1, got {args.workers}")
         if launched():
             raise UsageError("--workers launches torchrun itself; under torchrun leave it out")
         if args.workers > 1:
@@ -431,7 +437,6 @@ def cmd_eval(args) -> int:
             if code == 130:  # the workers' own notes were dropped: one line for the run
                 print(parallel.interrupted_note(Path(args.out), _resume_hint(args)), file=sys.stderr)
             return code
-    _check_decode(args)
     entries = _with_prefill_chunk(grid(presets, ratios) + grid(configs, ratios), args.prefill_chunk)
     entries = [replace(e, press=_with_storage(_with_decode(e.press, args), args)) for e in entries]
     settings = _settings(args, tasks, entries)
@@ -518,10 +523,8 @@ def cmd_eval(args) -> int:
 
 # --------------------------------------------------------------------------- calibrate
 def _calibrate_inputs(args) -> tuple[list[str], list[float], Any]:
-    """Tasks, reference ratios and the scorer, all checked; nothing loaded yet."""
-    from kvpress_ada.calibration import CALIBRATION_SEED
+    """Tasks, reference ratios and the scorer, all checked (before torch is imported); no model loaded yet."""
     from kvpress_ada.harness.eval.tasks import TASKS
-    from kvpress_ada.scorers import SCORERS
 
     tasks = _unique("--tasks", _split(args.tasks)) if args.tasks else list(TASKS)
     unknown = [t for t in tasks if t not in TASKS]
@@ -534,9 +537,14 @@ def _calibrate_inputs(args) -> tuple[list[str], list[float], Any]:
         raise UsageError(f"--n must be >= 1 calibration samples, got {args.n}")
     if args.context < 64:
         raise UsageError(f"--context must be >= 64 tokens, got {args.context}")
-    if args.seed < CALIBRATION_SEED:
-        raise UsageError(f"--seed must be >= {CALIBRATION_SEED}: calibration never uses evaluation's seeds "
+    if args.seed < choices.CALIBRATION_SEED:
+        raise UsageError(f"--seed must be >= {choices.CALIBRATION_SEED}: calibration never uses evaluation's seeds "
                          f"(eval uses --seed 0), got {args.seed}")
+    if not choices.accepts_scorer(args.scorer):
+        raise UsageError(f"--scorer: unknown scorer {args.scorer!r}; registered scorers: "
+                         f"{', '.join(choices.scorer_names())}")
+    from kvpress_ada.scorers import SCORERS
+
     try:
         scorer = SCORERS.build(args.scorer)
     except ValueError as err:
@@ -558,9 +566,9 @@ def _file_job(args, tasks: list[str], example: str) -> tuple[Path, Any, Any]:
 
 
 def cmd_calibrate(args) -> int:
+    tasks, ratios, scorer = _calibrate_inputs(args)
     from kvpress_ada.harness.calibrate import calibrate
 
-    tasks, ratios, scorer = _calibrate_inputs(args)
     out, model, tok = _file_job(args, tasks, "heads.json")
     result = calibrate(model, tok, scorer, n=args.n, tasks=tasks, context=args.context, ratios=ratios,
                        seed=args.seed, progress=not args.no_progress)
@@ -578,8 +586,8 @@ def cmd_calibrate(args) -> int:
 
 # --------------------------------------------------------------------------- distill
 def _distill_inputs(args) -> list[str]:
-    """Tasks, all checked with the other arguments; nothing loaded yet."""
-    from kvpress_ada.calibration import CALIBRATION_SEED
+    """Tasks, all checked with the other arguments (before torch is imported); the MLP's unset options get
+    their defaults."""
     from kvpress_ada.harness.eval.tasks import TASKS
 
     tasks = _unique("--tasks", _split(args.tasks)) if args.tasks else list(TASKS)
@@ -590,28 +598,29 @@ def _distill_inputs(args) -> list[str]:
         raise UsageError(f"--n must be >= 2 texts (every fifth, at least one, is held out), got {args.n}")
     if args.context < 64:
         raise UsageError(f"--context must be >= 64 tokens, got {args.context}")
-    if args.seed < CALIBRATION_SEED:
-        raise UsageError(f"--seed must be >= {CALIBRATION_SEED}: training never uses evaluation's seeds "
+    if args.seed < choices.CALIBRATION_SEED:
+        raise UsageError(f"--seed must be >= {choices.CALIBRATION_SEED}: training never uses evaluation's seeds "
                          f"(eval uses --seed 0), got {args.seed}")
-    from kvpress_ada.harness.distill import DEFAULT_EPOCHS, DEFAULT_MAX_TOKENS, DEFAULT_WIDTH
-
-    mlp_only = (("--width", "width", DEFAULT_WIDTH), ("--epochs", "epochs", DEFAULT_EPOCHS),
-                ("--max-tokens", "max_tokens", DEFAULT_MAX_TOKENS))
-    for option, name, default in mlp_only:
+    mlp_only = {"--width": "width", "--epochs": "epochs", "--max-tokens": "max_tokens"}
+    for option, name in mlp_only.items():
         value = getattr(args, name)
         if value is not None and args.kind == "linear":
             raise UsageError(f"{option} applies to --kind mlp only (a linear surrogate is fit in closed form)")
         if value is not None and value < 1:
             raise UsageError(f"{option} must be >= 1, got {value}")
-        setattr(args, name, default if value is None else value)
+    from kvpress_ada.harness.distill import DEFAULT_EPOCHS, DEFAULT_MAX_TOKENS, DEFAULT_WIDTH
+
+    for name, default in (("width", DEFAULT_WIDTH), ("epochs", DEFAULT_EPOCHS), ("max_tokens", DEFAULT_MAX_TOKENS)):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     return tasks
 
 
 def cmd_distill(args) -> int:
+    tasks = _distill_inputs(args)
     from kvpress_ada.harness.distill import distill
     from kvpress_ada.surrogate import save
 
-    tasks = _distill_inputs(args)
     out, model, tok = _file_job(args, tasks, "surrogate.safetensors")
     made = distill(model, tok, args.teacher, args.kind, n=args.n, context=args.context, tasks=tasks, seed=args.seed,
                    width=args.width, epochs=args.epochs, max_tokens=args.max_tokens, progress=not args.no_progress)
@@ -708,9 +717,10 @@ def _ensure_named(name: str) -> Path:
 
 
 def _storage_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--storage", choices=("full", "int8", "int4"), default="full",
-                        help="how the presses store the entries they keep: full precision (default), or int8 / "
-                             "int4 per token in groups of 32 channels with a scale and zero point per group")
+    parser.add_argument("--storage", choices=choices.storage_names(), default="full",
+                        help="how the presses store the entries they keep (a registered storage kind): full "
+                             "precision (default); int8 / int4 per token in groups of 32 channels with a scale and "
+                             "zero point per group; fp8: float8 e4m3 with one scale per token per kv head")
 
 
 def _decode_arguments(parser: argparse.ArgumentParser) -> None:
@@ -839,10 +849,10 @@ def _run(args) -> int:
         torch.set_num_threads(args.threads)
     try:
         return args.func(args)
-    finally:  # under torchrun: leave the process group cleanly (a no-op in one process)
-        from kvpress_ada.harness.distributed import finish
-
-        finish()
+    finally:  # under torchrun: leave the process group cleanly (a no-op in one process, or when never joined)
+        distributed = sys.modules.get("kvpress_ada.harness.distributed")
+        if distributed is not None:
+            distributed.finish()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,11 +6,13 @@ storage the press's kept entries go to (its layer classes, chosen by the press's
 ``storage``), checks what the model can serve, and calls :meth:`Pipeline.keep
 <kvpress_ada.Pipeline.keep>` whenever entries are evicted. ``press(model)`` asks the first registered
 host that serves ``model``. This module imports nothing of the policy or of any host: hosts import the
-policy and register here, so no import circle forms.
+policy and register here, so no import circle forms. The built-in hosts (:data:`BUILTIN_HOSTS`) are
+imported, and so register, the first time a model is looked up, never when the package is imported.
 """
 
 from __future__ import annotations
 
+import importlib
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
@@ -31,6 +33,10 @@ class Host(Protocol):
 
 _HOSTS: dict[str, Host] = {}
 
+#: name -> module of each built-in host, imported (it registers itself there) on the first lookup; looked
+#: through first, in this order, then the hosts registered by others
+BUILTIN_HOSTS: dict[str, str] = {"transformers": "kvpress_ada.hosts.transformers"}
+
 
 def register_host(host: Host, override: bool = False) -> Host:
     """Make ``host`` one of the hosts ``press(model)`` looks through (in registration order). A name
@@ -48,15 +54,26 @@ def unregister_host(name: str) -> None:
     _HOSTS.pop(name, None)
 
 
+def _hosts() -> list[Host]:
+    """Every host in lookup order: the built-in ones (imported now if they are not yet), then the others."""
+    for name, module in BUILTIN_HOSTS.items():
+        if name not in _HOSTS:
+            importlib.import_module(module)  # registers the host, once: a later import is a no-op
+    builtin = [_HOSTS[name] for name in BUILTIN_HOSTS if name in _HOSTS]
+    return builtin + [host for name, host in _HOSTS.items() if name not in BUILTIN_HOSTS]
+
+
 def host_names() -> list[str]:
-    return list(_HOSTS)
+    """The names of every host, in the order ``press(model)`` looks through them."""
+    return [host.name for host in _hosts()]
 
 
 def host_for(model: Any) -> Host:
-    """The first registered host that serves ``model``; a one-line ``ValueError`` when none does."""
-    for host in _HOSTS.values():
+    """The first host that serves ``model``; a one-line ``ValueError`` when none does."""
+    hosts = _hosts()
+    for host in hosts:
         if host.serves(model):
             return host
     raise ValueError(f"no kvpress_ada host runs a {type(model).__name__}: registered hosts "
-                     f"({', '.join(_HOSTS) or 'none'}) serve Hugging Face transformers models "
+                     f"({', '.join(h.name for h in hosts) or 'none'}) serve Hugging Face transformers models "
                      "(torch.nn.Module with a config); other engines have their own entry points")

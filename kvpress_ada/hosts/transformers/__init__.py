@@ -1,7 +1,8 @@
 """The Hugging Face transformers host: the attention function, the press caches (the storage), the
 routing that picks each forward's mode handler, the handlers themselves, and the checks a model must
-pass. :data:`HOST` is registered with :mod:`kvpress_ada.hosts.base`, so ``press(model)`` on a
-transformers model comes here."""
+pass. :data:`HOST` is registered with :mod:`kvpress_ada.hosts.base` when this package is imported, which
+``hosts.base`` does on the first lookup (``press(model)``), so a transformers model comes here; the attention
+function is registered with transformers when a press is first applied (:func:`.attention.register_attention`)."""
 
 from typing import Any
 

@@ -74,14 +74,18 @@ def press_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     return run.attend(module, query, key, value, attention_mask, scaling, dropout=dropout, **kwargs)
 
 
-AttentionInterface.register(ATTENTION_NAME, press_attention)
-AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+def register_attention() -> None:
+    """Register :func:`press_attention` and transformers' SDPA mask as ``"kvpress_ada"`` with transformers
+    (idempotent): called when a press is applied, so importing the host registers nothing."""
+    AttentionInterface.register(ATTENTION_NAME, press_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
 @contextmanager
 def attention_routed(model: Any) -> Iterator[Any]:
     """Switch ``model`` to the ``"kvpress_ada"`` attention implementation inside the block."""
     previous = model.config._attn_implementation
+    register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
     try:
         yield model

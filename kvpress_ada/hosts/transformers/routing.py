@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 from ...families import Family, family_of
 from . import compiled
-from .attention import ATTENTION_NAME, RUN_KWARG, Handler, attention_input, attention_modules
+from .attention import ATTENTION_NAME, RUN_KWARG, Handler, attention_input, attention_modules, register_attention
 from .caches import new_cache
 from .checks import check_press
 from .chunked_prefill import start_chunked_prefill
@@ -77,6 +77,7 @@ class _Route:
         self.previous = model.config._attn_implementation
         self.handles = [model.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
                         model.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)]
+        register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
 
     def close(self) -> None:

@@ -138,6 +138,16 @@ class Registry:
 
         return decorator
 
+    def decorator_function(self) -> Callable[..., Callable[[C], C]]:
+        """The public decorator named :attr:`decorator`, ``register_<kind>(name, override=False)``:
+        :meth:`register` without aliases."""
+        def register(name: str, override: bool = False) -> Callable[[C], C]:
+            return self.register(name, override=override)
+
+        register.__name__ = register.__qualname__ = self.decorator
+        register.__doc__ = f"Decorator making a user's ``{self.base.__name__}`` subclass usable by ``name`` in configs."
+        return register
+
     def _owner(self, name: str) -> type[Component] | None:
         if name in self._classes:
             return self._classes[name]

@@ -36,11 +36,7 @@ class HeadAllocator(Component):
 
 
 ALLOCATORS = Registry("allocator", HeadAllocator)
-
-
-def register_allocator(name: str, override: bool = False):
-    """Decorator making a user's ``HeadAllocator`` subclass usable by ``name`` in configs."""
-    return ALLOCATORS.register(name, override=override)
+register_allocator = ALLOCATORS.decorator_function()
 
 
 @register_allocator("uniform")

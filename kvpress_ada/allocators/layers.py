@@ -56,10 +56,7 @@ def lift_to_floor(values: torch.Tensor, floor: torch.Tensor, total: torch.Tensor
 
 
 LAYER_SCHEDULES = Registry("layer schedule", LayerSchedule)
-
-
-def register_layer_schedule(name: str, override: bool = False):
-    return LAYER_SCHEDULES.register(name, override=override)
+register_layer_schedule = LAYER_SCHEDULES.decorator_function()
 
 
 @register_layer_schedule("uniform")

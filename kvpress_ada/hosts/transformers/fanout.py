@@ -16,11 +16,11 @@ from transformers import DynamicCache
 
 from ...runtime import Schedule
 from ...scorers.base import PassScorer
-from .attention import RUN_KWARG, Handler, attention_routed, layer_view, recording_attention_inputs
+from .attention import RUN_KWARG, attention_routed, layer_view, recording_attention_inputs
 from .caches import new_cache, ragged_cache
 from .checks import check_press
 from .hf import cache_kwarg, check_left_padded, check_supported, prefill_key_mask
-from .model_pass import model_pass_scores
+from .model_pass import RecordingRun, model_pass_scores
 from .press_cache import HeldEntries
 from .ragged_cache import RaggedCache
 from .routing import next_positions
@@ -38,7 +38,7 @@ class LayerCapture:
 
 
 @dataclass
-class CaptureRun(Handler):
+class CaptureRun(RecordingRun):
     """The handler that records each layer's prefill instead of compressing it (every layer's forward
     is its prefill)."""
 
@@ -50,13 +50,6 @@ class CaptureRun(Handler):
 
     def handles_prefill(self, layer_idx: int) -> bool:
         return True
-
-    @property
-    def traceable(self) -> bool:
-        return False
-
-    def after_forward(self, output: Any) -> Any:
-        return output
 
     def after_prefill(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       scaling: float) -> None:

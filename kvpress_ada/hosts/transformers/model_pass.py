@@ -72,8 +72,20 @@ def check_pass_inputs(model: Any, scorer: PassScorer) -> None:
                          "kvpress_ada.use_tokenizer(model, tokenizer)")
 
 
+class RecordingRun(Handler):
+    """What a handler of one plain forward that only records (a fan-out capture, a scorer's model pass)
+    answers alike: never traced by a compiled step, its output handed back as it is."""
+
+    @property
+    def traceable(self) -> bool:
+        return False
+
+    def after_forward(self, output: Any) -> Any:
+        return output
+
+
 @dataclass
-class PassRun(Handler):
+class PassRun(RecordingRun):
     """The prefill handler of one pass: every layer's forward hands its queries to the scorer."""
 
     scorer: PassScorer
@@ -84,13 +96,6 @@ class PassRun(Handler):
 
     def handles_prefill(self, layer_idx: int) -> bool:
         return False  # the pass's attention runs in :meth:`attend`, which also yields the scores
-
-    @property
-    def traceable(self) -> bool:
-        return False
-
-    def after_forward(self, output: Any) -> Any:
-        return output
 
     def after_prefill(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       scaling: float) -> None:

@@ -14,14 +14,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..vllm_server import hide_unimportable
-
-hide_unimportable()  # before transformers looks for torchvision (vLLM's processes import this package first)
-
-from ...families import family_for  # noqa: E402
-from ...pipeline import Pipeline  # noqa: E402
-from ...presets import preset  # noqa: E402
-from ..serving import check_servable  # noqa: E402
+from ...families import family_for
+from ...pipeline import Pipeline
+from ...presets import preset
+from ..serving import check_servable
 
 CONFIG_KEY = "kvpress_ada"
 WORKER = "kvpress_ada.hosts.vllm.worker.PressWorker"

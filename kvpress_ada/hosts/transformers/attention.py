@@ -8,6 +8,7 @@ handler the function is transformers' dense SDPA. Nothing here knows which mode 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
@@ -17,6 +18,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ...families import family_for, family_of
 from ...observation import LayerView
+from ...runtime import layer_view as build_view
 from .press_cache import HeldEntries, SequenceState
 from .tensor_parallel import HeadShard, local_weight
 
@@ -152,22 +154,30 @@ def record_entry_scores(state: SequenceState, scorer: Any, layer_idx: int, hidde
     state.add_entry_scores(layer_idx, scores if shard is None else shard.local(scores))
 
 
+@dataclass(frozen=True)
+class ModuleInputs:
+    """The :class:`~kvpress_ada.runtime.LayerInputs` of a transformers attention ``module`` of ``model``."""
+
+    model: Any
+    module: torch.nn.Module
+
+    def output_weight(self, layer_idx: int) -> torch.Tensor:
+        return output_weight(self.module)
+
+    def rope_inv_freq(self, layer_idx: int) -> torch.Tensor:
+        return rope_inv_freq(self.model)
+
+
 def layer_view(scorer: Any, model: Any, module: torch.nn.Module, n_layers: int, held: HeldEntries,
                queries: torch.Tensor, scaling: float, shard: HeadShard | None = None,
                pass_scores: torch.Tensor | None = None, state: SequenceState | None = None,
                entry_scores: torch.Tensor | None = None) -> LayerView:
-    """The :class:`LayerView` of one layer holding ``held``, with only what ``scorer`` declares it reads:
-    the last ``min(w, queries, entries)`` of ``queries`` for a window of ``w``, the ``o_proj``
-    weight or RoPE frequencies when asked for, and the held entries' hidden-state scores (``entry_scores``,
-    else looked up in ``state`` by position) for a scorer that reads hidden states."""
+    """The runtime's :func:`~kvpress_ada.runtime.layer_view` of the layer of attention ``module`` holding ``held``,
+    scored with ``queries``; the held entries' hidden-state scores are ``entry_scores``, else looked up in
+    ``state`` by position, for a scorer that reads hidden states."""
     layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
     if scorer.reads_hidden_states and entry_scores is None and state is not None:
         entry_scores = state.entry_scores_at(layer_idx, held.positions)
-    window = scorer.query_window()
-    n = queries.shape[2] if window is None else min(window, queries.shape[2], held.keys.shape[2])
-    return LayerView(
-        keys=held.keys, values=held.values, valid=held.valid, positions=held.positions,
-        queries=queries[:, :, queries.shape[2] - n:], layer_idx=layer_idx, n_layers=n_layers, scaling=scaling,
-        output_weight=output_weight(module).detach() if scorer.needs_output_weight else None,
-        rope_inv_freq=rope_inv_freq(model) if scorer.needs_rope else None, shard=shard, pass_scores=pass_scores,
-        uniform=held.uniform, entry_scores=entry_scores)
+    return build_view(scorer, held, queries, layer_idx=layer_idx, n_layers=n_layers, scaling=scaling,
+                      inputs=ModuleInputs(model, module), shard=shard, pass_scores=pass_scores,
+                      entry_scores=entry_scores)

@@ -29,6 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from ...families import Family, family_of
+from ...runtime import Schedule
 from . import compiled
 from .attention import ATTENTION_NAME, RUN_KWARG, Handler, attention_input, attention_modules, register_attention
 from .caches import new_cache
@@ -132,8 +133,8 @@ class _Route:
                                  "of that storage")
             key_mask = prefill_key_mask(args, kwargs)
             check_left_padded(key_mask)
-            cache.state = SequenceState(n_layers=len(cache.layers), key_mask=key_mask)
-            if press.chunks_prompt(shape[1]):
+            cache.state = SequenceState(n_layers=len(cache.layers), key_mask=key_mask, prompt=int(shape[1]))
+            if Schedule(press).chunked(shape[1]):
                 return start_chunked_prefill(self.model, press, cache, args, kwargs, self.cache_key)
         if kwargs.get("output_attentions") or getattr(self.model.config, "output_attentions", False):
             raise ValueError("output_attentions=True is not supported through a press cache (its attention returns "
@@ -149,11 +150,12 @@ class _Route:
         """The mode of this forward: a compressed prefill, or attention through the cache (with decode
         compaction when the press compacts while generating; never during the prefill itself)."""
         prefill = cache.get_seq_length() == 0
-        if press is not None and prefill and press.compresses_prefill:
+        steps = cache.state.advance(Schedule(press), int(shape[1])) if press is not None and prefill else []
+        if press is not None and prefill and steps[0].due is not None:
             key_mask = cache.state.key_mask
             assert key_mask is not None
             press.check_context(int(key_mask.sum(-1).min()))
-            return PrefillRun(press=press, cache=cache, model=self.model, key_mask=key_mask,
+            return PrefillRun(press=press, cache=cache, model=self.model, key_mask=key_mask, due=steps[0].due,
                               input_ids=kwargs.get("input_ids", args[0] if args else None),
                               next_position=next_positions(kwargs.get("position_ids"), shape),
                               shard=head_shard(self.model))

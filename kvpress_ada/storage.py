@@ -4,13 +4,12 @@ registered with :func:`register_storage`).
 Selection never depends on the storage: scorers read full-precision keys and values, and entries are stored
 as the kind says when they are kept (decode tokens when they are appended). A kind is an extension point: it
 declares its record layout (:attr:`Storage.layout`, a :class:`~kvpress_ada.kernels.quantized.RecordLayout`:
-encoding, bits, group size, residual, bytes per record; ``None`` for entries in the model's own dtype) and the
-layer classes that hold its entries on each host (:meth:`Storage.ragged_layer` / :meth:`Storage.ragged_cache`
-for the transformers host, :meth:`Storage.page_pool` for the engine-neutral serving layer and the vLLM host).
-Hosts and kernels ask the kind; none branches on a kind's name. A :class:`RecordStorage` subclass that
-declares a ``layout`` whose encoding the kernels read is served by both hosts in every mode with no other
-change; a kind with another structure overrides the layer methods. The host classes are imported when a
-method is first called (the policy imports no host at import time).
+encoding, bits, group size, residual, bytes per record; ``None`` for entries in the model's own dtype) and its
+:attr:`Storage.structure`, which names the layer classes that hold its entries in each host's table (the
+transformers host's ``register_ragged_layer``, the serving layer's ``register_page_pool``; a structure a host
+has no class for is refused in one line). Hosts and kernels ask the kind; none branches on a kind's name, and
+the policy imports no host. A :class:`RecordStorage` subclass that declares a ``layout`` whose encoding the
+kernels read is served by both hosts in every mode with no other change.
 
 Record kinds share one machinery (``docs/design.md``, "Scheme"; :mod:`kvpress_ada.kernels.quantized`): one
 record per token, each ragged row (batch, kv head) keeps its first entry (usually the attention sink) in full
@@ -33,17 +32,13 @@ per token.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field, field_validator
 
 from .components import Component, Registry
 from .kernels.quantized import RecordLayout
-
-if TYPE_CHECKING:
-    from .hosts.paging import PagePool
-    from .hosts.transformers.ragged_cache import RaggedCache, RaggedLayer
 
 #: dtypes of the model's keys and values a record storage serves
 QUANTIZABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -54,6 +49,10 @@ class Storage(Component):
     This base keeps entries in the model's own dtype; :class:`RecordStorage` keeps records of a layout."""
 
     kind: ClassVar[str] = "storage"
+    #: how the kept entries are laid out, which names the layer classes a host holds them in (its tables:
+    #: ``register_ragged_layer`` in the transformers host, ``register_page_pool`` in the serving layer);
+    #: ``"native"``: entries in the model's dtype
+    structure: ClassVar[str] = "native"
 
     @property
     def layout(self) -> RecordLayout | None:
@@ -71,33 +70,6 @@ class Storage(Component):
     def label(self) -> str:
         """The registered name (what ``storage=`` and ``--storage`` take)."""
         return str(getattr(self, "name", type(self).__name__))
-
-    # ------------------------------------------------------------------ the layer classes that hold it
-    def ragged_layer(self, decode_reserve: int = 8) -> RaggedLayer:
-        """An empty layer of the transformers host's ragged cache holding this kind's entries."""
-        from .hosts.transformers.ragged_cache import RaggedLayer
-
-        return RaggedLayer(decode_reserve)
-
-    def ragged_cache(self, config: Any = None, num_layers: int | None = None, decode_reserve: int = 8) -> RaggedCache:
-        """An empty ragged cache (transformers host) whose layers are :meth:`ragged_layer`'s."""
-        from .hosts.transformers.ragged_cache import RaggedCache
-
-        return RaggedCache(config=config, num_layers=num_layers, decode_reserve=decode_reserve, storage=self)
-
-    def page_pool(self, pages: torch.Tensor, native: Any = None) -> PagePool:
-        """The pool of one layer's pages holding this kind's entries over ``pages [P, 2, S, D]`` (each page's
-        keys then its values, in the model's dtype: e.g. an engine's KV tensor): ``native(pages)`` when the host
-        gives its own pool for entries in the model's dtype (vLLM's layout and kernels), else a plain
-        :class:`~kvpress_ada.hosts.paging.PagePool` over the same memory."""
-        from .hosts.paging import PagePool
-
-        return native(pages) if native is not None else PagePool(pages[:, 0], pages[:, 1])
-
-    def pool_reserve(self, page_size: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Pages per (request, kv head) row a first eviction may take beyond the pages it frees (a scheduler
-        keeps them spare until then)."""
-        return 0
 
     # ------------------------------------------------------------------ checks
     def check_geometry(self, head_dim: int, dtype: torch.dtype) -> None:
@@ -142,8 +114,9 @@ class RecordStorage(Storage):
     """A kind stored as one record per token of :attr:`layout` (declared by a subclass), with each row's
     anchor and newest ``residual`` entries in full precision, held by the hosts' record layers
     (:class:`~kvpress_ada.hosts.transformers.quantized_cache.QuantizedRaggedLayer`,
-    :class:`~kvpress_ada.hosts.quantized_paging.QuantizedPagePool`)."""
+    :class:`~kvpress_ada.serving.record_pages.QuantizedPagePool`)."""
 
+    structure: ClassVar[str] = "records"
     residual: int = Field(32, description="each row's newest entries kept in full precision (0: none)")
     max_residual: ClassVar[int] = 1024
 
@@ -157,29 +130,6 @@ class RecordStorage(Storage):
     @property
     def layout(self) -> RecordLayout:
         raise NotImplementedError(f"storage {self.label!r} is stored as records but declares no layout")
-
-    def ragged_layer(self, decode_reserve: int = 8) -> RaggedLayer:
-        from .hosts.transformers.quantized_cache import QuantizedRaggedLayer
-
-        return QuantizedRaggedLayer(self.layout, decode_reserve)
-
-    def ragged_cache(self, config: Any = None, num_layers: int | None = None, decode_reserve: int = 8) -> RaggedCache:
-        from .hosts.transformers.quantized_cache import QuantizedRaggedCache
-
-        return QuantizedRaggedCache(self, config=config, num_layers=num_layers, decode_reserve=decode_reserve)
-
-    def page_pool(self, pages: torch.Tensor, native: Any = None) -> PagePool:
-        """Records over the bytes of ``pages [P, 2, S, D]`` (each page's bytes whole: ``native`` is not used)."""
-        from .hosts.quantized_paging import QuantizedPagePool
-
-        P, _, S, D = pages.shape
-        raw = torch.as_strided(pages, (P, 2 * S * D), (pages.stride(0), 1)).view(torch.uint8)
-        return QuantizedPagePool(raw, S, D, pages.dtype, self.layout)
-
-    def pool_reserve(self, page_size: int, head_dim: int, dtype: torch.dtype) -> int:
-        from .hosts.quantized_paging import QuantizedPagePool
-
-        return QuantizedPagePool.reserve_pages(page_size, head_dim, dtype, self.layout)
 
     def check_geometry(self, head_dim: int, dtype: torch.dtype) -> None:
         name, group = type(self).__name__, self.layout.group

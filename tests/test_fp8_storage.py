@@ -24,6 +24,7 @@ from kvpress_ada.kernels import quantized as qz
 from kvpress_ada.kernels.reference import CHUNK, ragged_attention_ref
 from kvpress_ada.presets import portable_preset_names
 from kvpress_ada.scorers import SnapKV
+from kvpress_ada.serving.pools import page_pool
 from kvpress_ada.storage import STORAGES, Fp8, FullPrecision, RecordStorage, Storage, register_storage
 
 E4M3 = qz.RecordLayout("e4m3", 8, 0, rotate_keys=False)  # what Fp8() declares (residual 0)
@@ -356,7 +357,7 @@ def test_served_requests_keep_and_generate_what_the_transformers_host_does(llama
     beside a partner keeps the positions and generates the tokens it does alone and on the transformers host."""
     from test_serving import _alone, _engine_chunks, _press_chunks, _prompt, _serve_packed, _windowed
 
-    from kvpress_ada.hosts.quantized_paging import QuantizedPagePool
+    from kvpress_ada.serving.record_pages import QuantizedPagePool
 
     press = _windowed("ada_snapkv", storage=Fp8(residual=4), **({"prefill_chunk": 40} if mode == "chunked" else {}))
     x = _prompt(100, 21)
@@ -387,8 +388,11 @@ class _CountingLayer(RaggedLayer):
 @pytest.fixture
 def user_kinds():
     """Two kinds a user registers: records of a layout of its own (e4m3 in groups of 16 with a ring of 2), and a
-    kind whose ragged layer is a class of its own; unregistered afterwards."""
-    from typing import Literal
+    kind of a structure of its own, held in a ragged cache class it registers with the host; unregistered
+    afterwards."""
+    from typing import ClassVar, Literal
+
+    from kvpress_ada.hosts.transformers.ragged_cache import RAGGED_CACHES, RaggedCache, register_ragged_cache
 
     @register_storage("fp8_g16_ring2")
     class Fp8Grouped(RecordStorage):
@@ -401,20 +405,24 @@ def user_kinds():
     @register_storage("counted")
     class Counted(Storage):
         name: Literal["counted"] = "counted"
+        structure: ClassVar[str] = "counted"
 
-        def ragged_layer(self, decode_reserve=8):
+    class CountingCache(RaggedCache):
+        def _new_layer(self, decode_reserve):
             return _CountingLayer(decode_reserve)
 
+    register_ragged_cache("counted", CountingCache)
     yield Fp8Grouped, Counted
     STORAGES.unregister("fp8_g16_ring2")
     STORAGES.unregister("counted")
+    RAGGED_CACHES.pop("counted")
 
 
 def test_a_registered_kind_reaches_both_hosts(user_kinds):
     """A kind declared only by its layout is served by the transformers host (records of that layout, read
     within e4m3's bound, kept positions of full precision) and the serving layer (a pool of that layout), by
     name; a kind declaring its own layer class gets that class."""
-    from kvpress_ada.hosts.serving import PagedServing
+    from kvpress_ada.serving.requests import PagedServing
 
     grouped, counted = user_kinds
     model = _model()
@@ -429,7 +437,7 @@ def test_a_registered_kind_reaches_both_hosts(user_kinds):
         prompt = (got.positions < ids.shape[1])[..., None]
         assert _within_e4m3(got.keys * prompt, ref.keys * prompt, 16)
     press = preset("snapkv", compression_ratio=0.5, storage={"name": "fp8_g16_ring2"})
-    pools = [press.storage.page_pool(torch.zeros(20, 2, 8, 16)) for _ in range(3)]
+    pools = [page_pool(press.storage, torch.zeros(20, 2, 8, 16)) for _ in range(3)]
     serving = PagedServing(press, pools, 2)
     assert all(pool.layout == grouped().layout for pool in serving.pools)
     _CountingLayer.appends = 0

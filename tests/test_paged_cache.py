@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpress_ada import RaggedCache, preset, use_tokenizer
-from kvpress_ada.hosts.paging import PagedSequence, PagePool, PoolExhausted
 from kvpress_ada.hosts.transformers.hf import cache_kwarg, output_cache
 from kvpress_ada.hosts.transformers.paged_cache import PagedCache
 from kvpress_ada.presets import portable_preset_names
+from kvpress_ada.serving.pages import PagedSequence, PagePool, PoolExhausted
 
 
 def _check_pool(pool: PagePool, seqs: list[PagedSequence]) -> None:

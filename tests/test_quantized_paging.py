@@ -1,4 +1,4 @@
-"""QuantizedPagePool (kvpress_ada.hosts.quantized_paging) against the transformers host's quantized ragged layer fed
+"""QuantizedPagePool (kvpress_ada.serving.record_pages) against the transformers host's quantized ragged layer fed
 the same entries and keep masks: the same read-back (view), attention equal to ``quantized_attention_ref`` over the
 layer's records, kept records moved byte for byte, and pages held (side tensors included) as the bytes counted."""
 
@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpress_ada.hosts.paging import PagedSequence, PoolExhausted
-from kvpress_ada.hosts.quantized_paging import QuantizedPagePool
 from kvpress_ada.hosts.transformers.quantized_cache import QuantizedRaggedLayer
 from kvpress_ada.kernels.quantized import RecordLayout, quantized_attention_ref
+from kvpress_ada.serving.pages import PagedSequence, PoolExhausted
+from kvpress_ada.serving.pools import page_pool, pool_reserve
+from kvpress_ada.serving.record_pages import QuantizedPagePool
 from kvpress_ada.storage import Fp8, Int4
 
 B, H, G, L, D, S = 2, 2, 2, 40, 32, 8
@@ -160,17 +161,17 @@ def test_the_storage_kind_builds_its_pool(storage):
     """``storage.page_pool`` over an engine's pages ``[P, 2, S, D]`` is a pool of the kind's records over the same
     bytes (what the vLLM host builds), which stores that kind and no other; a full-precision kind's is a plain
     pool, or the host's native one; ``pool_reserve`` is what the pool's geometry says."""
-    from kvpress_ada.hosts.paging import PagePool
+    from kvpress_ada.serving.pages import PagePool
     from kvpress_ada.storage import FullPrecision
 
     pages = torch.zeros(16, 2, S, D)
-    pool = storage.page_pool(pages)
+    pool = page_pool(storage, pages)
     assert isinstance(pool, QuantizedPagePool) and pool.layout == storage.layout
     assert pool.pages.data_ptr() == pages.data_ptr() and pool.stores(storage) and not pool.stores(FullPrecision())
     assert not pool.stores(Int4(group_size=16, residual=storage.layout.residual + 1))
-    assert storage.pool_reserve(S, D, torch.float32) == QuantizedPagePool.reserve_pages(S, D, torch.float32,
+    assert pool_reserve(storage, S, D, torch.float32) == QuantizedPagePool.reserve_pages(S, D, torch.float32,
                                                                                          storage.layout) >= 1
-    full = FullPrecision().page_pool(pages)
+    full = page_pool(FullPrecision(), pages)
     assert type(full) is PagePool and full.stores(FullPrecision()) and not full.stores(storage)
-    assert FullPrecision().page_pool(pages, native=lambda p: ("native", p))[0] == "native"
-    assert FullPrecision().pool_reserve(S, D, torch.float32) == 0
+    assert page_pool(FullPrecision(), pages, native=lambda p: ("native", p))[0] == "native"
+    assert pool_reserve(FullPrecision(), S, D, torch.float32) == 0

@@ -463,7 +463,7 @@ def test_one_line_refusals():
         with press(model):
             pass
     assert "\n" not in str(err.value)
-    with pytest.raises(ValueError, match="keeps entries in the model's dtype, not as records"):
+    with pytest.raises(ValueError, match="'native', which RaggedCache holds, not QuantizedRaggedCache"):
         QuantizedRaggedCache(storage=preset("snapkv", compression_ratio=0.5).storage, num_layers=2)
 
 

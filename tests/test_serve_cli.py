@@ -113,8 +113,8 @@ def _argv(out):
 
 
 def test_the_default_press_is_one_the_engine_serves(capsys, tmp_path):
-    from kvpress_ada.hosts.serving import check_servable
     from kvpress_ada.presets import preset
+    from kvpress_ada.serving.requests import check_servable
 
     check_servable(preset(SERVE_PRESET, compression_ratio=0.75))
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]

@@ -1,4 +1,4 @@
-"""The press applied to requests the way a serving engine runs them (hosts/serving.py): a tiny Llama
+"""The press applied to requests the way a serving engine runs them (serving/requests.py): a tiny Llama
 driven token by token with packed per-layer tensors, requests arriving at different times, against the
 transformers host on each request alone: the same kept positions per (layer, kv head) and the same
 greedy tokens; pages held are the kept entries rounded up per head and all return on release."""
@@ -13,11 +13,12 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvpress_ada import AdaHead, AdaLayer, KVzap, Pipeline, SnapKV, preset
-from kvpress_ada.hosts.paging import PagePool
-from kvpress_ada.hosts.quantized_paging import QuantizedPagePool
-from kvpress_ada.hosts.serving import PagedServing, check_servable
 from kvpress_ada.hosts.transformers.caches import ragged_cache
 from kvpress_ada.hosts.transformers.hf import cache_kwarg
+from kvpress_ada.serving.pages import PagePool
+from kvpress_ada.serving.pools import page_pool
+from kvpress_ada.serving.record_pages import QuantizedPagePool
+from kvpress_ada.serving.requests import PagedServing, check_servable
 from kvpress_ada.storage import Int4
 
 ENGINE = "kvpress_ada_test_engine"
@@ -51,7 +52,8 @@ class Engine:
         D = cfg.hidden_size // cfg.num_attention_heads
         self.model, self.chunk = model, chunk
         if press.storage.quantized:  # the kind's own pool over an engine's pages (records over their bytes)
-            pools = [press.storage.page_pool(torch.zeros(pages, 2, page_size, D)) for _ in range(cfg.num_hidden_layers)]
+            pools = [page_pool(press.storage, torch.zeros(pages, 2, page_size, D))
+                     for _ in range(cfg.num_hidden_layers)]
         else:
             pools = [PagePool.allocate(pages, page_size, D, torch.float32) for _ in range(cfg.num_hidden_layers)]
 

@@ -54,7 +54,7 @@ def hf_model(model_dir):
 @pytest.fixture(autouse=True)
 def kept_at_release(monkeypatch):
     """Request id -> the sorted kept positions per (layer, kv head) its pages held when they were released."""
-    from kvpress_ada.hosts.serving import PagedServing
+    from kvpress_ada.serving.requests import PagedServing
 
     snapshots: dict[str, list] = {}
     release = PagedServing.release

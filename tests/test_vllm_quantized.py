@@ -1,5 +1,5 @@
 """The vLLM host serving a quantized storage (Int8, Int4): kept entries as records in pages carved out of vLLM's
-KV memory (kvpress_ada.hosts.quantized_paging), through the scheme and kernels of the transformers host's
+KV memory (kvpress_ada.serving.record_pages), through the scheme and kernels of the transformers host's
 quantized ragged cache. Kept positions per (layer, request, kv head) and fp32 greedy tokens equal the transformers
 host's under the same storage; pages held (records and side tensors) are the bytes counted and go back on finish;
 the scheduler counts them, so freed blocks admit more requests.
@@ -17,9 +17,9 @@ import test_vllm_host as host  # noqa: E402
 from test_vllm_host import PROMPTS, _run_to_completion, _serve, _small_window  # noqa: E402
 
 from kvpress_ada import Pipeline, SnapKV, preset  # noqa: E402
-from kvpress_ada.hosts.quantized_paging import QuantizedPagePool  # noqa: E402
 from kvpress_ada.hosts.transformers.caches import ragged_cache  # noqa: E402
 from kvpress_ada.hosts.vllm.backend import STATE  # noqa: E402
+from kvpress_ada.serving.record_pages import QuantizedPagePool  # noqa: E402
 from kvpress_ada.storage import Int4, Int8  # noqa: E402
 
 model_dir, hf_model, kept_at_release = host.model_dir, host.hf_model, host.kept_at_release  # the fixtures

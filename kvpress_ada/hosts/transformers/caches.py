@@ -1,8 +1,8 @@
 """Which cache a press's kept entries go to, on this host: the host, not the evictor, picks the storage.
 
 An evictor that frees memory (``TopK``) compacts into the ragged cache the press's ``storage`` kind declares
-(:meth:`~kvpress_ada.storage.Storage.ragged_cache`: a :class:`~.ragged_cache.RaggedCache` whose layers are the
-kind's; records: a :class:`~.quantized_cache.QuantizedRaggedCache`); one that keeps the dense cache and hides
+(the :class:`~.ragged_cache.RaggedCache` class :func:`~.ragged_cache.ragged_cache_class` names for the kind's
+structure; records: :class:`~.quantized_cache.QuantizedRaggedCache`); one that keeps the dense cache and hides
 entries (``Mask``) into a :class:`~.masked_cache.MaskedCache` (full precision only: ``Pipeline`` refuses a
 storage kept as records with it).
 """
@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from . import quantized_cache  # noqa: F401  (holds the records structure: registers its layer class)
 from .masked_cache import MaskedCache
 from .press_cache import PressCache
-from .ragged_cache import RaggedCache
+from .ragged_cache import RaggedCache, ragged_cache_class
 
 if TYPE_CHECKING:
     from ...pipeline import Pipeline
@@ -28,5 +29,5 @@ def new_cache(press: Pipeline, config: Any) -> PressCache:
 
 
 def ragged_cache(storage: Storage, config: Any) -> RaggedCache:
-    """An empty ragged cache whose layers store entries as ``storage`` says (the kind's own cache class)."""
-    return storage.ragged_cache(config=config)
+    """An empty ragged cache whose layers store entries as ``storage`` says (the layer class of its structure)."""
+    return ragged_cache_class(storage)(config=config, storage=storage)

@@ -1,6 +1,6 @@
 """PagedCache: a transformers ``Cache`` whose compressed layers hold pages owned per (batch row, kv head).
 
-The storage a serving host gives a request (:mod:`kvpress_ada.hosts.paging`), here under
+The storage a serving host gives a request (:mod:`kvpress_ada.serving.pages`), here under
 ``model.generate``: a layer is dense while its prefill is in flight; :meth:`PagedLayer.retain` writes
 each head's kept entries into pages of its own (``page_size`` entries each) and attention reads them
 with :func:`~kvpress_ada.kernels.paged.paged_attention`. Each layer owns its pool: it starts with the
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ...kernels.paged import paged_attention
-from ..paging import PagedSequence, PagePool
+from ...serving.pages import PagedSequence, PagePool
 from .entries import real_entries
 from .press_cache import DenseAttention, DenseUntilKept, HeldEntries, PressCache, layer_count, uncroppable
 

@@ -42,7 +42,7 @@ from ...kernels.quantized import (
 from ...storage import Storage
 from .entries import gather_slots, ragged_index
 from .press_cache import HeldEntries
-from .ragged_cache import RaggedCache, RaggedLayer
+from .ragged_cache import RaggedCache, RaggedLayer, register_ragged_cache
 
 
 class QuantizedRaggedLayer(RaggedLayer):
@@ -197,11 +197,16 @@ class QuantizedRaggedLayer(RaggedLayer):
 class QuantizedRaggedCache(RaggedCache):
     """A :class:`~.ragged_cache.RaggedCache` for a ``storage`` kept as records (a
     :class:`~kvpress_ada.storage.RecordStorage`: int8, int4, fp8, ...): its layers are the kind's
-    :meth:`~kvpress_ada.storage.Storage.ragged_layer` (:class:`QuantizedRaggedLayer` of its layout)."""
+    records' layers (:class:`QuantizedRaggedLayer` of its layout)."""
 
     def __init__(self, storage: Storage, config: Any = None, num_layers: int | None = None,
                  decode_reserve: int = 8):
-        if storage.layout is None:
-            raise ValueError(f"storage={storage.label!r} keeps entries in the model's dtype, not as records: "
-                             "use RaggedCache")
         super().__init__(config=config, num_layers=num_layers, decode_reserve=decode_reserve, storage=storage)
+
+    def _new_layer(self, decode_reserve: int) -> RaggedLayer:
+        layout = self.storage.layout
+        assert layout is not None  # a records kind (RaggedCache checked the structure)
+        return QuantizedRaggedLayer(layout, decode_reserve)
+
+
+register_ragged_cache("records", QuantizedRaggedCache)

@@ -280,13 +280,37 @@ def _row_token_index(offsets: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     return starts + within
 
 
+#: the ragged cache class this host holds each storage structure in (``Storage.structure`` -> class; a class's
+#: ``_new_layer`` builds its layers)
+RAGGED_CACHES: dict[str, type["RaggedCache"]] = {}
+
+
+def register_ragged_cache(structure: str, cls: type["RaggedCache"], override: bool = False) -> None:
+    """Hold storage kinds of ``structure`` (:attr:`~kvpress_ada.storage.Storage.structure`) in ragged caches of
+    class ``cls``."""
+    if structure in RAGGED_CACHES and not override:
+        raise ValueError(f"the storage structure {structure!r} already has a ragged cache; pass override=True")
+    RAGGED_CACHES[structure] = cls
+
+
+def ragged_cache_class(storage: Any) -> type["RaggedCache"]:
+    """The ragged cache class holding ``storage``'s entries; a structure with none is refused in one line."""
+    structure = type(storage).structure
+    cls = RAGGED_CACHES.get(structure)
+    if cls is None:
+        raise ValueError(f"storage={storage.label!r} keeps entries as {structure!r}, which the transformers host holds "
+                         f"in no cache class (known: {', '.join(sorted(RAGGED_CACHES))}): register one with "
+                         "register_ragged_cache")
+    return cls
+
+
 class RaggedCache(PressCache):
     """Per-(batch, kv head) ragged KV cache; see the module docstring for the reserve policy.
 
     ``nbytes()`` reports bytes held for keys and values of all layers; ``head_lengths(layer)``
     returns ``LongTensor[B, H_kv]``. Compatible with ``model.generate`` (pass it as the cache, or
     let ``with press(model)`` create it). Its layers hold entries as ``storage`` says (default full
-    precision): each is the kind's :meth:`~kvpress_ada.storage.Storage.ragged_layer`.
+    precision; a kind of another structure: the class :func:`ragged_cache_class` names).
     """
 
     def __init__(self, config: Any = None, num_layers: int | None = None, decode_reserve: int = 8,
@@ -296,11 +320,18 @@ class RaggedCache(PressCache):
 
             storage = FullPrecision()
         self.storage = storage
+        holder = ragged_cache_class(storage)
+        holds = next((name for cls in type(self).__mro__ for name, registered in RAGGED_CACHES.items()
+                      if registered is cls), None)
+        if holds != type(storage).structure:
+            raise ValueError(f"storage={storage.label!r} keeps entries as {type(storage).structure!r}, which "
+                             f"{holder.__name__} holds, not {type(self).__name__}: build the cache with "
+                             "kvpress_ada.hosts.transformers.caches.ragged_cache(storage, config)")
         super().__init__(layers=[self._new_layer(decode_reserve) for _ in range(layer_count(config, num_layers))])
 
     def _new_layer(self, decode_reserve: int) -> RaggedLayer:
-        """One empty layer: the storage kind's layer class."""
-        return self.storage.ragged_layer(decode_reserve)
+        """One empty layer holding the storage kind's entries (in the model's dtype here)."""
+        return RaggedLayer(decode_reserve)
 
     def stores(self, storage: Any) -> bool:
         """Whether this cache keeps entries as ``storage`` says: the storage it was built for."""
@@ -322,3 +353,6 @@ class RaggedCache(PressCache):
         for layer in self.layers:
             if isinstance(layer, RaggedLayer) and layer.compressed:
                 layer.reserve(q)
+
+
+register_ragged_cache("native", RaggedCache)

@@ -17,7 +17,7 @@ from typing import Any
 from ...families import family_for
 from ...pipeline import Pipeline
 from ...presets import preset
-from ..serving import check_servable
+from ...serving.requests import check_servable
 
 CONFIG_KEY = "kvpress_ada"
 WORKER = "kvpress_ada.hosts.vllm.worker.PressWorker"

@@ -1,5 +1,5 @@
 """vLLM's CPU attention backend, overridden: with a press configured, every layer keeps its entries in
-pages owned per (request, kv head) through :class:`~kvpress_ada.hosts.serving.PagedServing`; without one, it
+pages owned per (request, kv head) through :class:`~kvpress_ada.serving.requests.PagedServing`; without one, it
 is vLLM's own backend.
 
 The pages are carved out of the KV tensors vLLM reserved (a layer's ``[blocks, H_kv, S, 2 * D]`` viewed as
@@ -9,7 +9,7 @@ head) row (:mod:`.pages`; our plain layout and kernels where that layout cannot 
 layers' tensors lie one after the other in one storage (vLLM 0.32 on CPU) they make one pool of
 ``layers * blocks * H_kv`` pages for every (layer, kv head); else each
 layer has its pool. A press with a quantized storage gets a
-:class:`~kvpress_ada.hosts.quantized_paging.QuantizedPagePool` over the same bytes instead (records, our kernels).
+:class:`~kvpress_ada.serving.record_pages.QuantizedPagePool` over the same bytes instead (records, our kernels).
 Either way a request never holds more pages than ``H_kv`` times its real blocks per layer (:mod:`.scheduler`), so
 a pool cannot run out while vLLM's accounting holds. The worker (:mod:`.worker`) tells :data:`STATE` which
 requests a step runs and which finished.
@@ -27,8 +27,9 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 
 from ...families import family_for
 from ...pipeline import Pipeline
-from ..paging import PagePool
-from ..serving import PagedServing
+from ...serving.pages import PagePool
+from ...serving.pools import page_pool
+from ...serving.requests import PagedServing
 from . import press_of
 from .pages import vllm_pool
 
@@ -104,7 +105,7 @@ def _pool(press: Pipeline, pages: torch.Tensor, isa: str) -> PagePool:
     """The pool over ``pages [P, 2, S, D]`` (contiguous pages) that ``press``'s storage kind declares
     (:meth:`~kvpress_ada.storage.Storage.page_pool`): vLLM's layout and kernels in the model's dtype
     (:func:`.pages.vllm_pool`, the host's native pool); a record kind's records over the same bytes, our kernels."""
-    return press.storage.page_pool(pages, native=lambda p: vllm_pool(p, isa))
+    return page_pool(press.storage, pages, native=lambda p: vllm_pool(p, isa))
 
 
 class PressAttentionImpl(CPUAttentionBackendImpl):

@@ -6,7 +6,7 @@ transposed ``[D, S]``, values ``[S, D]``; ``amx`` in bf16: tiled) and written by
 Viewing the tensor as ``[blocks * H_kv, 1, S, D]`` makes each (block, head) a page of a one-head "request", so
 each (request, kv head) row of a press is one request of vLLM's kernel: its own page table, its own length, its
 ``G`` query heads; bottom-right causal masking is the kernel's own. :class:`VllmPagePool` is a
-:class:`~kvpress_ada.hosts.paging.PagePool` whose entries are written and attended that way and read back (for
+:class:`~kvpress_ada.serving.pages.PagePool` whose entries are written and attended that way and read back (for
 a press's scorer, and to move kept entries) through the slot offsets :func:`probe_layout` measured by writing
 marked entries with vLLM's op: no layout is assumed, and a layout the probe cannot map is refused in one line.
 """
@@ -18,7 +18,7 @@ import warnings
 import torch
 from vllm import _custom_ops as ops
 
-from ..paging import PagePool
+from ...serving.pages import PagePool
 
 
 def probe_layout(isa: str, page_size: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +116,7 @@ class VllmPagePool(PagePool):
 
 def vllm_pool(pages: torch.Tensor, isa: str) -> PagePool:
     """A :class:`VllmPagePool` over ``pages [P, 2, S, D]``; where vLLM's layout cannot be mapped, a plain
-    :class:`~kvpress_ada.hosts.paging.PagePool` (our own layout and kernels) over the same memory."""
+    :class:`~kvpress_ada.serving.pages.PagePool` (our own layout and kernels) over the same memory."""
     try:
         return VllmPagePool(pages, isa)
     except ValueError as err:

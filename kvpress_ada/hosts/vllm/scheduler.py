@@ -3,7 +3,7 @@
 vLLM counts a request's KV memory in blocks (``cdiv(tokens, block_size)``, each block holding one page per
 (layer, kv head)). Once the press has evicted from a request, the worker reports ``pages``: what it holds in
 pages of one layer (its pages over all layers spread evenly when one pool serves every layer, else its fullest
-layer's: :meth:`~kvpress_ada.hosts.serving.PagedServing.pages_per_layer`). Such a request then needs only
+layer's: :meth:`~kvpress_ada.serving.requests.PagedServing.pages_per_layer`). Such a request then needs only
 ``ceil(pages / H_kv) + cdiv(new_tokens, block_size)`` real blocks for a step that brings ``new_tokens`` (a head
 takes at most ``cdiv(new_tokens, S)`` new pages; never more than vLLM's own count), and :class:`PressBlockManager`
 keeps exactly that many real blocks among its table entries (the others are vLLM's
@@ -34,6 +34,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
+from ...serving.pools import pool_reserve
 from . import press_of
 
 #: the attribute of a ModelRunnerOutput that carries the worker's report: request id -> its pages in one layer
@@ -165,7 +166,7 @@ class PressScheduler(Scheduler):
         for manager in self.kv_cache_manager.coordinator.single_type_managers:
             if isinstance(manager, PressBlockManager):
                 spec = manager.kv_cache_spec
-                manager.reserve = press.storage.pool_reserve(spec.block_size, spec.head_size, spec.dtype)
+                manager.reserve = pool_reserve(press.storage, spec.block_size, spec.head_size, spec.dtype)
 
     def _upcoming(self, request_id: str) -> int | None:
         """Under decode compression, the tokens request ``request_id`` writes at most before its next compaction

@@ -30,7 +30,7 @@ import torch
 
 from ..observation import Budget, LayerView
 from ..runtime import EndOfStep, FixedInputs, HeldEntries, LayerClock, Schedule, Trigger, layer_view
-from .paging import PagedSequence, PagePool
+from .pages import PagedSequence, PagePool
 
 if TYPE_CHECKING:
     from ..pipeline import Pipeline

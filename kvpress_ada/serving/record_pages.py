@@ -3,7 +3,7 @@ paged layer of a record storage (:meth:`~kvpress_ada.storage.Storage.page_pool`)
 the scheme of the transformers host's quantized ragged cache
 (:mod:`kvpress_ada.kernels.quantized`, ``docs/design.md`` "Scheme"), through the same functions.
 
-A :class:`QuantizedPagePool` is a :class:`~.paging.PagePool` over ``pages uint8 [P, bytes]``: each page the bytes
+A :class:`QuantizedPagePool` is a :class:`~.pages.PagePool` over ``pages uint8 [P, bytes]``: each page the bytes
 of a full-precision page of ``S`` entries (``[2, S, D]`` of the entries' dtype, e.g. one (block, kv head) of an
 engine's KV tensor). A sequence holds full-precision pages until its first eviction (selection reads full
 precision, as the ragged cache's dense prefill); :meth:`~QuantizedPagePool.retain` then stores its kept entries
@@ -34,7 +34,7 @@ from ..kernels.quantized import (
     row_anchors,
     side_slots,
 )
-from .paging import PagedSequence, PagePool, PoolExhausted
+from .pages import PagedSequence, PagePool, PoolExhausted
 
 
 def _cdiv(a: int, b: int) -> int:

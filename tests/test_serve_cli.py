@@ -135,7 +135,7 @@ def test_a_named_model_or_hub_id_is_served_under_the_name_given(capsys, model):
 
 def test_vllms_own_options_pass_through_and_a_name_set_is_kept(capsys, tmp_path):
     code, out, err = _dry_run(capsys, "--model", str(tmp_path), "--api-key", "k3y", "--served-model-name", "mine",
-                              "--max-num-seqs=4", "--gpu-memory-utilization", "0.5")
+                              "--max-num-seqs=4", "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching")
     argv, option = _argv(out)
     assert code == 0, err
     assert option["--api-key"] == "k3y" and "--max-num-seqs=4" in argv and option["--gpu-memory-utilization"] == "0.5"

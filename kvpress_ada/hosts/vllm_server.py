@@ -30,6 +30,7 @@ OWNED = {
     "--scheduler-cls": "a press runs with its own scheduler",
     "--additional-config": "it carries the press (give the press with --preset/--ratio or --config)",
     "--enable-prefix-caching": "prefix caching shares blocks by position, which eviction breaks",
+    "--no-enable-chunked-prefill": "a press evicts after each of vLLM's chunks (serve's --prefill-chunk)",
     "--speculative-config": "speculative decoding is not supported with a press",
     "--kv-transfer-config": "KV transfer is not supported with a press",
     "--tensor-parallel-size": "a press runs on one worker",
@@ -84,13 +85,8 @@ def hide_unimportable(names: tuple[str, ...] = OPTIONAL) -> list[str]:
 
 
 def option_names(options: list[str]) -> list[str]:
-    """The option names (``--x`` of ``--x=1`` or ``--x 1``, ``--no-x`` as ``--x``) among ``options``."""
-    names = []
-    for token in options:
-        if token.startswith("-") and not _number(token):
-            name = token.split("=", 1)[0]
-            names.append("--" + name[5:] if name.startswith("--no-") else name)
-    return names
+    """The option names (``--x`` of ``--x=1`` or ``--x 1``) among ``options``."""
+    return [token.split("=", 1)[0] for token in options if token.startswith("-") and not _number(token)]
 
 
 def _number(token: str) -> bool:

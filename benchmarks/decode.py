@@ -96,7 +96,7 @@ def press_of(cfg: "Config"):
 @contextmanager
 def row_loop(enabled: bool):
     """Eager CPU attention with the per-row loop instead of the loop-free pass (for the comparison row)."""
-    from kvpress_ada.kernels import reference
+    from kvpress_ada.kernels.ragged import reference
 
     before = reference.LOOP_FREE
     reference.LOOP_FREE = not enabled

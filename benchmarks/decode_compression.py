@@ -299,7 +299,7 @@ def main(argv=None):
     print(f"full-cache generation took {full_seconds:.0f} s; {len(todo)} configs to run ({', '.join(todo) or '-'}): "
           f"about {len(todo) * full_seconds / 60:.0f} min more (decode-compressed caches decode faster)",
           file=sys.stderr)
-    from kvpress_ada.kernels.reference import CHUNK
+    from kvpress_ada.kernels.ragged.reference import CHUNK
 
     # each row's room (kept + K) is rounded up to whole chunks: at most CHUNK - 1 more slots per row
     bound = common.full_kv_bytes(geom, 1, args.budget + args.interval + CHUNK - 1)

@@ -26,8 +26,8 @@ import common  # noqa: E402
 
 from kvpress_ada.hosts.transformers.quantized_cache import QuantizedRaggedLayer  # noqa: E402
 from kvpress_ada.hosts.transformers.ragged_cache import RaggedLayer  # noqa: E402
-from kvpress_ada.kernels.quantized import RecordLayout  # noqa: E402
-from kvpress_ada.kernels.quantized_cpu import cpu_kernel, use_cpu_kernel  # noqa: E402
+from kvpress_ada.kernels.quantized.cpu_kernel import cpu_kernel, use_cpu_kernel  # noqa: E402
+from kvpress_ada.kernels.quantized.scheme import RecordLayout  # noqa: E402
 
 
 class ImmediateLayer(QuantizedRaggedLayer):

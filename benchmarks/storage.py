@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from kvpress_ada.kernels.quantized_cpu import cpu_kernel
+from kvpress_ada.kernels.quantized.cpu_kernel import cpu_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402

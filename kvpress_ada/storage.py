@@ -3,7 +3,7 @@ registered with :func:`register_storage`).
 
 Selection never depends on the storage: scorers read full-precision keys and values, and entries are stored
 as the kind says when they are kept (decode tokens when they are appended). A kind is an extension point: it
-declares its record layout (:attr:`Storage.layout`, a :class:`~kvpress_ada.kernels.quantized.RecordLayout`:
+declares its record layout (:attr:`Storage.layout`, a :class:`~kvpress_ada.kernels.quantized.scheme.RecordLayout`:
 encoding, bits, group size, residual, bytes per record; ``None`` for entries in the model's own dtype) and its
 :attr:`Storage.structure`, which names the layer classes that hold its entries in each host's table (the
 transformers host's ``register_ragged_layer``, the serving layer's ``register_page_pool``; a structure a host
@@ -11,7 +11,7 @@ has no class for is refused in one line). Hosts and kernels ask the kind; none b
 the policy imports no host. A :class:`RecordStorage` subclass that declares a ``layout`` whose encoding the
 kernels read is served by both hosts in every mode with no other change.
 
-Record kinds share one machinery (``docs/design.md``, "Scheme"; :mod:`kvpress_ada.kernels.quantized`): one
+Record kinds share one machinery (``docs/design.md``, "Scheme"; :mod:`kvpress_ada.kernels.quantized.scheme`): one
 record per token, each ragged row (batch, kv head) keeps its first entry (usually the attention sink) in full
 precision, and its newest ``residual`` entries too (KIVI's residual: a ring beside their records, which those
 entries read from until ``residual`` newer ones arrive), so a ragged row appends in place and records stay one
@@ -38,7 +38,7 @@ import torch
 from pydantic import Field, field_validator
 
 from .components import Component, Registry
-from .kernels.quantized import RecordLayout
+from .kernels.quantized.scheme import RecordLayout
 
 #: dtypes of the model's keys and values a record storage serves
 QUANTIZABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -117,7 +117,7 @@ def test_decode_compression_under_compiled_decoding(model):
     run eagerly; every other step runs compiled. Same tokens and kept rows as eager, the bytes bound of
     decode compression held, one graph for every compaction and re-layout, no graph break."""
     from kvpress_ada import SnapKV
-    from kvpress_ada.kernels.reference import CHUNK
+    from kvpress_ada.kernels.ragged.reference import CHUNK
 
     K, budget, window = 16, 24, 4
     press = preset("snapkv", compression_ratio=0.5, scorer=SnapKV(window=window, kernel=3), decode_budget=budget,

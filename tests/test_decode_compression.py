@@ -19,7 +19,7 @@ from kvpress_ada import surrogate as sur
 from kvpress_ada.allocators import AdaHead, UniformHead
 from kvpress_ada.evictors import Mask, TopK
 from kvpress_ada.hosts.transformers.hf import cache_kwarg, output_cache
-from kvpress_ada.kernels.reference import CHUNK
+from kvpress_ada.kernels.ragged.reference import CHUNK
 from kvpress_ada.scorers import SCORERS, KeyDiff, SnapKV, StreamingLLM
 
 torch.set_num_threads(1)

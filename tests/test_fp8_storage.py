@@ -20,8 +20,8 @@ from kvpress_ada.hosts.transformers.fanout import capture_prefill
 from kvpress_ada.hosts.transformers.hf import output_cache
 from kvpress_ada.hosts.transformers.quantized_cache import QuantizedRaggedCache, QuantizedRaggedLayer
 from kvpress_ada.hosts.transformers.ragged_cache import RaggedLayer
-from kvpress_ada.kernels import quantized as qz
-from kvpress_ada.kernels.reference import CHUNK, ragged_attention_ref
+from kvpress_ada.kernels.quantized import scheme as qz
+from kvpress_ada.kernels.ragged.reference import CHUNK, ragged_attention_ref
 from kvpress_ada.presets import portable_preset_names
 from kvpress_ada.scorers import SnapKV
 from kvpress_ada.serving.pools import page_pool
@@ -169,7 +169,7 @@ needs_interpreter = pytest.mark.skipif(not torch.cuda.is_available() and not ker
        st.integers(0, 999), st.sampled_from([0, 3]))
 def test_triton_matches_reference(dtype, group, D, Q, lens, split, seed, residual):
     """The Triton kernel decodes e4m3 bytes with integer ops (interpreted on CPU; float32 / float16)."""
-    from kvpress_ada.kernels.quantized_triton import quantized_attention_triton
+    from kvpress_ada.kernels.quantized.triton_kernel import quantized_attention_triton
 
     layout = qz.RecordLayout("e4m3", 8, group if D % max(group, 1) == 0 else 0, rotate_keys=False)
     k, v, offs, lens_t = _cache(lens, D, dtype, seed=seed)

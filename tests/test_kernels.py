@@ -20,12 +20,12 @@ from kvpress_ada.kernels import (
     compact_ref,
     ragged_attention,
     ragged_attention_ref,
-    reference,
     use_backend,
 )
+from kvpress_ada.kernels.ragged import reference
 
 triton = pytest.importorskip("triton")
-from kvpress_ada.kernels import triton_kernels as tk  # noqa: E402
+from kvpress_ada.kernels.ragged import triton_kernel as tk  # noqa: E402
 
 needs_interpreter = pytest.mark.skipif(
     not torch.cuda.is_available() and not kernels.triton_interpret(),

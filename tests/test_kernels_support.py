@@ -176,13 +176,13 @@ def test_check_head_dim():
 
 def test_public_names_are_one_object():
     """The names kept in ``ops`` (and ``triton_kernels``) for old imports are ``support``'s."""
-    from kvpress_ada.kernels import ops
+    from kvpress_ada.kernels.ragged import ops
 
     names = ["BACKENDS", "ENV_VAR", "SUPPORTED_HEAD_DIMS", "use_backend", "get_backend", "resolve_backend"]
     for name in names + ["triton_available"]:
         assert getattr(ops, name) is getattr(support, name) is getattr(kernels, name), name
     if support.triton_available():
-        from kvpress_ada.kernels import triton_kernels
+        from kvpress_ada.kernels.ragged import triton_kernel as triton_kernels
 
         assert triton_kernels.SUPPORTED_HEAD_DIMS is support.SUPPORTED_HEAD_DIMS
         assert triton_kernels.check_head_dim is support.check_head_dim
@@ -215,15 +215,15 @@ def _imports_of(module):
 
 def test_triton_kernels_does_not_import_ops():
     pytest.importorskip("triton")
-    mods = _imports_of("kvpress_ada.kernels.triton_kernels")
-    assert "kvpress_ada.kernels.ops" not in mods, mods
+    mods = _imports_of("kvpress_ada.kernels.ragged.triton_kernel")
+    assert "kvpress_ada.kernels.ragged.ops" not in mods, mods
     assert "kvpress_ada.kernels.support" in mods
 
 
 def test_ops_does_not_import_triton_kernels_at_import():
-    mods = _imports_of("kvpress_ada.kernels.ops")
+    mods = _imports_of("kvpress_ada.kernels.ragged.ops")
     assert "kvpress_ada.kernels.support" in mods
-    assert "kvpress_ada.kernels.triton_kernels" not in mods, mods
+    assert "kvpress_ada.kernels.ragged.triton_kernel" not in mods, mods
 
 
 def test_support_imports_no_other_kernels_module():

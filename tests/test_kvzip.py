@@ -109,7 +109,7 @@ def test_pass_scores_from_the_callers_own_lse_equal_the_computed_ones():
     """The pass hands ``lse_own`` (the log-sum-exp over its own tokens) from its attention kernel;
     the scores must equal those computed from scratch, on a chunk whose softmax spans only part of
     the context (so only those columns are multiplied)."""
-    from kvpress_ada.kernels.lse_attention import attention_with_lse
+    from kvpress_ada.kernels.model_pass.lse_attention import attention_with_lse
 
     g = torch.Generator().manual_seed(3)
     B, Hkv, G, T, L, D = 2, 2, 3, 5, 9, 4

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpress_ada.kernels.lse_attention import attention_with_lse, attention_with_lse_ref
+from kvpress_ada.kernels.model_pass.lse_attention import attention_with_lse, attention_with_lse_ref
 
 
 def _written_out(query, key, value, allowed, scaling):
@@ -41,7 +41,7 @@ def test_fused_and_reference_equal_the_formula(B, Hkv, group, T, L, blank, seed)
 
 
 def test_cpu_uses_the_fused_kernel(monkeypatch):
-    from kvpress_ada.kernels import lse_attention
+    from kvpress_ada.kernels.model_pass import lse_attention
 
     def refuse(*args, **kwargs):
         raise AssertionError("fell back to the reference")
@@ -62,7 +62,7 @@ def _prefix_then_causal(T, P, B=1):
 
 
 def test_the_prefix_then_causal_mask_is_recognised_and_nothing_else():
-    from kvpress_ada.kernels.lse_attention import full_prefix_then_causal
+    from kvpress_ada.kernels.model_pass.lse_attention import full_prefix_then_causal
 
     assert full_prefix_then_causal(_prefix_then_causal(5, 7, B=2)) == 7
     padded = _prefix_then_causal(5, 7, B=2).clone()
@@ -78,7 +78,7 @@ def test_the_prefix_then_causal_mask_is_recognised_and_nothing_else():
 @given(B=st.integers(1, 2), Hkv=st.integers(1, 3), group=st.sampled_from([1, 2, 3]), T=st.integers(1, 20),
        P=st.integers(1, 30), seed=st.integers(0, 2**16))
 def test_prefix_then_causal_parts_equal_the_formula(B, Hkv, group, T, P, seed):
-    from kvpress_ada.kernels.lse_attention import prefix_then_causal_parts
+    from kvpress_ada.kernels.model_pass.lse_attention import prefix_then_causal_parts
 
     g = torch.Generator().manual_seed(seed)
     D = 8

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvpress_ada import kernels
 from kvpress_ada.kernels import ragged_attention_ref, use_backend
-from kvpress_ada.kernels.paged import paged_attention, paged_attention_ref, token_rows
+from kvpress_ada.kernels.paged.ops import paged_attention, paged_attention_ref, token_rows
 
 needs_triton = pytest.mark.skipif(
     not (torch.cuda.is_available() or kernels.triton_interpret()) or not kernels.triton_available(),

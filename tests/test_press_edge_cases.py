@@ -35,7 +35,7 @@ from kvpress_ada.hosts.transformers.fanout import CaptureRun, capture_prefill
 from kvpress_ada.hosts.transformers.hf import cache_kwarg, output_cache
 from kvpress_ada.hosts.transformers.model_pass import PassRun
 from kvpress_ada.hosts.transformers.prefill import PrefillRun
-from kvpress_ada.kernels.reference import CHUNK
+from kvpress_ada.kernels.ragged.reference import CHUNK
 from kvpress_ada.presets import portable_preset_names
 
 

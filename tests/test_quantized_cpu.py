@@ -1,4 +1,4 @@
-"""The fused CPU kernel of quantized attention (kvpress_ada/kernels/quantized_cpu.c) against the torch reference,
+"""The fused CPU kernel of quantized attention (kvpress_ada/kernels/quantized/cpu_kernel.c) against the torch reference,
 and its build: cached per source and machine, refused in one warning when no compiler works, off by variable."""
 
 import shutil
@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from test_quantized_kernels import _cache, _records, int_layout
 
 from kvpress_ada import kernels
-from kvpress_ada.kernels import quantized as qz
-from kvpress_ada.kernels import quantized_cpu
+from kvpress_ada.kernels.quantized import cpu_kernel as quantized_cpu
+from kvpress_ada.kernels.quantized import scheme as qz
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the kernel cannot be built")
 

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpress_ada import kernels
-from kvpress_ada.kernels import quantized as qz
-from kvpress_ada.kernels.reference import CHUNK, ragged_attention_ref
+from kvpress_ada.kernels.quantized import scheme as qz
+from kvpress_ada.kernels.ragged.reference import CHUNK, ragged_attention_ref
 
 
 def int_layout(bits, group, residual=0):
@@ -257,7 +257,7 @@ def test_reference_attention_equals_attention_on_dequantized(dtype, bits, B, H_k
 def test_reference_attention_loop_free_layout(monkeypatch):
     """Many short rows in a chunk-aligned layout (the layer's own): the loop-free split-K path over the
     dequantized records gives the per-row loop's answer."""
-    from kvpress_ada.kernels import reference
+    from kvpress_ada.kernels.ragged import reference
 
     D, group, bits = 16, 16, 4
     lens = torch.tensor([3, 17, 0, 40, 9, 30, 1, 25], dtype=torch.int32)
@@ -475,7 +475,7 @@ needs_interpreter = pytest.mark.skipif(not torch.cuda.is_available() and not ker
        st.sampled_from([0, 3, 32]))
 def test_triton_matches_reference(dtype, bits, group, D, Q, lens, split, seed, residual):
     """Interpreted on CPU (float32 / float16 only: the interpreter's bfloat16 ``tl.dot`` is wrong)."""
-    from kvpress_ada.kernels.quantized_triton import quantized_attention_triton
+    from kvpress_ada.kernels.quantized.triton_kernel import quantized_attention_triton
 
     if D % group:
         group = D

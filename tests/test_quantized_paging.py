@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvpress_ada.hosts.transformers.quantized_cache import QuantizedRaggedLayer
-from kvpress_ada.kernels.quantized import RecordLayout, quantized_attention_ref
+from kvpress_ada.kernels.quantized.scheme import RecordLayout, quantized_attention_ref
 from kvpress_ada.serving.pages import PagedSequence, PoolExhausted
 from kvpress_ada.serving.pools import page_pool, pool_reserve
 from kvpress_ada.serving.record_pages import QuantizedPagePool

@@ -19,8 +19,8 @@ from kvpress_ada.hosts.transformers.hf import cache_kwarg, output_cache
 from kvpress_ada.hosts.transformers.quantized_cache import QuantizedRaggedCache, QuantizedRaggedLayer
 from kvpress_ada.hosts.transformers.ragged_cache import RaggedLayer
 from kvpress_ada.kernels import dequantize, quantize, record_width
-from kvpress_ada.kernels.quantized import RecordLayout, decode_keys, encode_keys, rotation, row_side
-from kvpress_ada.kernels.reference import CHUNK
+from kvpress_ada.kernels.quantized.scheme import RecordLayout, decode_keys, encode_keys, rotation, row_side
+from kvpress_ada.kernels.ragged.reference import CHUNK
 from kvpress_ada.presets import portable_preset_names
 from kvpress_ada.scorers import SnapKV
 

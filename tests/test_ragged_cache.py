@@ -6,7 +6,7 @@ import torch
 from kvpress_ada import Pipeline, RaggedCache, SnapKV, generate, preset
 from kvpress_ada.hosts.transformers import RaggedLayer
 from kvpress_ada.hosts.transformers.hf import output_cache
-from kvpress_ada.kernels.reference import CHUNK
+from kvpress_ada.kernels.ragged.reference import CHUNK
 
 
 def _cache_of(out):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 
 from kvpress_ada.hosts.vllm.pages import VllmPagePool, probe_layout  # noqa: E402
-from kvpress_ada.kernels.paged import paged_attention_ref  # noqa: E402
+from kvpress_ada.kernels.paged.ops import paged_attention_ref  # noqa: E402
 from kvpress_ada.serving.pages import PagedSequence, PagePool  # noqa: E402
 
 S, D, H_KV, G = 32, 64, 2, 3  # block size 32 (the host's): vec in fp32, amx in bf16 where AMX exists

@@ -126,7 +126,7 @@ def main() -> int:
                     problems.append(f"layer {layer}: {why}")
         D = tp.config.hidden_size // tp.config.num_attention_heads
         reserve = cache.layers[0].decode_reserve
-        from kvpress_ada.kernels.reference import CHUNK
+        from kvpress_ada.kernels.ragged.reference import CHUNK
 
         # each row: kept entries + the decode reserve, rounded up to whole chunks (compile-first layout)
         own = sum(int((-(-(k.sum(-1) + reserve) // CHUNK) * CHUNK).sum()) for k in keeps) * D * 2 * 4

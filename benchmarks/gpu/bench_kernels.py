@@ -314,7 +314,7 @@ def main(argv=None) -> int:
         return 0
 
     from kvpress_ada import kernels
-    from kvpress_ada.kernels import triton_kernels as tk
+    from kvpress_ada.kernels.ragged import triton_kernel as tk
 
     device = torch.device("cuda" if cuda else "cpu")
     gen = torch.Generator().manual_seed(args.seed)

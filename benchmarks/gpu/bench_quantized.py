@@ -65,10 +65,11 @@ def check(kernels, qt, tk, bench, dtypes, device, gen, small: bool, group: int) 
                 lens = bench.ada_lengths(B * H_kv, ctx, 0.5, 10.0, gen)
                 lens[0] = 0
                 q, k, v, offs, lens_t = bench.make_ragged(B, H_kv, G, D, Q, lens, dtype, device, gen, gaps=3)
-                k_rec, v_rec, side = kernels.quantized.quantize_rows(k, v, offs, lens_t, layout)
+                k_rec, v_rec, side = kernels.quantized.scheme.quantize_rows(k, v, offs, lens_t, layout)
                 scale = D ** -0.5
                 got = qt.quantized_attention_triton(q, k_rec, v_rec, offs, lens_t, side, scale, layout)
-                ref = kernels.quantized.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, side, scale, layout)
+                scheme = kernels.quantized.scheme
+                ref = scheme.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, side, scale, layout)
                 full = kernels.ragged_attention_ref(q, k, v, offs, lens_t, scale)
                 err = (got.float() - ref.float()).abs().max().item()
                 quant_err = (ref.float() - full.float()).abs().max().item()
@@ -93,7 +94,7 @@ def measure(args, kernels, qt, tk, bench, context, B, dtype, device, gen, cuda) 
     row["full_us"] = bench.time_fns(fns, args.iters, cuda) * 1e6
     parts = [f"full {row['full_us']:8.1f} us"]
     for name, layout in _layouts(args.group_size).items():
-        recs = [(c[0], *kernels.quantized.quantize_rows(c[1], c[2], c[3], c[4], layout), c[3], c[4])
+        recs = [(c[0], *kernels.quantized.scheme.quantize_rows(c[1], c[2], c[3], c[4], layout), c[3], c[4])
                 for c in caches]  # (q, k_rec, v_rec, side, offsets, lengths)
         fns = [lambda c=c, lay=layout: qt.quantized_attention_triton(c[0], c[1], c[2], c[4], c[5], c[3], scale, lay)
                for c in recs]
@@ -120,8 +121,8 @@ def main(argv=None) -> int:
     import bench_kernels as bench
 
     from kvpress_ada import kernels
-    from kvpress_ada.kernels import quantized_triton as qt
-    from kvpress_ada.kernels import triton_kernels as tk
+    from kvpress_ada.kernels.quantized import triton_kernel as qt
+    from kvpress_ada.kernels.ragged import triton_kernel as tk
 
     device = torch.device("cuda" if cuda else "cpu")
     gen = torch.Generator().manual_seed(args.seed)

@@ -4,31 +4,32 @@ Layout of one layer: ``k_flat, v_flat [N_cap, D]`` (contiguous), row ``r = b * H
 occupies ``k_flat[row_offsets[r] : row_offsets[r] + row_lengths[r]]`` (``row_offsets``,
 ``row_lengths``: int32 ``[B * H_kv]`` on the cache's device; rows must not overlap).
 
-Ops (``torch.library`` custom ops in ``kernels.ops``, compile with ``fullgraph=True``):
+Ops (``torch.library`` custom ops in ``kernels.ragged.ops``, compile with ``fullgraph=True``):
 
 * :func:`ragged_attention` - FlashDecoding-style split-K attention over variable-length rows;
 * :func:`compact` - gather each row's kept tokens into the ragged layout;
 * :func:`append` - in-place append of new tokens, ``row_lengths += Q``;
 * :func:`quantized_attention`, :func:`quantized_append`, :func:`quantized_compact` - the same over
   rows of records of a :class:`RecordLayout` (int8 / int4 / e4m3) with each row's side tensors (anchor, key
-  centre) (:mod:`.quantized`: the scheme, :func:`quantize`, :func:`dequantize`).
+  centre) (:mod:`.quantized.scheme`: the scheme, :func:`quantize`, :func:`dequantize`).
 
-Modules: ``support`` (what the kernels support and which backend runs them: supported head
-dims, ``$TRITON_INTERPRET`` read as Triton reads it, triton availability, backend choice),
-``ops`` (validation and dispatch), ``reference`` (torch implementations), ``triton_kernels``
-(the Triton kernels; imports triton) and ``aot_check`` (GPU codegen check without a GPU).
-``ops`` and ``triton_kernels`` both depend on ``support``; only ``ops`` imports
-``triton_kernels``, lazily, when a Triton op runs, so triton stays optional.
+Modules: one package per op family (``ragged``, ``paged``, ``quantized``, ``model_pass``), each named the same
+way: ``ops`` (the custom ops, their validation and dispatch), ``reference`` (torch implementations; the
+record scheme ``quantized.scheme``), ``cpu_kernel`` (a fused CPU kernel), ``triton_kernel`` (Triton; imports
+triton); ``support`` (what the kernels support and which backend runs them: supported head dims,
+``$TRITON_INTERPRET`` read as Triton reads it, triton availability, backend choice) and ``aot_check`` (GPU
+codegen check without a GPU). ``ops`` and ``triton_kernel`` both depend on ``support``; only ``ops`` imports
+``triton_kernel``, lazily, when a Triton op runs, so triton stays optional.
 
-Backend: Triton on CUDA, torch reference (``kernels.reference``) on CPU; override with
+Backend: Triton on CUDA, torch reference (``kernels.ragged.reference``) on CPU; override with
 :func:`use_backend` (``"triton" | "torch" | "auto"``) or ``$KVPRESS_ADA_KERNELS``. Triton on
-CPU tensors needs ``TRITON_INTERPRET=1`` set before ``triton_kernels`` is imported.
+CPU tensors needs ``TRITON_INTERPRET=1`` set before a ``triton_kernel`` module is imported.
 """
 
-from .ops import append, compact, ragged_attention
-from .quantized import RecordLayout, dequantize, quantize, record_width
-from .quantized_ops import quantized_append, quantized_append_side, quantized_attention, quantized_compact
-from .reference import append_ref, compact_ref, ragged_attention_ref
+from .quantized.ops import quantized_append, quantized_append_side, quantized_attention, quantized_compact
+from .quantized.scheme import RecordLayout, dequantize, quantize, record_width
+from .ragged.ops import append, compact, ragged_attention
+from .ragged.reference import append_ref, compact_ref, ragged_attention_ref
 from .support import (
     BACKENDS,
     ENV_VAR,

@@ -44,8 +44,8 @@ def check(dtype: str, head_dim: int, m_total: int, arch: int = 90) -> dict:
     32 channels) and e4m3 records (one scale per head), for one (dtype, head_dim, G*Q)."""
     import torch
 
-    from . import quantized_triton as qt
-    from . import triton_kernels as tk
+    from .quantized import triton_kernel as qt
+    from .ragged import triton_kernel as tk
     from .support import triton_interpret
 
     if triton_interpret():

@@ -1,8 +1,8 @@
 """What the kernels support and which backend runs them, in one place.
 
 This module imports neither triton nor the other kernel modules: :mod:`.ops` (the custom
-ops and their dispatch) and :mod:`.triton_kernels` (the Triton kernels) both import from
-it, so neither needs the other at import time (``ops`` imports ``triton_kernels`` lazily,
+ops and their dispatch) and each family's ``triton_kernel`` (the Triton kernels) both import from
+it, so neither needs the other at import time (``ops`` imports ``triton_kernel`` lazily,
 only when a Triton op runs).
 
 * :data:`SUPPORTED_HEAD_DIMS`, :func:`check_head_dim`: head dims of the Triton ragged
@@ -78,7 +78,7 @@ def triton_interpret() -> bool:
     """Whether ``$TRITON_INTERPRET`` is on now (Triton then runs kernels on CPU tensors).
 
     Triton decides when ``@triton.jit`` decorates a kernel (``InterpretedFunction`` or a
-    compiled ``JITFunction``), i.e. when ``kvpress_ada.kernels.triton_kernels`` is imported:
+    compiled ``JITFunction``), i.e. when ``kvpress_ada.kernels.ragged.triton_kernel`` is imported:
     set the variable before that import; this function reads it as it is now."""
     return parse_triton_interpret(os.environ.get(INTERPRET_ENV_VAR))
 

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from ..kernels.pass_attention import max_received_attention
+from ..kernels.model_pass.pass_attention import max_received_attention
 from ..observation import Observation
 from ..tokens import encode, left_pad
 from .base import PassChunk, PassScorer, protect_first_valid, register_scorer
@@ -100,7 +100,7 @@ class KVzip(PassScorer):
                     hidden_norm: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                     lse_own: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, H_kv, L]``: the largest attention each scored context entry gets from this pass
-        (:func:`~kvpress_ada.kernels.pass_attention.max_received_attention` over the pass's queries and
+        (:func:`~kvpress_ada.kernels.model_pass.pass_attention.max_received_attention` over the pass's queries and
         the query heads of the kv group; KVzip+ weighs it by ``||W_O^g v_i|| / ||h_j||``)."""
         L = key.shape[2] - query.shape[2]
         if self.plus and (value is None or output_weight is None or hidden_norm is None):

@@ -9,7 +9,7 @@ holds entries of one head only) and its length, so a head that keeps 10 entries 
 its neighbour holds 40. Eviction (:meth:`PagePool.retain`) compacts each head's kept entries into fresh
 pages and returns the old ones: pages held are ``sum over heads of ceil(kept / S)``, always.
 :meth:`PagePool.table` gives the page table and lengths that
-:func:`~kvpress_ada.kernels.paged.paged_attention` reads; :meth:`PagePool.view` the left-padded view
+:func:`~kvpress_ada.kernels.paged.ops.paged_attention` reads; :meth:`PagePool.view` the left-padded view
 :meth:`Pipeline.keep <kvpress_ada.Pipeline.keep>` selects from.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..kernels.paged import paged_attention
+from ..kernels.paged.ops import paged_attention
 
 
 class PoolExhausted(RuntimeError):
@@ -259,7 +259,7 @@ class PagePool:
 
     def attend(self, query: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, query_start: torch.Tensor,
                scale: float) -> torch.Tensor:
-        """:func:`~kvpress_ada.kernels.paged.paged_attention` of packed ``query [T, H_q, D]`` over the rows of
+        """:func:`~kvpress_ada.kernels.paged.ops.paged_attention` of packed ``query [T, H_q, D]`` over the rows of
         ``table, lengths`` (from :meth:`table`), request ``n``'s tokens at ``query_start[n] : query_start[n + 1]``."""
         return paged_attention(query, self.k_pages, self.v_pages, table, lengths, query_start, scale)
 

@@ -1,7 +1,7 @@
 """Pages per (layer, kv head) whose kept entries are records of a storage kind's layout (int8, int4, fp8, ...): the
 paged layer of a record storage (:meth:`~kvpress_ada.storage.Storage.page_pool`), for every host that pages, with
 the scheme of the transformers host's quantized ragged cache
-(:mod:`kvpress_ada.kernels.quantized`, ``docs/design.md`` "Scheme"), through the same functions.
+(:mod:`kvpress_ada.kernels.quantized.scheme`, ``docs/design.md`` "Scheme"), through the same functions.
 
 A :class:`QuantizedPagePool` is a :class:`~.pages.PagePool` over ``pages uint8 [P, bytes]``: each page the bytes
 of a full-precision page of ``S`` entries (``[2, S, D]`` of the entries' dtype, e.g. one (block, kv head) of an
@@ -9,7 +9,7 @@ engine's KV tensor). A sequence holds full-precision pages until its first evict
 precision, as the ragged cache's dense prefill); :meth:`~QuantizedPagePool.retain` then stores its kept entries
 as records, and every later entry is quantized when appended. A compressed page holds ``records_per_page``
 key records then as many value records (more entries than ``S``), and each (sequence, kv head) row keeps its side
-tensors (anchor, key centre, residual ring: :func:`~kvpress_ada.kernels.quantized.residual_of`) in its own first
+tensors (anchor, key centre, residual ring: :func:`~kvpress_ada.kernels.quantized.scheme.residual_of`) in its own first
 ``side_slots`` record slots, so its pages hold everything it keeps: ``pages held * bytes`` is its memory.
 A step builds one page table; :meth:`~QuantizedPagePool.append` reads the rows' side tensors once (their first
 pages, whole) and writes back only the vectors it changed (anchors, the new tokens' ring slots); attention reads
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from .. import kernels
-from ..kernels.paged import paged_attention
-from ..kernels.quantized import (
+from ..kernels.paged.ops import paged_attention
+from ..kernels.quantized.scheme import (
     RecordLayout,
     decode_keys,
     dequantize,
@@ -330,7 +330,7 @@ class QuantizedPagePool(PagePool):
     def attend(self, query: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, query_start: torch.Tensor,
                scale: float) -> torch.Tensor:
         """As :meth:`PagePool.attend`, over the rows of the table :meth:`append` returned last: full-precision
-        sequences through :func:`~kvpress_ada.kernels.paged.paged_attention`, compressed ones (grouped by their
+        sequences through :func:`~kvpress_ada.kernels.paged.ops.paged_attention`, compressed ones (grouped by their
         token counts) through :func:`~kvpress_ada.kernels.quantized_attention` over their records."""
         if self._last is None or self._last[0] is not table:
             raise ValueError("a quantized pool attends over the table its last append returned")

@@ -4,7 +4,7 @@ attention, and their eviction as they advance, for any engine that packs tokens 
 
 An engine host calls, per layer and step, :meth:`PagedServing.attend` with the layer's post-RoPE
 tensors of the step's tokens; it appends each request's keys and values to its pages, runs
-:func:`~kvpress_ada.kernels.paged.paged_attention`, and evicts where the press says so, exactly as the
+:func:`~kvpress_ada.kernels.paged.ops.paged_attention`, and evicts where the press says so, exactly as the
 transformers host's handlers do (through :meth:`Pipeline.keep <kvpress_ada.Pipeline.keep>`):
 
 * end of a request's prefill (the step that brings its last prompt token): the one-shot budget of its

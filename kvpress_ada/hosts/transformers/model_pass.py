@@ -2,8 +2,8 @@
 
 After the prefill, every pass a :class:`~kvpress_ada.scorers.PassScorer` asks for (``pass_chunks``) runs through the
 model with the cache; a :class:`PassRun` runs each layer's attention with
-:func:`~kvpress_ada.kernels.lse_attention.attention_with_lse` (output and log-sum-exp from one
-kernel; for an unpadded pass :func:`~kvpress_ada.kernels.lse_attention.prefix_then_causal_parts`,
+:func:`~kvpress_ada.kernels.model_pass.lse_attention.attention_with_lse` (output and log-sum-exp from one
+kernel; for an unpadded pass :func:`~kvpress_ada.kernels.model_pass.lse_attention.prefix_then_causal_parts`,
 which also gives the log-sum-exp over the pass's own tokens) and hands the post-RoPE queries and
 keys, and those log-sum-exps, to the scorer's ``pass_scores`` (with the layer's values and
 output projection weight, and, when the scorer's ``pass_reads_hidden_states()`` says so, the norm of each
@@ -26,7 +26,7 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from ...kernels.lse_attention import attention_with_lse, full_prefix_then_causal, prefix_then_causal_parts
+from ...kernels.model_pass.lse_attention import attention_with_lse, full_prefix_then_causal, prefix_then_causal_parts
 from ...scorers.base import PassChunk, PassScorer
 from .attention import RUN_KWARG, Handler, attention_routed, output_weight, recording_attention_inputs
 from .hf import cache_kwarg

@@ -3,7 +3,7 @@
 The storage a serving host gives a request (:mod:`kvpress_ada.serving.pages`), here under
 ``model.generate``: a layer is dense while its prefill is in flight; :meth:`PagedLayer.retain` writes
 each head's kept entries into pages of its own (``page_size`` entries each) and attention reads them
-with :func:`~kvpress_ada.kernels.paged.paged_attention`. Each layer owns its pool: it starts with the
+with :func:`~kvpress_ada.kernels.paged.ops.paged_attention`. Each layer owns its pool: it starts with the
 pages the kept entries fill plus ``reserve_pages`` per row, and grows geometrically when decode
 tokens need more (amortised O(1) appends; page ids stay valid across growth). Pass one as the cache
 (``model(..., past_key_values=PagedCache(config))``) inside ``with press(model)``; it compresses exactly
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ...kernels.paged import paged_attention
+from ...kernels.paged.ops import paged_attention
 from ...serving.pages import PagedSequence, PagePool
 from .entries import real_entries
 from .press_cache import DenseAttention, DenseUntilKept, HeldEntries, PressCache, layer_count, uncroppable

@@ -1,9 +1,9 @@
 """QuantizedRaggedCache: the ragged cache with its kept entries stored as records of a storage kind's layout
-(int8, int4, fp8, or a registered kind's :class:`~kvpress_ada.kernels.quantized.RecordLayout`).
+(int8, int4, fp8, or a registered kind's :class:`~kvpress_ada.kernels.quantized.scheme.RecordLayout`).
 
 A layer is a :class:`~.ragged_cache.RaggedLayer` (same rows, offsets, reserve, re-layout, crop, compiled
 decode step) whose slots hold one ``uint8`` record per token instead of ``head_dim`` floats: the
-elements with the token's scales (and zero points) (:mod:`kvpress_ada.kernels.quantized`), plus, per row,
+elements with the token's scales (and zero points) (:mod:`kvpress_ada.kernels.quantized.scheme`), plus, per row,
 ``side [3 + 2 * residual, rows, D]`` in the entries' dtype: the row's anchor (its first entry, key and
 value, kept in full precision), its key centre (a layout that rotates keys stores them centred and rotated) and,
 with a
@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from ... import kernels
-from ...kernels.quantized import (
+from ...kernels.quantized.scheme import (
     RecordLayout,
     append_side,
     decode_keys,
@@ -48,7 +48,7 @@ from .ragged_cache import RaggedCache, RaggedLayer, register_ragged_cache
 class QuantizedRaggedLayer(RaggedLayer):
     """One layer of a :class:`QuantizedRaggedCache`: records of ``layout``, and each row's ``side`` tensors
     (anchor key, anchor value, key centre, then its newest ``layout.residual`` entries' keys and values, a ring:
-    :func:`~kvpress_ada.kernels.quantized.residual_of`)."""
+    :func:`~kvpress_ada.kernels.quantized.scheme.residual_of`)."""
 
     defer_appends: ClassVar[bool] = True
     """Whether eager appends write their records in batches (see :meth:`_append_entries`)."""

@@ -2,7 +2,7 @@
 
 Evicted entries really leave memory: a compressed layer holds one flat ``[N, D]`` buffer for keys
 and one for values, with int32 ``row_offsets``/``row_lengths`` on the device, every row starting on
-a :data:`~kvpress_ada.kernels.reference.CHUNK` boundary. Reserve: each row gets at least
+a :data:`~kvpress_ada.kernels.ragged.reference.CHUNK` boundary. Reserve: each row gets at least
 ``decode_reserve`` free slots (default 8) after compression; when rows run out the layer is re-laid
 out once with a spare of ``max(decode_reserve, ceil(growth * mean row length))`` (amortised O(1)
 appends, never a copy per token). Right after compression ``kept bytes + rows * decode_reserve * D
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ... import kernels
-from ...kernels.reference import CHUNK
+from ...kernels.ragged.reference import CHUNK
 from .entries import gather_slots, left_pad_index, ragged_index, real_entries
 from .press_cache import DenseAttention, DenseUntilKept, HeldEntries, PressCache, layer_count, uncroppable
 

@@ -66,7 +66,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from .reference import ragged_attention_ref
+from ..ragged.reference import ragged_attention_ref
 
 __all__ = [
     "BITS",

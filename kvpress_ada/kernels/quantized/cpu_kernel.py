@@ -1,4 +1,4 @@
-"""The fused CPU kernel of ragged attention over quantized records (``quantized_cpu.c``), built on first use.
+"""The fused CPU kernel of ragged attention over quantized records (``cpu_kernel.c``), built on first use.
 
 :func:`quantized_attention_cpu` computes what :func:`~.quantized.quantized_attention_ref` computes (same
 records, anchor and residual slots, bottom-right causal rule, float32 arithmetic) without materialising
@@ -32,14 +32,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .quantized import RecordLayout, key_rotation, residual_of, side_operands
+from .scheme import RecordLayout, key_rotation, residual_of, side_operands
 
 __all__ = ["MAX_QUERIES", "ENV_VAR", "cpu_kernel", "use_cpu_kernel", "quantized_attention_cpu"]
 
 MAX_QUERIES = 4
 """Most queries per head (``Q``) the fused kernel takes; longer calls (prefill chunks) go to the torch reference."""
 ENV_VAR = "KVPRESS_ADA_CPU_KERNEL"
-_SOURCE = Path(__file__).with_name("quantized_cpu.c")
+_SOURCE = Path(__file__).with_name("cpu_kernel.c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c11", "-shared", "-fPIC")
 _SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _P = ctypes.c_void_p

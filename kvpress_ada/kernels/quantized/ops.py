@@ -1,9 +1,9 @@
 """``torch.library`` custom ops over quantized records (layout and scheme: :mod:`.quantized`).
 
-Like the full-precision ops of :mod:`.ops`: each op has a ``register_fake``, so a decode step that
+Like the full-precision ops of :mod:`..ragged.ops`: each op has a ``register_fake``, so a decode step that
 calls it compiles with ``fullgraph=True`` and no graph break, and its body picks the backend at run
-time (:func:`~.support.resolve_backend`: Triton on CUDA; on CPU the fused kernel of :mod:`.quantized_cpu` for
-decode-shaped calls, the torch reference otherwise). The public
+time (:func:`~kvpress_ada.kernels.support.resolve_backend`: Triton on CUDA; on CPU the fused kernel of
+:mod:`.cpu_kernel` for decode-shaped calls, the torch reference otherwise). The public
 wrappers validate shapes and dtypes with one-line errors; in plain eager mode on plain tensors they
 call the implementation directly (no custom-op dispatch per layer and step).
 
@@ -25,7 +25,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .quantized import (
+from ..support import resolve_backend, triton_module
+from .cpu_kernel import quantized_attention_cpu
+from .scheme import (
     RecordLayout,
     append_side,
     check_side,
@@ -35,8 +37,6 @@ from .quantized import (
     record_width,
     residual_of,
 )
-from .quantized_cpu import quantized_attention_cpu
-from .support import resolve_backend, triton_module
 
 __all__ = ["quantized_attention", "quantized_append", "quantized_append_side", "quantized_compact"]
 
@@ -112,7 +112,7 @@ def _attention_impl(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, layo
     if q.numel() == 0:
         return torch.zeros_like(q)
     if resolve_backend(q.device, q.shape[-1]) == "triton":
-        kernel = triton_module("quantized_triton").quantized_attention_triton
+        kernel = triton_module("quantized.triton_kernel").quantized_attention_triton
         return kernel(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, layout, split_size=split_size)
     out = quantized_attention_cpu(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, layout)
     return quantized_attention_ref(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, layout) \
@@ -181,7 +181,7 @@ def quantized_attention(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Te
     tensors,
     dequantized as they are read (each non-empty row's first slot reads as its anchor). Triton path: the
     split-K kernel of the full-precision cache, dequantizing each K/V tile in registers; CPU: the fused C
-    kernel (:mod:`.quantized_cpu`) for up to 4 queries per head, the torch reference for longer calls."""
+    kernel (:mod:`.cpu_kernel`) for up to 4 queries per head, the torch reference for longer calls."""
     _check_records(k_rec, v_rec, row_offsets, row_lengths, side, q.shape[-1], layout, q.dtype)
     _rows("q", q, row_offsets, same_heads=False)
     args = (q, k_rec, v_rec, row_offsets, row_lengths, side, float(scale))

@@ -1,4 +1,4 @@
-"""Triton kernel of :func:`kvpress_ada.kernels.paged.paged_attention` (imports triton).
+"""Triton kernel of :func:`kvpress_ada.kernels.paged.ops.paged_attention` (imports triton).
 
 One program per (packed token, kv head): the GQA group's queries of that token (padded to a
 ``BLOCK_M >= 16`` tile for ``tl.dot``) stream the row's pages one page at a time with an online
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernels import dot, online_softmax
+from ..ragged.triton_kernel import dot, online_softmax
 
 __all__ = ["paged_attention_triton"]
 
@@ -65,7 +65,7 @@ def _paged_attn_kernel(
 def paged_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
                            row_lengths: torch.Tensor, request: torch.Tensor, ahead: torch.Tensor, H_kv: int,
                            scale: float) -> torch.Tensor:
-    """Launch :func:`_paged_attn_kernel` (inputs validated by :func:`~kvpress_ada.kernels.paged.paged_attention`;
+    """Launch :func:`_paged_attn_kernel` (inputs validated by :func:`~kvpress_ada.kernels.paged.ops.paged_attention`;
     ``request, ahead [T]``: each token's request and the later tokens of it, from ``paged.token_rows``; ``H_kv``
     kv heads per request)."""
     T, H_q, D = q.shape

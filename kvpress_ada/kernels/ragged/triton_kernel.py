@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .support import SUPPORTED_HEAD_DIMS, check_head_dim, triton_interpret
+from ..support import SUPPORTED_HEAD_DIMS, check_head_dim, triton_interpret
 
 __all__ = [
     "SUPPORTED_HEAD_DIMS",
@@ -356,7 +356,7 @@ def ragged_attention_triton(
 ) -> torch.Tensor:
     """FlashDecoding split-K attention over the ragged cache (two launches, no host sync).
 
-    Inputs are assumed validated (see ``kvpress_ada.kernels.ops``); ``k_flat``/``v_flat``
+    Inputs are assumed validated (see ``kvpress_ada.kernels.ragged.ops``); ``k_flat``/``v_flat``
     must have a unit stride on the head dim; rows must not overlap (so that
     ``sum(row_lengths) <= N_cap``, which bounds the number of splits). Zero arguments
     mean "choose automatically" (:func:`default_config`).

@@ -12,7 +12,7 @@ is opaque to the compiler and picks the implementation at run time:
 Choose with :func:`use_backend` (a setter that also works as a context manager) or the
 ``KVPRESS_ADA_KERNELS`` environment variable; ``use_backend`` wins over the variable.
 The choice, the supported head dims and the ``TRITON_INTERPRET`` rule live in
-:mod:`.support` (re-exported here); ``triton_kernels`` is imported only when a Triton op
+:mod:`..support` (re-exported here); ``triton_kernel`` is imported only when a Triton op
 runs.
 """
 
@@ -23,8 +23,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from . import reference
-from .support import (
+from ..support import (
     BACKENDS,
     ENV_VAR,
     SUPPORTED_HEAD_DIMS,
@@ -34,6 +33,7 @@ from .support import (
     triton_module,
     use_backend,
 )
+from . import reference
 
 __all__ = [
     "ragged_attention",
@@ -52,7 +52,7 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 def _triton() -> ModuleType:
-    return triton_module("triton_kernels")
+    return triton_module("ragged.triton_kernel")
 
 
 # ----------------------------------------------------------------------------- validation

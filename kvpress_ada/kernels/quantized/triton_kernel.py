@@ -1,8 +1,9 @@
 """Triton ragged attention over quantized records (layout: :mod:`.quantized`).
 
-The split-K scheme of :mod:`.triton_kernels` (FlashDecoding over variable-length rows: an in-kernel
+The split-K scheme of :mod:`..ragged.triton_kernel` (FlashDecoding over variable-length rows: an in-kernel
 prefix sum maps each program to its (row, split), the GQA group x queries packed into one tile, a
-second launch merging the splits' online-softmax partials: :func:`~.triton_kernels.merge_splits`)
+second launch merging the splits' online-softmax partials:
+:func:`~kvpress_ada.kernels.ragged.triton_kernel.merge_splits`)
 with two changes: each ``[BLOCK_N, D]`` tile of keys or values is read as integers plus the scales
 and zero points of its tokens (e4m3 records: float8 bytes decoded with integer ops, plus their float32 scales)
 and dequantized in registers (float32), then cast to the query's dtype for ``tl.dot``; and the scheme's rows
@@ -25,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .quantized import RecordLayout, attention_operands, check_record, residual_of, residual_operands
-from .support import check_head_dim
-from .triton_kernels import default_config, merge_splits
+from ..ragged.triton_kernel import default_config, merge_splits
+from ..support import check_head_dim
+from .scheme import RecordLayout, attention_operands, check_record, residual_of, residual_operands
 
 __all__ = ["quantized_attention_triton"]
 
@@ -163,7 +164,7 @@ def quantized_attention_triton(q: torch.Tensor, k_rec: torch.Tensor, v_rec: torc
                                split_size: int = 0) -> torch.Tensor:
     """Split-K ragged attention over quantized records with the rows' ``side`` tensors (two launches, no host
     sync); inputs validated by :func:`~.quantized_ops.quantized_attention`. ``split_size`` 0:
-    :func:`~.triton_kernels.default_config`."""
+    :func:`~kvpress_ada.kernels.ragged.triton_kernel.default_config`."""
     B, H_q, Q, D = q.shape
     check_head_dim(D)
     check_record(D, layout, q.dtype)

@@ -11,7 +11,7 @@ and the last of a request's ``Q`` tokens are its newest: token ``i`` of ``Q`` se
 kernels; a token that sees nothing outputs 0). Query heads ``h*G .. h*G+G-1`` read kv head ``h``.
 
 :func:`paged_attention` is a ``torch.library`` custom op with a fake kernel (compiles with
-``fullgraph=True``); it runs the Triton kernel (:mod:`.paged_triton`) on CUDA and the torch reference
+``fullgraph=True``); it runs the Triton kernel (:mod:`.triton_kernel`) on CUDA and the torch reference
 (:func:`paged_attention_ref`) elsewhere, as chosen by :mod:`.support`.
 """
 
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .support import resolve_backend, triton_module
+from ..support import resolve_backend, triton_module
 
 __all__ = ["paged_attention", "paged_attention_ref", "token_rows"]
 
@@ -143,7 +143,7 @@ def _impl(q, k_pages, v_pages, page_table, row_lengths, query_start, scale):
     if resolve_backend(q.device, q.shape[-1]) == "triton":
         request, ahead = token_rows(query_start, q.shape[0])
         kv_heads = page_table.shape[0] // (query_start.shape[0] - 1)
-        kernel = triton_module("paged_triton").paged_attention_triton
+        kernel = triton_module("paged.triton_kernel").paged_attention_triton
         return kernel(q, k_pages, v_pages, page_table, row_lengths, request, ahead, kv_heads, scale)
     return paged_attention_ref(q, k_pages, v_pages, page_table, row_lengths, query_start, scale)
 

@@ -157,6 +157,22 @@ def test_decode_compression_and_a_model_scope_schedule_run_as_on_the_transformer
             assert (kept[i], tokens[i]) == (alone_kept, alone_tokens), (press.layers, i)
 
 
+def test_a_chunked_request_keeps_and_generates_the_same_beside_a_partner_of_another_length(model_dir):
+    """A 480-token request prefilled in vLLM's chunks of 256 + 224 beside a 480-token partner (chunks 256 + 224) and
+    beside a 266-token one (256 + 10, whose last chunk brings 10 queries in the step that brings x's last 224): its
+    kept positions per (layer, kv head) and tokens depend on its own tokens and chunks only."""
+    press = _small_window(preset("ada_snapkv", compression_ratio=0.75, prefill_chunk=256))
+    x = [5 + (j * 7 + (j * j) % 13) % 90 for j in range(480)]
+    runs = []
+    for n in (480, 266):
+        partner = [5 + (j * 3 + (j * j) % 7) % 90 for j in range(n)]
+        _, tokens, kept = _serve(model_dir, press, prompts=[x, partner], max_tokens=16, enable_chunked_prefill=True,
+                                 long_prefill_token_threshold=256, max_num_batched_tokens=512)
+        runs.append((tokens[0], kept[0]))
+    assert runs[0][1] == runs[1][1]
+    assert runs[0][0] == runs[1][0]
+
+
 def test_staggered_arrivals_and_an_abort(model_dir, hf_model):
     """Requests join a running batch at different steps; an aborted request's pages return to the pools."""
     from vllm import SamplingParams

@@ -25,8 +25,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # 
 
 from kvpress_ada import Pipeline, RaggedCache, SnapKV, preset  # noqa: E402
 from kvpress_ada.hosts.transformers.hf import cache_kwarg  # noqa: E402
-from kvpress_ada.hosts.vllm import engine_kwargs  # noqa: E402
-from kvpress_ada.hosts.vllm.backend import STATE  # noqa: E402
+from kvpress_ada.hosts.vllm import engine_kwargs, serving_of  # noqa: E402
 
 ENGINE = dict(enforce_eager=True, dtype="float32", max_model_len=512, seed=0)
 PROMPTS = [[5 + (i * 7 + j * 3 + (j * j) % 11) % 90 for j in range(n)] for i, n in enumerate((70, 96, 81))]
@@ -100,7 +99,7 @@ def _serve(model_dir, press, prompts=PROMPTS, max_tokens=8, **engine):
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     kept = None
     if press is not None:
-        serving = STATE.serving
+        serving = serving_of(llm)
         assert serving is not None
         held = {**KEPT[0], **{rid: _kept(serving, rid) for rid in serving.requests}}
         kept = [next(v for k, v in held.items() if k.split("-")[0] == o.request_id) for o in outs]
@@ -181,7 +180,7 @@ def test_staggered_arrivals_and_an_abort(model_dir, hf_model):
     llm, _, _ = _serve(model_dir, press, prompts=PROMPTS[:1], max_tokens=1, max_num_batched_tokens=40)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    serving = STATE.serving
+    serving = serving_of(llm)
     engine.step()  # the previous request's release
     free = serving.free_pages()
     done: dict[str, list[int]] = {}
@@ -208,8 +207,8 @@ def test_staggered_arrivals_and_an_abort(model_dir, hf_model):
 
 def test_pages_held_are_the_kept_entries_rounded_up_per_head(model_dir):
     press = preset("ada_snapkv", compression_ratio=0.75).model_copy(update={"scorer": SnapKV(window=16)})
-    _, _, kept = _serve(model_dir, press, max_tokens=1)
-    serving = STATE.serving
+    llm, _, kept = _serve(model_dir, press, max_tokens=1)
+    serving = serving_of(llm)
     assert all(pool is serving.pools[0] for pool in serving.pools)  # vLLM 0.32 (CPU): one storage, one pool
     capacity = serving.pools[0].capacity
     for request, per_layer in zip(serving.requests.values(), kept):
@@ -267,7 +266,7 @@ def test_evicted_blocks_let_more_requests_run_under_the_same_kv_memory(model_dir
     for i in (0, 5, 11):
         assert tokens[i] == _alone(hf_model, press, prompts[i], 24)[0], i
     llm.llm_engine.step()  # the worker learns of the last finished requests one step later
-    assert STATE.serving.requests == {}
+    assert serving_of(llm).requests == {}
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 39  # every block back (one is vLLM's null)
 
 
@@ -409,10 +408,58 @@ def test_kvzap_scores_from_the_hidden_states_vllm_hands_its_attention(model_dir,
     sur.save(random_surrogate(hf_model.config, seed=5), path)
     extra = {"decode_budget": 24, "decode_interval": 4} if mode == "decode" else {}
     press = preset("kvzap", compression_ratio=0.5, **extra).model_copy(update={"scorer": KVzap(path=str(path))})
-    _, tokens, kept = _serve(model_dir, press, max_tokens=10, max_num_batched_tokens=48)
+    llm, tokens, kept = _serve(model_dir, press, max_tokens=10, max_num_batched_tokens=48)
     for i, prompt in enumerate(PROMPTS):
         alone_tokens, alone_kept = _alone(hf_model, press, prompt, 10)
         assert (kept[i], tokens[i]) == (alone_kept, alone_tokens), i
+    if mode == "decode":  # the worker holds one hook per layer, its own (removed with the engine: below)
+        assert llm.collective_rpc(_hooks)[0] == (3, 3)
+
+
+def test_the_worker_removes_its_hooks_when_the_engine_shuts_down(model_dir, hf_model, tmp_path):
+    from conftest import random_surrogate
+
+    from kvpress_ada import KVzap
+    from kvpress_ada import surrogate as sur
+
+    path = tmp_path / "surrogate.safetensors"
+    sur.save(random_surrogate(hf_model.config, seed=5), path)
+    press = preset("kvzap", compression_ratio=0.5).model_copy(update={"scorer": KVzap(path=str(path))})
+    llm, _, _ = _serve(model_dir, press, max_tokens=2)
+    assert llm.collective_rpc(_hooks)[0] == (3, 3)
+    llm.collective_rpc(_shut_down_host)
+    assert llm.collective_rpc(_hooks)[0] == (0, 0)
+
+
+def _hooks(worker):
+    """(hooks the worker's host holds, forward pre-hooks on the model's attention modules)."""
+    from kvpress_ada.families import family_for
+
+    modules = family_for(worker.vllm_config.model_config.hf_config).engine_attention_modules(worker.model_runner.model)
+    return len(worker.host.handles), sum(len(m._forward_pre_hooks) for m in modules)
+
+
+def _shut_down_host(worker):
+    worker.host.close()  # what PressWorker.shutdown does before vLLM's own shutdown (which ends the process here)
+
+
+def test_step_metadata_is_built_once_per_step_and_state_is_per_engine(model_dir, monkeypatch):
+    """Each step's counts and positions come from one metadata build (not one per layer), every layer reads the
+    same request ids, and each engine's serving state is its own worker's (no module-global state)."""
+    from kvpress_ada.hosts.vllm import backend
+
+    builds, reads = [], []
+    build, ids = backend.PressMetadataBuilder.build, backend.HostState.request_ids
+    monkeypatch.setattr(backend.PressMetadataBuilder, "build", lambda self, *a, **k: builds.append(1) or build(
+        self, *a, **k))
+    monkeypatch.setattr(backend.HostState, "request_ids", lambda self, meta: reads.append(id(meta)) or ids(self, meta))
+    press = _small_window(preset("ada_snapkv", compression_ratio=0.5))
+    first, _, _ = _serve(model_dir, press, max_tokens=4)
+    assert reads and len(reads) == 3 * len(set(reads))  # 3 layers read each step's one metadata
+    assert len(builds) >= len(set(reads))
+    serving = serving_of(first)
+    second, _, _ = _serve(model_dir, press, max_tokens=4)
+    assert serving_of(second) is not serving
 
 
 def test_a_surrogate_made_for_another_model_is_refused_before_the_engine_starts(model_dir):

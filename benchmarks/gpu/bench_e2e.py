@@ -15,10 +15,11 @@ Per (context, batch) and config (``full``, and each press at each ratio), in one
    ``torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")`` decode step, CUDA graphs);
 3. peak CUDA memory over the whole job.
 
-Then a correctness check on the GPU: the ragged cache (TopK evictor, Triton kernels) and the
-masked reference (Mask evictor, dense SDPA over masked keys) decode the same tokens in fp32.
+Then (first, with ``--check-first``) a correctness check on the GPU: the ragged cache (TopK evictor, Triton
+kernels) and the masked reference (Mask evictor, dense SDPA over masked keys) decode the same tokens in fp32.
 
-Results: ``benchmarks/results/gpu_e2e.json`` (``--out``). Without CUDA it exits 0 with a
+Results: ``benchmarks/results/gpu_e2e.json`` (``--out``), written after each row (``"complete": true`` once all
+ran). Without CUDA it exits 0 with a
 message, except with ``--cpu-smoke`` (tiny shape, CPU, torch reference kernels) to check the
 code paths.
 """
@@ -62,6 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--check-context", type=int, default=2048, help="context of the ragged-vs-masked check")
     p.add_argument("--check-steps", type=int, default=16)
     p.add_argument("--no-check", action="store_true")
+    p.add_argument("--check-first", action="store_true",
+                   help="the ragged-vs-masked check before the timings (a timeout then cuts timings, not it)")
     p.add_argument("--compiled-only", action="store_true",
                    help="time only the compiled press configs (+compile rows: press(model, compile=True), CUDA graphs)")
     p.add_argument("--out", type=Path, default=None, help=f"JSON output (default {DEFAULT_OUT.relative_to(ROOT)})")
@@ -213,8 +216,21 @@ def main(argv=None) -> int:
         pass
     payload = {"benchmark": "gpu_e2e", "machine": info, "results": [], "check": [], "errors": []}
 
-    def save():
+    def save(complete: bool = False):
+        payload["complete"] = complete
         common.write_json(out_path, payload)
+
+    def run_check():
+        try:
+            payload["check"] = check_ragged_vs_masked(args, device, clock)
+        except Exception as exc:
+            payload["errors"].append({"config": "check", "error": repr(exc),
+                                      "traceback": traceback.format_exc()[-3000:]})
+            print(f"[error] check: {exc!r}", flush=True)
+        save()
+
+    if args.check_first and not args.no_check:
+        run_check()
 
     model = build_model(args.shape, dtype, device)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -261,14 +277,9 @@ def main(argv=None) -> int:
     del model
     if clock.cuda:
         torch.cuda.empty_cache()
-    if not args.no_check:
-        try:
-            payload["check"] = check_ragged_vs_masked(args, device, clock)
-        except Exception as exc:
-            payload["errors"].append({"config": "check", "error": repr(exc),
-                                      "traceback": traceback.format_exc()[-3000:]})
-            print(f"[error] check: {exc!r}", flush=True)
-    save()
+    if not args.no_check and not args.check_first:
+        run_check()
+    save(complete=True)
     print(f"wrote {out_path}")
     return 1 if payload["errors"] else 0
 

@@ -14,7 +14,8 @@
 3. ``--sweep``: try launch configs (split size, block_n, warps, stages) at 32k and report
    the best ones (to retune ``triton_kernels.default_config``).
 
-Results go to benchmarks/results/gpu_kernels.json (``--out``). Without CUDA the script
+Results go to benchmarks/results/gpu_kernels.json (``--out``), written after each part (``"complete": true``
+once all ran). Without CUDA the script
 prints a message and exits 0, except with ``--cpu-smoke``: tiny shapes through the Triton
 interpreter (fp32/fp16) to check that the correctness and measuring code paths run.
 """
@@ -344,17 +345,28 @@ def main(argv=None) -> int:
         result["copy_bw"] = measure_copy_bw(device)
         print(f"device {result['device']}: copy bandwidth {result['copy_bw'] / 1e12:.2f} TB/s "
               f"(peak given {args.peak_bw / 1e12:.2f} TB/s)")
+    out = args.out if args.out is not None else (None if args.cpu_smoke else DEFAULT_OUT)
+
+    def save(complete: bool = False):
+        """Write what was measured so far (a timeout keeps it); ``complete`` once everything ran."""
+        if out is not None:
+            result["complete"] = complete
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=2))
+
     ok = True
     if not args.no_check:
         print("correctness (Triton vs torch reference):")
         result["checks"] = check_correctness(kernels, tk, check_dtypes, device, gen, small=not cuda)
         ok = all(c["ok"] for c in result["checks"])
+        save()
     print(f"ragged decode attention, {time_dtype}, H_kv={args.kv_heads} G={args.group} D={args.head_dim}, "
           f"ratio={args.ratio}, spread={args.spread}x:")
     result["results"] = []
     for B in args.batches:
         for ctx in args.contexts:
             result["results"].append(measure(args, kernels, tk, ctx, B, time_dtype, device, gen, cuda, flash_varlen))
+            save()
             if cuda:
                 torch.cuda.empty_cache()
     goal_ctx = 32768 if 32768 in args.contexts else args.contexts[len(args.contexts) // 2]
@@ -374,10 +386,9 @@ def main(argv=None) -> int:
             for c in best:
                 print(f"  B={B} {c}")
             result["sweep"].append(dict(B=B, best=best, all=row.get("sweep", [])))
-    out = args.out if args.out is not None else (None if args.cpu_smoke else DEFAULT_OUT)
+            save()
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
+        save(complete=True)
         print(f"wrote {out}")
     if not ok:
         print("CORRECTNESS CHECK FAILED")

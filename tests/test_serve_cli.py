@@ -15,7 +15,7 @@ import time
 import pytest
 
 from kvpress_ada.harness.cli import SERVE_PRESET, build_parser, main
-from kvpress_ada.hosts import vllm_server
+from kvpress_ada.hosts.vllm import server as vllm_server
 
 
 def _dry_run(capsys, *args):
@@ -29,7 +29,7 @@ def test_the_server_command_carries_the_press_and_turns_the_host_on(capsys, tmp_
                             "--port", "8123")
     assert code == 0
     argv = shlex.split(out.strip())
-    assert argv[1:3] == ["-m", "kvpress_ada.hosts.vllm_server"]  # vLLM's api_server, the unimportable hidden
+    assert argv[1:3] == ["-m", "kvpress_ada.hosts.vllm.server"]  # vLLM's api_server, the unimportable hidden
     option = {argv[i]: argv[i + 1] for i in range(3, len(argv) - 1) if argv[i].startswith("--")}
     assert option["--model"] == str(tmp_path) and option["--host"] == "127.0.0.1" and option["--port"] == "8123"
     assert option["--worker-cls"].endswith("PressWorker") and option["--scheduler-cls"].endswith("PressScheduler")
@@ -188,7 +188,7 @@ def test_a_model_that_names_nothing_exits_as_in_every_command(capsys):
 
 RUNNER = """
 import sys
-from kvpress_ada.hosts.vllm_server import run
+from kvpress_ada.hosts.vllm.server import run
 sys.exit(run([sys.executable, "-c", {server!r}], grace=10))
 """
 SERVER = """

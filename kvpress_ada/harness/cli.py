@@ -656,7 +656,7 @@ def cmd_serve(args) -> int:
     import importlib.util
 
     from kvpress_ada.harness.model_sources import SOURCES, unknown_model
-    from kvpress_ada.hosts import vllm_server as server
+    from kvpress_ada.hosts.vllm import server
 
     if args.config and args.preset:
         raise UsageError("give --preset (with --ratio) or --config, not both")
@@ -702,7 +702,7 @@ def cmd_serve(args) -> int:
         options += ["--served-model-name", args.model]  # what clients name it: what the user gave, not its path
     if not server.sizes_kv(options):
         options += ["--kv-cache-memory-bytes", str(server.kv_memory(model))]
-    command = [sys.executable, "-m", "kvpress_ada.hosts.vllm_server", *server_args(kwargs),
+    command = [sys.executable, "-m", "kvpress_ada.hosts.vllm.server", *server_args(kwargs),
                "--host", args.host, "--port", str(args.port), *options]
     print(shlex.join(command), flush=True)
     if args.dry_run:

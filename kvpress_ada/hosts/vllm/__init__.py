@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ...families import family_for
-from ...pipeline import Pipeline
-from ...presets import preset
-from ...serving.requests import check_servable
+if TYPE_CHECKING:  # the policy is imported when a function needs it: `kvpress-ada serve`'s checks and the server
+    from ...pipeline import Pipeline  # module (.server) import this package without torch
 
 CONFIG_KEY = "kvpress_ada"
 WORKER = "kvpress_ada.hosts.vllm.worker.PressWorker"
@@ -35,6 +33,9 @@ def press_from(press: Pipeline | str | dict, ratio: float | None = None,
                prefill_chunk: int | None = None) -> Pipeline:
     """A press from a :class:`Pipeline`, a preset name (with ``ratio``) or a Pipeline dict (a parsed YAML/JSON);
     with ``prefill_chunk`` it evicts after every chunk of a long prompt (what vLLM's chunked prefill brings)."""
+    from ...pipeline import Pipeline
+    from ...presets import preset
+
     if isinstance(press, Pipeline):
         made = press if ratio is None else press.replace(compression_ratio=ratio)
     elif isinstance(press, dict):
@@ -48,6 +49,9 @@ def engine_kwargs(press: Pipeline | str | dict, model: str, ratio: float | None 
                   **engine: Any) -> dict[str, Any]:
     """The ``vllm.LLM(**kwargs)`` (or engine) arguments serving ``model`` with ``press``. Raises a one-line
     ``ValueError`` for a press, model or engine setting the host cannot serve, before any engine starts."""
+    from ...families import family_for
+    from ...serving.requests import check_servable
+
     pipeline = press_from(press, ratio)
     check_servable(pipeline)
     for key, reason in _REFUSED.items():
@@ -75,6 +79,8 @@ def engine_kwargs(press: Pipeline | str | dict, model: str, ratio: float | None 
 
 def press_of(additional_config: dict | None) -> Pipeline | None:
     """The press an engine was configured with (``None``: the host is off)."""
+    from ...pipeline import Pipeline
+
     entry = (additional_config or {}).get(CONFIG_KEY)
     return None if entry is None else Pipeline.model_validate(entry["press"])
 

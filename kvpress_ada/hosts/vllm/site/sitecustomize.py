@@ -1,5 +1,5 @@
 """Run at the start of each Python process a vLLM engine with a press starts (this directory is first on its
-``PYTHONPATH``, see :func:`kvpress_ada.hosts.vllm_server.hide_unimportable`): the packages named in
+``PYTHONPATH``, see :func:`kvpress_ada.hosts.vllm.server.hide_unimportable`): the packages named in
 ``KVPRESS_ADA_HIDDEN`` (comma-separated; ones that do not import beside the installed torch) are marked absent before
 anything looks for them; then the ``sitecustomize`` this one shadows, if any, runs."""
 

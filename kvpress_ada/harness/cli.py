@@ -178,10 +178,8 @@ def _with_storage(press, args):
     """``press`` storing its kept entries as ``--storage`` says (unchanged for ``full``)."""
     if getattr(args, "storage", "full") == "full":
         return press
-    from kvpress_ada.pipeline import Pipeline
-
     try:
-        return Pipeline.model_validate({**press.model_dump(), "storage": args.storage})
+        return press.replace(storage=args.storage)
     except ValueError as err:
         raise UsageError(f"--storage {args.storage}: " + str(err).splitlines()[-1].removeprefix("Value error, ")
                          ) from None
@@ -193,11 +191,8 @@ def _with_decode(press, args):
         return press
     from pydantic import ValidationError
 
-    from kvpress_ada.pipeline import Pipeline
-
     try:
-        return Pipeline.model_validate({**press.model_dump(), "decode_budget": args.decode_budget,
-                                        "decode_interval": args.decode_interval})
+        return press.replace(decode_budget=args.decode_budget, decode_interval=args.decode_interval)
     except ValidationError as err:
         raise UsageError("decode compression: " + "; ".join(e["msg"].removeprefix("Value error, ")
                                                            for e in err.errors())) from None
@@ -362,12 +357,10 @@ def _with_prefill_chunk(entries: list, chunk: int | None) -> list:
         raise UsageError(f"--prefill-chunk must be >= 1 token, got {chunk}")
     from dataclasses import replace
 
-    from kvpress_ada.pipeline import Pipeline
-
     out = []
     for e in entries:
         try:
-            press = Pipeline.model_validate({**e.press.model_dump(), "prefill_chunk": chunk})
+            press = e.press.replace(prefill_chunk=chunk)
         except ValueError as err:
             raise UsageError(f"--prefill-chunk with {e.label}: {_config_error(err)}") from None
         out.append(replace(e, press=press))

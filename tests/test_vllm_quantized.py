@@ -20,10 +20,10 @@ from kvpress_ada import Pipeline, SnapKV, preset  # noqa: E402
 from kvpress_ada.hosts.transformers.caches import ragged_cache  # noqa: E402
 from kvpress_ada.hosts.vllm import serving_of  # noqa: E402
 from kvpress_ada.serving.record_pages import QuantizedPagePool  # noqa: E402
-from kvpress_ada.storage import Int4, Int8  # noqa: E402
+from kvpress_ada.storage import Fp8, Int4, Int8  # noqa: E402
 
 model_dir, hf_model, kept_at_release = host.model_dir, host.hf_model, host.kept_at_release  # the fixtures
-STORAGES = pytest.mark.parametrize("storage", [Int8(), Int4()], ids=["int8", "int4"])
+STORAGES = pytest.mark.parametrize("storage", [Int8(), Int4(), Fp8()], ids=["int8", "int4", "fp8"])
 
 
 def _alone(hf_model, press, prompt, new_tokens, monkeypatch):

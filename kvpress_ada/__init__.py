@@ -19,8 +19,10 @@ _EXPORTS: dict[str, str] = {
                      "PyramidLayer", "Threshold", "UniformHead", "UniformLayer", "register_allocator"], ".allocators"),
     "ConfigError": ".components",
     **dict.fromkeys(["Evictor", "Mask", "TopK", "register_evictor"], ".evictors"),
-    **dict.fromkeys(["SUPPORTED_MODEL_TYPES", "MaskedCache", "PressCache", "QuantizedRaggedCache", "RaggedCache",
-                     "attach", "check_press", "detach"], ".hosts.transformers"),
+    **dict.fromkeys(["SUPPORTED_MODEL_TYPES", "Family", "LlamaLike", "family_for", "family_of", "register_family"],
+                    ".families"),
+    **dict.fromkeys(["MaskedCache", "PressCache", "QuantizedRaggedCache", "RaggedCache", "attach", "check_press",
+                     "detach"], ".hosts.transformers"),
     "generate": ".hosts.transformers.generation",
     "use_tokenizer": ".hosts.transformers.model_pass",
     **dict.fromkeys(["Budget", "LayerView", "Observation"], ".observation"),
@@ -44,6 +46,7 @@ __all__ = [
     "register_scorer", "register_allocator", "register_evictor",
     "RaggedCache", "QuantizedRaggedCache", "MaskedCache", "SUPPORTED_MODEL_TYPES",
     "PressCache", "attach", "detach", "ConfigError",
+    "Family", "LlamaLike", "family_for", "family_of", "register_family",
 ]
 
 
@@ -63,8 +66,8 @@ if TYPE_CHECKING:
     )
     from .components import ConfigError
     from .evictors import Evictor, Mask, TopK, register_evictor
+    from .families import SUPPORTED_MODEL_TYPES, Family, LlamaLike, family_for, family_of, register_family
     from .hosts.transformers import (
-        SUPPORTED_MODEL_TYPES,
         MaskedCache,
         PressCache,
         QuantizedRaggedCache,

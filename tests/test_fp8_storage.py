@@ -15,8 +15,6 @@ from test_quantized_storage import _assert_like_rounded, _held_bytes, _model, _r
 from torch._dynamo.utils import counters
 
 from kvpress_ada import KVzap, Pipeline, kernels, preset
-from kvpress_ada.hosts.transformers import compiled
-from kvpress_ada.hosts.transformers.fanout import capture_prefill
 from kvpress_ada.hosts.transformers.hf import output_cache
 from kvpress_ada.hosts.transformers.quantized_cache import QuantizedRaggedCache, QuantizedRaggedLayer
 from kvpress_ada.hosts.transformers.ragged_cache import RaggedLayer
@@ -44,6 +42,9 @@ def _within_e4m3(got, want, group):
     bound = (want.abs().reshape(*lead, D // g, g) * 2 ** -4 + scale * 2 ** -10) * (1 + 1e-5) + 1e-30
     return bool(((got - want).abs().reshape(*lead, D // g, g) <= bound).all())
 
+
+# Batch row == row alone, fan-out == running the press, compiled decode: test_quantized_storage.py, fp8 among
+# its storages.
 
 # ----------------------------------------------------------------------------- records
 
@@ -274,62 +275,6 @@ def test_the_kvzap_preset_with_fp8(tmp_path, mode):
         for full, fp8 in zip(caches[0].layers, caches[1].layers):
             assert torch.equal(fp8.view().positions, full.view().positions)
     _assert_like_rounded(model, press.model_copy(update={"storage": FullPrecision()}), Fp8(), ids, mask)
-
-
-@WITH_RESIDUAL
-def test_batch_row_equals_row_alone(storage):
-    model = _model()
-    ids, mask = left_padded_batch(lengths=(90, 71), seed=4)
-    press = preset("ada_pyramidkv", compression_ratio=0.5, storage=storage)
-    tokens, logits, cache = _run(model, press, ids, mask, new_tokens=6)
-    for b in range(2):
-        n = int(mask[b].sum())
-        alone_tokens, alone_logits, alone = _run(model, press, ids[b:b + 1, -n:], new_tokens=6)
-        assert torch.equal(tokens[b], alone_tokens[0])
-        torch.testing.assert_close(logits[b], alone_logits[0], atol=1e-4, rtol=0)
-        assert cache.batch_nbytes()[b] == alone.nbytes()
-        for i in range(len(cache.layers)):
-            assert torch.equal(cache.head_lengths(i)[b], alone.head_lengths(i)[0])
-
-
-def test_fanout_equals_running_the_press():
-    model = _model()
-    ids, _ = left_padded_batch(lengths=(80,), seed=5)
-    presses = [preset(name, compression_ratio=0.6, storage="fp8") for name in ("ada_snapkv", "kvzip")]
-    prefill = capture_prefill(model, ids)
-    for press in presses:
-        derived = prefill.compressed_cache(press)
-        with torch.no_grad(), press(model):
-            ran = output_cache(model(ids, use_cache=True))
-        assert isinstance(derived, QuantizedRaggedCache)
-        for a, b in zip(derived.layers, ran.layers):
-            assert torch.equal(a.k_flat, b.k_flat) and torch.equal(a.v_flat, b.v_flat)
-    masks = [prefill.keep_masks(p) for p in presses]
-    batch = prefill.compressed_batch(presses, masks)
-    for e, press in enumerate(presses):
-        alone = prefill.compressed_cache(press, masks[e])
-        assert batch.batch_nbytes()[e] == alone.nbytes()
-
-
-def test_compiled_decode_step_has_no_graph_break(monkeypatch):
-    """fp8 decode steps (no residual: each token's records written inside the graph) through the shared compiled
-    forward (``fullgraph=True``): the tokens of eager, no graph break, one graph over re-layouts."""
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    monkeypatch.delenv(compiled.ENV_VAR, raising=False)
-    model = build_model("llama", num_hidden_layers=2)
-    press = preset("ada_snapkv", compression_ratio=0.5, storage="fp8")
-    ids = torch.randint(5, 100, (1, 70), generator=torch.Generator().manual_seed(7))
-    counters.clear()
-    outs = []
-    for compile in (False, True):
-        with torch.no_grad(), press(model, compile=compile):
-            step = model.__dict__.get("forward")
-            outs.append(model.generate(ids, max_new_tokens=41, min_new_tokens=41, do_sample=False))
-        if compile:
-            assert isinstance(step, compiled.DecodeForward) and step.calls == 40
-    assert torch.equal(outs[0], outs[1])
-    assert counters["graph_break"] == {}, dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
 def test_bfloat16_model():

@@ -12,7 +12,7 @@ import torch
 from conftest import build_model, build_tokenizer, left_padded_batch
 from torch._dynamo.utils import counters
 
-from kvpress_ada import Int4, Int8, Mask, Pipeline, RaggedCache, generate, preset
+from kvpress_ada import Fp8, Int4, Int8, Mask, Pipeline, RaggedCache, generate, preset
 from kvpress_ada.hosts.transformers import compiled
 from kvpress_ada.hosts.transformers.fanout import capture_prefill
 from kvpress_ada.hosts.transformers.hf import cache_kwarg, output_cache
@@ -30,6 +30,10 @@ IDS = pytest.mark.parametrize("storage", STORAGES, ids=["int8", "int4"])
 # with a residual: each row's newest entries in full precision (small, so that it wraps in these tests)
 WITH_RESIDUAL = pytest.mark.parametrize("storage", STORAGES + [Int4(group_size=16, residual=4), Int8(group_size=16)],
                                         ids=["int8", "int4", "int4-r4", "int8-r32"])
+# every record kind, fp8 too, for the tests whose assertions do not depend on the encoding
+EVERY_KIND = pytest.mark.parametrize(
+    "storage", STORAGES + [Int4(group_size=16, residual=4), Int8(group_size=16), Fp8(), Fp8(group_size=16),
+                           Fp8(residual=4)], ids=["int8", "int4", "int4-r4", "int8-r32", "fp8", "fp8-g16", "fp8-r4"])
 # a residual longer than any row here: every entry stays in full precision (oracle: full-precision storage)
 COVERING = Int4(group_size=16, residual=512)
 
@@ -193,7 +197,7 @@ def test_one_shot_left_padded_batch_equals_rounded_cache(storage):
     _assert_like_rounded(_model(), preset("ada_snapkv", compression_ratio=0.6), storage, *left_padded_batch())
 
 
-@WITH_RESIDUAL
+@EVERY_KIND
 def test_batch_row_equals_row_alone(storage):
     model = _model()
     ids, mask = left_padded_batch(lengths=(90, 71), seed=4)
@@ -398,7 +402,7 @@ def test_generate_questions_and_contexts_batch(tokenizer=None):
     assert batch == alone
 
 
-@IDS
+@pytest.mark.parametrize("storage", STORAGES + [Fp8()], ids=["int8", "int4", "fp8"])
 def test_fanout_equals_running_the_press(storage):
     model = _model()
     ids, _ = left_padded_batch(lengths=(80,), seed=5)
@@ -425,13 +429,14 @@ def test_fanout_equals_running_the_press(storage):
         prefill.compressed_batch([presses[0], preset("ada_snapkv", compression_ratio=0.6)], masks)
 
 
-def test_compiled_decode_step_has_no_graph_break(monkeypatch):
-    """int4 decode steps through the shared compiled forward (``fullgraph=True``): same tokens as eager,
-    no graph break, one graph over re-layouts."""
+@pytest.mark.parametrize("storage", [Int4(group_size=16), Fp8()], ids=["int4", "fp8"])
+def test_compiled_decode_step_has_no_graph_break(monkeypatch, storage):
+    """Record decode steps through the shared compiled forward (``fullgraph=True``; fp8 without a residual: each
+    token's records written inside the graph): same tokens as eager, no graph break, one graph over re-layouts."""
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
     monkeypatch.delenv(compiled.ENV_VAR, raising=False)
     model = build_model("llama", num_hidden_layers=2)
-    press = preset("ada_snapkv", compression_ratio=0.5, storage=Int4(group_size=16))
+    press = preset("ada_snapkv", compression_ratio=0.5, storage=storage)
     ids = torch.randint(5, 100, (1, 70), generator=torch.Generator().manual_seed(7))
     counters.clear()
     outs = []

@@ -72,10 +72,6 @@ class LayerClock:
     written: int = 0
     since: int = 0
 
-    @property
-    def in_prompt(self) -> bool:
-        return self.written < self.prompt
-
 
 class Schedule:
     """The schedule of ``press`` (see the module docstring); stateless: the clocks hold the state."""

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ..observation import Budget, LayerView
-from ..runtime import EndOfStep, FixedInputs, HeldEntries, LayerClock, Schedule, Trigger, layer_view
+from ..runtime import EndOfStep, FixedInputs, HeldEntries, LayerClock, Schedule, Trigger, layer_view, window_of
 from .pages import PagedSequence, PagePool
 
 if TYPE_CHECKING:
@@ -252,15 +252,18 @@ class PagedServing:
             if request.whole:  # too short for the scorer: counted, never evicted
                 clock.written += c
                 continue
-            ends_prompt = clock.written < clock.prompt <= clock.written + c
             step = self.schedule.advance(clock, c)
             if step.keeps_queries:
                 held = request.queries[layer_idx]
                 recent = q if held is None else torch.cat([held, q], dim=1)
                 request.queries[layer_idx] = recent if window is None else recent[:, max(0, recent.shape[1] - window):]
-            if step.due is not None:  # the queries it scores with now; a decode compaction reads the recent ones later
-                now = q if step.due.step_queries else request.queries[layer_idx] if ends_prompt else None
-                due.setdefault(step.due.trigger, []).append((rid, now))
+            if step.due is None:
+                continue
+            # the queries it scores with now (a decode compaction reads the recent ones when it is viewed); the
+            # prompt's queries are kept only for its end (the schedule keeps them exactly when that end is due)
+            ends_prompt = step.due.trigger is Trigger.PROMPT_END
+            now = q if step.due.step_queries else request.queries[layer_idx] if ends_prompt else None
+            due.setdefault(step.due.trigger, []).append((rid, now))
             if ends_prompt:
                 request.queries[layer_idx] = None  # decode compactions score with generated tokens' queries only
         groups = []
@@ -278,14 +281,13 @@ class PagedServing:
         """What each request of ``group`` scores with in layer ``layer_idx``: its last ``min(w, queries, entries
         held by its fullest kv head)`` queries for a scorer's window ``w`` (the transformers host's window), each
         request's own whatever the others bring."""
-        window = self.press.scorer.query_window()
         queries = []
         for i, rid in enumerate(group.ids):
             request = self.requests[rid]
             q = group.step_queries[i] if group.step_queries is not None else request.queries[layer_idx]
             if q is None:
                 raise RuntimeError(f"layer {layer_idx}: a request evicts before any of its queries reached the layer")
-            n = q.shape[1] if window is None else min(window, q.shape[1], max(request.seqs[layer_idx].lengths))
+            n = window_of(self.press.scorer, q.shape[1], max(request.seqs[layer_idx].lengths))
             queries.append(q[:, q.shape[1] - n:])
         return queries
 

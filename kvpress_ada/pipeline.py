@@ -28,8 +28,9 @@ class Pipeline(OneLineErrors):
     Prefill compression: at most one of ``compression_ratio`` (fraction of the context's entries
     evicted, ``0 <= r < 1``) or ``budget`` (average tokens kept per kv head). ``prefill_chunk=N``:
     a longer prompt is prefilled and compressed chunk by chunk (end-aligned chunks; the final cache
-    holds the one-shot totals). ``decode_budget=B, decode_interval=K`` (both or neither): every ``K``
-    generated tokens each layer is compacted back to ``B`` tokens per kv head on average. An
+    holds the one-shot totals). ``decode_budget=B, decode_interval=K``: every ``K`` generated tokens each
+    layer is compacted back to ``B`` tokens per kv head on average; ``decode_ratio=r`` instead of
+    ``decode_budget``: back to ``(1 - r)`` of the tokens each row has seen (prompt and generated). An
     allocator that sets its own budget (``Threshold``) needs none of these: a budget then caps each head.
     :meth:`keep` is the whole selection policy; ``with press(model):`` applies it (modes and their
     semantics: ``docs/design.md``). Impossible combinations are refused at construction, in one line.
@@ -49,6 +50,9 @@ class Pipeline(OneLineErrors):
     decode_budget: int | None = Field(None, ge=1, le=MAX_BUDGET,
                                       description="average tokens per kv head kept while generating")
     decode_interval: int | None = Field(None, ge=1, description="generated tokens between two decode compactions")
+    decode_ratio: float | None = Field(None, ge=0.0, lt=1.0,
+                                       description="fraction of the tokens seen so far (prompt and generated) "
+                                                   "evicted at each decode compaction (instead of decode_budget)")
 
     @field_validator("scorer", "allocator", "layers", "evictor", "storage", mode="before")
     @classmethod
@@ -60,18 +64,23 @@ class Pipeline(OneLineErrors):
     def _exactly_one_budget(self) -> "Pipeline":
         both = self.compression_ratio is not None and self.budget is not None
         thresholded = type(self.allocator).sets_budget
-        if both or (self.compression_ratio is None and self.budget is None and self.decode_budget is None
+        if both or (self.compression_ratio is None and self.budget is None and not self.compresses_decode
                     and not thresholded):
             raise ValueError(
                 "give exactly one of compression_ratio (0 <= r < 1, fraction evicted) or budget "
-                "(>= 1 tokens kept per kv head) for prefill compression, or neither with decode_budget and "
-                f"decode_interval for decode-only compression; got compression_ratio={self.compression_ratio}, "
-                f"budget={self.budget}, decode_budget={self.decode_budget}")
-        if (self.decode_budget is None) != (self.decode_interval is None):
-            raise ValueError("decode_budget (tokens kept per kv head while generating) and decode_interval "
+                "(>= 1 tokens kept per kv head) for prefill compression, or neither with decode_budget (or "
+                "decode_ratio) and decode_interval for decode-only compression; got compression_ratio="
+                f"{self.compression_ratio}, budget={self.budget}, decode_budget={self.decode_budget}")
+        if self.decode_budget is not None and self.decode_ratio is not None:
+            raise ValueError("give at most one of decode_budget (tokens kept per kv head while generating) and "
+                             "decode_ratio (fraction of the tokens seen evicted while generating); got "
+                             f"decode_budget={self.decode_budget}, decode_ratio={self.decode_ratio}")
+        if self.compresses_decode != (self.decode_interval is not None):
+            raise ValueError("decode_budget or decode_ratio (what is kept while generating) and decode_interval "
                              "(generated tokens between compactions) go together: give both or neither; got "
-                             f"decode_budget={self.decode_budget}, decode_interval={self.decode_interval}")
-        if self.decode_budget is not None:
+                             f"decode_budget={self.decode_budget}, decode_ratio={self.decode_ratio}, "
+                             f"decode_interval={self.decode_interval}")
+        if self.compresses_decode:
             self._check_decode_support()
         if self.storage.quantized and not type(self.evictor).frees_memory:
             raise ValueError(f"storage={self.storage.label!r} stores the kept entries quantized, but the evictor "
@@ -118,7 +127,7 @@ class Pipeline(OneLineErrors):
     def is_noop(self) -> bool:
         """Ratio 0 without chunked prefill or decode compression keeps every entry: the press leaves the
         model untouched. (With ``prefill_chunk`` the press still runs the prefill chunk by chunk.)"""
-        return not self.compresses_prefill and self.prefill_chunk is None and self.decode_budget is None
+        return not self.compresses_prefill and self.prefill_chunk is None and not self.compresses_decode
 
     @property
     def compresses_prefill(self) -> bool:
@@ -130,8 +139,9 @@ class Pipeline(OneLineErrors):
 
     @property
     def compresses_decode(self) -> bool:
-        """Whether the cache is compacted while generating (``decode_budget``/``decode_interval``)."""
-        return self.decode_budget is not None
+        """Whether the cache is compacted while generating (``decode_budget`` or ``decode_ratio``, with
+        ``decode_interval``)."""
+        return self.decode_budget is not None or self.decode_ratio is not None
 
     def check_context(self, min_length: int) -> None:
         """Raise a clear error when the shortest row is too short for the scorer."""
@@ -168,9 +178,14 @@ class Pipeline(OneLineErrors):
         return Budget(average=self.average_budget(lengths), lengths=lengths, cap=seen)
 
     def decode_budget_for(self, seen: torch.Tensor) -> Budget:
-        """The budget of a decode compaction of rows that have seen ``seen [B]`` tokens."""
+        """The budget of a decode compaction of rows that have seen ``seen [B]`` real tokens (prompt and
+        generated, padding not counted): ``decode_budget``, or ``round((1 - decode_ratio) * seen)`` (at least 1)
+        tokens per kv head on average."""
+        if self.decode_ratio is not None:
+            kept = torch.round((1.0 - self.decode_ratio) * seen.double()).long().clamp(min=1)
+            return Budget(average=torch.minimum(kept, seen.long().clamp(min=1)), lengths=seen)
         if self.decode_budget is None:
-            raise ValueError("this press has no decode_budget: it does not compact while generating")
+            raise ValueError("this press has no decode_budget or decode_ratio: it does not compact while generating")
         return Budget(average=torch.full_like(seen, self.decode_budget), lengths=seen)
 
     # ------------------------------------------------------------------- policy

@@ -185,6 +185,58 @@ def test_validation():
     assert Pipeline.model_validate_json(press.model_dump_json()) == press
 
 
+def test_decode_ratio_keeps_a_fraction_of_each_rows_tokens_seen(llama):
+    """decode_ratio (kvpress's CompressionRatioDecodingPress): each compaction keeps
+    ``H_kv * round((1 - r) * seen)`` entries of a row, ``seen`` its real tokens (prompt less its left padding,
+    plus the generated ones), so the two rows of a padded batch keep different totals; ragged == Mask."""
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(5, 100, (2, 28), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    ids[1, :6] = 0
+    ratio, K = 0.6, 4
+    _assert_same(llama, ids, attention_mask=mask, decode_interval=K, budget=None, decode_budget=None,
+                 decode_ratio=ratio)
+    press = _press(TopK(), budget=None, decode_budget=None, decode_ratio=ratio, decode_interval=K)
+    H, n_layers = llama.config.num_key_value_heads, llama.config.num_hidden_layers
+    real = mask.sum(-1)
+    with torch.inference_mode(), press(llama):
+        out = llama(ids, attention_mask=mask, use_cache=True)
+        cache = output_cache(out)
+        held = [cache.head_lengths(i).sum(-1) for i in range(n_layers)]
+        for step in range(1, 3 * K + 1):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], -1)
+            out = llama(out.logits[:, -1:].argmax(-1), attention_mask=mask, use_cache=True,
+                        **{cache_kwarg(llama): cache})
+            for layer in range(n_layers):
+                held[layer] = held[layer] + H
+                totals = cache.head_lengths(layer).sum(-1)
+                if step % K == 0:  # compacted in this forward (every row holds more than it keeps)
+                    want = torch.round((1 - ratio) * (real + step).double()).long()
+                    assert torch.equal(totals, H * want)
+                    assert int(totals[0]) != int(totals[1])
+                else:
+                    assert torch.equal(totals, held[layer])
+                held[layer] = totals
+    budget = press.decode_budget_for(torch.tensor([1, 10, 100]))
+    assert budget.average.tolist() == [1, 4, 40]
+
+
+def test_decode_ratio_validation():
+    Pipeline(scorer=SnapKV(), decode_ratio=0.5, decode_interval=8)  # decode only: valid
+    assert Pipeline(scorer=SnapKV(), decode_ratio=0.0, decode_interval=8).compresses_decode
+    with pytest.raises(ValidationError, match="at most one of decode_budget"):
+        Pipeline(scorer=SnapKV(), decode_budget=8, decode_ratio=0.5, decode_interval=4)
+    with pytest.raises(ValidationError, match="go together"):
+        Pipeline(scorer=SnapKV(), decode_ratio=0.5)
+    with pytest.raises(ValidationError, match="decode_ratio"):
+        Pipeline(scorer=SnapKV(), decode_ratio=1.0, decode_interval=4)
+    with pytest.raises(ValidationError, match="model pass"):
+        Pipeline(scorer="kvzip", budget=8, decode_ratio=0.5, decode_interval=4)
+    press = Pipeline(scorer=SnapKV(), budget=8, decode_ratio=0.25, decode_interval=4)
+    assert Pipeline.model_validate_json(press.model_dump_json()) == press
+
+
 def test_generate_several_questions_with_decode_compression(tokenizer):
     model = build_model("qwen2")
     press = Pipeline(scorer=SnapKV(window=4), budget=24, decode_budget=12, decode_interval=3)

@@ -318,7 +318,9 @@ def cmd_demo(args) -> int:
     print(f"tokens kept per kv head in layer {middle}: {lengths} (budgets differ per head and per layer)")
     main = presses[args.preset]
     if main.compresses_decode:
-        print(f"decode compression: back to {main.decode_budget} tokens per kv head every {main.decode_interval} "
+        target = (f"{main.decode_budget} tokens" if main.decode_ratio is None
+                  else f"{1 - main.decode_ratio:.0%} of the tokens seen")
+        print(f"decode compression: back to {target} per kv head every {main.decode_interval} "
               f"generated tokens; KV bytes after the answer: {decoded_bytes[1]:,}")
     return 0
 

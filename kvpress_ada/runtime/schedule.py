@@ -11,8 +11,8 @@ which queries it scores with, whether it waits for every layer of the step) or `
   ``prefill_chunk``: the step's own queries, as every chunk);
 * **chunk** (a press with ``prefill_chunk``, a step that writes part of a longer prompt): the one-shot budget
   capped at the tokens seen, scored with the step's queries;
-* **decode** (a press with ``decode_budget``): every ``decode_interval`` generated tokens, the decode budget,
-  scored with the last ``query_window()`` generated tokens' queries.
+* **decode** (a press with ``decode_budget`` or ``decode_ratio``): every ``decode_interval`` generated tokens,
+  the decode budget, scored with the last ``query_window()`` generated tokens' queries.
 
 An eviction waits for the end of the step (:attr:`Due.waits`) when its layer schedule compares layers
 (``AdaLayer``) or, at prompt end, when the scorer runs a model pass of its own. Nothing here reads a tensor

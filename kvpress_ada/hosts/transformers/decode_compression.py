@@ -1,5 +1,6 @@
 """Decode handler: attention over a press cache after its prefill, and, for a press with
-``decode_budget=B, decode_interval=K``, compaction of each layer while generating.
+``decode_budget=B, decode_interval=K`` (or ``decode_ratio=r``: ``B`` is then ``(1 - r)`` of the row's tokens
+seen so far), compaction of each layer while generating.
 
 Every layer counts the tokens appended to it since its last compaction; in the forward where that
 count reaches ``K``, right after the layer's attention, the layer's view (what each kv head holds,
@@ -93,10 +94,14 @@ class DecodeRun(Handler):
         return output
 
     def _budget(self, layer_idx: int) -> Budget:
-        """The decode budget of layer ``layer_idx``'s rows, which have seen its ``get_seq_length`` tokens."""
+        """The decode budget of layer ``layer_idx``'s rows, which have seen its ``get_seq_length`` tokens less
+        their prefill's left padding."""
         assert self.press is not None
         rows = self.cache.head_lengths(layer_idx)
         seen = torch.full((rows.shape[0],), self.cache.get_seq_length(layer_idx), dtype=torch.long, device=rows.device)
+        key_mask = self.cache.state.key_mask
+        if key_mask is not None and key_mask.shape[0] == seen.shape[0]:
+            seen = seen - (~key_mask).sum(-1).to(seen.device)
         return Schedule(self.press).budget(Trigger.DECODE, seen, seen)
 
     def _after_attention(self, module: torch.nn.Module, query: torch.Tensor, scaling: float) -> None:

@@ -41,6 +41,9 @@ class Observation(_LayerFields):
     ``entry_scores``: ``[B, H_kv, L]`` what the scorer's ``entry_scores`` gave each entry from the
     hidden state that entered the attention with its token (only for scorers that declare
     ``reads_hidden_states``, e.g. KVzap's surrogate).
+    ``positions``: ``[B, H_kv, L]`` long, each entry's index in the sequence fed to the cache (what a scorer
+    reading RoPE geometry needs when the entries are not contiguous: chunked prefill, decode compression);
+    ``None`` when the entries are the sequence itself (index ``j`` of a row is its ``j``-th slot).
     ``head_offset``: index among this process's kv heads of the observation's first kv head
     (non-zero when chunked prefill scores the kv heads of a layer one at a time). ``shard``: under
     tensor parallelism, this rank's block of kv heads
@@ -51,6 +54,7 @@ class Observation(_LayerFields):
 
     key_mask: torch.Tensor
     head_offset: int = 0
+    positions: torch.Tensor | None = None
 
     @property
     def global_head_offset(self) -> int:
@@ -82,13 +86,24 @@ class LayerView(_LayerFields):
     row and head, in position order; ``valid``: ``[B, H_kv, L]`` bool, False on padding;
     ``positions``: ``[B, H_kv, L]`` each entry's index in the sequence fed to the cache (None when
     the view's layout is the sequence itself). ``queries``: ``[B, H_q, w, D]`` the queries a scorer
-    reads (the last ``w`` of the forward, the scorer's ``query_window``). The remaining fields are
-    those of :class:`Observation`.
+    reads (the last ``w`` of the forward, the scorer's ``query_window``). ``scope``: the layers a layer
+    schedule splits the budget across, in order (the layers the press compresses: a hybrid model's global
+    layers; ``None``: all ``n_layers``). The remaining fields are those of :class:`Observation`.
     """
 
     valid: torch.Tensor
     positions: torch.Tensor | None = None
     uniform: bool | None = None  # every kv head of a row holds the same entries (None: not known, checked)
+    scope: tuple[int, ...] | None = None
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """``(index, count)`` of this layer among the layers of its :attr:`scope`."""
+        if self.scope is None:
+            return self.layer_idx, self.n_layers
+        if self.layer_idx not in self.scope:
+            raise ValueError(f"layer {self.layer_idx} is not among the layers a press compresses {self.scope}")
+        return self.scope.index(self.layer_idx), len(self.scope)
 
     @classmethod
     def of(cls, obs: Observation) -> "LayerView":
@@ -97,7 +112,7 @@ class LayerView(_LayerFields):
         return cls(keys=obs.keys, values=obs.values, valid=obs.key_mask[:, None, :].expand(B, H, L),
                    queries=obs.queries, layer_idx=obs.layer_idx, n_layers=obs.n_layers, scaling=obs.scaling,
                    output_weight=obs.output_weight, rope_inv_freq=obs.rope_inv_freq, pass_scores=obs.pass_scores,
-                   shard=obs.shard, uniform=True, entry_scores=obs.entry_scores)
+                   shard=obs.shard, uniform=True, entry_scores=obs.entry_scores, positions=obs.positions)
 
     def rows(self, index: torch.Tensor) -> "LayerView":
         """The view of the batch rows ``index``."""
@@ -119,7 +134,7 @@ class LayerView(_LayerFields):
         if uniform:
             return [Observation(keys=self.keys, values=self.values, queries=self.queries, key_mask=self.valid[:, 0],
                                 output_weight=self.output_weight, pass_scores=self.pass_scores,
-                                entry_scores=self.entry_scores, **common)]
+                                entry_scores=self.entry_scores, positions=self.positions, **common)]
         G = self.queries.shape[1] // H
         D = self.queries.shape[-1]
         heads = []
@@ -132,7 +147,8 @@ class LayerView(_LayerFields):
             heads.append(Observation(
                 keys=self.keys[:, h:h + 1], values=self.values[:, h:h + 1], queries=self.queries[:, h * G:(h + 1) * G],
                 key_mask=self.valid[:, h], output_weight=weight, head_offset=h,
-                pass_scores=head(self.pass_scores, h), entry_scores=head(self.entry_scores, h), **common))
+                pass_scores=head(self.pass_scores, h), entry_scores=head(self.entry_scores, h),
+                positions=head(self.positions, h), **common))
         return heads
 
 

@@ -9,6 +9,7 @@ from .allocators import (
     AdaLayer,
     Calibrated,
     CalibratedLayer,
+    CompositeLayer,
     PyramidLayer,
     Threshold,
     UniformHead,
@@ -18,12 +19,15 @@ from .pipeline import Pipeline
 from .scorers import (
     H2O,
     TOVA,
+    ChunkKV,
     CriticalKV,
     ExpectedAttention,
     KeyDiff,
     KNorm,
+    KVCompose,
     KVzip,
     LagKV,
+    Leverage,
     RandomScorer,
     SnapKV,
     StreamingLLM,
@@ -76,6 +80,17 @@ _PRESETS: dict[str, Callable[[], dict]] = {
     # StreamingLLM's tokens with KVzip's per-(layer, head) budgets, calibrated offline on the default model
     # (kvpress_ada/calibration/smollm2_135m_kvzip.json); refused for another model: `kvpress-ada calibrate`
     "calibrated_streamingllm": lambda: dict(scorer=StreamingLLM(), layers=CalibratedLayer(), allocator=Calibrated()),
+    # key statistics: outlier keys of each head's pre-RoPE key matrix (Compactor's leverage scores)
+    "leverage": lambda: dict(scorer=Leverage()),
+    "ada_leverage": lambda: dict(scorer=Leverage(), allocator=AdaHead(alpha=ADA_ALPHA)),
+    # ChunkKV: SnapKV's scores averaged over chunks of 20 tokens, whole chunks kept (one ranking per layer, as in
+    # kvpress); the Ada variant ranks each head's chunks and splits the budget across heads on them
+    "chunkkv": lambda: dict(scorer=ChunkKV()),
+    "ada_chunkkv": lambda: dict(scorer=ChunkKV(shared=False), allocator=AdaHead(alpha=ADA_ALPHA)),
+    # KVCompose: attention received from a second reading of the context; composite tokens give every kv head of
+    # a layer the same count (one top-k over the layers' composite scores); Ada splits each layer's count by heads
+    "kvcompose": lambda: dict(scorer=KVCompose(), layers=CompositeLayer()),
+    "ada_kvcompose": lambda: dict(scorer=KVCompose(), layers=CompositeLayer(), allocator=AdaHead(alpha=ADA_ALPHA)),
 }
 
 

@@ -4,19 +4,22 @@ The file, the registry name and the preset name of a scorer are the same word (`
 ``snapkv``, ``h2o.py`` is ``h2o``, ...); older registry names load as aliases."""
 
 from .base import SCORERS, PassChunk, PassScorer, Scorer, register_scorer
+from .chunkkv import ChunkKV
 from .criticalkv import CriticalKV
 from .expected_attention import ExpectedAttention
 from .h2o import H2O, ObservedAttention
 from .keydiff import KeyDiff
 from .knorm import KNorm
+from .kvcompose import KVCompose
 from .kvzap import KVzap
 from .kvzip import KVzip
 from .lagkv import LagKV
+from .leverage import Leverage
 from .random import RandomScorer
 from .snapkv import SnapKV
 from .streamingllm import StreamingLLM
 from .tova import TOVA
 
-__all__ = ["SCORERS", "PassChunk", "PassScorer", "Scorer", "register_scorer", "CriticalKV", "ExpectedAttention",
-           "H2O", "KeyDiff", "KNorm", "KVzap", "KVzip", "LagKV", "ObservedAttention", "RandomScorer", "SnapKV",
-           "StreamingLLM", "TOVA"]
+__all__ = ["SCORERS", "PassChunk", "PassScorer", "Scorer", "register_scorer", "ChunkKV", "CriticalKV",
+           "ExpectedAttention", "H2O", "KeyDiff", "KNorm", "KVCompose", "KVzap", "KVzip", "LagKV", "Leverage",
+           "ObservedAttention", "RandomScorer", "SnapKV", "StreamingLLM", "TOVA"]

@@ -1,0 +1,119 @@
+"""Key-statistics scorers (leverage, CUR, non-causal attention, Compactor, Q-filters, CAP) against their
+formulas, recomputed independently in float64 with explicit loops on tiny left-padded batches, plus the
+invariants each formula promises."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvpress_ada import Observation
+from kvpress_ada.scorers import Leverage
+from kvpress_ada.scorers.statistics import gaussian_sketch, row_zscore
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def _inv_freq(D, base=10000.0):
+    return [1.0 / base ** (2 * i / D) for i in range(D // 2)]
+
+
+def _setup(seed, B=2, Hkv=2, G=2, L=14, D=8, pads=(0, 3)):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(B, Hkv, L, D, generator=g)
+    values = torch.randn(B, Hkv, L, D, generator=g)
+    queries = torch.randn(B, Hkv * G, L, D, generator=g)
+    key_mask = torch.ones(B, L, dtype=torch.bool)
+    for b, p in enumerate(pads):
+        key_mask[b, :p] = False
+    return keys, values, queries, key_mask
+
+
+def _obs(keys, values, queries, key_mask, positions=None):
+    D = keys.shape[-1]
+    return Observation(keys=keys, values=values, queries=queries, key_mask=key_mask, layer_idx=0, n_layers=1,
+                       scaling=D**-0.5, rope_inv_freq=torch.tensor(_inv_freq(D)), positions=positions)
+
+
+def _rotate(vec, pos, D, sign=1.0):
+    """RoPE (half-split) of one vector at position ``pos`` written out pair by pair (``sign=-1``: undo it)."""
+    half = D // 2
+    out = list(vec)
+    for i, f in enumerate(_inv_freq(D)):
+        a = sign * pos * f
+        x, y = vec[i], vec[i + half]
+        out[i], out[i + half] = x * math.cos(a) - y * math.sin(a), y * math.cos(a) + x * math.sin(a)
+    return out
+
+
+def _leverage_ref(K, ridge, phi=None):
+    """Ridge leverage of the rows of ``K`` (list of vectors): centre, sketch, ``x^T (X^T X + ridge I)^-1 x``."""
+    X = torch.tensor(K, dtype=torch.float64)
+    X = X - X.mean(dim=0, keepdim=True)
+    if phi is not None:
+        X = X @ phi.double()
+    gram = X.T @ X + ridge * torch.eye(X.shape[1], dtype=torch.float64)
+    inv = torch.linalg.inv(gram)
+    return [max(0.0, float(x @ inv @ x)) for x in X]
+
+
+# ----------------------------------------------------------------------------- leverage
+@pytest.mark.parametrize("sketch", [None, 6, 48])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_leverage_formula(seed, sketch):
+    keys, values, queries, key_mask = _setup(seed)
+    B, H, L, D = keys.shape
+    scorer = Leverage(sketch_dimension=sketch, ridge=1e-2, seed=3)
+    got = scorer.score(_obs(keys, values, queries[:, :, :0], key_mask))
+    phi = None if sketch is None else gaussian_sketch(D, sketch, 3, "cpu")
+    for b in range(B):
+        valid = [j for j in range(L) if key_mask[b, j]]
+        for h in range(H):
+            # the cache holds post-RoPE keys of consecutive tokens: undo RoPE at each token's rank
+            pre = [_rotate(keys[b, h, j].double().tolist(), r, D, sign=-1.0) for r, j in enumerate(valid)]
+            want = _leverage_ref(pre, 1e-2, phi)
+            torch.testing.assert_close(got[b, h, valid].double(), torch.tensor(want, dtype=torch.float64),
+                                       rtol=RTOL, atol=ATOL)
+            assert bool((got[b, h, ~key_mask[b]] == 0).all())
+
+
+def test_leverage_reads_pre_rope_keys_at_their_positions():
+    """Keys rotated by RoPE at scattered positions (a chunked prefill's kept entries) score as the pre-RoPE
+    keys themselves; a common shift of every position changes nothing (without a sketch)."""
+    g = torch.Generator().manual_seed(5)
+    B, H, L, D = 1, 2, 10, 8
+    pre = torch.randn(B, H, L, D, generator=g, dtype=torch.float64)
+    positions = torch.tensor([0, 1, 2, 3, 9, 14, 15, 30, 31, 32]).expand(B, H, L)
+    post = torch.tensor([[[_rotate(pre[0, h, j].tolist(), int(positions[0, h, j]), D) for j in range(L)]
+                          for h in range(H)]], dtype=torch.float32)
+    mask = torch.ones(B, L, dtype=torch.bool)
+    scorer = Leverage(sketch_dimension=None, ridge=1e-4)
+    got = scorer.score(_obs(post, post, post[:, :, :0], mask, positions=positions))
+    want = torch.tensor([[_leverage_ref(pre[0, h].tolist(), 1e-4) for h in range(H)]], dtype=torch.float64)
+    torch.testing.assert_close(got.double(), want, rtol=1e-3, atol=1e-4)
+    shifted = scorer.score(_obs(post, post, post[:, :, :0], mask, positions=positions + 7))
+    torch.testing.assert_close(shifted, got)
+    # the positions matter: reading the same keys as consecutive tokens scores them differently
+    assert not torch.allclose(scorer.score(_obs(post, post, post[:, :, :0], mask)), got, atol=1e-3)
+
+
+def test_leverage_scores_sum_to_the_rank_in_every_head():
+    """Exact leverage (no sketch, tiny ridge) of n > D centred keys sums to D in each head: one scale for
+    every head, what ``comparable_across_heads`` claims."""
+    keys, values, queries, key_mask = _setup(2, L=40)
+    got = Leverage(sketch_dimension=None, ridge=1e-6).score(_obs(keys, values, queries[:, :, :0], key_mask))
+    torch.testing.assert_close(got.sum(-1), torch.full(got.shape[:2], float(keys.shape[-1])), rtol=1e-3, atol=1e-3)
+    assert Leverage.comparable_across_heads
+
+
+def test_row_zscore_is_per_row_over_heads():
+    scores = torch.randn(2, 3, 7, dtype=torch.float64)
+    mask = torch.ones(2, 3, 7, dtype=torch.bool)
+    mask[1, :, :2] = False
+    z = row_zscore(scores, mask)
+    for b in range(2):
+        vals = scores[b][mask[b]]
+        torch.testing.assert_close(z[b][mask[b]], (vals - vals.mean()) / vals.std())
+    assert bool((z[~mask] == 0).all())

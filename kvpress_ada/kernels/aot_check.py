@@ -7,6 +7,7 @@ codegen errors, shared-memory overruns and unpipelined loads show up in CPU-only
 
     python -m kvpress_ada.kernels.aot_check --dtype bf16 --head-dim 128 --m 4
 
+``--extras`` compiles the variants with logit soft-capping and attention sinks compiled in.
 Must run *without* ``TRITON_INTERPRET`` (prints JSON, one line per kernel).
 """
 
@@ -39,9 +40,10 @@ def _compile(kernel, types, consts, num_warps, num_stages, arch):
     return {"shared": k.metadata.shared, "cp_async": ptx.count("cp.async"), "ptx_lines": ptx.count("\n")}
 
 
-def check(dtype: str, head_dim: int, m_total: int, arch: int = 90) -> dict:
+def check(dtype: str, head_dim: int, m_total: int, arch: int = 90, extras: bool = False) -> dict:
     """Compile the split, reduce and compact kernels, and the split kernel over int8 / int4 records (groups of
-    32 channels) and e4m3 records (one scale per head), for one (dtype, head_dim, G*Q)."""
+    32 channels) and e4m3 records (one scale per head), for one (dtype, head_dim, G*Q); ``extras``: with
+    soft-capping and sinks compiled in."""
     import torch
 
     from .quantized import triton_kernel as qt
@@ -52,13 +54,15 @@ def check(dtype: str, head_dim: int, m_total: int, arch: int = 90) -> dict:
         raise RuntimeError("aot_check must run without TRITON_INTERPRET")
     tdt = getattr(torch, _DTYPES[dtype])
     cfg = tk.default_config(head_dim, m_total, 1 << 20, tdt, torch.device("cpu"))
-    f32 = {"PM_ptr": "*fp32", "PL_ptr": "*fp32", "PACC_ptr": "*fp32", "LEN_ptr": "*i32"}
+    f32 = {"PM_ptr": "*fp32", "PL_ptr": "*fp32", "PACC_ptr": "*fp32", "LEN_ptr": "*i32", "cap_log2": "fp32",
+           "SINK_ptr": "*fp32", "BIAS_ptr": "*fp32"}
     t = "*" + dtype
-    out = {"dtype": dtype, "head_dim": head_dim, "m_total": m_total, "config": cfg}
+    out = {"dtype": dtype, "head_dim": head_dim, "m_total": m_total, "config": cfg, "extras": extras}
     out["split"] = _compile(
         tk._ragged_attn_split_kernel,
         {"Q_ptr": t, "K_ptr": t, "V_ptr": t, "OFF_ptr": "*i32", "qk_scale": "fp32", **f32},
-        dict(HEAD_DIM=head_dim, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], R_PAD=16, IEEE=dtype == "fp32"),
+        dict(HEAD_DIM=head_dim, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], R_PAD=16, IEEE=dtype == "fp32",
+             SOFTCAP=extras),
         cfg["num_warps"],
         cfg["num_stages"],
         arch,
@@ -71,7 +75,7 @@ def check(dtype: str, head_dim: int, m_total: int, arch: int = 90) -> dict:
             {"Q_ptr": t, "K_ptr": "*u8", "V_ptr": "*u8", "KS_ptr": scales, "VS_ptr": scales, "AK_ptr": "*fp32",
              "AV_ptr": t, "TK_ptr": "*fp32", "TV_ptr": "*fp32", "OFF_ptr": "*i32", "qk_scale": "fp32", **f32},
             dict(HEAD_DIM=head_dim, BITS=bits, GROUP=group, E4M3=e4m3, RESID=32, BLOCK_M=cfg["block_m"],
-                 BLOCK_N=cfg["block_n"], R_PAD=16, IEEE=dtype == "fp32"),
+                 BLOCK_N=cfg["block_n"], R_PAD=16, IEEE=dtype == "fp32", SOFTCAP=extras, SHIFT=extras),
             cfg["num_warps"],
             cfg["num_stages"],
             arch,
@@ -79,7 +83,7 @@ def check(dtype: str, head_dim: int, m_total: int, arch: int = 90) -> dict:
     out["reduce"] = _compile(
         tk._ragged_attn_reduce_kernel,
         {"O_ptr": t, **f32},
-        dict(HEAD_DIM=head_dim, R_PAD=16, BLOCK_S=32 if head_dim <= 128 else 16),
+        dict(HEAD_DIM=head_dim, R_PAD=16, BLOCK_S=32 if head_dim <= 128 else 16, SINKS=extras),
         4,
         2,
         arch,
@@ -101,11 +105,12 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, nargs="+", default=[128])
     p.add_argument("--m", type=int, nargs="+", default=[4], help="G * Q query rows per kv row")
     p.add_argument("--arch", type=int, default=90)
+    p.add_argument("--extras", action="store_true", help="with logit soft-capping and attention sinks compiled in")
     a = p.parse_args(argv)
     for dt in a.dtype:
         for d in a.head_dim:
             for m in a.m:
-                print(json.dumps(check(dt, d, m, a.arch)))
+                print(json.dumps(check(dt, d, m, a.arch, a.extras)))
     return 0
 
 

@@ -11,18 +11,23 @@ only when a Triton op runs).
   way Triton reads it;
 * :func:`triton_available`: whether triton is installed (without importing it);
 * :func:`use_backend`, :func:`get_backend`, :func:`resolve_backend`: the backend choice
-  (``"auto" | "triton" | "torch"``; ``use_backend`` > ``$KVPRESS_ADA_KERNELS`` > ``"auto"``).
+  (``"auto" | "triton" | "torch"``; ``use_backend`` > ``$KVPRESS_ADA_KERNELS`` > ``"auto"``);
+* :func:`check_logit_extras`: the two optional logit terms every attention op takes, logit soft-capping
+  (Gemma 2) and learned attention sinks (GPT-OSS).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
+import numbers
 import os
 import warnings
 from types import ModuleType
 
 import torch
+from torch import Tensor
 
 __all__ = [
     "BACKENDS",
@@ -30,6 +35,7 @@ __all__ = [
     "INTERPRET_ENV_VAR",
     "SUPPORTED_HEAD_DIMS",
     "check_head_dim",
+    "check_logit_extras",
     "get_backend",
     "parse_triton_interpret",
     "resolve_backend",
@@ -60,6 +66,33 @@ def check_head_dim(head_dim: int) -> None:
             f"head_dim={head_dim} is not supported by the Triton ragged attention kernel; "
             f"supported head dims: {SUPPORTED_HEAD_DIMS} (use the torch backend otherwise)"
         )
+
+
+def check_logit_extras(softcap: float | None, sinks: Tensor | None, query_heads: int,
+                       device: torch.device) -> float:
+    """Validate the optional logit terms of an attention op and return the soft-cap as a float (0.0: off).
+
+    ``softcap`` (Gemma 2): logits ``l = scale * q . k`` become ``softcap * tanh(l / softcap)`` before the
+    softmax; ``None`` or ``0`` turn it off, anything else must be a finite positive number. ``sinks``
+    (GPT-OSS): one logit per query head, a floating tensor ``[H_q]`` on the queries' device, that joins each
+    softmax's denominator and contributes no value. Raises a one-line ``ValueError`` otherwise."""
+    if softcap is None:
+        cap = 0.0
+    elif isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise ValueError(f"softcap={softcap!r} must be a positive number (None or 0: no soft-capping)")
+    else:
+        cap = float(softcap)
+        if not (math.isfinite(cap) and cap >= 0.0):
+            raise ValueError(f"softcap={softcap!r} must be a finite positive number (None or 0: no soft-capping)")
+    if sinks is not None:
+        if not isinstance(sinks, Tensor):
+            raise ValueError(f"sinks must be a float tensor [H_q={query_heads}], got {type(sinks).__name__}")
+        if sinks.dim() != 1 or sinks.shape[0] != query_heads or not sinks.dtype.is_floating_point:
+            raise ValueError(f"sinks must be a float tensor [H_q={query_heads}] (one logit per query head), "
+                             f"got {sinks.dtype} {tuple(sinks.shape)}")
+        if sinks.device != device:
+            raise ValueError(f"sinks is on {sinks.device} but the queries are on {device}")
+    return cap
 
 
 def parse_triton_interpret(value: str | None) -> bool:

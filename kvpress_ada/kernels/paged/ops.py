@@ -12,7 +12,8 @@ kernels; a token that sees nothing outputs 0). Query heads ``h*G .. h*G+G-1`` re
 
 :func:`paged_attention` is a ``torch.library`` custom op with a fake kernel (compiles with
 ``fullgraph=True``); it runs the Triton kernel (:mod:`.triton_kernel`) on CUDA and the torch reference
-(:func:`paged_attention_ref`) elsewhere, as chosen by :mod:`.support`.
+(:func:`paged_attention_ref`) elsewhere, as chosen by :mod:`.support`. Like the ragged op it takes logit
+soft-capping (``softcap``, Gemma 2) and attention sinks (``sinks [H_q]``, GPT-OSS).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..support import resolve_backend, triton_module
+from ..ragged.reference import capped, sink_softmax
+from ..support import check_logit_extras, resolve_backend, triton_module
 
 __all__ = ["paged_attention", "paged_attention_ref", "token_rows"]
 
@@ -53,11 +55,21 @@ def _gather_rows(k_pages: Tensor, v_pages: Tensor, table: Tensor, lengths: Tenso
     return keys, values.masked_fill_(hidden[..., None], 0.0), hidden
 
 
+def _probabilities(s: Tensor, sink: Tensor | None) -> Tensor:
+    """Softmax of logits ``s`` (``-inf`` where hidden) with an optional sink logit (broadcast to ``s[..., :1]``);
+    a query that sees nothing gets weight 0 everywhere."""
+    if sink is None:
+        return torch.softmax(s, dim=-1).nan_to_num_(0.0)
+    return sink_softmax(s, sink)
+
+
 def paged_attention_ref(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor, row_lengths: Tensor,
-                        query_start: Tensor, scale: float) -> Tensor:
+                        query_start: Tensor, scale: float, *, softcap: float | None = None,
+                        sinks: Tensor | None = None) -> Tensor:
     """The torch reference (and CPU path) of :func:`paged_attention`: request by request, the pages its
     rows use are gathered once and every token of the request attends over them; fp32 accumulation,
-    output ``[T, H_q, D]`` in ``q.dtype``."""
+    output ``[T, H_q, D]`` in ``q.dtype``. ``softcap`` (None / 0: off) and ``sinks [H_q]``: as
+    :func:`paged_attention` (not validated here)."""
     T, H_q, D = q.shape
     R, M = page_table.shape
     N = query_start.shape[0] - 1
@@ -67,8 +79,11 @@ def paged_attention_ref(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table:
     starts = query_start.tolist()
     lengths = row_lengths.view(N, H_kv).long()
     longest = lengths.amax(-1).tolist() if N else []
+    cap = float(softcap or 0.0)
+    sink = None if sinks is None else sinks.float().view(H_kv, G, 1, 1)
     if N > 1 and starts == list(range(N + 1)):  # a decode batch, one token per request: every request at once
-        return _decode_batch(q, k_pages, v_pages, page_table, lengths, max(longest), scale).to(q.dtype)
+        return _decode_batch(q, k_pages, v_pages, page_table, lengths, max(longest), scale, cap,
+                             None if sink is None else sink[..., 0]).to(q.dtype)
     for n in range(N):
         t0, t1 = starts[n], starts[n + 1]
         width = int(longest[n])
@@ -76,40 +91,46 @@ def paged_attention_ref(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table:
             continue
         keys, values, _ = _gather_rows(k_pages, v_pages, page_table[n * H_kv:(n + 1) * H_kv], lengths[n], width)
         Q = t1 - t0
-        if Q == width and bool((lengths[n] == width).all()):  # a fresh prefill: plain causal attention
+        if Q == width and not cap and sink is None and bool((lengths[n] == width).all()):
+            # a fresh prefill: plain causal attention
             out[t0:t1] = F.scaled_dot_product_attention(
                 q[t0:t1].float().transpose(0, 1)[None], keys[None], values[None], is_causal=True, scale=scale,
                 enable_gqa=G > 1)[0].transpose(0, 1)
             continue
         qg = q[t0:t1].float().view(Q, H_kv, G, D).permute(1, 2, 0, 3).reshape(H_kv, G * Q, D)
         s = torch.bmm(qg, keys.transpose(1, 2)).mul_(scale).view(H_kv, G, Q, width)
+        if cap:
+            capped(s, cap)
         ahead = torch.arange(Q - 1, -1, -1, device=q.device)
         visible = lengths[n][:, None] - ahead[None, :]  # [H_kv, Q] entries each token sees in each row
         hidden = torch.arange(width, device=q.device)[None, None, :] >= visible[:, :, None]
         s.masked_fill_(hidden[:, None], float("-inf"))
-        p = torch.softmax(s, dim=-1).nan_to_num_(0.0)  # a token that sees nothing: 0
+        p = _probabilities(s, sink)  # a token that sees nothing: 0
         o = torch.bmm(p.view(H_kv, G * Q, width), values).view(H_kv, G, Q, D)
         out[t0:t1] = o.permute(2, 0, 1, 3).reshape(Q, H_q, D)
     return out.to(q.dtype)
 
 
 def _decode_batch(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor, lengths: Tensor, width: int,
-                  scale: float) -> Tensor:
+                  scale: float, softcap: float = 0.0, sink: Tensor | None = None) -> Tensor:
     """:func:`paged_attention_ref` of one token per request (``q [N, H_q, D]``, ``lengths [N, H_kv]``): the pages of
-    every row gathered at once, ``width`` the longest row; fp32 ``[N, H_q, D]``."""
+    every row gathered at once, ``width`` the longest row; fp32 ``[N, H_q, D]``. ``sink [H_kv, G, 1]``: fp32."""
     N, H_q, D = q.shape
     H_kv = lengths.shape[1]
     if width <= 0:
         return torch.zeros(N, H_q, D, dtype=torch.float32, device=q.device)
     keys, values, hidden = _gather_rows(k_pages, v_pages, page_table.reshape(N, H_kv, -1), lengths, width)
     s = torch.matmul(q.float().view(N, H_kv, H_q // H_kv, D), keys.transpose(-1, -2)).mul_(scale)
+    if softcap:
+        capped(s, softcap)
     s.masked_fill_(hidden[:, :, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num_(0.0)  # a row that holds nothing: 0
+    p = _probabilities(s, sink)  # a row that holds nothing: 0
     return torch.matmul(p, values).view(N, H_q, D)
 
 
 def _validate(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor, row_lengths: Tensor,
-              query_start: Tensor) -> None:
+              query_start: Tensor, softcap: float | None = None, sinks: Tensor | None = None) -> float:
+    """Raise on bad arguments; return the soft-cap as a float (0.0: off)."""
     for name, x, ndim in (("q", q, 3), ("k_pages", k_pages, 3), ("v_pages", v_pages, 3),
                           ("page_table", page_table, 2), ("row_lengths", row_lengths, 1),
                           ("query_start", query_start, 1)):
@@ -135,37 +156,45 @@ def _validate(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor, r
                     ("row_lengths", row_lengths), ("query_start", query_start)):
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
+    return check_logit_extras(softcap, sinks, q.shape[1], q.device)
 
 
-def _impl(q, k_pages, v_pages, page_table, row_lengths, query_start, scale):
+def _impl(q, k_pages, v_pages, page_table, row_lengths, query_start, scale, softcap=0.0, sinks=None):
     if q.numel() == 0:
         return torch.zeros_like(q)
     if resolve_backend(q.device, q.shape[-1]) == "triton":
         request, ahead = token_rows(query_start, q.shape[0])
         kv_heads = page_table.shape[0] // (query_start.shape[0] - 1)
         kernel = triton_module("paged.triton_kernel").paged_attention_triton
-        return kernel(q, k_pages, v_pages, page_table, row_lengths, request, ahead, kv_heads, scale)
-    return paged_attention_ref(q, k_pages, v_pages, page_table, row_lengths, query_start, scale)
+        return kernel(q, k_pages, v_pages, page_table, row_lengths, request, ahead, kv_heads, scale, softcap=softcap,
+                      sinks=sinks)
+    return paged_attention_ref(q, k_pages, v_pages, page_table, row_lengths, query_start, scale, softcap=softcap,
+                               sinks=sinks)
 
 
 @torch.library.custom_op("kvpress_ada::paged_attention", mutates_args=())
 def _paged_attention_op(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor, row_lengths: Tensor,
-                        query_start: Tensor, scale: float) -> Tensor:
-    return _impl(q, k_pages, v_pages, page_table, row_lengths, query_start, scale)
+                        query_start: Tensor, scale: float, softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
+    return _impl(q, k_pages, v_pages, page_table, row_lengths, query_start, scale, softcap, sinks)
 
 
 @_paged_attention_op.register_fake
-def _(q, k_pages, v_pages, page_table, row_lengths, query_start, scale):
-    _validate(q, k_pages, v_pages, page_table, row_lengths, query_start)
+def _(q, k_pages, v_pages, page_table, row_lengths, query_start, scale, softcap=0.0, sinks=None):
+    _validate(q, k_pages, v_pages, page_table, row_lengths, query_start, softcap, sinks)
     return torch.empty_like(q)
 
 
 def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor, row_lengths: Tensor,
-                    query_start: Tensor, scale: float) -> Tensor:
+                    query_start: Tensor, scale: float, *, softcap: float | None = None,
+                    sinks: Tensor | None = None) -> Tensor:
     """``softmax(scale * q k^T) v`` of packed queries ``q [T, H_q, D]`` over per-(request, kv head) paged
-    rows (the layout in the module docstring): ``[T, H_q, D]`` in ``q.dtype``, fp32 accumulation."""
-    _validate(q, k_pages, v_pages, page_table, row_lengths, query_start)
+    rows (the layout in the module docstring): ``[T, H_q, D]`` in ``q.dtype``, fp32 accumulation.
+    ``softcap`` (Gemma 2; None or 0: off): logits ``l`` become ``softcap * tanh(l / softcap)``; ``sinks``
+    (GPT-OSS): a float tensor ``[H_q]``, one logit per query head in each softmax denominator, carrying no
+    value (a token that sees nothing outputs 0 either way)."""
+    cap = _validate(q, k_pages, v_pages, page_table, row_lengths, query_start, softcap, sinks)
     tensors = (q, k_pages, v_pages, page_table, row_lengths, query_start)
-    if not torch.compiler.is_compiling() and all(type(t) is Tensor for t in tensors):
-        return _impl(*tensors, float(scale))
-    return _paged_attention_op(*tensors, float(scale))
+    plain = all(type(t) is Tensor for t in tensors) and (sinks is None or type(sinks) is Tensor)
+    if not torch.compiler.is_compiling() and plain:
+        return _impl(*tensors, float(scale), cap, sinks)
+    return _paged_attention_op(*tensors, float(scale), cap, sinks)

@@ -11,6 +11,10 @@
  *   side   float32 [2 (1 + R), rows, D] each row's keys then values read in full precision, keys in the
  *                                       records' space: index 0 the anchor (rank 0), 1 + j ring slot j
  *                                       (the newest R ranks k >= 1 read from slot k % R)
+ *   softcap                            0: off; else each logit l becomes softcap * tanh(l / softcap) (Gemma 2)
+ *   bias   float32 [B, H_kv, G, Q]     NULL, or q . c of each query with its row's key centre, added to its
+ *                                       (unscaled) logits: soft-capping and sinks need q . k itself
+ *   sinks  float32 [H_kv * G]          NULL, or one logit per query head in each softmax denominator (GPT-OSS)
  *   out    float32 [B, H_kv, G, Q, D]  written (0 for a query that sees nothing)
  */
 #include <math.h>
@@ -108,7 +112,7 @@ static inline int64_t first_seeing(int64_t t, int64_t n, int64_t Q) {
 INLINE int attend(const float *q, const uint8_t *k_rec, const uint8_t *v_rec, int64_t width, const int64_t *offs,
                   const int64_t *lens, const float *side, int64_t R, int64_t B, int64_t H_kv, int64_t G, int64_t Q,
                   const int64_t D, const int enc, const int bits, const int group, int64_t sdtype,
-                  const float *lut, float scale, float *out) {
+                  const float *lut, float scale, float softcap, const float *bias, const float *sinks, float *out) {
     const int64_t rows = B * H_kv, M = G * Q;
     const float *v_side = side + (1 + R) * rows * D;
     int64_t longest = 0;
@@ -138,7 +142,15 @@ INLINE int attend(const float *q, const uint8_t *k_rec, const uint8_t *v_rec, in
         for (int64_t m = 0, i = 0; m < M; m++, i = i + 1 == Q ? 0 : i + 1) {
             const int64_t seen = n - (Q - 1 - i);
             float *s = scores + m * n, top = -INFINITY, total = 0.0f;
+            if (bias) { /* the logits' missing q . c (scaled), before any soft-cap */
+                const float shift = bias[r * M + m] * scale;
+                for (int64_t t = 0; t < seen; t++) s[t] += shift;
+            }
+            if (softcap > 0.0f)
+                for (int64_t t = 0; t < seen; t++) s[t] = softcap * tanhf(s[t] / softcap);
+            if (sinks) top = sinks[(r % H_kv) * G + m / Q];
             for (int64_t t = 0; t < seen; t++) top = s[t] > top ? s[t] : top;
+            if (sinks) total = expf(sinks[(r % H_kv) * G + m / Q] - top);
             for (int64_t t = 0; t < seen; t++) {
                 s[t] = expf(s[t] - top);
                 total += s[t];
@@ -165,13 +177,13 @@ INLINE int attend(const float *q, const uint8_t *k_rec, const uint8_t *v_rec, in
 #define SPECIALISED(D_, ENC_, BITS_, GROUP_)                                                                   \
     if (D == D_ && enc == ENC_ && bits == BITS_ && group == GROUP_)                                           \
         return attend(q, k_rec, v_rec, width, offs, lens, side, R, B, H_kv, G, Q, D_, ENC_, BITS_, GROUP_, sdtype, \
-                      lut, scale, out);
+                      lut, scale, softcap, bias, sinks, out);
 
 /* enc 0: integers of bits 4 or 8; enc 1: float8 e4m3 (bits 8); group: channels per scale (the head dim for one) */
 int kvq_attention(const float *q, const uint8_t *k_rec, const uint8_t *v_rec, int64_t width,
                   const int64_t *offs, const int64_t *lens, const float *side, int64_t R, int64_t B,
                   int64_t H_kv, int64_t G, int64_t Q, int64_t D, int64_t enc, int64_t bits, int64_t group,
-                  int64_t sdtype, float scale, float *out) {
+                  int64_t sdtype, float scale, float softcap, const float *bias, const float *sinks, float *out) {
     float lut[256];
     e4m3_table(lut);
     SPECIALISED(64, 0, 4, 32)
@@ -184,5 +196,5 @@ int kvq_attention(const float *q, const uint8_t *k_rec, const uint8_t *v_rec, in
     SPECIALISED(64, 1, 8, 64)
     SPECIALISED(128, 1, 8, 128)
     return attend(q, k_rec, v_rec, width, offs, lens, side, R, B, H_kv, G, Q, D, (int)enc, (int)bits, (int)group,
-                  sdtype, lut, scale, out);
+                  sdtype, lut, scale, softcap, bias, sinks, out);
 }

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .scheme import RecordLayout, key_rotation, residual_of, side_operands
+from .scheme import RecordLayout, centre_logits, key_rotation, residual_of, side_operands
 
 __all__ = ["MAX_QUERIES", "ENV_VAR", "cpu_kernel", "use_cpu_kernel", "quantized_attention_cpu"]
 
@@ -121,7 +121,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     fn = lib.kvq_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [_P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P]
+    fn.argtypes = [_P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_float,
+                   _P, _P, _P]
     return lib
 
 
@@ -134,10 +135,12 @@ _ENCODINGS = {"int": 0, "e4m3": 1}
 
 
 def quantized_attention_cpu(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor,
-                            side: Tensor, scale: float, layout: RecordLayout) -> Tensor | None:
+                            side: Tensor, scale: float, layout: RecordLayout, *, softcap: float = 0.0,
+                            sinks: Tensor | None = None) -> Tensor | None:
     """What :func:`~.quantized.quantized_attention_ref` returns for these (validated) arguments, by the
     fused kernel; ``None`` when it does not serve the call (not CPU tensors, more than :data:`MAX_QUERIES`
-    queries per row, an encoding it does not know, or the kernel unavailable): the caller then runs the reference."""
+    queries per row, an encoding it does not know, or the kernel unavailable): the caller then runs the reference.
+    ``softcap`` (0: off) and ``sinks [H_q]`` (None: off): the logit terms of the reference."""
     B, H_q, Q, D = q.shape
     rows = row_offsets.shape[0]
     if q.device.type != "cpu" or Q > MAX_QUERIES or q.dtype not in _SCALE_DTYPES or not _wanted() \
@@ -154,10 +157,15 @@ def quantized_attention_cpu(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets
     lens = row_lengths.to(torch.int64).contiguous()
     k_rec, v_rec = k_rec.contiguous(), v_rec.contiguous()
     out = torch.empty(B, H_q, Q, D, dtype=torch.float32)
+    # soft-capping and sinks need the logits q . k: the kernel adds each query's q . c to its logits over y
+    bias = centre_logits(q, side) if softcap or sinks is not None else None
+    sink = None if sinks is None else sinks.float().contiguous()
     status = lib.kvq_attention(q_rot.data_ptr(), k_rec.data_ptr(), v_rec.data_ptr(), k_rec.shape[1], offs.data_ptr(),
                                lens.data_ptr(), operands.data_ptr(), residual_of(side), B, H_kv, H_q // H_kv, Q, D,
                                _ENCODINGS[layout.encoding], layout.bits, layout.group_size(D),
-                               _SCALE_DTYPES[layout.scale_dtype(q.dtype)], float(scale), out.data_ptr())
+                               _SCALE_DTYPES[layout.scale_dtype(q.dtype)], float(scale), float(softcap or 0.0),
+                               None if bias is None else bias.data_ptr(), None if sink is None else sink.data_ptr(),
+                               out.data_ptr())
     if status:
         raise MemoryError("quantized attention (CPU kernel): out of memory for the score buffer")
     return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..support import resolve_backend, triton_module
+from ..support import check_logit_extras, resolve_backend, triton_module
 from .cpu_kernel import quantized_attention_cpu
 from .scheme import (
     RecordLayout,
@@ -102,25 +102,30 @@ def _layout(encoding: str, bits: int, group: int, rotate_keys: bool) -> RecordLa
 @torch.library.custom_op("kvpress_ada::quantized_attention", mutates_args=())
 def _quantized_attention_op(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor,
                             side: Tensor, scale: float, encoding: str, bits: int, group: int, rotate_keys: bool,
-                            split_size: int = 0) -> Tensor:
+                            split_size: int = 0, softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
     """Raw op behind :func:`quantized_attention` (no validation): backend dispatch."""
     return _attention_impl(q, k_rec, v_rec, row_offsets, row_lengths, side, scale,
-                           _layout(encoding, bits, group, rotate_keys), split_size)
+                           _layout(encoding, bits, group, rotate_keys), split_size, softcap, sinks)
 
 
-def _attention_impl(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, layout, split_size):
+def _attention_impl(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, layout, split_size, softcap=0.0,
+                    sinks=None):
     if q.numel() == 0:
         return torch.zeros_like(q)
     if resolve_backend(q.device, q.shape[-1]) == "triton":
         kernel = triton_module("quantized.triton_kernel").quantized_attention_triton
-        return kernel(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, layout, split_size=split_size)
-    out = quantized_attention_cpu(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, layout)
-    return quantized_attention_ref(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, layout) \
-        if out is None else out
+        return kernel(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, layout, split_size=split_size,
+                      softcap=softcap, sinks=sinks)
+    out = quantized_attention_cpu(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, layout, softcap=softcap,
+                                  sinks=sinks)
+    return quantized_attention_ref(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, layout, softcap=softcap,
+                                   sinks=sinks) if out is None else out
 
 
 @_quantized_attention_op.register_fake
-def _(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, encoding, bits, group, rotate_keys, split_size=0):
+def _(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, encoding, bits, group, rotate_keys, split_size=0,
+      softcap=0.0, sinks=None):
+    check_logit_extras(softcap, sinks, q.shape[1], q.device)
     return torch.empty_like(q)
 
 
@@ -174,20 +179,26 @@ def _direct(*tensors: Tensor) -> bool:
 
 
 def quantized_attention(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor,
-                        side: Tensor, scale: float, layout: RecordLayout, split_size: int = 0) -> Tensor:
+                        side: Tensor, scale: float, layout: RecordLayout, split_size: int = 0, *,
+                        softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """Ragged attention (contract of :func:`~.ops.ragged_attention`: ``q [B, H_q, Q, D]``, bottom-right
     causal, 0 for a query that sees nothing, output in ``q.dtype``) over rows of quantized records
     ``k_rec, v_rec uint8 [N_cap, width]`` of ``layout`` made from entries of ``q.dtype``, with the rows' ``side``
     tensors,
     dequantized as they are read (each non-empty row's first slot reads as its anchor). Triton path: the
     split-K kernel of the full-precision cache, dequantizing each K/V tile in registers; CPU: the fused C
-    kernel (:mod:`.cpu_kernel`) for up to 4 queries per head, the torch reference for longer calls."""
+    kernel (:mod:`.cpu_kernel`) for up to 4 queries per head, the torch reference for longer calls.
+
+    ``softcap`` (Gemma 2; None or 0: off) and ``sinks`` (GPT-OSS: a float tensor ``[H_q]``): the logit terms of
+    :func:`~..ragged.ops.ragged_attention`, over the logits ``q . k`` of the read-back keys (each row's key
+    centre included)."""
     _check_records(k_rec, v_rec, row_offsets, row_lengths, side, q.shape[-1], layout, q.dtype)
     _rows("q", q, row_offsets, same_heads=False)
+    cap = check_logit_extras(softcap, sinks, q.shape[1], q.device)
     args = (q, k_rec, v_rec, row_offsets, row_lengths, side, float(scale))
-    if _direct(q, k_rec, v_rec, row_offsets, row_lengths, side):
-        return _attention_impl(*args, layout.records(), int(split_size))
-    return _quantized_attention_op(*args, *_fields(layout), int(split_size))
+    if _direct(q, k_rec, v_rec, row_offsets, row_lengths, side) and (sinks is None or type(sinks) is Tensor):
+        return _attention_impl(*args, layout.records(), int(split_size), cap, sinks)
+    return _quantized_attention_op(*args, *_fields(layout), int(split_size), cap, sinks)
 
 
 def quantized_append(k_new: Tensor, v_new: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor,

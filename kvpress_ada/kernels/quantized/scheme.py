@@ -53,7 +53,9 @@ row-level operation of the full-precision cache (compaction, append, re-layout, 
 plain bytes. Free slots are zero bytes: they read back as 0 (values) or the row's centre (keys), never NaN.
 
 Attention never adds the centre back: ``q . k = (q @ R) . y + q . c`` and ``q . c`` is the same for every
-key of a row, so softmax ignores it. Both paths rotate the query once and attend over the records'
+key of a row, so softmax ignores it - unless the logits are soft-capped or meet a sink logit (Gemma 2,
+GPT-OSS), which need ``q . k`` itself: then the kernels add ``q . c`` (:func:`centre_logits`) to each logit
+and the reference adds the rotated centre to each key. Both paths rotate the query once and attend over the records'
 ``y`` (the anchor slot: ``(anchor - c) @ R``; the residual slots: ``(k - c) @ R`` of the ring's keys) and
 the values (the anchor slot: the anchor value; the residual slots: the ring's values).
 """
@@ -100,6 +102,7 @@ __all__ = [
     "side_operands",
     "key_rotation",
     "attention_operands",
+    "centre_logits",
 ]
 
 BITS = (4, 8)
@@ -593,20 +596,46 @@ def side_operands(side: Tensor, layout: RecordLayout) -> Tensor:
     return out
 
 
+def centre_logits(q: Tensor, side: Tensor) -> Tensor:
+    """float32 ``[B, H_q, Q]``: ``q . c`` of each query with its row's key centre ``c = side[2]`` (unscaled), what a
+    logit over the records' ``y = (k - c) @ R`` lacks of ``q . k``; contiguous, so that ``[rows, G * Q]`` views
+    it row by row."""
+    B, H_q, Q, D = q.shape
+    rows = side.shape[1]
+    centre = side[2].float().view(B, rows // B, D, 1)
+    return torch.matmul(q.float().reshape(B, rows // B, (H_q * B // rows) * Q, D), centre).view(B, H_q, Q)
+
+
+def _add_centres(keys: Tensor, side: Tensor, row_offsets: Tensor, row_lengths: Tensor, layout: RecordLayout) -> None:
+    """Add each row's key centre in the records' space (``c @ R``) to the keys ``[N, D]`` of its slots, in place:
+    keys read in the records' space then give the logits ``q . k`` themselves."""
+    n = row_lengths.to(torch.int64)
+    rows = torch.repeat_interleave(torch.arange(n.shape[0], device=n.device), n)
+    rank = torch.arange(rows.shape[0], device=n.device) - (torch.cumsum(n, 0) - n).index_select(0, rows)
+    centre = _rotate(side[2].float(), key_rotation(layout, side.shape[-1], side.device))
+    keys.index_add_(0, row_offsets.to(torch.int64).index_select(0, rows) + rank, centre.index_select(0, rows))
+
+
 def quantized_attention_ref(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor,
-                            side: Tensor, scale: float, layout: RecordLayout) -> Tensor:
+                            side: Tensor, scale: float, layout: RecordLayout, *, softcap: float | None = None,
+                            sinks: Tensor | None = None) -> Tensor:
     """Ragged attention (contract of :func:`~.reference.ragged_attention_ref`) over quantized records made
     from entries of ``q.dtype``, with the rows' ``side`` tensors. The CPU path: the layer's records are
     dequantized to float32 in one vectorised pass (transient, one layer at a time), the slots read in full
     precision (each non-empty row's anchor and newest ``R`` entries: :func:`side_slots`) overwritten by
     them in one scatter, and the rotated query attends with the full-precision reference, whose row-layout
-    paths (batched, per row, loop-free split-K) apply unchanged."""
+    paths (batched, per row, loop-free split-K) apply unchanged. ``softcap`` and ``sinks [H_q]`` (off by default):
+    as :func:`~..ragged.reference.ragged_attention_ref`, over the logits ``q . k`` (the rows' centres added back
+    to the keys)."""
     D, N = q.shape[-1], k_rec.shape[0]
     pad = torch.zeros(1, k_rec.shape[1], dtype=torch.uint8, device=k_rec.device)
     # keys at [0, N), values at [N + 1, 2N + 1); slot N (and 2N + 1) takes what stands for no slot
     kv = dequantize(torch.cat((k_rec, pad, v_rec, pad)), D, layout, q.dtype, torch.float32)
     slots = side_slots(row_offsets, row_lengths, residual_of(side), N)
     kv.index_copy_(0, torch.cat((slots, slots + (N + 1))).view(-1), side_operands(side, layout).view(-1, D))
+    if softcap or sinks is not None:  # both need q . k itself, not q . (k - c)
+        _add_centres(kv[:N], side, row_offsets, row_lengths, layout)
     q_rot = _rotate(q.float(), key_rotation(layout, D, q.device))
-    out = ragged_attention_ref(q_rot, kv[:N], kv[N + 1:2 * N + 1], row_offsets, row_lengths, scale)
+    out = ragged_attention_ref(q_rot, kv[:N], kv[N + 1:2 * N + 1], row_offsets, row_lengths, scale, softcap=softcap,
+                               sinks=sinks)
     return out if q.dtype == torch.float32 else out.to(q.dtype)

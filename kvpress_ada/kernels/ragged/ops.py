@@ -27,6 +27,7 @@ from ..support import (
     BACKENDS,
     ENV_VAR,
     SUPPORTED_HEAD_DIMS,
+    check_logit_extras,
     get_backend,
     resolve_backend,
     triton_available,
@@ -114,7 +115,8 @@ def _check_rows(name: str, x: Tensor, k_flat: Tensor, row_offsets: Tensor) -> tu
     return B, R // B
 
 
-def _validate_attention(q, k_flat, v_flat, row_offsets, row_lengths, scale) -> None:
+def _validate_attention(q, k_flat, v_flat, row_offsets, row_lengths, scale, softcap=None, sinks=None) -> float:
+    """Raise on bad arguments; return the soft-cap as a float (0.0: off)."""
     _tensor("q", q, 4)
     _check_cache(k_flat, v_flat, row_offsets, row_lengths)
     B, H_kv = _check_rows("q", q, k_flat, row_offsets)
@@ -124,6 +126,7 @@ def _validate_attention(q, k_flat, v_flat, row_offsets, row_lengths, scale) -> N
             f"query heads H_q={H_q} must be a multiple of the kv heads H_kv={H_kv} "
             f"(= {row_offsets.shape[0]} cache rows / batch {B})"
         )
+    return check_logit_extras(softcap, sinks, H_q, q.device)
 
 
 def _check_new(k_name: str, k: Tensor, v_name: str, v: Tensor, k_flat: Tensor, row_offsets: Tensor) -> None:
@@ -164,15 +167,17 @@ def _validate_append(k_new, v_new, k_flat, v_flat, row_offsets, row_lengths) -> 
 
 
 def _ragged_attention_impl(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor,
-                           scale: float, split_size: int = 0) -> Tensor:
-    """Backend dispatch of :func:`ragged_attention` (no validation)."""
+                           scale: float, split_size: int = 0, softcap: float = 0.0,
+                           sinks: Tensor | None = None) -> Tensor:
+    """Backend dispatch of :func:`ragged_attention` (no validation; ``softcap`` 0.0: off)."""
     if q.numel() == 0:
         return torch.zeros_like(q)
     if resolve_backend(q.device, q.shape[-1]) == "triton":
         return _triton().ragged_attention_triton(
-            q, k_flat, v_flat, row_offsets, row_lengths, scale, split_size=split_size
+            q, k_flat, v_flat, row_offsets, row_lengths, scale, split_size=split_size, softcap=softcap, sinks=sinks
         )
-    return reference.ragged_attention_ref(q, k_flat, v_flat, row_offsets, row_lengths, scale)
+    return reference.ragged_attention_ref(q, k_flat, v_flat, row_offsets, row_lengths, scale, softcap=softcap,
+                                          sinks=sinks)
 
 
 _ragged_attention_op = torch.library.custom_op("kvpress_ada::ragged_attention", _ragged_attention_impl,
@@ -180,8 +185,8 @@ _ragged_attention_op = torch.library.custom_op("kvpress_ada::ragged_attention", 
 
 
 @_ragged_attention_op.register_fake
-def _(q, k_flat, v_flat, row_offsets, row_lengths, scale, split_size=0):
-    _validate_attention(q, k_flat, v_flat, row_offsets, row_lengths, scale)
+def _(q, k_flat, v_flat, row_offsets, row_lengths, scale, split_size=0, softcap=0.0, sinks=None):
+    _validate_attention(q, k_flat, v_flat, row_offsets, row_lengths, scale, softcap, sinks)
     return torch.empty_like(q)
 
 
@@ -234,7 +239,7 @@ def _direct(*tensors: Tensor) -> bool:
 
 
 def ragged_attention(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor, scale: float,
-                     split_size: int = 0) -> Tensor:
+                     split_size: int = 0, *, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """Ragged (Ada-KV) attention over a per-(batch, kv head) variable-length cache.
 
     ``q [B, H_q, Q, D]``; ``k_flat, v_flat [N_cap, D]``; ``row_offsets, row_lengths``
@@ -243,11 +248,19 @@ def ragged_attention(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Ten
     (bottom-right causal); a query that sees nothing outputs 0. Returns
     ``softmax(scale * q k^T) v`` as ``[B, H_q, Q, D]`` in ``q.dtype`` (fp32 accumulation).
     Triton path: FlashDecoding split-K with ``split_size`` tokens per program (0 = auto).
+
+    ``softcap`` (Gemma 2; None or 0: off): each logit ``l = scale * q . k`` becomes
+    ``softcap * tanh(l / softcap)``. ``sinks`` (GPT-OSS): a float tensor ``[H_q]``, one logit per
+    query head that joins every softmax denominator of that head and carries no value:
+    ``out = sum_j exp(l_j - m) v_j / (exp(sinks[h] - m) + sum_j exp(l_j - m))``. A query that sees
+    nothing outputs 0 with or without sinks.
     """
-    _validate_attention(q, k_flat, v_flat, row_offsets, row_lengths, scale)
-    if _direct(q, k_flat, v_flat, row_offsets, row_lengths):
-        return _ragged_attention_impl(q, k_flat, v_flat, row_offsets, row_lengths, float(scale), int(split_size))
-    return _ragged_attention_op(q, k_flat, v_flat, row_offsets, row_lengths, float(scale), int(split_size))
+    cap = _validate_attention(q, k_flat, v_flat, row_offsets, row_lengths, scale, softcap, sinks)
+    if _direct(q, k_flat, v_flat, row_offsets, row_lengths) and (sinks is None or type(sinks) is Tensor):
+        return _ragged_attention_impl(q, k_flat, v_flat, row_offsets, row_lengths, float(scale), int(split_size), cap,
+                                      sinks)
+    return _ragged_attention_op(q, k_flat, v_flat, row_offsets, row_lengths, float(scale), int(split_size), cap,
+                                sinks)
 
 
 def compact(keys: Tensor, values: Tensor, keep: Tensor, row_offsets: Tensor, k_flat: Tensor, v_flat: Tensor) -> None:

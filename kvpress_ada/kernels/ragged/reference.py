@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["ragged_attention_ref", "ragged_attention_chunked", "chunk_aligned", "compact_ref", "append_ref", "CHUNK"]
+__all__ = ["ragged_attention_ref", "ragged_attention_chunked", "chunk_aligned", "compact_ref", "append_ref", "capped",
+           "sink_softmax", "CHUNK"]
 
 CHUNK = 32
 """Tokens per chunk of the loop-free path; :class:`~kvpress_ada.hosts.transformers.RaggedLayer` aligns
@@ -32,10 +33,26 @@ LOOP_FREE_BELOW = 256
 the loop-free pass), for at least 4 rows."""
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, n: int, out: Tensor) -> None:
+def capped(s: Tensor, softcap: float) -> Tensor:
+    """Logit soft-capping (Gemma 2) in place: ``softcap * tanh(s / softcap)``, as transformers' eager attention."""
+    return s.div_(softcap).tanh_().mul_(softcap)
+
+
+def sink_softmax(s: Tensor, sink: Tensor) -> Tensor:
+    """Softmax over the last dim of ``s`` with one more logit ``sink`` (broadcast to ``s[..., :1]``) in the
+    denominator that takes probability mass and carries no value (GPT-OSS attention sinks). Logits of
+    ``-inf`` get weight 0; a row of only ``-inf`` gets all zeros (the sink takes everything)."""
+    m = torch.maximum(s.amax(-1, keepdim=True), sink)
+    p = torch.exp(s - m)
+    return p.div_(p.sum(-1, keepdim=True) + torch.exp(sink - m))
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, n: int, out: Tensor, softcap: float = 0.0,
+            sink: Tensor | None = None) -> None:
     """Bottom-right aligned causal attention of ``q [..., G, Q, D]`` (fp32, pre-scaled)
     over ``k, v [..., n, D]``; writes ``out [..., G, Q, D]``. Queries that see nothing are
-    left untouched (the caller zero-fills ``out``)."""
+    left untouched (the caller zero-fills ``out``). ``softcap`` (0: off) caps the logits, ``sink``
+    (broadcast to ``[..., G, 1, 1]``, fp32) joins each softmax's denominator."""
     *lead, G, Q, D = q.shape
     if n <= 0:
         return
@@ -45,6 +62,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, n: int, out: Tensor) -> None:
         Q = n
     # GQA group and queries folded into M: the kv row is read once for the whole group
     s = torch.matmul(q.reshape(*lead, G * Q, D), k.transpose(-1, -2))  # [..., G*Q, n]
+    if softcap:
+        capped(s, softcap)
     if Q > 1:
         # query i sees the first n - (Q - 1 - i) entries: only the last Q - 1 columns
         # can be masked.
@@ -52,7 +71,10 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, n: int, out: Tensor) -> None:
         i = torch.arange(Q, device=s.device).unsqueeze(-1)
         j = torch.arange(c0, n, device=s.device).unsqueeze(0)
         s.view(*lead, G, Q, n)[..., c0:].masked_fill_(j >= c0 + i, float("-inf"))
-    p = torch.softmax(s, dim=-1)
+    if sink is None:
+        p = torch.softmax(s, dim=-1)
+    else:
+        p = sink_softmax(s.view(*lead, G, Q, n), sink).view(*lead, G * Q, n)
     out.copy_(torch.matmul(p, v).view(*lead, G, Q, D))
 
 
@@ -75,7 +97,8 @@ def chunk_aligned(k_flat: Tensor, row_offsets: Tensor, offs: list[int] | None = 
 
 
 def ragged_attention_chunked(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor,
-                             scale: float, chunk: int = CHUNK) -> Tensor:
+                             scale: float, chunk: int = CHUNK, *, softcap: float | None = None,
+                             sinks: Tensor | None = None) -> Tensor:
     """Loop-free ragged attention (split-K over fixed chunks, as the Triton kernel does).
 
     The flat buffers are viewed, without a copy, as ``[N / chunk, chunk, D]``; a chunk belongs to
@@ -84,7 +107,8 @@ def ragged_attention_chunked(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offs
     length mask hides the row's free slots, per-row maxima and sums combine the chunks
     (``scatter_reduce``/``index_add``), and one more ``bmm`` reads the values. No host sync and no
     Python loop over rows: the cost is the same for 3 rows or 300. Same contract as
-    :func:`ragged_attention_ref` (bottom-right causal queries, 0 for a query that sees nothing).
+    :func:`ragged_attention_ref` (bottom-right causal queries, 0 for a query that sees nothing,
+    ``softcap`` and ``sinks``).
     """
     B, H_q, Q, D = q.shape
     R = row_offsets.shape[0]
@@ -107,25 +131,36 @@ def ragged_attention_chunked(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offs
     qs = q.float().mul(scale) if low_precision or scale != 1.0 else q
     qr = qs.reshape(R, GQ, D)
     s = torch.bmm(qr.index_select(0, row), kc.transpose(1, 2))  # [n_chunks, GQ, chunk]
+    if softcap:
+        capped(s, softcap)
     hidden = torch.arange(chunk, device=dev)[None, None, :] >= limit[:, :, None]
     s.masked_fill_(hidden, float("-inf"))
     m = torch.full((R, GQ), float("-inf"), device=dev).scatter_reduce_(0, row[:, None].expand(-1, GQ), s.amax(-1),
                                                                          "amax")
+    sink = None
+    if sinks is not None:  # [R, GQ]: query head h * G + g of row b * H_kv + h, for each of its Q queries
+        sink = sinks.float().view(1, R // B, GQ // Q, 1).expand(B, -1, -1, Q).reshape(R, GQ)
+        m = torch.maximum(m, sink)
     m = m.clamp_min(torch.finfo(torch.float32).min)  # rows that see nothing: exp(-inf - finite) = 0
     p = torch.exp(s - m.index_select(0, row)[:, :, None])
     denom = torch.zeros(R, GQ, device=dev).index_add_(0, row, p.sum(-1))
+    if sink is not None:
+        denom += torch.exp(sink - m)
     out = torch.zeros(R, GQ, D, device=dev).index_add_(0, row, torch.bmm(p, vc))
     out = out / denom.clamp_min(torch.finfo(torch.float32).tiny)[:, :, None]
     return out.view(B, H_q, Q, D).to(q.dtype)
 
 
 def ragged_attention_ref(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor,
-                         scale: float) -> Tensor:
+                         scale: float, *, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """Reference ragged (Ada-KV) attention: ``softmax(scale * q k^T) v`` per kv row.
 
     ``q [B, H_q, Q, D]``; query heads ``h*G .. h*G+G-1`` share kv row ``b*H_kv + h``.
     Query ``i`` sees the first ``row_lengths[r] - (Q - 1 - i)`` entries of its row; a query
     that sees nothing outputs exactly 0. fp32 accumulation, output in ``q.dtype``.
+    ``softcap`` (None / 0: off): logits ``l`` become ``softcap * tanh(l / softcap)`` (Gemma 2);
+    ``sinks [H_q]``: one more logit per query head in each softmax's denominator, with no value
+    (GPT-OSS). Inputs are not validated (see :func:`~.ops.ragged_attention`).
     """
     B, H_q, Q, D = q.shape
     R = row_offsets.shape[0]
@@ -137,7 +172,10 @@ def ragged_attention_ref(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets:
     if (LOOP_FREE and R >= 4 and sum(lens) < LOOP_FREE_BELOW * R and not uniform
             and chunk_aligned(k_flat, row_offsets, offs)):
         # many short rows of different lengths: every (batch, kv head) row in one pass, no loop per row
-        return ragged_attention_chunked(q, k_flat, v_flat, row_offsets, row_lengths, scale)
+        return ragged_attention_chunked(q, k_flat, v_flat, row_offsets, row_lengths, scale, softcap=softcap,
+                                        sinks=sinks)
+    cap = float(softcap or 0.0)
+    sink = None if sinks is None else sinks.float().view(H_kv, G, 1, 1)  # per query head, grouped by kv head
     low_precision = q.dtype != torch.float32
     qs = q.float() * scale if low_precision or scale != 1.0 else q
     if low_precision:
@@ -159,7 +197,7 @@ def ragged_attention_ref(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets:
             )
             return v_.float() if low_precision else v_
 
-        _attend(qg, view(k_flat), view(v_flat), n0, og)
+        _attend(qg, view(k_flat), view(v_flat), n0, og, cap, sink)
     else:
         for r in range(R):
             n = lens[r]
@@ -174,11 +212,13 @@ def ragged_attention_ref(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets:
             if Q == 1:
                 # hot decode path: [G, D] @ [D, n] -> softmax -> @ [n, D], written in place
                 s = torch.mm(qg[b, h, :, 0], k.t())
-                p = torch.softmax(s, dim=-1)
+                if cap:
+                    capped(s, cap)
+                p = torch.softmax(s, dim=-1) if sink is None else sink_softmax(s, sink[h, :, 0])
                 o_view = og[b, h, :, 0]
                 torch.mm(p, v, out=o_view)
             else:
-                _attend(qg[b, h], k, v, n, og[b, h])
+                _attend(qg[b, h], k, v, n, og[b, h], cap, None if sink is None else sink[h])
     return out32 if not low_precision else out32.to(q.dtype)
 
 

@@ -19,6 +19,10 @@ Ragged attention (FlashDecoding, Dao et al. 2023, adapted to variable-length row
 * each split writes online-softmax partials ``(m, l, acc)`` (fp32); a second kernel merges
   the splits of each (row, query). Empty rows, empty splits and fully masked queries give
   exact zeros, never NaN.
+* optional logit terms, compiled in only when used (``constexpr`` flags): soft-capping
+  (Gemma 2: ``softcap * tanh(l / softcap)``, applied to every logit in the first kernel) and
+  attention sinks (GPT-OSS: one logit per query head, added to the merge as one more partial
+  ``(m, l, acc) = (sink, 1, 0)``).
 """
 
 from __future__ import annotations
@@ -41,7 +45,11 @@ __all__ = [
     "merge_splits",
     "dot",
     "online_softmax",
+    "soft_cap",
+    "LOG2E",
 ]
+
+LOG2E = math.log2(math.e)
 
 
 @triton.jit
@@ -52,6 +60,16 @@ def dot(a, b, IEEE: tl.constexpr):
     else:
         out = tl.dot(a, b)
     return out
+
+
+@triton.jit
+def soft_cap(x, cap_log2):
+    """``cap_log2 * tanh(x)`` (``x`` float32: the logit over the soft-cap; ``cap_log2``: the soft-cap times
+    ``log2(e)``, so the result is a base-2 logit), with ``tanh`` from ``exp2`` (no libdevice call: the
+    interpreter has none): ``sign(x) (1 - e) / (1 + e)``, ``e = exp(-2 |x|)``, which never overflows."""
+    e = tl.exp2(tl.abs(x) * -2.8853900817779268)  # exp(-2 |x|) = 2^(-2 log2(e) |x|)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t) * cap_log2
 
 
 @triton.jit
@@ -76,7 +94,8 @@ def _ragged_attn_split_kernel(
     PM_ptr,
     PL_ptr,
     PACC_ptr,
-    qk_scale,  # scale * log2(e)
+    qk_scale,  # scale * log2(e); scale / softcap when SOFTCAP
+    cap_log2,  # softcap * log2(e) (read when SOFTCAP)
     R,
     H_kv,
     G,
@@ -96,6 +115,7 @@ def _ragged_attn_split_kernel(
     BLOCK_N: tl.constexpr,
     R_PAD: tl.constexpr,
     IEEE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     mt = tl.program_id(1)
@@ -146,6 +166,8 @@ def _ragged_attn_split_kernel(
             rel = (offs_n - lo)[:, None]
             k = tl.load(k_base + rel * stride_k + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
             s = dot(q, tl.trans(k), IEEE) * qk_scale
+            if SOFTCAP:
+                s = soft_cap(s, cap_log2)
             vis = (offs_n[None, :] < limit[:, None]) & kv_mask[None, :]
             s = tl.where(vis, s, float("-inf"))
             m_i, alpha, p, l_i = online_softmax(s, m_i, l_i)
@@ -170,6 +192,7 @@ def _ragged_attn_reduce_kernel(
     PM_ptr,
     PL_ptr,
     PACC_ptr,
+    SINK_ptr,  # [H_q] float32 base-2 sink logits (read when SINKS)
     R,
     H_kv,
     G,
@@ -184,8 +207,10 @@ def _ragged_attn_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     R_PAD: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
-    """Merge the split partials of one (row, query): BLOCK_S splits per step."""
+    """Merge the split partials of one (row, query): BLOCK_S splits per step; with SINKS, the query head's
+    sink logit starts the merge as a partial of weight 1 and no value."""
     row = tl.program_id(0)
     m = tl.program_id(1)  # query index within the row's G * Q
     ridx = tl.arange(0, R_PAD)
@@ -199,6 +224,9 @@ def _ragged_attn_reduce_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     m_run = tl.max(tl.full([BLOCK_S], float("-inf"), dtype=tl.float32), axis=0)
     l_run = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), axis=0)
+    if SINKS:
+        m_run = tl.load(SINK_ptr + (row % H_kv) * G + m // NQ)
+        l_run = l_run + 1.0
     acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
     for s0 in range(0, count, BLOCK_S):
         idx = s0 + offs_s
@@ -353,13 +381,16 @@ def ragged_attention_triton(
     block_m: int = 0,
     num_warps: int = 0,
     num_stages: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FlashDecoding split-K attention over the ragged cache (two launches, no host sync).
 
     Inputs are assumed validated (see ``kvpress_ada.kernels.ragged.ops``); ``k_flat``/``v_flat``
     must have a unit stride on the head dim; rows must not overlap (so that
     ``sum(row_lengths) <= N_cap``, which bounds the number of splits). Zero arguments
-    mean "choose automatically" (:func:`default_config`).
+    mean "choose automatically" (:func:`default_config`). ``softcap`` (0: off) and ``sinks [H_q]``
+    (None: off): the logit terms of :func:`~kvpress_ada.kernels.ragged.ops.ragged_attention`.
     """
     B, H_q, Q, D = q.shape
     check_head_dim(D)
@@ -400,7 +431,8 @@ def ragged_attention_triton(
             pm,
             pl,
             pacc,
-            float(scale) * math.log2(math.e),
+            float(scale) / softcap if softcap else float(scale) * LOG2E,
+            float(softcap) * LOG2E,
             R,
             H_kv,
             G,
@@ -420,27 +452,32 @@ def ragged_attention_triton(
             BLOCK_N=block_n,
             R_PAD=r_pad,
             IEEE=ieee,
+            SOFTCAP=bool(softcap),
             num_warps=num_warps,
             num_stages=num_stages,
         )
-        merge_splits(out, row_lengths, pm, pl, pacc, H_kv, G, split)
+        merge_splits(out, row_lengths, pm, pl, pacc, H_kv, G, split, sinks)
     else:
         out.zero_()
     return out
 
 
 def merge_splits(out: torch.Tensor, row_lengths: torch.Tensor, pm: torch.Tensor, pl: torch.Tensor,
-                 pacc: torch.Tensor, H_kv: int, G: int, split: int) -> None:
+                 pacc: torch.Tensor, H_kv: int, G: int, split: int, sinks: torch.Tensor | None = None) -> None:
     """Second launch of a split-K ragged attention: merge the online-softmax partials ``(pm, pl, pacc)``
-    of every split into ``out [B, H_q, Q, D]`` (shared by the full-precision and quantized kernels)."""
+    of every split into ``out [B, H_q, Q, D]`` (shared by the full-precision and quantized kernels), with
+    each query head's sink logit ``sinks [H_q]`` (natural units, any float dtype) in the denominator when
+    given."""
     R = row_lengths.shape[0]
     Q, D = out.shape[2], out.shape[3]
+    sink_log2 = pm if sinks is None else (sinks.float() * LOG2E).contiguous()
     _ragged_attn_reduce_kernel[(R, G * Q)](
         out,
         row_lengths,
         pm,
         pl,
         pacc,
+        sink_log2,
         R,
         H_kv,
         G,
@@ -455,6 +492,7 @@ def merge_splits(out: torch.Tensor, row_lengths: torch.Tensor, pm: torch.Tensor,
         HEAD_DIM=D,
         R_PAD=max(16, _next_pow2(R)),
         BLOCK_S=32 if D <= 128 else 16,
+        SINKS=sinks is not None,
         num_warps=4,
         num_stages=2,
     )

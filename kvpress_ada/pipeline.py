@@ -106,11 +106,11 @@ class Pipeline(OneLineErrors):
     def _chunked_prefill_supported(self) -> "Pipeline":
         if self.prefill_chunk is None:
             return self
-        scorer = type(self.scorer)
+        scorer = self.scorer  # capabilities read from the instance: a wrapping scorer (ChunkKV) carries its own
         if scorer.needs_model_pass:
-            reason = f"scorer {scorer.__name__} scores with its own model pass over the whole context"
+            reason = f"scorer {type(scorer).__name__} scores with its own model pass over the whole context"
         elif not scorer.supports_chunked_prefill:
-            reason = f"scorer {scorer.__name__} does not support chunked prefill"
+            reason = f"scorer {type(scorer).__name__} does not support chunked prefill"
         else:
             return self
         raise ValueError(f"prefill_chunk={self.prefill_chunk} is not supported: {reason}; "
@@ -243,7 +243,7 @@ class Pipeline(OneLineErrors):
         width = max(s.shape[-1] for s in everyone)  # layers of a chunked or decoding cache hold different widths
         table = self.layers.layer_budgets(  # type: ignore[attr-defined]
             [F.pad(s, (width - s.shape[-1], 0), value=float("-inf")) for s in everyone], budget.average,
-            budget.lengths, comparable=type(self.scorer).comparable_across_heads)
+            budget.lengths, comparable=self.scorer.comparable_across_heads)
         return [self._select(s, self._cap(table[:, i], budget), v, full)
                 for i, (s, v, full) in enumerate(zip(scores, views, everyone))]
 
@@ -285,7 +285,7 @@ class Pipeline(OneLineErrors):
                   all_heads: torch.Tensor | None = None) -> torch.Tensor:
         """Counts of the heads in ``scores``. Under tensor parallelism (``shard``) an allocator that compares
         heads runs on every head's scores (``all_heads``, else all-gathered) and this rank keeps its own."""
-        comparable = type(self.scorer).comparable_across_heads
+        comparable = self.scorer.comparable_across_heads
         if shard is None or type(self.allocator).head_local:
             return self.allocator.allocate_layer(scores, budget, layer_idx, comparable=comparable)
         full = shard.gather(scores) if all_heads is None else all_heads

@@ -15,8 +15,9 @@ __version__ = "0.1.0"
 
 # public name -> the module (relative to this package) it is loaded from on first use
 _EXPORTS: dict[str, str] = {
-    **dict.fromkeys(["AdaHead", "AdaLayer", "Calibrated", "CalibratedLayer", "HeadAllocator", "LayerSchedule",
-                     "PyramidLayer", "Threshold", "UniformHead", "UniformLayer", "register_allocator"], ".allocators"),
+    **dict.fromkeys(["AdaHead", "AdaLayer", "Calibrated", "CalibratedLayer", "CompositeLayer", "HeadAllocator",
+                     "LayerSchedule", "PyramidLayer", "Threshold", "UniformHead", "UniformLayer", "register_allocator"],
+                    ".allocators"),
     "ConfigError": ".components",
     **dict.fromkeys(["Evictor", "Mask", "TopK", "register_evictor"], ".evictors"),
     **dict.fromkeys(["SUPPORTED_MODEL_TYPES", "Family", "LlamaLike", "family_for", "family_of", "register_family"],
@@ -28,9 +29,9 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(["Budget", "LayerView", "Observation"], ".observation"),
     "Pipeline": ".pipeline",
     **dict.fromkeys(["preset", "preset_names", "register_preset"], ".presets"),
-    **dict.fromkeys(["H2O", "TOVA", "CriticalKV", "ExpectedAttention", "KeyDiff", "KNorm", "KVzap", "KVzip", "LagKV",
-                     "ObservedAttention", "RandomScorer", "Scorer", "SnapKV", "StreamingLLM", "register_scorer"],
-                    ".scorers"),
+    **dict.fromkeys(["H2O", "TOVA", "CriticalKV", "ExpectedAttention", "KeyDiff", "KNorm", "KVCompose", "KVzap",
+                     "KVzip", "LagKV", "ObservedAttention", "RandomScorer", "Scorer", "SnapKV", "StreamingLLM",
+                     "register_scorer"], ".scorers"),
     **dict.fromkeys(["FullPrecision", "Int4", "Int8", "Fp8", "RecordStorage", "Storage", "register_storage"],
                     ".storage"),
 }
@@ -38,8 +39,9 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "Pipeline", "preset", "preset_names", "register_preset", "generate",
     "SnapKV", "StreamingLLM", "ObservedAttention", "H2O", "TOVA", "KNorm", "ExpectedAttention", "CriticalKV",
-    "RandomScorer", "KVzap", "KVzip", "use_tokenizer", "LagKV", "KeyDiff",
+    "RandomScorer", "KVzap", "KVzip", "use_tokenizer", "LagKV", "KeyDiff", "KVCompose",
     "UniformHead", "AdaHead", "UniformLayer", "PyramidLayer", "AdaLayer", "Calibrated", "CalibratedLayer", "Threshold",
+    "CompositeLayer",
     "TopK", "Mask", "Storage", "FullPrecision", "Int8", "Int4", "Fp8", "RecordStorage", "register_storage",
     "check_press",
     "Scorer", "HeadAllocator", "LayerSchedule", "Evictor", "Observation", "LayerView", "Budget",
@@ -56,6 +58,7 @@ if TYPE_CHECKING:
         AdaLayer,
         Calibrated,
         CalibratedLayer,
+        CompositeLayer,
         HeadAllocator,
         LayerSchedule,
         PyramidLayer,
@@ -88,6 +91,7 @@ if TYPE_CHECKING:
         ExpectedAttention,
         KeyDiff,
         KNorm,
+        KVCompose,
         KVzap,
         KVzip,
         LagKV,

@@ -17,6 +17,7 @@ from .allocators import (
 )
 from .pipeline import Pipeline
 from .scorers import (
+    CUR,
     H2O,
     TOVA,
     ChunkKV,
@@ -83,6 +84,9 @@ _PRESETS: dict[str, Callable[[], dict]] = {
     # key statistics: outlier keys of each head's pre-RoPE key matrix (Compactor's leverage scores)
     "leverage": lambda: dict(scorer=Leverage()),
     "ada_leverage": lambda: dict(scorer=Leverage(), allocator=AdaHead(alpha=ADA_ALPHA)),
+    # CurDKV: squared key and value norms as shares of local windows (kvpress's CURPress)
+    "cur": lambda: dict(scorer=CUR()),
+    "ada_cur": lambda: dict(scorer=CUR(), allocator=AdaHead(alpha=ADA_ALPHA)),
     # ChunkKV: SnapKV's scores averaged over chunks of 20 tokens, whole chunks kept (one ranking per layer, as in
     # kvpress); the Ada variant ranks each head's chunks and splits the budget across heads on them
     "chunkkv": lambda: dict(scorer=ChunkKV()),

@@ -6,6 +6,7 @@ The file, the registry name and the preset name of a scorer are the same word (`
 from .base import SCORERS, PassChunk, PassScorer, Scorer, register_scorer
 from .chunkkv import ChunkKV
 from .criticalkv import CriticalKV
+from .cur import CUR
 from .expected_attention import ExpectedAttention
 from .h2o import H2O, ObservedAttention
 from .keydiff import KeyDiff
@@ -20,6 +21,6 @@ from .snapkv import SnapKV
 from .streamingllm import StreamingLLM
 from .tova import TOVA
 
-__all__ = ["SCORERS", "PassChunk", "PassScorer", "Scorer", "register_scorer", "ChunkKV", "CriticalKV",
+__all__ = ["SCORERS", "PassChunk", "PassScorer", "Scorer", "register_scorer", "ChunkKV", "CriticalKV", "CUR",
            "ExpectedAttention", "H2O", "KeyDiff", "KNorm", "KVCompose", "KVzap", "KVzip", "LagKV", "Leverage",
            "ObservedAttention", "RandomScorer", "SnapKV", "StreamingLLM", "TOVA"]

@@ -124,6 +124,9 @@ class PassScorer(Scorer):
 
     needs_model_pass: ClassVar[bool] = True
     supports_chunked_prefill: ClassVar[bool] = False
+    #: the passes add text to the context (a prompt): the integration needs the model's tokenizer; False: the
+    #: passes re-read the context's own ids and ``pass_chunks`` is handed ``tokenizer=None``
+    pass_reads_text: ClassVar[bool] = True
 
     def query_window(self) -> int:
         return 0

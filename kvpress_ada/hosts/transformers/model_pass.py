@@ -28,8 +28,9 @@ import torch
 
 from ...kernels.model_pass.lse_attention import attention_with_lse, full_prefix_then_causal, prefix_then_causal_parts
 from ...scorers.base import PassChunk, PassScorer
-from .attention import RUN_KWARG, Handler, attention_routed, output_weight, recording_attention_inputs
+from .attention import RUN_KWARG, Handler, attention_routed, dense_attention, output_weight, recording_attention_inputs
 from .hf import cache_kwarg
+from .window_layer import recording_windows
 
 _TOKENIZERS: WeakKeyDictionary[torch.nn.Module, Any] = WeakKeyDictionary()
 
@@ -60,7 +61,10 @@ def tokenizer_for(model: Any) -> Any:
 
 def check_pass_inputs(model: Any, scorer: PassScorer) -> None:
     """Raise a one-line ``ValueError`` when ``scorer``'s model pass could not run on ``model``: no
-    tokenizer to be found, or one whose prompt ids lie beyond the model's vocabulary."""
+    tokenizer to be found, or one whose prompt ids lie beyond the model's vocabulary (nothing to check for a
+    pass that adds no text)."""
+    if not scorer.pass_reads_text:
+        return
     tokenizer = tokenizer_for(model)
     vocab = int(model.get_input_embeddings().num_embeddings)
     parts = [t.reshape(-1) for t in scorer.pass_prompt_ids(tokenizer)]
@@ -90,6 +94,7 @@ class PassRun(RecordingRun):
 
     scorer: PassScorer
     chunk: PassChunk
+    scope: tuple[int, ...] | None = None  # the layers scored (None: all); the others attend densely
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
     hidden_norms: dict[int, torch.Tensor] = field(default_factory=dict)  # [B, T] per layer, when recorded
     _mask: tuple[Any, tuple[int, int], torch.Tensor, int | None] | None = None  # (model mask, shape, allowed, prefix)
@@ -112,6 +117,8 @@ class PassRun(RecordingRun):
         """The pass's attention (one fused kernel giving output and log-sum-exp), then the scores,
         which reuse that log-sum-exp when the scorer's softmax spans what the model attends to."""
         layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
+        if self.scope is not None and layer_idx not in self.scope:  # a hybrid model's sliding-window layer
+            return dense_attention(module, query, key, value, attention_mask, scaling, **kwargs)
         shape = (query.shape[2], key.shape[2])
         if self._mask is None or self._mask[0] is not attention_mask or self._mask[1] != shape:
             allowed = _allowed(attention_mask, *shape)  # the same mask object serves every layer
@@ -144,28 +151,37 @@ def _allowed(attention_mask: Any, T: int, S: int) -> torch.Tensor:
 
 @torch.no_grad()
 def model_pass_scores(model: Any, scorer: PassScorer, cache: Any, context_ids: torch.Tensor | None,
-                      key_mask: torch.Tensor, next_position: torch.Tensor) -> list[torch.Tensor]:
+                      key_mask: torch.Tensor, next_position: torch.Tensor,
+                      scope: tuple[int, ...] | None = None) -> list[torch.Tensor]:
     """Run ``scorer``'s passes over the dense ``cache`` of ``context_ids`` and return one
-    ``[B, H_kv, L]`` map per layer; the cache is left as it was (the passes are cropped off).
+    ``[B, H_kv, L]`` map per layer the press compresses; the cache is left as it was (the passes are cropped off).
 
-    ``next_position [B]``: the RoPE position of the first token after each row's context.
+    ``next_position [B]``: the RoPE position of the first token after each row's context; ``scope``: the layers
+    the press compresses (``None``: all).
     """
     if context_ids is None:
         raise ValueError(f"{type(scorer).__name__} re-reads the context's token ids; call the model with "
                          "input_ids, not inputs_embeds")
-    tokenizer = tokenizer_for(model)
+    tokenizer = tokenizer_for(model) if scorer.pass_reads_text else None
+    with recording_windows(cache):
+        return _passes(model, scorer, cache, context_ids, key_mask, next_position, tokenizer, scope)
+
+
+def _passes(model: Any, scorer: PassScorer, cache: Any, context_ids: torch.Tensor, key_mask: torch.Tensor,
+            next_position: torch.Tensor, tokenizer: Any, scope: tuple[int, ...] | None) -> list[torch.Tensor]:
+    """The passes of :func:`model_pass_scores`: one map per layer of ``scope``."""
     total: list[torch.Tensor] | None = None
     for chunk in scorer.pass_chunks(context_ids, key_mask, tokenizer):
         T = chunk.ids.shape[1]
         positions = next_position[:, None] + (chunk.mask.long().cumsum(-1) - 1).clamp(min=0)
         mask = torch.cat([key_mask, chunk.mask], dim=1).long()
-        run = PassRun(scorer=scorer, chunk=chunk)
+        run = PassRun(scorer=scorer, chunk=chunk, scope=scope)
         recording = recording_attention_inputs(model, run.record_hidden, scorer.pass_reads_hidden_states())
         with attention_routed(model), recording:
             model(input_ids=chunk.ids, attention_mask=mask, position_ids=positions, use_cache=True,
                   logits_to_keep=1, **{cache_kwarg(model): cache, RUN_KWARG: run})
         cache.crop(-T)
-        layers = [run.scores[i] for i in range(len(run.scores))]
+        layers = [run.scores[i] for i in (range(len(run.scores)) if scope is None else scope)]
         total = layers if total is None else [torch.maximum(a, b) for a, b in zip(total, layers)]
     assert total is not None
     return total

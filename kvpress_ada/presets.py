@@ -44,6 +44,8 @@ KVZAP_HALF_TAU = -6.04
 # r = 0.5 / 0.75 / 0.9, question-agnostic and question-aware, on 24 calibration samples (seed 20,000, 1k
 # tokens; benchmarks/README.md, "KVzap presses")
 KVZAP_WINDOW = 16
+# tokens per block of the block_keydiff preset (kvpress's BlockPress default)
+BLOCK_SIZE = 128
 
 # preset name == scorer registry name == file in scorers/ for the single-scorer presets
 _PRESETS: dict[str, Callable[[], dict]] = {
@@ -95,6 +97,10 @@ _PRESETS: dict[str, Callable[[], dict]] = {
     # a layer the same count (one top-k over the layers' composite scores); Ada splits each layer's count by heads
     "kvcompose": lambda: dict(scorer=KVCompose(), layers=CompositeLayer()),
     "ada_kvcompose": lambda: dict(scorer=KVCompose(), layers=CompositeLayer(), allocator=AdaHead(alpha=ADA_ALPHA)),
+    # BlockPress (KeyDiff paper's block-wise prompt processing): the prompt prefilled and compressed in blocks of
+    # BLOCK_SIZE tokens, each block scored with the entries kept so far (a real chunked prefill: peak memory
+    # budget + block, where kvpress's BlockPress simulates it after one full forward)
+    "block_keydiff": lambda: dict(scorer=KeyDiff(), prefill_chunk=BLOCK_SIZE),
 }
 
 

@@ -110,3 +110,42 @@ def test_chunkkv_refuses_a_model_pass_scorer():
         ChunkKV(scorer="kvzip")
     with pytest.raises(ValueError, match="length"):
         ChunkKV(length=0)
+
+
+# ------------------------------------------------------------------------------------------------ BlockPress
+
+
+def test_block_keydiff_is_blockpress_on_the_first_layer():
+    """kvpress's BlockPress loop, with blocks aligned on the end: after each block the held entries (kept + block)
+    are scored together and the best ``min(budget, seen)`` per head kept. Layer 0's keys do not depend on what
+    earlier layers kept, so the dense prefill's keys give the reference."""
+    from conftest import build_model
+
+    from kvpress_ada import preset
+    from kvpress_ada.evictors import topk_mask
+    from kvpress_ada.hosts.transformers.hf import output_cache
+    from kvpress_ada.scorers import KeyDiff
+
+    model = build_model("llama")
+    ids = torch.randint(4, 128, (1, 70), generator=torch.Generator().manual_seed(0))
+    press = preset("block_keydiff", compression_ratio=0.5, prefill_chunk=16)
+    assert press.prefill_chunk == 16 and isinstance(press.scorer, KeyDiff)
+    with torch.no_grad():
+        dense = output_cache(model(ids, use_cache=True)).layers[0].keys  # [1, H, 70, D]
+        with press(model):
+            cache = output_cache(model(ids, use_cache=True))
+    H, budget = dense.shape[1], 35
+    for h in range(H):
+        held: list[int] = []
+        for stop in range(6, 71, 16):  # blocks (0, 6), (6, 22), ..., (54, 70)
+            held += list(range(stop - (6 if stop == 6 else 16), stop))
+            if len(held) > budget:
+                keys = dense[:, h:h + 1, held]
+                obs = Observation(keys=keys, values=keys, queries=keys[:, :, :0], layer_idx=0, n_layers=2,
+                                  key_mask=torch.ones(1, len(held), dtype=torch.bool), scaling=1.0)
+                keep = topk_mask(KeyDiff().score(obs), torch.tensor([[budget]]))[0, 0]
+                held = [p for p, k in zip(held, keep.tolist()) if k]
+        view = cache.layers[0].view()
+        got = view.positions[0, h][view.valid[0, h]].tolist()
+        assert got == held
+        assert len(got) == budget

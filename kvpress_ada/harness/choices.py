@@ -12,7 +12,7 @@ PRESETS = ("snapkv", "pyramidkv", "ada_snapkv", "ada_pyramidkv", "streamingllm",
            "expected_attention", "ada_expected_attention", "criticalkv", "ada_criticalkv", "random", "lagkv",
            "ada_lagkv", "keydiff", "kvzip", "kvzip_plus", "kvzip_layerwise", "ada_kvzip", "kvzap", "kvzap_linear",
            "kvzap_threshold", "calibrated_streamingllm", "leverage", "ada_leverage", "cur", "ada_cur", "chunkkv",
-           "ada_chunkkv", "kvcompose", "ada_kvcompose")
+           "ada_chunkkv", "kvcompose", "ada_kvcompose", "block_keydiff")
 #: :data:`kvpress_ada.scorers.SCORERS`: canonical names (sorted), then the old names still accepted
 SCORERS = ("chunkkv", "criticalkv", "cur", "expected_attention", "h2o", "keydiff", "knorm", "kvcompose", "kvzap",
            "kvzip", "lagkv", "leverage", "random", "snapkv", "streamingllm", "tova")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvpress_ada import Observation
-from kvpress_ada.scorers import Leverage
+from kvpress_ada.scorers import CUR, Leverage
 from kvpress_ada.scorers.statistics import gaussian_sketch, row_zscore
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -117,3 +117,51 @@ def test_row_zscore_is_per_row_over_heads():
         vals = scores[b][mask[b]]
         torch.testing.assert_close(z[b][mask[b]], (vals - vals.mean()) / vals.std())
     assert bool((z[~mask] == 0).all())
+
+
+# ----------------------------------------------------------------------------- CUR
+def _cur_ref(K, V, sinks, kind, window):
+    """CurDKV's approximate leverage of one (row, head) written out: squared norms, shares of consecutive
+    windows of ``window`` tokens (``None``: all), combined, shares of the head's total; sinks ``inf``."""
+    n = len(K)
+
+    def shares(x):
+        if window is None:
+            return [v / sum(x) for v in x]
+        out = []
+        for start in range(0, n, window):
+            part = x[start:start + window]
+            out += [v / sum(part) for v in part]
+        return out
+
+    k2 = shares([sum(c * c for c in k) for k in K])
+    v2 = shares([sum(c * c for c in v) for v in V])
+    combined = {"key": k2, "value": v2, "kv_avg": [(a + b) / 2 for a, b in zip(k2, v2)],
+                "kv_product": [a * b for a, b in zip(k2, v2)]}[kind]
+    total = sum(combined)
+    return [math.inf if j < sinks else c / total for j, c in enumerate(combined)]
+
+
+@pytest.mark.parametrize("kind", ["key", "value", "kv_avg", "kv_product"])
+@pytest.mark.parametrize("window,sinks", [(16, 4), (4, 0), (5, 2), (None, 1)])
+def test_cur_formula(kind, window, sinks):
+    keys, values, queries, key_mask = _setup(7, L=23, pads=(0, 6))
+    got = CUR(leverage_type=kind, local_window=window, sinks=sinks).score(
+        _obs(keys, values, queries[:, :, :0], key_mask))
+    for b in range(keys.shape[0]):
+        valid = [j for j in range(keys.shape[2]) if key_mask[b, j]]
+        for h in range(keys.shape[1]):
+            want = _cur_ref([keys[b, h, j].double().tolist() for j in valid],
+                            [values[b, h, j].double().tolist() for j in valid], sinks, kind, window)
+            torch.testing.assert_close(got[b, h, valid].double(), torch.tensor(want, dtype=torch.float64),
+                                       rtol=RTOL, atol=1e-7)
+
+
+def test_cur_shares_sum_to_one_per_head_and_projection_is_seeded():
+    keys, values, queries, key_mask = _setup(8, L=30)
+    obs = _obs(keys, values, queries[:, :, :0], key_mask)
+    scores = CUR(sinks=0).score(obs)
+    torch.testing.assert_close(scores.sum(-1), torch.ones(scores.shape[:2]))
+    projected = CUR(sinks=0, random_projection=5, seed=1)
+    assert torch.equal(projected.score(obs), projected.score(obs))
+    assert not torch.allclose(projected.score(obs), CUR(sinks=0, random_projection=5, seed=2).score(obs))

@@ -9,6 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # standalone runs; conftest sets
 
 import pytest
 import torch
+from attention_oracle import dense_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -36,32 +37,6 @@ TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def dense_attention(q, k_flat, v_flat, row_offsets, row_lengths, scale):
-    """Obviously-correct oracle: pad every row, repeat kv for GQA, mask, softmax (fp64)."""
-    B, H_q, Q, D = q.shape
-    R = row_offsets.numel()
-    H_kv = R // B
-    G = H_q // H_kv
-    lens = row_lengths.tolist()
-    offs = row_offsets.tolist()
-    Lmax = max(lens + [1])
-    K = torch.zeros(R, Lmax, D, dtype=torch.float64)
-    V = torch.zeros(R, Lmax, D, dtype=torch.float64)
-    for r in range(R):
-        K[r, : lens[r]] = k_flat[offs[r] : offs[r] + lens[r]].double().cpu()
-        V[r, : lens[r]] = v_flat[offs[r] : offs[r] + lens[r]].double().cpu()
-    K = K.view(B, H_kv, Lmax, D).repeat_interleave(G, dim=1)
-    V = V.view(B, H_kv, Lmax, D).repeat_interleave(G, dim=1)
-    n = torch.tensor(lens).view(B, H_kv).repeat_interleave(G, dim=1)  # [B, H_q]
-    i = torch.arange(Q).view(1, 1, Q, 1)
-    j = torch.arange(Lmax).view(1, 1, 1, Lmax)
-    visible = j < (n.view(B, H_q, 1, 1) - (Q - 1 - i))  # [B, H_q, Q, Lmax]
-    s = (q.double().cpu() @ K.transpose(-1, -2)) * scale
-    s = s.masked_fill(~visible, float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # fully masked queries -> 0
-    return p @ V
 
 
 def make_cache(lens, D, dtype, *, gaps=None, perm=None, extra=3, seed=0):
@@ -268,6 +243,201 @@ def test_triton_unsupported_head_dim():
         ragged_attention(q, k, v, offs, lens, 1.0)
     with use_backend("torch"):  # the torch path takes any head dim
         ragged_attention(q, k, v, offs, lens, 1.0)
+
+
+# ----------------------------------------------------------------------------- soft-capping and sinks
+# Gemma 2's logit soft-cap and GPT-OSS's attention sinks, each on or off, against the dense oracle (which applies
+# them as transformers' eager attention does), on every path of the reference and on Triton.
+
+EXTRAS = [pytest.param(softcap, with_sinks, id=f"softcap={softcap}-sinks={with_sinks}")
+          for softcap in (None, 3.0) for with_sinks in (False, True)]
+
+
+def make_sinks(H_q, seed, dtype=torch.float32):
+    """One logit per query head, some large enough to take most of a softmax's mass."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(H_q, generator=g) * 2 + torch.tensor([4.0, -1.0]).repeat(H_q)[:H_q]).to(dtype).to(DEV)
+
+
+def extras_case(case, with_sinks, sinks_dtype=torch.float32):
+    """``build(case)`` with queries 4x larger (logits of several units: the soft-cap changes them) and sinks."""
+    q, k, v, offs, lens, scale = build(case)
+    sinks = make_sinks(q.shape[1], case["seed"], sinks_dtype) if with_sinks else None
+    return (q.float() * 4).to(q.dtype), k, v, offs, lens, scale, sinks
+
+
+@pytest.mark.parametrize("softcap, with_sinks", EXTRAS)
+@settings(max_examples=25, deadline=None)
+@given(case=attention_case(dtypes=(torch.float32, torch.float16, torch.bfloat16), head_dims=(16, 64, 96), max_len=40),
+       chunk=st.sampled_from([8, 32]), sinks_dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_extras_every_reference_path_matches_dense(softcap, with_sinks, case, chunk, sinks_dtype):
+    """The loop-free split-K pass, the per-row loop (Q = 1 hot path and the masked Q > 1 one) and the reference's
+    own choice, on a chunk-aligned layout whose spare slots hold garbage, equal the dense formula."""
+    lens = case["lens"]
+    gaps = [-(-(n + g) // chunk) * chunk - n for n, g in zip(lens, case["gaps"])]
+    if sum(n + g for n, g in zip(lens, gaps)) == 0:
+        gaps[0] = chunk
+    k, v, offs, lens_t = make_cache(lens, case["D"], case["dtype"], gaps=gaps, extra=0, seed=case["seed"])
+    g = torch.Generator().manual_seed(case["seed"] + 1)
+    q = (torch.randn(case["B"], case["H_kv"] * case["G"], case["Q"], case["D"], generator=g) * 4).to(case["dtype"])
+    q = q.to(DEV)
+    sinks = make_sinks(q.shape[1], case["seed"], sinks_dtype) if with_sinks else None
+    scale = case["D"] ** -0.5
+    want = dense_attention(q, k, v, offs, lens_t, scale, softcap=softcap, sinks=sinks)
+    outs = [reference.ragged_attention_chunked(q, k, v, offs, lens_t, scale, chunk=chunk, softcap=softcap,
+                                               sinks=sinks),
+            ragged_attention_ref(q, k, v, offs, lens_t, scale, softcap=softcap, sinks=sinks)]
+    loop_free = reference.LOOP_FREE
+    try:
+        reference.LOOP_FREE = False
+        outs.append(ragged_attention_ref(q, k, v, offs, lens_t, scale, softcap=softcap, sinks=sinks))
+    finally:
+        reference.LOOP_FREE = loop_free
+    for out in outs:
+        assert out.dtype == q.dtype and out.shape == q.shape
+        assert_close(out, want, case["dtype"])
+
+
+@pytest.mark.parametrize("softcap, with_sinks", EXTRAS)
+@pytest.mark.parametrize("Q", [1, 3])
+def test_extras_uniform_fast_path_matches_dense(softcap, with_sinks, Q):
+    """Equal lengths at a regular stride (the batched no-copy view) with the logit terms."""
+    B, H_kv, G, D, n = 2, 3, 2, 32, 7
+    k, v, offs, lens = make_cache([n] * (B * H_kv), D, torch.float32, gaps=[2] * (B * H_kv))
+    q = torch.randn(B, H_kv * G, Q, D, device=DEV) * 4
+    sinks = make_sinks(H_kv * G, 1) if with_sinks else None
+    assert reference.uniform_layout(offs.tolist(), lens.tolist(), B * H_kv)
+    out = ragged_attention_ref(q, k, v, offs, lens, 0.3, softcap=softcap, sinks=sinks)
+    assert_close(out, dense_attention(q, k, v, offs, lens, 0.3, softcap=softcap, sinks=sinks), torch.float32)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("softcap, with_sinks", EXTRAS)
+@settings(max_examples=8, deadline=None)
+@given(case=attention_case(max_len=60), split_size=st.sampled_from([16, 48, 128]))
+def test_extras_triton_matches_dense(softcap, with_sinks, case, split_size):
+    """Split-K with the soft-cap in the first kernel and the sinks in the merge (rows over several splits, empty
+    rows, queries that see nothing)."""
+    q, k, v, offs, lens, scale, sinks = extras_case(case, with_sinks)
+    out = tk.ragged_attention_triton(q, k, v, offs, lens, scale, split_size=split_size, softcap=softcap or 0.0,
+                                     sinks=sinks)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert_close(out, dense_attention(q, k, v, offs, lens, scale, softcap=softcap, sinks=sinks), case["dtype"])
+
+
+@pytest.mark.parametrize("softcap, with_sinks", EXTRAS)
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
+def test_extras_empty_rows_and_blind_queries_give_zeros(softcap, with_sinks, backend):
+    """A zero-length row, and a query that sees no entry, output exact zeros with sinks (the sink takes all the
+    mass: 0 / exp(0)) as without them (0 by convention, never NaN)."""
+    D = 16
+    k, v, offs, lens = make_cache([0, 1, 0, 2], D, torch.float32)
+    q = torch.randn(2, 4, 5, D, device=DEV) * 4  # Q = 5 > every row length
+    sinks = make_sinks(4, 2) if with_sinks else None
+    with use_backend(backend):
+        out = ragged_attention(q, k, v, offs, lens, 1.0, softcap=softcap, sinks=sinks)
+    assert torch.isfinite(out).all()
+    assert (out[0, 0:2] == 0).all() and (out[1, 0:2] == 0).all()  # empty rows
+    assert (out[0, 2:4, :4] == 0).all() and (out[0, 2:4, 4] != 0).any()  # 1 entry: only the last query sees it
+    assert (out[1, 2:4, :3] == 0).all() and (out[1, 2:4, 3:] != 0).any()  # 2 entries
+    assert_close(out, dense_attention(q, k, v, offs, lens, 1.0, softcap=softcap, sinks=sinks), torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
+def test_extras_off_is_the_default_and_limits(backend):
+    """``softcap`` None or 0 and no sinks give the default output bit for bit; a soft-cap far above every logit
+    and sinks far below them approach it; a sink far above every logit takes all the mass (output -> 0)."""
+    k, v, offs, lens = make_cache([9, 3, 30, 0], 32, torch.float32, gaps=[1, 2, 0, 3])
+    q = torch.randn(2, 4, 2, 32, device=DEV)
+    with use_backend(backend):
+        default = ragged_attention(q, k, v, offs, lens, 0.2)
+        assert torch.equal(ragged_attention(q, k, v, offs, lens, 0.2, softcap=None, sinks=None), default)
+        assert torch.equal(ragged_attention(q, k, v, offs, lens, 0.2, softcap=0), default)
+        assert_close(ragged_attention(q, k, v, offs, lens, 0.2, softcap=1e5), default, torch.float32)
+        low = torch.full((4,), -60.0, device=DEV)
+        assert_close(ragged_attention(q, k, v, offs, lens, 0.2, sinks=low), default, torch.float32)
+        high = ragged_attention(q, k, v, offs, lens, 0.2, sinks=torch.full((4,), 60.0, device=DEV))
+    assert high.abs().max() < 1e-12
+
+
+def _eager(module_name, module, query, key, value, mask, scaling, **kwargs):
+    """transformers' ``eager_attention_forward`` of a model family: ``[B, Q, H_q, D]``."""
+    import importlib
+
+    fn = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}").eager_attention_forward
+    return fn(module, query, key, value, mask, scaling=scaling, dropout=0.0, **kwargs)[0]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+@pytest.mark.parametrize("Q", [1, 4])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
+def test_extras_match_transformers_eager_attention(family, Q, backend):
+    """Gemma 2's soft-capped and GPT-OSS's sink attention as transformers computes them (eager), over a full
+    cache of L entries whose last Q are the new tokens (causal among them)."""
+    from types import SimpleNamespace
+
+    B, H_kv, G, L, D = 2, 2, 3, 11, 32
+    g = torch.Generator().manual_seed(7)
+    query = torch.randn(B, H_kv * G, Q, D, generator=g) * 4
+    key, value = torch.randn(B, H_kv, L, D, generator=g), torch.randn(B, H_kv, L, D, generator=g)
+    mask = torch.zeros(B, 1, Q, L).masked_fill(~torch.ones(Q, L, dtype=torch.bool).tril(L - Q), float("-inf"))
+    sinks = torch.randn(H_kv * G, generator=g) * 2
+    module = SimpleNamespace(num_key_value_groups=G, training=False, head_dim=D, sinks=sinks)
+    scaling = D**-0.5
+    if family == "gemma2":
+        want = _eager(family, module, query, key, value, mask, scaling, softcap=2.5)
+        extras = dict(softcap=2.5)
+    else:
+        want = _eager(family, module, query, key, value, mask, scaling)
+        extras = dict(sinks=sinks.to(DEV))
+    k_flat, v_flat = key.reshape(B * H_kv * L, D).to(DEV), value.reshape(B * H_kv * L, D).to(DEV)
+    offs = torch.arange(0, B * H_kv * L, L, dtype=torch.int32, device=DEV)
+    lens = torch.full((B * H_kv,), L, dtype=torch.int32, device=DEV)
+    with use_backend(backend):
+        out = ragged_attention(query.to(DEV), k_flat, v_flat, offs, lens, scaling, **extras)
+    assert_close(out.transpose(1, 2), want, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "extras, pattern",
+    [
+        (dict(softcap=-1.0), r"softcap=-1.0 must be a finite positive number"),
+        (dict(softcap=float("inf")), r"softcap=inf must be a finite positive number"),
+        (dict(softcap=float("nan")), r"softcap=nan must be"),
+        (dict(softcap="50"), r"softcap='50' must be a positive number"),
+        (dict(sinks=torch.zeros(3)), r"sinks must be a float tensor \[H_q=4\] .*got torch.float32 \(3,\)"),
+        (dict(sinks=torch.zeros(1, 4)), r"sinks must be a float tensor \[H_q=4\] .*\(1, 4\)"),
+        (dict(sinks=torch.zeros(4, dtype=torch.int64)), r"sinks must be a float tensor .*torch.int64"),
+        (dict(sinks=[0.0] * 4), r"sinks must be a float tensor \[H_q=4\], got list"),
+        (dict(sinks=torch.zeros(4, device="meta")), r"sinks is on meta but the queries are on"),
+    ],
+)
+def test_extras_errors(extras, pattern):
+    args = _good()
+    with pytest.raises(ValueError, match=pattern) as err:
+        ragged_attention(**args, **extras)
+    assert "\n" not in str(err.value)
+
+
+def test_extras_raw_op_opcheck_and_compiled():
+    """The op's schema carries ``softcap`` and ``sinks`` (opcheck), and a step calling the op with both compiles
+    with ``fullgraph=True``, no graph break, to what eager gives."""
+    from torch._dynamo.utils import counters
+
+    k, v, offs, lens = make_cache([5, 0, 3, 9], 16, torch.float32, gaps=[2, 2, 2, 2])
+    q = torch.randn(2, 4, 2, 16, device=DEV) * 4
+    sinks = make_sinks(4, 3)
+    out = torch.ops.kvpress_ada.ragged_attention(q, k, v, offs, lens, 0.5, 0, 2.0, sinks)
+    assert_close(out, dense_attention(q, k, v, offs, lens, 0.5, softcap=2.0, sinks=sinks), torch.float32)
+    torch.library.opcheck(torch.ops.kvpress_ada.ragged_attention, (q, k, v, offs, lens, 0.5, 0, 2.0, sinks))
+
+    def step(q, k, v, offs, lens, sinks):
+        return ragged_attention(q * 1.5, k, v, offs, lens, 0.5, softcap=2.0, sinks=sinks) + 1
+
+    counters.clear()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v, offs, lens, sinks), step(q, k, v, offs, lens, sinks))
+    assert counters["graph_break"] == {}
 
 
 # ----------------------------------------------------------------------------- compact / append

@@ -54,8 +54,10 @@ def paged_layout(lengths: list[list[int]], page: int, D: int, dtype=torch.float3
     return k_pages, v_pages, table, torch.tensor(rows, dtype=torch.int32), dense_k, dense_v
 
 
-def oracle(q, dense_k, dense_v, lengths, query_counts, scale):
-    """fp64, request by request, kv head by kv head, token by token."""
+def oracle(q, dense_k, dense_v, lengths, query_counts, scale, softcap=None, sinks=None):
+    """fp64, request by request, kv head by kv head, token by token; ``softcap``: logits ``l`` become
+    ``softcap * tanh(l / softcap)`` (Gemma 2), ``sinks [H_q]``: one more logit per query head in the softmax,
+    dropped before the values (GPT-OSS)."""
     T, H_q, D = q.shape
     H_kv = len(lengths[0])
     G = H_q // H_kv
@@ -70,7 +72,13 @@ def oracle(q, dense_k, dense_v, lengths, query_counts, scale):
                     continue
                 k, v = dense_k[r][:seen].double(), dense_v[r][:seen].double()
                 for g in range(G):
-                    p = torch.softmax(scale * (k @ q[t + i, h * G + g].double()), dim=0)
+                    logits = scale * (k @ q[t + i, h * G + g].double())
+                    if softcap:
+                        logits = softcap * torch.tanh(logits / softcap)
+                    if sinks is not None:
+                        p = torch.softmax(torch.cat([logits, sinks[h * G + g:h * G + g + 1].double()]), dim=0)[:-1]
+                    else:
+                        p = torch.softmax(logits, dim=0)
                     out[t + i, h * G + g] = p @ v
         t += Q
     return out
@@ -194,3 +202,98 @@ def test_a_decode_batch_takes_the_batched_path_and_agrees_with_the_oracle(length
     out = paged_attention_ref(q, k_pages, v_pages, table, lens, start, 0.3)
     assert not torch.isnan(out).any()
     assert torch.allclose(out.double(), oracle(q, dk, dv, lengths, [1] * len(lengths), 0.3), atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- soft-capping and sinks
+
+EXTRAS = [pytest.param(softcap, with_sinks, id=f"softcap={softcap}-sinks={with_sinks}")
+          for softcap in (None, 2.0) for with_sinks in (False, True)]
+
+
+def _sinks(H_q, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(H_q, generator=g) * 2 + 1).to(dtype)
+
+
+@pytest.mark.parametrize("softcap, with_sinks", EXTRAS)
+@settings(max_examples=20, deadline=None)
+@given(requests=requests, page=st.sampled_from([4, 16]), seed=st.integers(0, 10_000),
+       sinks_dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_extras_reference_matches_the_oracle(softcap, with_sinks, requests, page, seed, sinks_dtype):
+    """Soft-cap and sinks on or off, over requests of 1 to 4 tokens and rows of 0 to 70 entries (the general
+    path; a token that sees nothing outputs 0 either way)."""
+    lengths = [r[0] for r in requests]
+    counts = [r[1] for r in requests]
+    D, H_q = 16, 6
+    k_pages, v_pages, table, lens, dk, dv = paged_layout(lengths, page, D, seed=seed)
+    q = torch.randn(sum(counts), H_q, D, generator=torch.Generator().manual_seed(seed + 1)) * 4
+    sinks = _sinks(H_q, seed, sinks_dtype) if with_sinks else None
+    start = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    out = paged_attention_ref(q, k_pages, v_pages, table, lens, start, 0.3, softcap=softcap, sinks=sinks)
+    want = oracle(q, dk, dv, lengths, counts, 0.3, softcap, sinks)
+    assert torch.allclose(out.double(), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("softcap, with_sinks", EXTRAS)
+@pytest.mark.parametrize("shape", ["decode batch", "fresh prefill"])
+def test_extras_on_the_batched_and_prefill_paths(softcap, with_sinks, shape):
+    """The one-token-per-request batch (every request at once, a zero-length row among them) and a fresh prefill
+    (which leaves the plain causal path when a logit term is on) agree with the oracle."""
+    if shape == "decode batch":
+        lengths, counts = [[0, 9], [30, 4], [17, 17]], [1, 1, 1]
+    else:
+        lengths, counts = [[12, 12], [5, 5]], [12, 5]
+    D, H_q = 16, 4
+    k_pages, v_pages, table, lens, dk, dv = paged_layout(lengths, 8, D, seed=21)
+    q = torch.randn(sum(counts), H_q, D, generator=torch.Generator().manual_seed(22)) * 4
+    sinks = _sinks(H_q, 23) if with_sinks else None
+    start = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    out = paged_attention_ref(q, k_pages, v_pages, table, lens, start, 0.4, softcap=softcap, sinks=sinks)
+    assert torch.allclose(out.double(), oracle(q, dk, dv, lengths, counts, 0.4, softcap, sinks), atol=1e-5)
+    if shape == "decode batch":  # request 0's head 0 holds nothing: exact zeros, with or without sinks
+        assert torch.equal(out[0, :2], torch.zeros(2, D))
+
+
+@needs_triton
+@pytest.mark.parametrize("softcap, with_sinks", EXTRAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_extras_triton_matches_the_oracle(softcap, with_sinks, dtype):
+    """The Triton kernel with the soft-cap on every logit and the sinks starting each head's online softmax; a
+    zero-length row and tokens that see nothing give exact zeros."""
+    lengths = [[33, 0, 7], [16, 40, 1]]
+    counts = [1, 3]
+    D, H_q = 32, 6
+    k_pages, v_pages, table, lens, dk, dv = paged_layout(lengths, 16, D, dtype=dtype, seed=5)
+    q = (torch.randn(sum(counts), H_q, D, generator=torch.Generator().manual_seed(6)) * 4).to(dtype)
+    sinks = _sinks(H_q, 7) if with_sinks else None
+    start = torch.tensor([0, 1, 4], dtype=torch.int32)
+    with use_backend("triton"):
+        tri = paged_attention(q, k_pages, v_pages, table, lens, start, 0.25, softcap=softcap, sinks=sinks)
+    want = oracle(q, dk, dv, lengths, counts, 0.25, softcap, sinks)
+    assert tri.dtype == dtype and not torch.isnan(tri).any()
+    assert torch.allclose(tri.double(), want, atol=TOL[dtype])
+    assert torch.equal(tri[0, 2:4], torch.zeros(2, D, dtype=dtype))  # request 0, kv head 1: an empty row
+    assert torch.equal(tri[1:3, 4:6], torch.zeros(2, 2, D, dtype=dtype))  # 1 entry: only the last token sees it
+
+
+def test_extras_refusals_and_compiled_op():
+    k_pages, v_pages, table, lens, dk, dv = paged_layout([[9, 20]], 8, 16)
+    start = torch.tensor([0, 1], dtype=torch.int32)
+    q = torch.randn(1, 4, 16)
+    for extras, pattern in ((dict(softcap=0.0 - 2), "softcap=-2.0 must be a finite positive number"),
+                            (dict(sinks=torch.zeros(2)), r"sinks must be a float tensor \[H_q=4\]")):
+        with pytest.raises(ValueError, match=pattern) as err:
+            paged_attention(q, k_pages, v_pages, table, lens, start, 0.5, **extras)
+        assert "\n" not in str(err.value)
+    sinks = _sinks(4, 1)
+
+    def step(q, k_pages, v_pages, table, lens, start, sinks):
+        return paged_attention(q * 2, k_pages, v_pages, table, lens, start, 0.5, softcap=3.0, sinks=sinks) + 1
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    with use_backend("torch"):
+        got = compiled(q, k_pages, v_pages, table, lens, start, sinks)
+    want = oracle(q * 2, dk, dv, [[9, 20]], [1], 0.5, 3.0, sinks) + 1
+    assert torch.allclose(got.double(), want, atol=1e-5)
+    torch.library.opcheck(torch.ops.kvpress_ada.paged_attention, (q, k_pages, v_pages, table, lens, start, 0.5, 3.0,
+                                                                  sinks))

@@ -66,10 +66,14 @@ def dot(a, b, IEEE: tl.constexpr):
 def soft_cap(x, cap_log2):
     """``cap_log2 * tanh(x)`` (``x`` float32: the logit over the soft-cap; ``cap_log2``: the soft-cap times
     ``log2(e)``, so the result is a base-2 logit), with ``tanh`` from ``exp2`` (no libdevice call: the
-    interpreter has none): ``sign(x) (1 - e) / (1 + e)``, ``e = exp(-2 |x|)``, which never overflows."""
+    interpreter has none): ``sign(x) (1 - e) / (1 + e)``, ``e = exp(-2 |x|)``, which never overflows, and for
+    ``|x| < 0.1``, where ``1 - e`` would cancel, its Taylor series to ``x^7`` (both within ~3e-7 relative)."""
     e = tl.exp2(tl.abs(x) * -2.8853900817779268)  # exp(-2 |x|) = 2^(-2 log2(e) |x|)
     t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t) * cap_log2
+    x2 = x * x
+    series = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397)))
+    t = tl.where(tl.abs(x) < 0.1, series, tl.where(x < 0, -t, t))
+    return t * cap_log2
 
 
 @triton.jit

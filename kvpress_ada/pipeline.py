@@ -116,6 +116,15 @@ class Pipeline(OneLineErrors):
         raise ValueError(f"prefill_chunk={self.prefill_chunk} is not supported: {reason}; "
                          "use prefill_chunk=None (one-shot prefill)")
 
+    @model_validator(mode="after")
+    def _rerotation_supported(self) -> "Pipeline":
+        if self.evictor.rerotate and self.storage.quantized and (self.prefill_chunk is not None
+                                                                 or self.compresses_decode):
+            raise ValueError(f"storage={self.storage.label!r} moves the kept records unchanged when it compresses "
+                             "again (chunked prefill, decode compaction), so it cannot re-rotate their keys "
+                             "(evictor rerotate=True): use full-precision storage or compress once")
+        return self
+
     def replace(self, **changes: Any) -> "Pipeline":
         """A validated copy with ``changes`` (field names; components as instances, names or dicts): every check
         of construction runs again, and an unknown field or a bad value is refused in one line (``ConfigError``)."""
@@ -203,9 +212,9 @@ class Pipeline(OneLineErrors):
         """
         if not views:
             return []
-        if type(self.layers).needs_all_layers and len(views) != views[0].n_layers:
+        if type(self.layers).needs_all_layers and len(views) != views[0].rank[1]:
             raise ValueError(f"the layer schedule {type(self.layers).__name__} splits the budget across layers: "
-                             f"keep() needs every layer's view at once ({views[0].n_layers}), got {len(views)}")
+                             f"keep() needs every layer's view at once ({views[0].rank[1]}), got {len(views)}")
         if type(self.scorer).needs_model_pass and any(v.pass_scores is None for v in views):
             raise ValueError(f"{type(self.scorer).__name__} scores from its own model pass: run it through "
                              "`with press(model)` or fan-out (capture_prefill), which run that pass")
@@ -214,7 +223,7 @@ class Pipeline(OneLineErrors):
                 return self._keep_model_scope(views, budget)
             protected = self.scorer.protected(budget.lengths)
             return [self._keep_layer(v, self._cap(self.layers.layer_budget(
-                budget.average, v.layer_idx, v.n_layers, budget.lengths, protected), budget)) for v in views]
+                budget.average, *v.rank, budget.lengths, protected), budget)) for v in views]
 
     def _keep_layer(self, view: LayerView, budget: torch.Tensor) -> torch.Tensor:
         """Keep mask of one layer with per-head budget ``budget [B]``. Rows whose valid entries all fit

@@ -37,27 +37,70 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("gemma2", "gemma3_text", "gpt_oss", "granite", "llama", "mistral", "mixtral", "olmo2", "phi3", "qwen2",
+                 "qwen3", "qwen3_moe", "smollm3")
 VOCAB = 128
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False)
 
 
+#: sliding-window layers of the tiny hybrid models: a window shorter than the test prompts, so it matters
+WINDOW = 24
+_HYBRID = dict(num_hidden_layers=4, sliding_window=WINDOW,
+               layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+
+
+#: the architectures whose tiny models mix sliding-window and global layers
+HYBRID = ("gemma2", "gemma3_text", "gpt_oss")
+_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _tiny(arch: str, kwargs: dict):
+    """The model class and config of a tiny ``arch`` model built from ``kwargs`` (transformers' config classes)."""
+    import transformers as tf
+
+    if arch == "llama":
+        return LlamaForCausalLM, LlamaConfig(**kwargs)
+    if arch == "mistral":
+        return MistralForCausalLM, MistralConfig(**{"sliding_window": None, **kwargs})
+    if arch == "qwen2":
+        return Qwen2ForCausalLM, Qwen2Config(**kwargs)
+    if arch == "qwen3":
+        return Qwen3ForCausalLM, Qwen3Config(head_dim=16, **kwargs)
+    if arch == "gemma2":
+        return tf.Gemma2ForCausalLM, tf.Gemma2Config(**{"head_dim": 16, "query_pre_attn_scalar": 16,
+                                                        **kwargs})
+    if arch == "gemma3_text":
+        return tf.Gemma3ForCausalLM, tf.Gemma3TextConfig(**{"head_dim": 16, "query_pre_attn_scalar": 16,
+                                                            **kwargs})
+    if arch == "gpt_oss":
+        return tf.GptOssForCausalLM, tf.GptOssConfig(**{"head_dim": 16, "num_local_experts": 4,
+                                                        "num_experts_per_tok": 2,  **kwargs})
+    if arch == "granite":
+        return tf.GraniteForCausalLM, tf.GraniteConfig(**{"attention_multiplier": 0.2, "residual_multiplier": 0.5,
+                                                          "embedding_multiplier": 2.0, "logits_scaling": 2.0,
+                                                          **kwargs})
+    if arch == "mixtral":
+        return tf.MixtralForCausalLM, tf.MixtralConfig(**{"sliding_window": None, "num_local_experts": 4,
+                                                          "num_experts_per_tok": 2, **kwargs})
+    if arch == "olmo2":
+        return tf.Olmo2ForCausalLM, tf.Olmo2Config(**kwargs)
+    if arch == "phi3":
+        return tf.Phi3ForCausalLM, tf.Phi3Config(**kwargs)
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(**{"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                                            "moe_intermediate_size": 32, **kwargs})
+    if arch == "smollm3":
+        return tf.SmolLM3ForCausalLM, tf.SmolLM3Config(**{"no_rope_layer_interval": 2, **kwargs})
+    raise ValueError(arch)
+
+
 def build_model(arch: str, seed: int = 0, **overrides):
     """A tiny randomly initialised causal LM (fp32, eval mode) of the given architecture."""
     torch.manual_seed(seed)
-    kwargs = {**_COMMON, **overrides}
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**kwargs))
-    elif arch == "mistral":
-        model = MistralForCausalLM(MistralConfig(**{"sliding_window": None, **kwargs}))
-    elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**kwargs))
-    elif arch == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **kwargs))
-    else:
-        raise ValueError(arch)
+    cls, config = _tiny(arch, {**_COMMON, **(_HYBRID if arch in HYBRID else {}), **_TOKENS, **overrides})
+    model = cls(config)
     model.generation_config.pad_token_id = 0
     from kvpress_ada import use_tokenizer
 

@@ -11,17 +11,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, build_model, build_tokenizer
+from conftest import ARCHITECTURES, HYBRID, WINDOW, build_model, build_tokenizer
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config
 
 from kvpress_ada import preset, use_tokenizer
 from kvpress_ada.families import (
     SUPPORTED_MODEL_TYPES,
     Family,
+    Gemma2Family,
+    Gemma3Family,
+    GptOssFamily,
+    GraniteFamily,
     LlamaFamily,
     MistralFamily,
+    MixtralFamily,
+    Olmo2Family,
+    Phi3Family,
     Qwen2Family,
     Qwen3Family,
+    Qwen3MoeFamily,
+    SmolLM3Family,
     family_for,
     family_of,
     register_family,
@@ -31,11 +40,22 @@ from kvpress_ada.families import (
 from kvpress_ada.hosts.transformers import hf
 from kvpress_ada.hosts.transformers.attention import attention_modules, output_weight, rope_inv_freq
 from kvpress_ada.hosts.transformers.hf import output_cache
+from kvpress_ada.runtime import compressed_layers, held_windows, window_limit
 
 ROOT = Path(__file__).resolve().parents[1]
-ADAPTERS = {"llama": LlamaFamily, "mistral": MistralFamily, "qwen2": Qwen2Family, "qwen3": Qwen3Family}
+ADAPTERS = {"llama": LlamaFamily, "mistral": MistralFamily, "qwen2": Qwen2Family, "qwen3": Qwen3Family,
+            "gemma2": Gemma2Family, "gemma3_text": Gemma3Family, "gpt_oss": GptOssFamily, "granite": GraniteFamily,
+            "mixtral": MixtralFamily, "olmo2": Olmo2Family, "phi3": Phi3Family, "qwen3_moe": Qwen3MoeFamily,
+            "smollm3": SmolLM3Family}
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False)
+
+
+#: what each family's tiny model holds beyond Llama's: a fused projection, query/key norms, the layers that slide
+#: (the tiny hybrids: 0 and 2), a soft-cap, sinks, layers without RoPE
+FUSED_QKV = {"phi3"}
+QK_NORMS = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2"}
+SINKS = {"gpt_oss"}
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -45,34 +65,48 @@ def test_the_adapter_reaches_what_the_model_holds(arch):
     assert type(family) is ADAPTERS[arch] and family.model_type == arch
     layers = model.model.layers
     modules = family.attention_modules(model)
-    assert len(modules) == len(layers) == 3
+    assert len(modules) == len(layers) == model.config.num_hidden_layers
     assert all(m is layer.self_attn for m, layer in zip(modules, layers))
     assert attention_modules(model) == modules
     for i, module in enumerate(modules):
         assert family.layer_index(module) == i
-        assert family.projections(module) == {"q": module.q_proj, "k": module.k_proj, "v": module.v_proj,
-                                              "o": module.o_proj}
+        expected = ({"qkv": module.qkv_proj, "o": module.o_proj} if arch in FUSED_QKV else
+                    {"q": module.q_proj, "k": module.k_proj, "v": module.v_proj, "o": module.o_proj})
+        assert family.projections(module) == expected
         assert family.output_weight(module) is module.o_proj.weight
         assert output_weight(module) is module.o_proj.weight
-        assert family.query_scaling == module.scaling
-        assert family.attention_sinks(module) is None
+        assert family.query_scaling == pytest.approx(module.scaling, rel=1e-6)
+        assert family.attention_sinks(module) is (module.sinks if arch in SINKS else None)
         norms = family.qk_norms(module)
-        if arch == "qwen3":
+        if arch in QK_NORMS:
             assert norms == (module.q_norm, module.k_norm)
         else:
             assert norms is None and not hasattr(module, "q_norm")
-    assert family.rope_inv_freq(model) is model.model.rotary_emb.inv_freq
-    assert rope_inv_freq(model) is model.model.rotary_emb.inv_freq
-    assert family.logit_softcap is None and family.layers_without_rope == ()
-    assert family.sliding_window is None and family.sliding_window_layers == ()
-    # tensor parallelism: the plan transformers ships shards this family's q/k/v projections column-wise
-    assert family.head_projection_styles(model.config.base_model_tp_plan) == {
-        "q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise"}
-    assert family.head_projection_styles({"layers.*.self_attn.k_proj": "rowwise"})["k_proj"] == "rowwise"
+        # each layer's RoPE frequencies are what its rotary embedding rotates with (none: zeros)
+        freq = family.rope_inv_freq(model, i)
+        rotary = model.model.rotary_emb
+        kind = (model.config.layer_types or [None] * len(layers))[i] if hasattr(model.config, "layer_types") else None
+        if i in family.layers_without_rope:
+            assert not module.use_rope and torch.equal(freq, torch.zeros_like(rotary.inv_freq))
+        else:
+            assert freq is getattr(rotary, f"{kind}_inv_freq", None) or freq is rotary.inv_freq
+    assert rope_inv_freq(model) is family.rope_inv_freq(model, 0)
+    assert family.logit_softcap == getattr(model.config, "attn_logit_softcapping", None)
+    assert family.layers_without_rope == ((1,) if arch == "smollm3" else ())  # every second layer in the tiny one
+    if arch in HYBRID:
+        assert family.sliding_window == WINDOW and family.sliding_window_layers == (0, 2)
+        assert all(modules[i].sliding_window == WINDOW for i in (0, 2)) and modules[1].sliding_window is None
+    else:
+        assert family.sliding_window is None and family.sliding_window_layers == ()
+    # tensor parallelism: the style transformers' plan gives each projection split by head
+    styles = family.head_projection_styles(model.config.base_model_tp_plan or {})
+    assert set(styles) == {name for role, name in family.projection_names.items() if role != "o"}
+    assert family.head_projection_styles({"layers.*.self_attn.k_proj": "rowwise"}).get("k_proj") in (
+        None if arch in FUSED_QKV else "rowwise",)
     # what vLLM's models of these families hold: the same decoder layers, attention modules and projections
     assert family.engine_attention_modules(model) == modules
     assert family.engine_output_weight(modules[0]) is modules[0].o_proj.weight
-    assert family.refuses("transformers") is None and family.refuses("vllm") is None
+    assert family.refuses("transformers") is None
 
 
 def test_a_model_without_rotary_frequencies_is_refused_in_one_line(llama):
@@ -101,18 +135,18 @@ def test_an_unsupported_model_type_is_refused_in_one_line():
 
 
 def test_supported_model_types_is_a_live_view_of_the_registry():
-    assert tuple(SUPPORTED_MODEL_TYPES) == supported_model_types() == ("llama", "mistral", "qwen2", "qwen3")
+    assert tuple(SUPPORTED_MODEL_TYPES) == supported_model_types() == tuple(sorted(ADAPTERS)) == ARCHITECTURES
     assert hf.SUPPORTED_MODEL_TYPES is SUPPORTED_MODEL_TYPES and SUPPORTED_MODEL_TYPES == ARCHITECTURES
     register_family("registry_probe")(LlamaFamily)
     try:
-        assert "registry_probe" in SUPPORTED_MODEL_TYPES and SUPPORTED_MODEL_TYPES[-1] == "registry_probe"
+        assert "registry_probe" in SUPPORTED_MODEL_TYPES and SUPPORTED_MODEL_TYPES[-2] == "registry_probe"
         with pytest.raises(ValueError, match="already served by LlamaFamily"):
             register_family("registry_probe")(Qwen3Family)
         register_family("registry_probe", override=True)(Qwen3Family)
         assert type(family_for({"model_type": "registry_probe"})) is Qwen3Family
     finally:
         unregister_family("registry_probe")
-    assert "registry_probe" not in SUPPORTED_MODEL_TYPES and len(SUPPORTED_MODEL_TYPES) == 4
+    assert "registry_probe" not in SUPPORTED_MODEL_TYPES and len(SUPPORTED_MODEL_TYPES) == len(ADAPTERS)
     with pytest.raises(TypeError, match="subclass of Family"):
         register_family("not_a_family")(object)  # type: ignore[type-var]
     with pytest.raises(ValueError, match="model_type"):
@@ -140,11 +174,41 @@ def test_llama_declares_no_sliding_window():
     assert family_for({"model_type": "llama", "num_hidden_layers": 2}).sliding_window is None
 
 
-def test_a_press_refuses_to_grow_past_the_window_of_the_sliding_layers():
-    model = build_model("qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=1)
+def test_a_press_refuses_to_grow_past_the_window_when_every_layer_slides():
+    model = build_model("mistral", sliding_window=32)
+    assert held_windows(family_of(model)) == () and window_limit(family_of(model)) == 32
     ids = torch.randint(5, 100, (1, 40))
     with preset("streamingllm", compression_ratio=0.5)(model), pytest.raises(ValueError, match=r"window \(32\)"):
         model(ids)
+
+
+@pytest.mark.parametrize("arch, overrides", [("qwen2", dict(use_sliding_window=True, sliding_window=16,
+                                                             max_window_layers=1)),
+                                              ("gemma3_text", {}), ("gemma2", {}), ("gpt_oss", {})])
+def test_a_hybrid_models_sliding_layers_hold_their_window_and_the_press_compresses_the_others(arch, overrides):
+    """The hybrid rule: past the window, a sliding-window layer holds the window's last tokens (what the model's
+    own cache holds), the global layers hold what the press keeps (a ratio of the prompt), the layer schedule splits
+    its budget across the global layers only, and the bytes cover every layer."""
+    model = build_model(arch, **overrides)
+    family = family_of(model)
+    held = held_windows(family)
+    window = family.sliding_window
+    assert held and window is not None and set(held) | set(compressed_layers(family)) == set(range(family.n_layers))
+    ids = torch.randint(5, 100, (1, max(3 * window, 80)))
+    reference = output_cache(model(ids, use_cache=True))
+    for name in ("snapkv", "ada_pyramidkv", "kvzip"):
+        with preset(name, compression_ratio=0.5)(model):
+            cache = output_cache(model(ids, use_cache=True))
+        assert [type(layer).__name__ == "WindowLayer" for layer in cache.layers] == [
+            i in held for i in range(family.n_layers)]
+        kept = {i: int(cache.head_lengths(i).sum()) for i in range(family.n_layers)}
+        heads = model.config.num_key_value_heads
+        for i in held:  # the window's last tokens, exactly what the model's own cache holds there
+            assert kept[i] == heads * (window - 1)
+            assert torch.equal(cache.layers[i].keys, reference.layers[i].keys)
+        compressed = [kept[i] for i in compressed_layers(family)]
+        assert sum(compressed) == len(compressed) * heads * round(0.5 * ids.shape[1]), name
+        assert cache.nbytes() == sum(cache.layers[i].nbytes() for i in range(family.n_layers))
 
 
 # ------------------------------------------------------------------------------- a user's family

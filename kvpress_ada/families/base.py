@@ -57,8 +57,9 @@ class Family:
         """The output projection's weight ``[hidden, H_q * D]`` (what scorers that read ``W_O`` read)."""
         raise NotImplementedError
 
-    def rope_inv_freq(self, model: Any) -> torch.Tensor:
-        """The model's RoPE inverse frequencies ``[D // 2]``; a one-line ``ValueError`` when it has none."""
+    def rope_inv_freq(self, model: Any, layer_idx: int = 0) -> torch.Tensor:
+        """The RoPE inverse frequencies ``[D // 2]`` layer ``layer_idx`` rotates with (zeros for a layer without
+        RoPE: a rotation by nothing); a one-line ``ValueError`` when the model exposes none."""
         raise NotImplementedError
 
     def qk_norms(self, module: Any) -> tuple[torch.nn.Module, torch.nn.Module] | None:
@@ -153,11 +154,21 @@ class LlamaLike(Family):
     def output_weight(self, module: Any) -> torch.Tensor:
         return getattr(module, self.projection_names["o"]).weight
 
-    def rope_inv_freq(self, model: Any) -> torch.Tensor:
+    def rope_inv_freq(self, model: Any, layer_idx: int = 0) -> torch.Tensor:
         rotary = getattr(model.get_decoder(), self.rotary, None)
-        if rotary is None or not hasattr(rotary, "inv_freq"):
+        # a family whose layer types rotate differently (Gemma-3's local and global bases) holds one per type
+        types = setting(self.config, "layer_types")
+        kind = types[layer_idx] if types is not None and 0 <= layer_idx < len(types) else None
+        inv_freq = getattr(rotary, f"{kind}_inv_freq", None) if kind is not None else None
+        if inv_freq is None:
+            inv_freq = getattr(rotary, "inv_freq", None)
+        if inv_freq is None:
             raise ValueError(f"{type(model).__name__} exposes no {self.rotary}.inv_freq, which this scorer needs")
-        return rotary.inv_freq
+        if layer_idx in self.layers_without_rope:
+            import torch
+
+            return torch.zeros_like(inv_freq)
+        return inv_freq
 
     def qk_norms(self, module: Any) -> tuple[torch.nn.Module, torch.nn.Module] | None:
         if self.qk_norm_names is None:

@@ -39,8 +39,8 @@ def unregister_family(model_type: str) -> None:
 
 
 def supported_model_types() -> tuple[str, ...]:
-    """Every registered ``model_type``, in registration order."""
-    return tuple(_FAMILIES)
+    """Every registered ``model_type``, sorted."""
+    return tuple(sorted(_FAMILIES))
 
 
 def family_for(config: Any) -> Family:
@@ -50,7 +50,7 @@ def family_for(config: Any) -> Family:
     cls = _FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if cls is None:
         raise ValueError(f"unsupported model type {model_type!r}: kvpress_ada supports "
-                         f"{', '.join(_FAMILIES)} (kvpress_ada.families.register_family adds a family)")
+                         f"{', '.join(supported_model_types())} (kvpress_ada.families.register_family adds a family)")
     return cls(config)
 
 

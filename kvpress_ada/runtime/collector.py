@@ -3,18 +3,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
 
 class EndOfStep(Generic[T]):
-    """Collects what each layer of a model of ``n_layers`` layers evicts at the end of the step, in order: the
-    ``g``-th item every layer queued forms group ``g`` (the same sequences, due together in every layer);
-    :meth:`drain` hands each group's items in layer order once the step ends."""
+    """Collects what each of ``layers`` (the layers a press compresses; an ``int`` n: layers ``0..n-1``) evicts at
+    the end of the step, in order: the ``g``-th item every layer queued forms group ``g`` (the same sequences, due
+    together in every layer); :meth:`drain` hands each group's items in layer order once the step ends."""
 
-    def __init__(self, n_layers: int):
-        self.n_layers = n_layers
+    def __init__(self, layers: int | Sequence[int]):
+        self.layers = tuple(range(layers)) if isinstance(layers, int) else tuple(layers)
         self._waiting: dict[int, list[T]] = {}
 
     def wait(self, layer_idx: int, item: T) -> None:
@@ -31,9 +32,9 @@ class EndOfStep(Generic[T]):
         if not waiting:
             return []
         groups = {len(items) for items in waiting.values()}
-        if len(waiting) != self.n_layers or len(groups) != 1:
-            raise RuntimeError(f"an eviction across layers saw {len(waiting)} of {self.n_layers} layers")
-        return [[waiting[i][g] for i in range(self.n_layers)] for g in range(groups.pop())]
+        if set(waiting) != set(self.layers) or len(groups) != 1:
+            raise RuntimeError(f"an eviction across layers saw layers {sorted(waiting)} of {list(self.layers)}")
+        return [[waiting[i][g] for i in self.layers] for g in range(groups.pop())]
 
     def clear(self) -> None:
         """Drop what waits (the step raised)."""

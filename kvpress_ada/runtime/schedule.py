@@ -66,11 +66,13 @@ class Step:
 class LayerClock:
     """What has been written to one layer of one sequence: its ``prompt`` length, the tokens ``written`` so far
     (prompt and generated), and the generated tokens ``since`` the layer's last decode compaction (or since the
-    prompt's end)."""
+    prompt's end). ``compressed``: whether the press compresses this layer (False: a sliding-window layer of a
+    hybrid model, :func:`~kvpress_ada.runtime.compressed_layers`; no eviction is ever due there)."""
 
     prompt: int
     written: int = 0
     since: int = 0
+    compressed: bool = True
 
 
 class Schedule:
@@ -117,6 +119,8 @@ class Schedule:
         """The eviction a step writing ``count`` more tokens to ``clock``'s layer makes due (``None``: none),
         without advancing the clock."""
         press, before, prompt = self.press, clock.written, clock.prompt
+        if not clock.compressed:
+            return None
         after = before + count
         trigger: Trigger | None = None
         chunked = press.prefill_chunk is not None
@@ -152,6 +156,8 @@ class Schedule:
         tokens' queries of a press that compacts while generating once fewer than ``query_window()`` tokens
         remain before its next compaction (earlier ones leave the window before it)."""
         press = self.press
+        if not clock.compressed:
+            return False
         if clock.written < clock.prompt:
             return press.compresses_prefill or press.prefill_chunk is not None
         if not press.compresses_decode:

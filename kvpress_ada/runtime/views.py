@@ -69,7 +69,7 @@ def window_of(scorer: Any, queries: int, entries: int) -> int:
 
 def layer_view(scorer: Any, held: HeldEntries, queries: torch.Tensor, *, layer_idx: int, n_layers: int,
                scaling: float, inputs: LayerInputs, shard: Any = None, pass_scores: torch.Tensor | None = None,
-               entry_scores: torch.Tensor | None = None) -> LayerView:
+               entry_scores: torch.Tensor | None = None, scope: tuple[int, ...] | None = None) -> LayerView:
     """The view of one layer holding ``held`` scored with ``queries [B, H_q, T, D]`` (their last
     :func:`window_of` are kept), with only what ``scorer`` declares it reads."""
     n = window_of(scorer, queries.shape[2], held.keys.shape[2])
@@ -78,5 +78,5 @@ def layer_view(scorer: Any, held: HeldEntries, queries: torch.Tensor, *, layer_i
         queries=queries[:, :, queries.shape[2] - n:], layer_idx=layer_idx, n_layers=n_layers, scaling=scaling,
         output_weight=inputs.output_weight(layer_idx).detach() if scorer.needs_output_weight else None,
         rope_inv_freq=inputs.rope_inv_freq(layer_idx) if scorer.needs_rope else None, shard=shard,
-        pass_scores=pass_scores, uniform=held.uniform,
+        pass_scores=pass_scores, uniform=held.uniform, scope=scope,
         entry_scores=entry_scores if scorer.reads_hidden_states else None)

@@ -18,11 +18,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from ...observation import Budget
 from ...runtime import Due, Schedule
-from .attention import RUN_KWARG, Handler, layer_view, record_entry_scores
+from .attention import (
+    RUN_KWARG,
+    Handler,
+    dense_attention,
+    layer_view,
+    logit_extras,
+    masked_attention,
+    record_entry_scores,
+)
 from .eviction import Eviction
 from .hf import check_left_padded, prefill_key_mask
 from .press_cache import PressCache
@@ -97,6 +104,9 @@ class ChunkedPrefill(Handler):
         """Attention of the chunk's queries over the layer's kept entries plus the chunk, then
         compression of the layer back to its budget."""
         layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
+        if layer_idx not in self.cache.state.scope:  # a hybrid model's sliding-window layer: the model's attention
+            return self.cache.attend(layer_idx, query, key, value, attention_mask, scaling, dense_attention, module,
+                                     **kwargs)
         start, stop = self.chunks[self.index]
         held = self.cache.view(layer_idx)
         if query.shape[2] != stop - start or held.keys.shape[2] < stop - start:
@@ -104,7 +114,7 @@ class ChunkedPrefill(Handler):
                                f"holds rows of up to {held.keys.shape[2]}")
         with torch.no_grad():
             out = _chunk_attention(query, held.keys, held.values, held.positions, held.valid,
-                                   torch.arange(start, stop, device=query.device), scaling)
+                                   torch.arange(start, stop, device=query.device), scaling, *logit_extras(kwargs))
             if self.due is not None:
                 view = layer_view(self.press.scorer, self.model, module, len(self.cache.layers), held, query, scaling,
                                   state=self.cache.state)
@@ -128,7 +138,8 @@ SCORE_BYTES = 64 * 2**20  # one attention call's score matrix at most: longer ro
 
 
 def _chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
-                     valid: torch.Tensor, chunk_pos: torch.Tensor, scaling: float) -> torch.Tensor:
+                     valid: torch.Tensor, chunk_pos: torch.Tensor, scaling: float, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``[B, H_q, C, D]``: each query over the valid entries at or before its position (and always
     itself, so a padding query never meets an empty softmax).
 
@@ -138,19 +149,19 @@ def _chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     B, Hq, C, _ = query.shape
     block = max(1, SCORE_BYTES // (4 * B * Hq * max(keys.shape[2], 1)))
     if block >= C:
-        return _attention_block(query, keys, values, pos, valid, chunk_pos, scaling)
+        return _attention_block(query, keys, values, pos, valid, chunk_pos, scaling, softcap, sinks)
     return torch.cat([_attention_block(query[:, :, s:s + block], keys, values, pos, valid, chunk_pos[s:s + block],
-                                       scaling) for s in range(0, C, block)], dim=2)
+                                       scaling, softcap, sinks) for s in range(0, C, block)], dim=2)
 
 
 def _attention_block(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
-                     valid: torch.Tensor, chunk_pos: torch.Tensor, scaling: float) -> torch.Tensor:
+                     valid: torch.Tensor, chunk_pos: torch.Tensor, scaling: float, softcap: float | None,
+                     sinks: torch.Tensor | None) -> torch.Tensor:
     H, Hq = keys.shape[1], query.shape[1]
     before = pos[:, :, None, :] <= chunk_pos[None, None, :, None]
     itself = pos[:, :, None, :] == chunk_pos[None, None, :, None]
     allowed = (valid[:, :, None, :] & before) | itself
-    mask = allowed.repeat_interleave(Hq // H, dim=1)
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=Hq != H)
+    return masked_attention(query, keys, values, allowed.repeat_interleave(Hq // H, dim=1), scaling, softcap, sinks)
 
 
 def start_chunked_prefill(model: Any, press: Pipeline, cache: PressCache, args: tuple, kwargs: dict,

@@ -90,7 +90,7 @@ class DecodeRun(Handler):
         """End of the forward: under a model-scope layer schedule every layer compacts here, at once."""
         self.cache.routed = False
         if self.eviction is not None:
-            self.eviction.every_layer(output, lambda: self._budget(0))
+            self.eviction.every_layer(output, lambda: self._budget(self.cache.state.scope[0]))
         return output
 
     def _budget(self, layer_idx: int) -> Budget:

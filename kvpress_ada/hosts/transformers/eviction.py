@@ -33,7 +33,7 @@ class Eviction:
     pending: EndOfStep[tuple[LayerView, HeldEntries]] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.pending = EndOfStep(len(self.cache.layers))
+        self.pending = EndOfStep(self.cache.state.scope)
 
     def layer(self, layer_idx: int, view: LayerView, held: HeldEntries, budget: Callable[[], Budget]) -> bool:
         """Layer ``layer_idx``'s ``view`` of what it ``held``: keep its selection now (``True``), or wait for
@@ -62,6 +62,7 @@ class Eviction:
         del waiting
         if prepare is not None:  # nothing here holds the layers' tensors while it runs
             views = prepare(views)  # type: ignore[arg-type]
-        for i, keep in enumerate(self.press.keep(views, budget())):
-            self.cache.retain(i, keep, held[i], self.spare)
-        return list(range(n))
+        layers = [v.layer_idx for v in views]
+        for i, (layer_idx, keep) in enumerate(zip(layers, self.press.keep(views, budget()))):
+            self.cache.retain(layer_idx, keep, held[i], self.spare)
+        return layers

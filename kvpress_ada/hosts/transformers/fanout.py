@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from ...runtime import Schedule
+from ...families import family_of
+from ...runtime import Schedule, compressed_layers, held_windows
 from ...scorers.base import PassScorer
-from .attention import RUN_KWARG, attention_routed, layer_view, recording_attention_inputs
+from .attention import RUN_KWARG, attention_routed, key_rotation, layer_view, recording_attention_inputs
 from .caches import new_cache, ragged_cache
 from .checks import check_press
 from .hf import cache_kwarg, check_left_padded, check_supported, prefill_key_mask
@@ -25,6 +26,7 @@ from .press_cache import HeldEntries
 from .ragged_cache import RaggedCache
 from .routing import next_positions
 from .tensor_parallel import head_shard
+from .window_layer import WindowLayer
 
 
 @dataclass
@@ -75,6 +77,20 @@ class Prefill:
     entry_cache: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
     @property
+    def scope(self) -> tuple[int, ...]:
+        """The layers a press compresses (the hybrid rule: not a hybrid model's sliding-window layers)."""
+        return compressed_layers(family_of(self.model))
+
+    def window_mask(self, layer_idx: int) -> torch.Tensor:
+        """``[B, H_kv, L]`` what a sliding-window layer a press leaves to its window holds after this prefill."""
+        c = self.layers[layer_idx]
+        B, H, L, _ = c.keys.shape
+        window = family_of(self.model).sliding_window
+        assert window is not None
+        recent = torch.arange(L, device=c.keys.device) >= L - (window - 1)
+        return (self.key_mask[:, None, :] & recent).expand(B, H, L)
+
+    @property
     def seq_len(self) -> int:
         return self.key_mask.shape[-1]
 
@@ -115,9 +131,11 @@ class Prefill:
         press.check_context(int(self.key_mask.sum(-1).min()))
         check_press(press, self.model)
         scorer = press.scorer
-        maps = self.pass_scores(scorer) if isinstance(scorer, PassScorer) else [None] * len(self.layers)
-        views = [self.view(press.scorer, i, m) for i, m in enumerate(maps)]
-        return press.keep(views, press.prefill_budget(self.key_mask.sum(-1)))
+        scope = self.scope
+        maps = self.pass_scores(scorer) if isinstance(scorer, PassScorer) else [None] * len(scope)
+        views = [self.view(press.scorer, i, m) for i, m in zip(scope, maps)]
+        kept = dict(zip(scope, press.keep(views, press.prefill_budget(self.key_mask.sum(-1)))))
+        return [kept[i] if i in kept else self.window_mask(i) for i in range(len(self.layers))]
 
     def pass_scores(self, scorer: PassScorer) -> list[torch.Tensor]:
         """``[B, H_kv, L]`` per layer: what ``scorer``'s model pass measured over the full cache (run
@@ -125,7 +143,8 @@ class Prefill:
         key = scorer.model_dump_json()
         if key not in self.pass_cache:
             self.pass_cache[key] = model_pass_scores(self.model, scorer, self.full_cache, self.input_ids,
-                                                     self.key_mask, next_positions(None, self.key_mask.shape))
+                                                     self.key_mask, next_positions(None, self.key_mask.shape),
+                                                     self.scope)
         return self.pass_cache[key]
 
     def compressed_batch(self, presses: list, keep_masks: list[list[torch.Tensor]]) -> RaggedCache:
@@ -142,9 +161,14 @@ class Prefill:
                              f"{sorted(s.label for s in storages)}: batch each storage apart")
         cache = ragged_cache(presses[0].storage, self.model.config) if presses else RaggedCache(self.model.config)
         E = len(presses)
+        rotating = torch.tensor([p.evictor.rerotate for p in presses], dtype=torch.bool)
+        if bool(rotating.any()):  # the rows of the presses whose evictor re-rotates the keys it keeps
+            cache.rerotation = key_rotation(self.model, rotating)
+        scope = cache.compressed_layers()
         for i, c in enumerate(self.layers):
             cache.update(c.keys.expand(E, -1, -1, -1), c.values.expand(E, -1, -1, -1), i)
-            cache.retain(i, torch.cat([masks[i] for masks in keep_masks], dim=0))
+            if i in scope:  # a sliding-window layer keeps its window
+                cache.retain(i, torch.cat([masks[i] for masks in keep_masks], dim=0))
         return cache
 
     def compressed_cache(self, press, keep_masks: list[torch.Tensor] | None = None):
@@ -157,9 +181,12 @@ class Prefill:
         keep_masks = self.keep_masks(press) if keep_masks is None else keep_masks
         compressed = new_cache(press, self.model.config)
         compressed.state.key_mask = self.key_mask
+        compressed.rerotation = key_rotation(self.model) if press.evictor.rerotate else None
+        scope = compressed.compressed_layers()
         for i, (c, keep) in enumerate(zip(self.layers, keep_masks)):
             compressed.update(c.keys, c.values, i)
-            compressed.retain(i, keep)
+            if i in scope:  # a sliding-window layer keeps its window
+                compressed.retain(i, keep)
         return compressed
 
 
@@ -173,6 +200,9 @@ def capture_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     key_mask = prefill_key_mask((), {"input_ids": input_ids, "attention_mask": attention_mask})
     check_left_padded(key_mask)
     cache = DynamicCache(config=model.config)
+    window = family_of(model).sliding_window
+    for i in held_windows(family_of(model)):  # what a model pass over this cache crops off must come back
+        cache.layers[i] = WindowLayer(sliding_window=int(window or 0))
     run = CaptureRun()
     kwargs = {"input_ids": input_ids, "use_cache": True, cache_kwarg(model): cache, RUN_KWARG: run}
     if attention_mask is not None:

@@ -134,7 +134,9 @@ def generate(model, tokenizer, context: str | list[str], questions: list[str] | 
                         **{cache_kwarg(model): None})
             cache = output_cache(out)
             context_length = cache.get_seq_length()
-            decoding = press is not None and press.compresses_decode
+            # each question continues a copy when cropping its tokens off cannot restore the context's cache (decode
+            # compaction; sliding-window layers, which let the context's window go)
+            decoding = (press is not None and press.compresses_decode) or any(getattr(cache, "is_sliding", ()))
             for i, question in enumerate(questions):
                 tails = [encode(tokenizer, t, device)[0] for _, t in parts(question)]
                 if any(not torch.equal(t, tails[0]) for t in tails):

@@ -8,8 +8,10 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
+from .attention import logit_extras, masked_attention
 from .entries import gather_slots, pack_left, real_entries
-from .press_cache import DenseAttention, HeldEntries, PressCache, layer_count, uncroppable
+from .press_cache import DenseAttention, HeldEntries, PressCache, uncroppable
+from .window_layer import press_layers
 
 
 class MaskedLayer(DynamicLayer):
@@ -17,6 +19,8 @@ class MaskedLayer(DynamicLayer):
 
     Nothing is freed (like NVIDIA kvpress); tokens appended after compression are visible.
     """
+
+    rewrites_kept_keys = True  # retain() writes the view's kept keys back (a press may have re-rotated them)
 
     def __init__(self) -> None:
         super().__init__()
@@ -90,6 +94,9 @@ class MaskedLayer(DynamicLayer):
         kept = (keep & held.valid).to(torch.int32)
         full = torch.zeros(keys.shape[:3], dtype=torch.int32, device=keys.device)
         self.keep = full.scatter_add_(-1, held.positions.clamp(min=0).expand_as(kept), kept) > 0
+        if held.keys is not keys:  # the view is a copy: its kept keys go back where they came from
+            b, h, j = kept.bool().nonzero(as_tuple=True)
+            self.keys = keys.index_put((b, h, held.positions.expand_as(kept)[b, h, j]), held.keys[b, h, j])
 
     def head_lengths(self) -> torch.Tensor:
         """Visible entries per (batch, kv head), ``[B, H_kv]``."""
@@ -113,7 +120,7 @@ class MaskedLayer(DynamicLayer):
         full = F.pad(self.keep, (0, kv_len - self.keep.shape[-1]), value=True)
         allowed = _allowed(attention_mask, B, Q, kv_len, query.device)
         mask = allowed & full.repeat_interleave(Hq // Hkv, dim=1)[:, :, None, :]
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=Hq != Hkv)
+        out = masked_attention(query, key, value, mask, scaling, *logit_extras(kwargs))
         return out.transpose(1, 2).contiguous(), None
 
 
@@ -122,7 +129,7 @@ class MaskedCache(PressCache):
     or where a dense cache is required. ``head_lengths``/``nbytes`` as for the ragged cache."""
 
     def __init__(self, config: Any = None, num_layers: int | None = None):
-        super().__init__(layers=[MaskedLayer() for _ in range(layer_count(config, num_layers))])
+        super().__init__(layers=press_layers(config, num_layers, MaskedLayer))
 
 
 

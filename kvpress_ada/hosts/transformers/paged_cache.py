@@ -19,8 +19,10 @@ import torch
 
 from ...kernels.paged.ops import paged_attention
 from ...serving.pages import PagedSequence, PagePool
+from .attention import logit_extras
 from .entries import real_entries
-from .press_cache import DenseAttention, DenseUntilKept, HeldEntries, PressCache, layer_count, uncroppable
+from .press_cache import DenseAttention, DenseUntilKept, HeldEntries, PressCache, uncroppable
+from .window_layer import press_layers
 
 
 class PagedLayer(DenseUntilKept):
@@ -128,8 +130,9 @@ class PagedLayer(DenseUntilKept):
         table, lengths = pool.table(self.seqs)
         start = torch.arange(0, (B + 1) * Q, Q, dtype=torch.int32, device=query.device)
         with torch.no_grad():
+            softcap, sinks = logit_extras(kwargs)
             out = paged_attention(query.transpose(1, 2).reshape(B * Q, H_q, D), pool.k_pages, pool.v_pages,
-                                  table, lengths, start, scaling)
+                                  table, lengths, start, scaling, softcap=softcap, sinks=sinks)
         return out.view(B, Q, H_q, D), None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -167,7 +170,7 @@ class PagedCache(PressCache):
 
     def __init__(self, config: Any = None, num_layers: int | None = None, page_size: int = 32,
                  reserve_pages: int = 1):
-        super().__init__(layers=[PagedLayer(page_size, reserve_pages) for _ in range(layer_count(config, num_layers))])
+        super().__init__(layers=press_layers(config, num_layers, lambda: PagedLayer(page_size, reserve_pages)))
 
     def pages_held(self) -> int:
         return sum(layer.pages_held() for layer in self.layers if isinstance(layer, PagedLayer))

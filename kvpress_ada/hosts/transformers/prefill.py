@@ -55,6 +55,8 @@ class PrefillRun(Handler):
     def after_prefill(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       scaling: float) -> None:
         layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
+        if layer_idx not in self.cache.state.scope:  # a hybrid model's sliding-window layer keeps its window
+            return
         held = self.cache.view(layer_idx)
         view = layer_view(self.press.scorer, self.model, module, len(self.cache.layers), held, query, scaling,
                           self.shard, state=self.cache.state)
@@ -91,6 +93,6 @@ class PrefillRun(Handler):
         empty = torch.empty(0)
         views[:] = [replace(v, keys=empty, values=empty) for v in views]
         maps = model_pass_scores(self.model, self.press.scorer, self.cache, self.input_ids, self.key_mask,
-                                 self.next_position)
+                                 self.next_position, self.cache.state.scope)
         return [replace(v, keys=h.keys, values=h.values, pass_scores=m)
-                for v, h, m in zip(views, (self.cache.view(i) for i in range(len(views))), maps)]
+                for v, h, m in zip(views, (self.cache.view(v.layer_idx) for v in views), maps)]

@@ -22,6 +22,7 @@ from typing import Any, Callable, Protocol
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ...evictors.rerotation import KeyRotation
 from ...runtime import HeldEntries, LayerClock, Schedule, Step
 from .entries import real_entries
 
@@ -39,7 +40,9 @@ class PressLayer(Protocol):
 
     def retain(self, keep: torch.Tensor, held: HeldEntries, spare: int | None = None) -> None:
         """Keep the entries of ``held`` (this layer's :meth:`view`) where ``keep [B, H_kv, L]`` is True;
-        the rest leave the layer. ``spare``: free slots per row for the tokens appended next."""
+        the rest leave the layer. ``spare``: free slots per row for the tokens appended next. The layer keeps
+        ``held``'s keys (a press may have re-rotated them) when it is not compressed yet, or when it declares
+        ``rewrites_kept_keys``; otherwise a compressed layer's kept entries move as they are stored."""
 
     def head_lengths(self) -> torch.Tensor:
         """Entries each (batch, kv head) attends to, ``LongTensor[B, H_kv]``."""
@@ -146,6 +149,7 @@ class SequenceState:
     n_layers: int
     key_mask: torch.Tensor | None = None  # [B, L_prefill] real tokens of the prefill (left padding)
     prompt: int = 0  # tokens of the prefill (0: a cache built outside a prefill, e.g. by fan-out)
+    compressed: tuple[int, ...] | None = None  # the layers the press compresses (None: all; the hybrid rule)
     queries: list[torch.Tensor | None] = field(default_factory=list)
     clocks: list[LayerClock] = field(default_factory=list)  # what each layer has been written (the schedule's)
     compactions: list[int] = field(default_factory=list)
@@ -154,10 +158,15 @@ class SequenceState:
 
     def __post_init__(self) -> None:
         self.queries = [None] * self.n_layers
-        self.clocks = [LayerClock(self.prompt) for _ in range(self.n_layers)]
+        self.clocks = [LayerClock(self.prompt, compressed=i in self.scope) for i in range(self.n_layers)]
         self.compactions = [0] * self.n_layers
         self.entry_scores = [None] * self.n_layers
         self.recorded = [0] * self.n_layers
+
+    @property
+    def scope(self) -> tuple[int, ...]:
+        """The layers the press compresses, in order (every layer but a hybrid model's sliding-window ones)."""
+        return tuple(range(self.n_layers)) if self.compressed is None else self.compressed
 
     @property
     def since(self) -> list[int]:
@@ -224,12 +233,19 @@ class PressCache(Cache):
     """A ``Cache`` of :class:`PressLayer` objects; see the module docstring.
 
     ``routed``: set by the press routing for the duration of one forward (a compressed layer is
-    only updated under it); ``state``: the :class:`SequenceState` of the sequence held."""
+    only updated under it); ``state``: the :class:`SequenceState` of the sequence held; ``rerotation``: set
+    when the press's evictor re-rotates the keys it keeps (:class:`~kvpress_ada.evictors.rerotation.KeyRotation`,
+    applied at every :meth:`retain`)."""
 
     def __init__(self, layers: list[Any]):
         super().__init__(layers=layers)
         self.routed = False
-        self.state = SequenceState(n_layers=len(layers))
+        self.rerotation: KeyRotation | None = None
+        self.state = SequenceState(n_layers=len(layers), compressed=self.compressed_layers())
+
+    def compressed_layers(self) -> tuple[int, ...]:
+        """The layers a press compresses: every layer but the sliding-window layers it leaves to their window."""
+        return tuple(i for i, layer in enumerate(self.layers) if not getattr(layer, "is_sliding", False))
 
     def layer(self, layer_idx: int) -> PressLayer:
         """Layer ``layer_idx``, checked."""
@@ -247,9 +263,17 @@ class PressCache(Cache):
 
     def retain(self, layer_idx: int, keep: torch.Tensor, held: HeldEntries | None = None,
                spare: int | None = None) -> None:
-        """Keep the entries of layer ``layer_idx``'s view where ``keep`` is True."""
+        """Keep the entries of layer ``layer_idx``'s view where ``keep`` is True (their keys re-rotated first
+        under :attr:`rerotation`)."""
         layer = self.layer(layer_idx)
-        layer.retain(keep, layer.view(self.state.key_mask) if held is None else held, spare)
+        held = layer.view(self.state.key_mask) if held is None else held
+        if self.rerotation is not None:
+            if layer.compressed and not getattr(layer, "rewrites_kept_keys", False):
+                raise ValueError(f"{type(layer).__name__} moves a compressed layer's kept entries as they are stored "
+                                 "and cannot re-rotate them: re-compress it with evictor rerotate=False, or keep "
+                                 "full-precision storage in the default cache")
+            held = self.rerotation.apply(layer_idx, held, keep)
+        layer.retain(keep, held, spare)
 
     def head_lengths(self, layer_idx: int) -> torch.Tensor:
         """Entries each (batch, kv head) of layer ``layer_idx`` attends to, ``LongTensor[B, H_kv]``."""

@@ -52,6 +52,7 @@ class QuantizedRaggedLayer(RaggedLayer):
 
     defer_appends: ClassVar[bool] = True
     """Whether eager appends write their records in batches (see :meth:`_append_entries`)."""
+    rewrites_kept_keys = False  # a compressed layer's kept records move unchanged
 
     def __init__(self, layout: RecordLayout, decode_reserve: int = 8, growth: float = 0.125):
         if not isinstance(layout, RecordLayout):
@@ -136,9 +137,10 @@ class QuantizedRaggedLayer(RaggedLayer):
         return (torch.where(present[..., None], torch.where(first, anchor_k, keys), zero),
                 torch.where(first, anchor_v, values))
 
-    def _attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def _attention(self, query: torch.Tensor, scaling: float, softcap: float | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
         return kernels.quantized_attention(query, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths,
-                                           self.side, scaling, self.layout)
+                                           self.side, scaling, self.layout, softcap=softcap, sinks=sinks)
 
     def retain(self, keep: torch.Tensor, held: HeldEntries, spare: int | None = None) -> None:
         """As :meth:`RaggedLayer.retain`; on a compressed layer the kept entries' records move unchanged

@@ -22,8 +22,10 @@ import torch
 
 from ... import kernels
 from ...kernels.ragged.reference import CHUNK
+from .attention import logit_extras
 from .entries import gather_slots, left_pad_index, ragged_index, real_entries
-from .press_cache import DenseAttention, DenseUntilKept, HeldEntries, PressCache, layer_count, uncroppable
+from .press_cache import DenseAttention, DenseUntilKept, HeldEntries, PressCache, uncroppable
+from .window_layer import WindowLayer, press_layers
 
 if TYPE_CHECKING:
     from ...storage import Storage
@@ -34,6 +36,7 @@ class RaggedLayer(DenseUntilKept):
     are detached: with grad mode on, the cache holds ``nbytes()`` and no autograd graph."""
 
     is_compileable = True
+    rewrites_kept_keys = True  # retain() re-lays the kept entries out from the view's keys (re-rotated ones too)
 
     def __init__(self, decode_reserve: int = 8, growth: float = 0.125):
         super().__init__()
@@ -193,7 +196,7 @@ class RaggedLayer(DenseUntilKept):
         if not self.compressed:
             return dense_fn(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         with torch.no_grad():
-            out = self._attention(query, scaling)
+            out = self._attention(query, scaling, *logit_extras(kwargs))
         return out.transpose(1, 2).contiguous(), None
 
     # ------------------------------------------------ storage of a slot (a subclass stores it otherwise)
@@ -214,9 +217,11 @@ class RaggedLayer(DenseUntilKept):
         """Keys and values ``[B, H_kv, W, D]`` at flat ``index`` (zeros where not ``present``)."""
         return gather_slots(self.k_flat, index, present), gather_slots(self.v_flat, index, present)
 
-    def _attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """``[B, H_q, Q, D]`` attention of ``query`` over the rows."""
-        return kernels.ragged_attention(query, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths, scaling)
+    def _attention(self, query: torch.Tensor, scaling: float, softcap: float | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, H_q, Q, D]`` attention of ``query`` over the rows (with the family's ``softcap`` and ``sinks``)."""
+        return kernels.ragged_attention(query, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths, scaling,
+                                        softcap=softcap, sinks=sinks)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("beam search is not supported with RaggedCache (rows are ragged per head); "
@@ -327,7 +332,7 @@ class RaggedCache(PressCache):
             raise ValueError(f"storage={storage.label!r} keeps entries as {type(storage).structure!r}, which "
                              f"{holder.__name__} holds, not {type(self).__name__}: build the cache with "
                              "kvpress_ada.hosts.transformers.caches.ragged_cache(storage, config)")
-        super().__init__(layers=[self._new_layer(decode_reserve) for _ in range(layer_count(config, num_layers))])
+        super().__init__(layers=press_layers(config, num_layers, lambda: self._new_layer(decode_reserve)))
 
     def _new_layer(self, decode_reserve: int) -> RaggedLayer:
         """One empty layer holding the storage kind's entries (in the model's dtype here)."""
@@ -339,12 +344,14 @@ class RaggedCache(PressCache):
 
     @property
     def compressed(self) -> bool:
-        """Every layer holds ragged rows (the state a compiled decode step expects)."""
-        return all(isinstance(layer, RaggedLayer) and layer.compressed for layer in self.layers)
+        """Every layer the press compresses holds ragged rows (the state a compiled decode step expects; a
+        hybrid model's sliding-window layers hold their window)."""
+        return all(isinstance(layer, WindowLayer) or (isinstance(layer, RaggedLayer) and layer.compressed)
+                   for layer in self.layers)
 
     def batch_nbytes(self) -> list[int]:
         """Bytes held per batch row over all layers (see :meth:`RaggedLayer.batch_nbytes`)."""
-        per_layer = [layer.batch_nbytes() for layer in self.layers if isinstance(layer, RaggedLayer)]
+        per_layer = [layer.batch_nbytes() for layer in self.layers if isinstance(layer, (RaggedLayer, WindowLayer))]
         return [sum(row) for row in zip(*per_layer)]
 
     def reserve(self, q: int) -> None:

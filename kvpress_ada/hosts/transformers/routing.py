@@ -29,9 +29,17 @@ import torch
 from transformers import DynamicCache
 
 from ...families import Family, family_of
-from ...runtime import Schedule
+from ...runtime import Schedule, window_limit
 from . import compiled
-from .attention import ATTENTION_NAME, RUN_KWARG, Handler, attention_input, attention_modules, register_attention
+from .attention import (
+    ATTENTION_NAME,
+    RUN_KWARG,
+    Handler,
+    attention_input,
+    attention_modules,
+    key_rotation,
+    register_attention,
+)
 from .caches import new_cache
 from .checks import check_press
 from .chunked_prefill import start_chunked_prefill
@@ -53,13 +61,14 @@ def next_positions(position_ids: torch.Tensor | None, shape: torch.Size) -> torc
 
 
 def _check_sliding_window(family: Family, length: int) -> None:
-    """Refuse a forward that would bring a press cache past the window of the model's sliding-window layers
-    (as its ``family`` declares them)."""
-    window = family.sliding_window
+    """Refuse a forward that would bring a press cache past the window of a model whose every layer slides (its
+    layers are compressed as global ones: :func:`~kvpress_ada.runtime.window_limit`)."""
+    window = window_limit(family)
     if window is not None and length > window:
         raise ValueError(f"this forward brings the compressed cache to {length} tokens, past the model's sliding "
-                         f"window ({window}); kvpress_ada presses do not support sliding-window attention: keep "
-                         f"context + generated tokens <= {window}")
+                         f"window ({window}); every layer of this model slides, so a press compresses its layers as "
+                         f"global ones, which holds only within the window: keep context + generated tokens <= "
+                         f"{window}")
 
 
 # ---------------------------------------------------------------------------------- routing
@@ -133,7 +142,9 @@ class _Route:
                                  "of that storage")
             key_mask = prefill_key_mask(args, kwargs)
             check_left_padded(key_mask)
-            cache.state = SequenceState(n_layers=len(cache.layers), key_mask=key_mask, prompt=int(shape[1]))
+            cache.state = SequenceState(n_layers=len(cache.layers), key_mask=key_mask, prompt=int(shape[1]),
+                                        compressed=cache.compressed_layers())
+            cache.rerotation = key_rotation(self.model) if press.evictor.rerotate else None
             if Schedule(press).chunked(shape[1]):
                 return start_chunked_prefill(self.model, press, cache, args, kwargs, self.cache_key)
         if kwargs.get("output_attentions") or getattr(self.model.config, "output_attentions", False):
@@ -151,11 +162,12 @@ class _Route:
         compaction when the press compacts while generating; never during the prefill itself)."""
         prefill = cache.get_seq_length() == 0
         steps = cache.state.advance(Schedule(press), int(shape[1])) if press is not None and prefill else []
-        if press is not None and prefill and steps[0].due is not None:
+        due = next((step.due for step in steps if step.due is not None), None)
+        if press is not None and prefill and due is not None:
             key_mask = cache.state.key_mask
             assert key_mask is not None
             press.check_context(int(key_mask.sum(-1).min()))
-            return PrefillRun(press=press, cache=cache, model=self.model, key_mask=key_mask, due=steps[0].due,
+            return PrefillRun(press=press, cache=cache, model=self.model, key_mask=key_mask, due=due,
                               input_ids=kwargs.get("input_ids", args[0] if args else None),
                               next_position=next_positions(kwargs.get("position_ids"), shape),
                               shard=head_shard(self.model))

@@ -56,6 +56,8 @@ SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_la
 FUSED_QKV = {"phi3"}
 QK_NORMS = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2"}
 SINKS = {"gpt_oss"}
+#: the families whose vLLM host results are checked equal to the transformers host's (tests/test_vllm_host.py)
+VLLM_CHECKED = {"llama", "mistral", "qwen2", "qwen3"}
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -107,6 +109,9 @@ def test_the_adapter_reaches_what_the_model_holds(arch):
     assert family.engine_attention_modules(model) == modules
     assert family.engine_output_weight(modules[0]) is modules[0].o_proj.weight
     assert family.refuses("transformers") is None
+    refusal = family.refuses("vllm")
+    assert (refusal is None) == (arch in VLLM_CHECKED)
+    assert refusal is None or ("\n" not in refusal and ("sliding-window" in refusal) == (arch in HYBRID))
 
 
 def test_a_model_without_rotary_frequencies_is_refused_in_one_line(llama):

@@ -127,8 +127,19 @@ class Family:
         """The output projection's weight of one of vLLM's attention modules (``None`` when it has none)."""
         raise NotImplementedError
 
+    #: whether the vLLM host's kept positions and tokens were checked equal to the transformers host's for this
+    #: family (``tests/test_vllm_host.py``); an unchecked family is refused there rather than served unverified
+    vllm_checked: ClassVar[bool] = False
+
     def refuses(self, host: str) -> str | None:
         """Why ``host`` (``"transformers"``, ``"vllm"``) cannot serve this family, or ``None`` when it can."""
+        if host == "vllm" and self.sliding_window_layers and len(self.sliding_window_layers) < self.n_layers:
+            return ("the vLLM host keeps one page group per layer and kv head for global attention only; "
+                    "vLLM's sliding-window layer groups of a hybrid model are not served yet (use the transformers "
+                    "host)")
+        if host == "vllm" and not self.vllm_checked:
+            return ("the vLLM host has not been checked against vLLM's model of this family yet (use the "
+                    "transformers host)")
         return None
 
 

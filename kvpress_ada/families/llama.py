@@ -9,3 +9,5 @@ from .registry import register_family
 @register_family("llama")
 class LlamaFamily(LlamaLike):
     """Llama: the Llama-like defaults, no sliding window."""
+
+    vllm_checked = True

@@ -10,6 +10,8 @@ from .registry import register_family
 class MistralFamily(LlamaLike):
     """Mistral: every layer slides when the config sets ``sliding_window`` (its config has no ``layer_types``)."""
 
+    vllm_checked = True
+
     @property
     def sliding_window_layers(self) -> tuple[int, ...]:
         return () if setting(self.config, "sliding_window") is None else tuple(range(self.n_layers))

@@ -10,3 +10,5 @@ from .registry import register_family
 class Qwen2Family(LlamaLike):
     """Qwen2: the layers from ``max_window_layers`` on slide when ``use_sliding_window`` is set (its config's
     ``layer_types`` say which)."""
+
+    vllm_checked = True

@@ -6,9 +6,10 @@ import warnings
 
 import pytest
 import torch
+from attention_oracle import dense_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_quantized_kernels import _cache, _records, int_layout
+from test_quantized_kernels import EXTRAS, _cache, _read_back, _records, _sinks, int_layout
 
 from kvpress_ada import kernels
 from kvpress_ada.kernels.quantized import cpu_kernel as quantized_cpu
@@ -45,6 +46,45 @@ def test_kernel_equals_reference(dtype, encoding, dims, B, G, Q, lens, residual,
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
     for r, n in enumerate(lens_t.tolist()):  # an empty row, or a query seeing no entry: 0
+        b, h = divmod(r, H_kv)
+        for i in range(max(Q - n, 0)):
+            assert torch.equal(got[b, h * G:(h + 1) * G, i], torch.zeros(G, D, dtype=dtype))
+
+
+@pytest.mark.parametrize("softcap, with_sinks", EXTRAS)
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.sampled_from(["int4", "int8", "e4m3"]),
+       st.sampled_from([(32, 16), (64, 32), (64, 64), (128, 32), (48, 24), (64, 0)]), st.integers(1, 2),
+       st.sampled_from([1, 3]), st.integers(1, quantized_cpu.MAX_QUERIES),
+       st.lists(st.integers(0, 70), min_size=4, max_size=4), st.sampled_from([0, 1, 5]), st.integers(0, 999),
+       st.sampled_from([torch.float32, torch.bfloat16]))
+def test_kernel_with_extras_equals_reference_and_dense(softcap, with_sinks, dtype, encoding, dims, B, G, Q, lens,
+                                                       residual, seed, sinks_dtype):
+    """Soft-cap (applied in the kernel after each query's ``q . c`` is added to its logits) and sinks (in each
+    softmax denominator) on or off: the fused kernel equals the reference, and both the dense formula over the
+    read-back keys and values; an empty row or a query seeing no entry gives exact zeros."""
+    D, group = dims
+    if encoding == "e4m3":
+        layout = qz.RecordLayout("e4m3", 8, group, rotate_keys=False)
+    else:
+        layout = int_layout(int(encoding[3:]), group or D)
+    H_kv = 2
+    k, v, offs, lens_t = _cache(lens[:B * H_kv], D, dtype, seed=seed)
+    k = k + torch.linspace(-3, 5, D).to(dtype)
+    k_rec, v_rec, side, centres = _records(k, v, offs, lens_t, layout, residual)
+    q = torch.randn(B, H_kv * G, Q, D, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    sinks = _sinks(H_kv * G, seed, sinks_dtype) if with_sinks else None
+    got = quantized_cpu.quantized_attention_cpu(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, layout,
+                                                softcap=softcap or 0.0, sinks=sinks)
+    ref = qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, layout, softcap=softcap,
+                                     sinks=sinks)
+    deq_k, deq_v = _read_back(k_rec, v_rec, side, centres, offs, lens_t, layout, dtype)
+    want = dense_attention(q, deq_k, deq_v, offs, lens_t, D ** -0.5, softcap=softcap, sinks=sinks)
+    assert got is not None and got.dtype == dtype
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    for r, n in enumerate(lens_t.tolist()):
         b, h = divmod(r, H_kv)
         for i in range(max(Q - n, 0)):
             assert torch.equal(got[b, h * G:(h + 1) * G, i], torch.zeros(G, D, dtype=dtype))

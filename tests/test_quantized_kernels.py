@@ -5,6 +5,7 @@ Triton interpreted on CPU), one-line refusals."""
 
 import pytest
 import torch
+from attention_oracle import dense_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -460,6 +461,105 @@ def test_side_with_an_even_number_of_vectors_is_refused():
                                     int_layout(8, 16))
 
 
+# ----------------------------------------------------------------------------- soft-capping and sinks
+# Both need the logits q . k themselves, where the records' logits are q . (k - c): the kernels add q . c back.
+
+EXTRAS = [pytest.param(softcap, with_sinks, id=f"softcap={softcap}-sinks={with_sinks}")
+          for softcap in (None, 2.0) for with_sinks in (False, True)]
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _sinks(H_q, seed, dtype=torch.float32):
+    """One logit per query head, some large enough to take most of a softmax's mass."""
+    return (torch.randn(H_q, generator=torch.Generator().manual_seed(seed)) * 2 + 1).to(dtype)
+
+
+@pytest.mark.parametrize("softcap, with_sinks", EXTRAS)
+@settings(max_examples=20, deadline=None)
+@given(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.sampled_from([4, 8]),
+       st.integers(1, 2), st.integers(1, 3), st.sampled_from([1, 3]), st.sampled_from([1, 4, 6]),
+       st.lists(st.integers(0, 70), min_size=6, max_size=6), st.integers(0, 999), st.sampled_from([0, 1, 5, 32]))
+def test_extras_reference_and_op_match_dense_over_read_back(softcap, with_sinks, dtype, bits, B, H_kv, G, Q, lens,
+                                                           seed, residual):
+    """The torch reference and the op (on CPU: the fused kernel up to 4 queries, the reference beyond) equal the
+    dense formula over what the records read back as (keys with their row's centre), for rows empty, shorter
+    than the queries and longer than the ring."""
+    D, group = 32, 16
+    layout = int_layout(bits, group)
+    k, v, offs, lens_t = _cache(lens[:B * H_kv], D, dtype, seed=seed)
+    k = k + torch.linspace(-3, 5, D).to(dtype)  # an offset per channel: a centre far from 0
+    k_rec, v_rec, side, centres = _records(k, v, offs, lens_t, layout, residual)
+    q = torch.randn(B, H_kv * G, Q, D, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    sinks = _sinks(H_kv * G, seed) if with_sinks else None
+    deq_k, deq_v = _read_back(k_rec, v_rec, side, centres, offs, lens_t, layout, dtype)
+    want = dense_attention(q, deq_k, deq_v, offs, lens_t, D ** -0.5, softcap=softcap, sinks=sinks)
+    for out in (qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, layout, softcap=softcap,
+                                           sinks=sinks),
+                kernels.quantized_attention(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, layout, softcap=softcap,
+                                            sinks=sinks)):
+        assert out.dtype == dtype and torch.isfinite(out).all()
+        torch.testing.assert_close(out.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+        for r, n in enumerate(lens_t.tolist()):  # an empty row, or a query that sees nothing: exact zeros
+            b, h = divmod(r, H_kv)
+            assert not out[b, h * G:(h + 1) * G, :max(Q - n, 0)].any()
+
+
+@pytest.mark.parametrize("softcap, with_sinks", [(2.0, False), (None, True)])
+def test_extras_need_the_key_centre(softcap, with_sinks):
+    """Without a logit term the centre cancels in the softmax (the default path leaves it out); with one, the
+    answer over the centred keys is wrong and the ops' answer is the one over the keys themselves."""
+    D, layout = 32, int_layout(8, 16)
+    k, v, offs, lens = _cache([12, 30, 7, 19], D, torch.float32, seed=4)
+    k = k + torch.linspace(-3, 5, D)
+    k_rec, v_rec, side, centres = _records(k, v, offs, lens, layout)
+    q = torch.randn(2, 4, 2, D, generator=torch.Generator().manual_seed(5))
+    sinks = _sinks(4, 6) if with_sinks else None
+    deq_k, deq_v = _read_back(k_rec, v_rec, side, centres, offs, lens, layout, torch.float32)
+    want = dense_attention(q, deq_k, deq_v, offs, lens, D ** -0.5, softcap=softcap, sinks=sinks)
+    centred = dense_attention(q, deq_k - centres, deq_v, offs, lens, D ** -0.5, softcap=softcap, sinks=sinks)
+    assert (centred - want).abs().max() > 1e-2  # the test can tell them apart
+    plain = dense_attention(q, deq_k - centres, deq_v, offs, lens, D ** -0.5)
+    torch.testing.assert_close(plain, dense_attention(q, deq_k, deq_v, offs, lens, D ** -0.5), atol=1e-6, rtol=1e-6)
+    for out in (qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens, side, D ** -0.5, layout, softcap=softcap,
+                                           sinks=sinks),
+                kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, D ** -0.5, layout, softcap=softcap,
+                                            sinks=sinks)):
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_extras_off_is_the_default_refusals_opcheck_and_compile():
+    """``softcap`` None / 0 and no sinks give the default bit for bit; bad values are refused in one line; the
+    op's schema carries both (opcheck) and a step calling it with both compiles with ``fullgraph=True``."""
+    from torch._dynamo.utils import counters
+
+    D, layout = 32, int_layout(4, 16)
+    k, v, offs, lens = _cache([5, 12, 0, 7], D, torch.float32)
+    k_rec, v_rec, side, _ = _records(k, v, offs, lens, layout)
+    q = torch.randn(2, 4, 1, D)
+    default = kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.2, layout)
+    assert torch.equal(kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.2, layout, softcap=0,
+                                                   sinks=None), default)
+    for extras, pattern in ((dict(softcap=-0.5), r"softcap=-0.5 must be a finite positive number"),
+                            (dict(sinks=torch.zeros(2)), r"sinks must be a float tensor \[H_q=4\]"),
+                            (dict(sinks=torch.zeros(4, dtype=torch.int32)), r"sinks must be a float tensor")):
+        with pytest.raises(ValueError, match=pattern) as err:
+            kernels.quantized_attention(q, k_rec, v_rec, offs, lens, side, 0.2, layout, **extras)
+        assert "\n" not in str(err.value)
+    sinks = _sinks(4, 8)
+    torch.library.opcheck(torch.ops.kvpress_ada.quantized_attention,
+                          (q, k_rec, v_rec, offs, lens, side, 0.5, "int", 4, 16, True, 0, 2.0, sinks))
+
+    def step(q, k_rec, v_rec, offs, lens, side, sinks):
+        return kernels.quantized_attention(q * 2, k_rec, v_rec, offs, lens, side, 0.2, layout, softcap=2.0,
+                                           sinks=sinks)
+
+    counters.clear()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k_rec, v_rec, offs, lens, side, sinks),
+                               step(q, k_rec, v_rec, offs, lens, side, sinks))
+    assert counters["graph_break"] == {}
+
+
 # ----------------------------------------------------------------------------- triton
 
 triton = pytest.importorskip("triton")
@@ -523,3 +623,38 @@ def test_deferred_append_compiles_and_matches_eager():
     assert counters["graph_break"] == {}
     with pytest.raises(ValueError, match="a deferred append of 5 tokens needs a residual ring of at least 5, got 4"):
         kernels.quantized_append_side(torch.randn(2, 2, 5, D), torch.randn(2, 2, 5, D), lens, side)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("softcap, with_sinks", EXTRAS)
+@settings(max_examples=6, deadline=None)
+@given(st.sampled_from([torch.float32, torch.float16]), st.sampled_from(["int4", "int8", "e4m3"]),
+       st.sampled_from([1, 3]), st.lists(st.integers(0, 60), min_size=4, max_size=4), st.sampled_from([16, 32]),
+       st.integers(0, 999), st.sampled_from([0, 3]))
+def test_extras_triton_matches_dense_over_read_back(softcap, with_sinks, dtype, encoding, Q, lens, split, seed,
+                                                    residual):
+    """The Triton kernel adds each query's ``q . c`` to its logits (``SHIFT``) before the soft-cap, and the merge
+    takes the sinks: equal to the dense formula over the read-back keys; an empty row gives zeros."""
+    from kvpress_ada.kernels.quantized.triton_kernel import quantized_attention_triton
+
+    D = 32
+    if encoding == "e4m3":
+        layout = qz.RecordLayout("e4m3", 8, 0, rotate_keys=False)
+    else:
+        layout = int_layout(int(encoding[3:]), 16)
+    k, v, offs, lens_t = _cache(lens, D, dtype, seed=seed)
+    k = k + torch.linspace(-3, 5, D).to(dtype)
+    k_rec, v_rec, side, centres = _records(k, v, offs, lens_t, layout, residual)
+    q = torch.randn(2, 6, Q, D, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    sinks = _sinks(6, seed) if with_sinks else None
+    got = quantized_attention_triton(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, layout, split_size=split,
+                                     softcap=softcap or 0.0, sinks=sinks)
+    deq_k, deq_v = _read_back(k_rec, v_rec, side, centres, offs, lens_t, layout, dtype)
+    want = dense_attention(q, deq_k, deq_v, offs, lens_t, D ** -0.5, softcap=softcap, sinks=sinks)
+    assert torch.isfinite(got).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    for r, n in enumerate(lens_t.tolist()):
+        if n == 0:
+            b, h = divmod(r, 2)
+            assert not got[b, 3 * h:3 * h + 3].any()

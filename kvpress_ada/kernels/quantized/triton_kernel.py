@@ -13,6 +13,9 @@ of a row alike, which softmax ignores), and a row's first slot reads as its anch
 records' space, ``(anchor - c) @ R``, float32, and the anchor value). The cache is read at ``bits / 16``
 of a 16-bit cache's bytes plus the scales. A row's newest ``RESID`` slots (the storage's residual, when set)
 read from its residual ring instead of their records (keys rotated into the records' space, float32).
+Logit soft-capping and attention sinks, compiled in only when used (``SOFTCAP``, ``SHIFT``; sinks in the
+merge), need the logits ``q . k`` themselves: ``SHIFT`` adds each query's ``q . c`` to its logits
+(:func:`~.scheme.centre_logits`), which the centre-free logits over ``y`` otherwise leave out.
 
 Importing this module imports triton; set ``TRITON_INTERPRET=1`` before importing it to run on CPU
 tensors (fp32/fp16 only: the interpreter's bf16 ``tl.dot`` is wrong).
@@ -26,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ragged.triton_kernel import default_config, merge_splits
+from ..ragged.triton_kernel import LOG2E, default_config, merge_splits, soft_cap
 from ..support import check_head_dim
-from .scheme import RecordLayout, attention_operands, check_record, residual_of, residual_operands
+from .scheme import RecordLayout, attention_operands, centre_logits, check_record, residual_of, residual_operands
 
 __all__ = ["quantized_attention_triton"]
 
@@ -69,7 +72,9 @@ def _dequantized_tile(REC_ptr, SC_ptr, rows, kv_mask, offs_d, rec_width, sc_widt
 @triton.jit
 def _quantized_split_kernel(
     Q_ptr, K_ptr, V_ptr, KS_ptr, VS_ptr, AK_ptr, AV_ptr, TK_ptr, TV_ptr, OFF_ptr, LEN_ptr, PM_ptr, PL_ptr, PACC_ptr,
-    qk_scale,  # scale * log2(e)
+    BIAS_ptr,  # [R, M_TOTAL] float32 q . c of each query (read when SHIFT)
+    qk_scale,  # scale * log2(e); scale / softcap when SOFTCAP
+    cap_log2,  # softcap * log2(e) (read when SOFTCAP)
     R, H_kv, G, NQ, M_TOTAL, SPLIT,
     stride_qb, stride_qh, stride_qq,
     rec_width,  # bytes per record
@@ -77,6 +82,7 @@ def _quantized_split_kernel(
     stride_pm, stride_pacc_s, stride_pacc_m,
     HEAD_DIM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, E4M3: tl.constexpr, RESID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr, IEEE: tl.constexpr,
+    SOFTCAP: tl.constexpr, SHIFT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     mt = tl.program_id(1)
@@ -105,6 +111,8 @@ def _quantized_split_kernel(
                   + qi[:, None] * stride_qq + offs_d[None, :])
         q = tl.load(q_ptrs, mask=m_valid[:, None], other=0.0)
         limit = n - (NQ - 1 - qi)  # bottom-right causal: query i sees the first n - (Q - 1 - i) entries
+        if SHIFT:
+            bias = tl.load(BIAS_ptr + row.to(tl.int64) * M_TOTAL + offs_m, mask=m_valid, other=0.0)
 
         # the row's anchor (read in place of its first slot): key in the records' space (float32), value
         anchor_k = tl.load(AK_ptr + row.to(tl.int64) * HEAD_DIM + offs_d)[None, :]
@@ -132,7 +140,11 @@ def _quantized_split_kernel(
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
+            if SHIFT:
+                s = s + bias[:, None]
             s = s * qk_scale
+            if SOFTCAP:
+                s = soft_cap(s, cap_log2)
             vis = (offs_n[None, :] < limit[:, None]) & (offs_n < hi)[None, :]
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -161,16 +173,20 @@ def _quantized_split_kernel(
 
 def quantized_attention_triton(q: torch.Tensor, k_rec: torch.Tensor, v_rec: torch.Tensor, row_offsets: torch.Tensor,
                                row_lengths: torch.Tensor, side: torch.Tensor, scale: float, layout: RecordLayout, *,
-                               split_size: int = 0) -> torch.Tensor:
+                               split_size: int = 0, softcap: float = 0.0,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Split-K ragged attention over quantized records with the rows' ``side`` tensors (two launches, no host
     sync); inputs validated by :func:`~.quantized_ops.quantized_attention`. ``split_size`` 0:
-    :func:`~kvpress_ada.kernels.ragged.triton_kernel.default_config`."""
+    :func:`~kvpress_ada.kernels.ragged.triton_kernel.default_config`. ``softcap`` (0: off) and ``sinks [H_q]``
+    (None: off): the logit terms of :func:`~.ops.quantized_attention`."""
     B, H_q, Q, D = q.shape
     check_head_dim(D)
     check_record(D, layout, q.dtype)
     if layout.encoding not in ("int", "e4m3"):
         raise ValueError(f"the Triton kernel reads int and e4m3 records, not {layout.encoding!r}")
     dtype = q.dtype
+    shift = bool(softcap) or sinks is not None
+    bias = centre_logits(q, side) if shift else None  # before q is replaced by its rotation
     q_rot, anchor_k = attention_operands(q, side, layout)
     q = q_rot.to(dtype).contiguous()
     anchor_k, anchor_v = anchor_k.contiguous(), side[1].contiguous()
@@ -196,14 +212,17 @@ def quantized_attention_triton(q: torch.Tensor, k_rec: torch.Tensor, v_rec: torc
     ks, vs = k_rec.view(sdtype), v_rec.view(sdtype)  # the same bytes, indexed in scale-sized elements
     _quantized_split_kernel[(slots, m_tiles)](
         q, k_rec, v_rec, ks, vs, anchor_k, anchor_v, tail_k, tail_v, row_offsets, row_lengths, pm, pl, pacc,
-        float(scale) * math.log2(math.e), R, H_kv, G, Q, M_total, split,
+        pm if bias is None else bias,
+        float(scale) / softcap if softcap else float(scale) * math.log2(math.e), float(softcap) * LOG2E,
+        R, H_kv, G, Q, M_total, split,
         q.stride(0), q.stride(1), q.stride(2),
         k_rec.shape[1], k_rec.shape[1] // itemsize,
         pm.stride(0), pacc.stride(0), pacc.stride(1),
         HEAD_DIM=D, BITS=layout.bits, GROUP=layout.group_size(D), E4M3=layout.encoding == "e4m3", RESID=residual,
         BLOCK_M=block_m, BLOCK_N=block_n,
         R_PAD=max(16, 1 << max(0, (R - 1).bit_length())), IEEE=q.dtype == torch.float32,
+        SOFTCAP=bool(softcap), SHIFT=shift,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    merge_splits(out, row_lengths, pm, pl, pacc, H_kv, G, split)
+    merge_splits(out, row_lengths, pm, pl, pacc, H_kv, G, split, sinks)
     return out

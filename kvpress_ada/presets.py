@@ -15,20 +15,25 @@ from .allocators import (
     UniformHead,
     UniformLayer,
 )
+from .evictors import TopK
 from .pipeline import Pipeline
 from .scorers import (
     CUR,
     H2O,
     TOVA,
     ChunkKV,
+    Compactor,
     CriticalKV,
     ExpectedAttention,
+    FastKVzip,
+    Finch,
     KeyDiff,
     KNorm,
     KVCompose,
     KVzip,
     LagKV,
     Leverage,
+    NonCausalAttention,
     RandomScorer,
     SnapKV,
     StreamingLLM,
@@ -46,6 +51,9 @@ KVZAP_HALF_TAU = -6.04
 KVZAP_WINDOW = 16
 # tokens per block of the block_keydiff preset (kvpress's BlockPress default)
 BLOCK_SIZE = 128
+
+# LU-KV's keep curve of Expected Attention on the default model (`kvpress-ada calibrate --method lukv`)
+LUKV_CURVE = "builtin:smollm2_135m_lukv"
 
 # preset name == scorer registry name == file in scorers/ for the single-scorer presets
 _PRESETS: dict[str, Callable[[], dict]] = {
@@ -89,6 +97,9 @@ _PRESETS: dict[str, Callable[[], dict]] = {
     # CurDKV: squared key and value norms as shares of local windows (kvpress's CURPress)
     "cur": lambda: dict(scorer=CUR()),
     "ada_cur": lambda: dict(scorer=CUR(), allocator=AdaHead(alpha=ADA_ALPHA)),
+    # Compactor: z-scored leverage blended with z-scored non-causal chunked attention (one-shot prefill only)
+    "non_causal_attention": lambda: dict(scorer=NonCausalAttention()),
+    "compactor": lambda: dict(scorer=Compactor()),
     # ChunkKV: SnapKV's scores averaged over chunks of 20 tokens, whole chunks kept (one ranking per layer, as in
     # kvpress); the Ada variant ranks each head's chunks and splits the budget across heads on them
     "chunkkv": lambda: dict(scorer=ChunkKV()),
@@ -101,6 +112,24 @@ _PRESETS: dict[str, Callable[[], dict]] = {
     # BLOCK_SIZE tokens, each block scored with the entries kept so far (a real chunked prefill: peak memory
     # budget + block, where kvpress's BlockPress simulates it after one full forward)
     "block_keydiff": lambda: dict(scorer=KeyDiff(), prefill_chunk=BLOCK_SIZE),
+    # LU-KV: Expected Attention's ranking with per-(layer, kv head) budgets read at the press's own ratio off a keep
+    # curve profiled offline on the default model (kvpress_ada/calibration/smollm2_135m_lukv.json; refused for
+    # another model: `kvpress-ada calibrate --method lukv`)
+    "lukv": lambda: dict(scorer=ExpectedAttention(), layers=CalibratedLayer(path=LUKV_CURVE),
+                         allocator=Calibrated(path=LUKV_CURVE)),
+    # FINCH: the prompt's last 64 queries (the question) vote, normalised by the keys each sees; kept keys re-rotated
+    # to contiguous positions (kvpress's FinchPress, rerotate_keys=True)
+    "finch": lambda: dict(scorer=Finch(), evictor=TopK(rerotate=True)),
+    "ada_finch": lambda: dict(scorer=Finch(), allocator=AdaHead(alpha=ADA_ALPHA), evictor=TopK(rerotate=True)),
+    # kvpress's KeyRerotationPress around StreamingLLM (transformers' former SinkCache): sinks and recent tokens,
+    # kept keys re-rotated so each head's entries sit right before the next token's position
+    "rerotated_streamingllm": lambda: dict(scorer=StreamingLLM(), evictor=TopK(rerotate=True)),
+    # Fast KVzip: the log of a sink-attention gate trained on KVzip's scores (shipped for the default model,
+    # kvpress_ada/surrogates/; refused for another model: `kvpress-ada distill --kind gate`), one top-k over all
+    # layers and heads as kvpress's FastKVzipPress; the first 4 and the last 2% of the tokens kept
+    "fastkvzip": lambda: dict(scorer=FastKVzip(), layers=AdaLayer(alpha=0.0), allocator=AdaHead(alpha=0.0)),
+    "ada_fastkvzip": lambda: dict(scorer=FastKVzip(), layers=AdaLayer(alpha=ADA_ALPHA),
+                                  allocator=AdaHead(alpha=ADA_ALPHA)),
 }
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvpress_ada import Observation
-from kvpress_ada.scorers import CUR, Leverage
+from kvpress_ada.scorers import CUR, Compactor, Leverage, NonCausalAttention
 from kvpress_ada.scorers.statistics import gaussian_sketch, row_zscore
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -115,7 +115,7 @@ def test_row_zscore_is_per_row_over_heads():
     z = row_zscore(scores, mask)
     for b in range(2):
         vals = scores[b][mask[b]]
-        torch.testing.assert_close(z[b][mask[b]], (vals - vals.mean()) / vals.std())
+        torch.testing.assert_close(z[b][mask[b]], ((vals - vals.mean()) / vals.std()).float())
     assert bool((z[~mask] == 0).all())
 
 
@@ -165,3 +165,85 @@ def test_cur_shares_sum_to_one_per_head_and_projection_is_seeded():
     projected = CUR(sinks=0, random_projection=5, seed=1)
     assert torch.equal(projected.score(obs), projected.score(obs))
     assert not torch.allclose(projected.score(obs), CUR(sinks=0, random_projection=5, seed=2).score(obs))
+
+
+# ----------------------------------------------------------------------------- non-causal attention, Compactor
+def _non_causal_ref(Q, K, V, G, chunk):
+    """Compactor's attention part for one (row, kv head) over consecutive tokens: per chunk, every query's
+    softmax over the chunk's keys (raw dot products), summed over queries, averaged over the ``G`` query heads,
+    times ``||v||``, then ``(s[j-1] + s[j] + s[j+1]) / 3`` with zeros past both ends."""
+    n = len(K)
+    received = [0.0] * n
+    for g in range(G):
+        for start in range(0, n, chunk):
+            idx = range(start, min(start + chunk, n))
+            for i in idx:
+                logits = [sum(a * b for a, b in zip(Q[g][i], K[j])) for j in idx]
+                top = max(logits)
+                e = [math.exp(v - top) for v in logits]
+                for j, v in zip(idx, e):
+                    received[j] += v / sum(e) / G
+    s = [r * math.sqrt(sum(c * c for c in v)) for r, v in zip(received, V)]
+    return [((s[j - 1] if j else 0.0) + s[j] + (s[j + 1] if j + 1 < n else 0.0)) / 3 for j in range(n)]
+
+
+def _zscore(rows):
+    flat = [v for row in rows for v in row]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((v - mean) ** 2 for v in flat) / (len(flat) - 1))
+    return [[(v - mean) / std for v in row] for row in rows]
+
+
+def _head_refs(keys, values, queries, b, h, idx, G, chunk):
+    Q = [[queries[b, h * G + g, j].double().tolist() for j in idx] for g in range(G)]
+    K = [keys[b, h, j].double().tolist() for j in idx]
+    V = [values[b, h, j].double().tolist() for j in idx]
+    return _non_causal_ref(Q, K, V, G, chunk)
+
+
+@pytest.mark.parametrize("chunk", [4, 5, 64])
+def test_non_causal_attention_formula(chunk):
+    keys, values, queries, key_mask = _setup(11, L=17, pads=(0, 4))
+    B, H, L, _ = keys.shape
+    G = queries.shape[1] // H
+    got = NonCausalAttention(chunk_size=chunk).score(_obs(keys, values, queries, key_mask))
+    for b in range(B):
+        valid = [j for j in range(L) if key_mask[b, j]]
+        want = _zscore([_head_refs(keys, values, queries, b, h, valid, G, chunk) for h in range(H)])
+        torch.testing.assert_close(got[b][:, valid].double(), torch.tensor(want, dtype=torch.float64),
+                                   rtol=RTOL, atol=ATOL)
+
+
+def test_non_causal_attention_refuses_a_query_window_and_chunked_prefill():
+    keys, values, queries, key_mask = _setup(0)
+    with pytest.raises(ValueError, match="query of every entry"):
+        NonCausalAttention().score(_obs(keys, values, queries[:, :, -4:], key_mask))
+    from kvpress_ada import Pipeline
+
+    for scorer in (NonCausalAttention(), Compactor()):
+        with pytest.raises(ValueError, match="chunked prefill"):
+            Pipeline(scorer=scorer, compression_ratio=0.5, prefill_chunk=64)
+        with pytest.raises(ValueError, match="query_window None"):
+            Pipeline(scorer=scorer, decode_budget=64, decode_interval=16)
+
+
+@pytest.mark.parametrize("blending", [0.0, 0.35, 2.0])
+def test_compactor_formula(blending):
+    keys, values, queries, key_mask = _setup(12, L=30, pads=(0, 5))
+    B, H, L, D = keys.shape
+    G = queries.shape[1] // H
+    scorer = Compactor(sinks_start=3, sinks_end=2, chunk_size=8, sketch_dimension=None, blending=blending)
+    got = scorer.score(_obs(keys, values, queries, key_mask))
+    for b in range(B):
+        valid = [j for j in range(L) if key_mask[b, j]]
+        inner = valid[3:-2]
+        # leverage of the inner tokens' pre-RoPE keys (RoPE undone at each token's rank in the row)
+        lev = [_leverage_ref([_rotate(keys[b, h, j].double().tolist(), valid.index(j), D, sign=-1.0)
+                              for j in inner], 1e-2) for h in range(H)]
+        attn = [_head_refs(keys, values, queries, b, h, inner, G, 8) for h in range(H)]
+        want = [[blending * x + y for x, y in zip(lh, ah)] for lh, ah in zip(_zscore(lev), _zscore(attn))]
+        torch.testing.assert_close(got[b][:, inner].double(), torch.tensor(want, dtype=torch.float64),
+                                   rtol=RTOL, atol=1e-4)
+        kept = valid[:3] + valid[-2:]
+        assert bool(torch.isinf(got[b][:, kept]).all())
+    assert scorer.protected(torch.tensor([30, 4])).tolist() == [5, 4]

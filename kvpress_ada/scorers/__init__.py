@@ -5,9 +5,12 @@ The file, the registry name and the preset name of a scorer are the same word (`
 
 from .base import SCORERS, PassChunk, PassScorer, Scorer, register_scorer
 from .chunkkv import ChunkKV
+from .compactor import Compactor
 from .criticalkv import CriticalKV
 from .cur import CUR
 from .expected_attention import ExpectedAttention
+from .fastkvzip import FastKVzip
+from .finch import Finch
 from .h2o import H2O, ObservedAttention
 from .keydiff import KeyDiff
 from .knorm import KNorm
@@ -16,11 +19,13 @@ from .kvzap import KVzap
 from .kvzip import KVzip
 from .lagkv import LagKV
 from .leverage import Leverage
+from .non_causal_attention import NonCausalAttention
 from .random import RandomScorer
 from .snapkv import SnapKV
 from .streamingllm import StreamingLLM
 from .tova import TOVA
 
-__all__ = ["SCORERS", "PassChunk", "PassScorer", "Scorer", "register_scorer", "ChunkKV", "CriticalKV", "CUR",
-           "ExpectedAttention", "H2O", "KeyDiff", "KNorm", "KVCompose", "KVzap", "KVzip", "LagKV", "Leverage",
-           "ObservedAttention", "RandomScorer", "SnapKV", "StreamingLLM", "TOVA"]
+__all__ = ["SCORERS", "PassChunk", "PassScorer", "Scorer", "register_scorer", "ChunkKV", "Compactor", "CriticalKV",
+           "CUR", "ExpectedAttention", "FastKVzip", "Finch", "H2O", "KeyDiff", "KNorm", "KVCompose", "KVzap", "KVzip",
+           "LagKV", "Leverage", "NonCausalAttention", "ObservedAttention", "RandomScorer", "SnapKV", "StreamingLLM",
+           "TOVA"]

@@ -53,7 +53,10 @@ def ridge_leverage(x: torch.Tensor, mask: torch.Tensor, ridge: float, tries: int
     """``diag(X (X^T X + ridge I)^-1 X^T)`` of ``x [B, H, L, k]`` over the valid rows ``mask [B, H, L]``
     (rows centred over the valid ones first), clamped at 0, zero where not valid. The Cholesky factor is
     retried with the ridge multiplied by 10 (up to ``tries`` times) for each (row, head) whose Gram matrix
-    is not numerically positive definite."""
+    is not numerically positive definite. Computed in float64 (a ``k x k`` system per head: cheap), so that
+    equal scores (two tokens, or keys symmetric about their mean) stay equal to the last bit and a z-score
+    of them is not amplified rounding; returned in float32."""
+    x = x.double()
     m = mask[..., None].to(x.dtype)
     count = m.sum(dim=2, keepdim=True).clamp(min=1.0)
     x = (x - (x * m).sum(dim=2, keepdim=True) / count) * m
@@ -73,17 +76,19 @@ def ridge_leverage(x: torch.Tensor, mask: torch.Tensor, ridge: float, tries: int
         raise ValueError("leverage scores: the keys' Gram matrix stays singular with ridge up to "
                          f"{float(jitter.max())}; raise the ridge")
     solved = torch.cholesky_solve(xt, factor)  # (X^T X + ridge I)^-1 X^T, [B, H, k, L]
-    return (x * solved.transpose(-1, -2)).sum(dim=-1).clamp(min=0.0) * m[..., 0]
+    return ((x * solved.transpose(-1, -2)).sum(dim=-1).clamp(min=0.0) * m[..., 0]).float()
 
 
 def row_zscore(scores: torch.Tensor, mask: torch.Tensor, floor: float = 1e-6) -> torch.Tensor:
     """``(s - mean) / max(std, floor)`` per batch row over every head's valid entries (``mask [B, H, L]``;
-    unbiased std, as ``torch.std``), zero where not valid."""
-    m = mask.to(scores.dtype)
+    unbiased std, as ``torch.std``), zero where not valid; the sums in float64, so that where the padding
+    sits changes no bit of a row's float32 result."""
+    x = scores.double()
+    m = mask.to(x.dtype)
     n = m.sum(dim=(1, 2), keepdim=True)
-    mean = (scores * m).sum(dim=(1, 2), keepdim=True) / n.clamp(min=1.0)
-    var = (((scores - mean) * m) ** 2).sum(dim=(1, 2), keepdim=True) / (n - 1).clamp(min=1.0)
-    return (scores - mean) / var.sqrt().clamp(min=floor) * m
+    mean = (x * m).sum(dim=(1, 2), keepdim=True) / n.clamp(min=1.0)
+    var = (((x - mean) * m) ** 2).sum(dim=(1, 2), keepdim=True) / (n - 1).clamp(min=1.0)
+    return ((x - mean) / var.sqrt().clamp(min=floor) * m).float()
 
 
 def pack_order(mask: torch.Tensor) -> torch.Tensor:

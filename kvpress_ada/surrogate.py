@@ -5,7 +5,13 @@ KVzip+'s measured score) of that token's entry in each kv head.
 Per layer ``l`` (``h``: ``[.., hidden]``, the attention module's input after its input norm):
 
 * ``linear``: ``h @ W + b`` (``W [hidden, H_kv]``);
-* ``mlp``: ``gelu(h @ W1 + b1) @ W2 + b2`` (``W1 [hidden, width]``, ``W2 [width, H_kv]``).
+* ``mlp``: ``gelu(h @ W1 + b1) @ W2 + b2`` (``W1 [hidden, width]``, ``W2 [width, H_kv]``);
+* ``gate``: Fast KVzip's low-rank sink-attention gate (Kim, Han and Yun, 2026, arXiv 2601.17668), ``d = width``,
+  ``S = sinks``, ``G`` the model's query group: per kv head ``k = rms(h @ Wk) * nk`` (``[d]``) and per query head
+  ``g`` of its group ``q_g = rms(h @ Wq + bq)_g * nq``; the entry's gate is
+  ``mean_g 1 / (1 + sum_s exp(q_g . c_s / sqrt(d) - q_g . k / sqrt(d) - b_g))`` (``c_s [S, d]`` learned sink
+  keys per kv head, ``b [H_kv, G]``), in ``(0, 1)``; ``predict`` gives its log. Trained on the teacher's raw score
+  by binary cross-entropy (:func:`kvpress_ada.harness.distill.fit_gate`).
 
 Any input standardisation used in training is folded into the weights. A surrogate file is a
 safetensors file (tensors ``layers.<l>.<name>``) whose metadata header ``kvpress_ada.surrogate``
@@ -15,13 +21,14 @@ another model is refused (:meth:`Surrogate.check_model`). ``kvpress-ada distill`
 (:mod:`kvpress_ada.harness.distill`).
 
 ``path`` values: a file path, or ``builtin:NAME`` for ``kvpress_ada/surrogates/NAME.safetensors``
-shipped with the package (:data:`SHIPPED_MLP`, :data:`SHIPPED_LINEAR`: the default model, teacher
-KVzip).
+shipped with the package (:data:`SHIPPED_MLP`, :data:`SHIPPED_LINEAR`, :data:`SHIPPED_GATE`: the default model,
+teacher KVzip).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -38,8 +45,11 @@ BUILTIN_PREFIX = packaged.BUILTIN_PREFIX
 SUFFIX = ".safetensors"
 SHIPPED_MLP = "builtin:smollm2_135m_kvzip_mlp"  # the default model (SmolLM2-135M-Instruct), teacher KVzip
 SHIPPED_LINEAR = "builtin:smollm2_135m_kvzip_linear"
+SHIPPED_GATE = "builtin:smollm2_135m_kvzip_gate"  # Fast KVzip's gate, the default model, teacher KVzip
 _HERE = Path(__file__).resolve().parent / "surrogates"
-_TENSORS = {"linear": ("weight", "bias"), "mlp": ("w1", "b1", "w2", "b2")}
+_TENSORS = {"linear": ("weight", "bias"), "mlp": ("w1", "b1", "w2", "b2"),
+            "gate": ("q_w", "q_b", "k_w", "q_norm", "k_norm", "k_base", "b")}
+GATE_EPS = 1e-6  # the gate's RMS norm epsilon
 
 
 class SurrogateError(ValueError):
@@ -53,9 +63,10 @@ class SurrogateMeta(BaseModel):
     format: str = FORMAT
     model: ModelIdentity
     teacher: dict[str, Any] = Field(description="the teacher scorer's name and config")
-    kind: Literal["linear", "mlp"]
+    kind: Literal["linear", "mlp", "gate"]
     hidden_size: int = Field(ge=1)
-    width: int | None = Field(None, ge=1, description="the MLP's hidden width (mlp only)")
+    width: int | None = Field(None, ge=1, description="the MLP's hidden width (mlp), the gate's dimension (gate)")
+    sinks: int | None = Field(None, ge=1, description="the gate's learned sink keys per kv head (gate only)")
     dtype: str = Field(description="dtype the weights are stored in")
     target: dict[str, Any] = Field(description="what is predicted: log(max(score, floor)), tokens excluded")
     training: dict[str, Any] = Field(description="tasks, seeds, documentation text, samples, context, tokens")
@@ -69,9 +80,17 @@ class SurrogateMeta(BaseModel):
     def _check(self) -> "SurrogateMeta":
         if self.format != FORMAT:
             raise ValueError(f"format {self.format!r} is not {FORMAT!r}")
-        if (self.kind == "mlp") != (self.width is not None):
-            raise ValueError("width is given for kind 'mlp' and only for it")
+        if (self.kind in ("mlp", "gate")) != (self.width is not None):
+            raise ValueError("width is given for kinds 'mlp' and 'gate' and only for them")
+        if (self.kind == "gate") != (self.sinks is not None):
+            raise ValueError("sinks is given for kind 'gate' and only for it")
         return self
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head of the model."""
+        config = self.model.config
+        return int(config.get("num_attention_heads") or self.model.num_kv_heads) // self.model.num_kv_heads
 
 
 class Surrogate:
@@ -82,7 +101,7 @@ class Surrogate:
         m = self._meta
         if len(layers) != m.model.num_layers:
             raise ValueError(f"{len(layers)} layers of weights for a model of {m.model.num_layers} layers")
-        shapes = _shapes(m.kind, m.hidden_size, m.width, m.model.num_kv_heads)
+        shapes = _shapes(m.kind, m.hidden_size, m.width, m.model.num_kv_heads, m.group, m.sinks)
         for i, layer in enumerate(layers):
             if sorted(layer) != sorted(shapes):
                 raise ValueError(f"layer {i} has tensors {sorted(layer)}, expected {sorted(shapes)}")
@@ -143,6 +162,8 @@ class Surrogate:
         h = hidden.float()
         if self.kind == "linear":
             out = torch.addmm(w["bias"], h.reshape(-1, h.shape[-1]), w["weight"])
+        elif self.kind == "gate":
+            out = gate_log_scores(w, h.reshape(-1, h.shape[-1]), self.n_kv_heads, self._meta.group)
         else:
             inner = torch.nn.functional.gelu(torch.addmm(w["b1"], h.reshape(-1, h.shape[-1]), w["w1"]))
             out = torch.addmm(w["b2"], inner, w["w2"])
@@ -163,10 +184,30 @@ class Surrogate:
                 f"model {self._meta.model.describe()})")
 
 
-def _shapes(kind: str, hidden: int, width: int | None, heads: int) -> dict[str, tuple[int, ...]]:
+def gate_log_scores(w: dict[str, torch.Tensor], h: torch.Tensor, heads: int, group: int) -> torch.Tensor:
+    """``[N, H_kv]``: the log of Fast KVzip's gate (module docstring) for the tokens ``h [N, hidden]``, from a
+    gate layer's float32 tensors ``w``."""
+    d = w["k_norm"].shape[0]
+    q = (h @ w["q_w"] + w["q_b"]).view(-1, heads, group, d)
+    k = (h @ w["k_w"]).view(-1, heads, d)
+    q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + GATE_EPS) * w["q_norm"]
+    k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + GATE_EPS) * w["k_norm"]
+    own = (q * k[:, :, None]).sum(-1) / d**0.5 + w["b"]  # [N, H, G]
+    sink = torch.einsum("hsd,nhgd->nhgs", w["k_base"], q) / d**0.5  # [N, H, G, S]
+    against = torch.cat([torch.zeros_like(own)[..., None], sink - own[..., None]], dim=-1)
+    log_gate = -torch.logsumexp(against, dim=-1)  # log 1 / (1 + sum_s exp(sink_s - own))
+    return torch.logsumexp(log_gate, dim=-1) - math.log(group)  # log of the mean over the query group
+
+
+def _shapes(kind: str, hidden: int, width: int | None, heads: int, group: int = 1,
+            sinks: int | None = None) -> dict[str, tuple[int, ...]]:
     if kind == "linear":
         return {"weight": (hidden, heads), "bias": (heads,)}
     assert width is not None
+    if kind == "gate":
+        assert sinks is not None
+        return {"q_w": (hidden, heads * group * width), "q_b": (heads * group * width,), "k_w": (hidden, heads * width),
+                "q_norm": (width,), "k_norm": (width,), "k_base": (heads, sinks, width), "b": (heads, group)}
     return {"w1": (hidden, width), "b1": (width,), "w2": (width, heads), "b2": (heads,)}
 
 
@@ -221,5 +262,5 @@ def save(surrogate: Surrogate, path: str | os.PathLike) -> None:
     os.replace(tmp, target)
 
 
-__all__ = ["FORMAT", "SHIPPED_LINEAR", "SHIPPED_MLP", "Surrogate", "SurrogateError", "SurrogateMeta", "load",
-           "resolve", "save"]
+__all__ = ["FORMAT", "SHIPPED_GATE", "SHIPPED_LINEAR", "SHIPPED_MLP", "Surrogate", "SurrogateError", "SurrogateMeta",
+           "gate_log_scores", "load", "resolve", "save"]

@@ -125,8 +125,8 @@ def test_cli_distill_writes_a_usable_file(tiny_model_dir, tmp_path, capsys):
     (["--tasks", "bogus"], "unknown task 'bogus'"),
     (["--context", "10"], "--context must be >= 64"),
     (["--width", "0"], "--width must be >= 1"),
-    (["--kind", "linear", "--width", "32"], "--width applies to --kind mlp only"),
-    (["--kind", "linear", "--epochs", "3"], "--epochs applies to --kind mlp only"),
+    (["--kind", "linear", "--width", "32"], "--width applies to --kind mlp and gate only"),
+    (["--kind", "linear", "--epochs", "3"], "--epochs applies to --kind mlp and gate only"),
 ])
 def test_cli_distill_bad_input_exit_2(args, message, capsys):
     assert main(["distill", *args]) == 2

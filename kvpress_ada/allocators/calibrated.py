@@ -9,6 +9,11 @@ the tokens within each head. Why and how: ``docs/design.md`` (calibrated budgets
   own prefill).
 - ``Calibrated(path)``: a layer's budget is split among its kv heads in proportion to ``s[l, h]``.
 
+A calibration with a keep curve (LU-KV, :mod:`kvpress_ada.harness.lukv`) gives the shares of the pipeline's own
+ratio: ``CalibratedLayer`` reads each layer's keep fraction at the row's ratio ``1 - b / L`` off the curve
+(interpolated between its ratios), ``Calibrated`` the heads' fractions at the point of the curve where the layer
+keeps ``b_l / L`` (so the two together reproduce the curve's (layer, head) budgets).
+
 Both mix the calibrated shares with the uniform ones by ``alpha`` (the Ada-KV safeguard) and round
 with :func:`~kvpress_ada.allocators.rounding.round_preserving_sum`, so totals are exact. The file is
 read once (cached) and refused for another model (``check_model``) with an error naming both.
@@ -49,6 +54,10 @@ class _UsesCalibration:
         """``[n_layers, H]`` float64 shares (summing to 1) on ``device`` (cached per device)."""
         return calibration.shares_tensor(self.path, device)
 
+    def _curve(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(ratios [R], keep [R, n_layers, H])`` of a calibration with a keep curve, else ``None``."""
+        return calibration.keep_curve(self.path, device)
+
     def _refuse_shape(self, what: str, got: Any, expected: Any) -> NoReturn:
         raise calibration.CalibrationError(
             f"calibration {self.path!r} was made for model {self.load_calibration().model.describe()} with {expected} "
@@ -69,9 +78,15 @@ class CalibratedLayer(_UsesCalibration, LayerSchedule):
         shares = self._shares(avg.device)
         if shares.shape[0] != n_layers:
             self._refuse_shape("layers", n_layers, shares.shape[0])
-        per_layer = shares.sum(-1)[None, :].expand(avg.shape[0], -1)
         lengths = lengths.long()
         avg = torch.minimum(avg.long(), lengths)
+        curve = self._curve(avg.device)
+        if curve is None:
+            per_layer = shares.sum(-1)[None, :].expand(avg.shape[0], -1)
+        else:  # each layer's keep fraction at the row's ratio
+            ratios, keep = curve
+            ratio = 1.0 - avg.double() / lengths.double().clamp(min=1)
+            per_layer = interpolate(ratios, keep.mean(-1), ratio)
         lower = torch.ones_like(per_layer)
         return split_by_shares(_mix(per_layer, self.alpha), n_layers * avg, lower, lengths)
 
@@ -106,8 +121,27 @@ class Calibrated(_UsesCalibration, HeadAllocator):
         protected = torch.minimum(torch.isposinf(scores).sum(-1), length[:, None])  # [B, H]
         fits = protected.sum(-1) <= total
         lower = torch.where(fits[:, None], protected, torch.minimum(protected, budget[:, None]))
-        row = shares[layer_idx][None, :].expand(B, -1)
+        curve = self._curve(scores.device)
+        if curve is None:
+            row = shares[layer_idx][None, :].expand(B, -1)
+        else:  # the heads' keep fractions where the curve has this layer keep budget / length
+            keep = curve[1][:, layer_idx]  # [R, H], the layer's mean non-increasing along the ratios
+            fraction = torch.minimum(budget, length).double() / length.double().clamp(min=1)
+            row = interpolate(keep.mean(-1).flip(0), keep.flip(0), fraction)
         return split_by_shares(_mix(row, self.alpha), total, lower.double(), length)
+
+
+def interpolate(x: torch.Tensor, y: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``[B, ...]``: ``y [R, ...]`` linearly interpolated at ``q [B]`` along ``x [R]`` (non-decreasing), held
+    constant beyond its ends."""
+    if x.shape[0] == 1:
+        return y[0].expand(q.shape[0], *y.shape[1:])
+    q = q.to(x.dtype)
+    hi = torch.searchsorted(x.contiguous(), q.contiguous()).clamp(1, x.shape[0] - 1)
+    x0, x1 = x[hi - 1], x[hi]
+    w = ((q - x0) / (x1 - x0).clamp(min=torch.finfo(x.dtype).tiny)).clamp(0.0, 1.0)
+    w = w.view(-1, *([1] * (y.dim() - 1)))
+    return y[hi - 1] * (1.0 - w) + y[hi] * w
 
 
 def _mix(shares: torch.Tensor, alpha: float) -> torch.Tensor:

@@ -8,6 +8,11 @@ falls in each (layer, kv head); the ``Calibrated`` allocator and ``CalibratedLay
 (:mod:`kvpress_ada.allocators.calibrated`) then split any pipeline's budget by those shares, so a
 one-pass scorer (StreamingLLM, SnapKV, KNorm, ...) gets KVzip-informed budgets at no extra cost.
 
+A calibration may also carry a *keep curve* (LU-KV, :mod:`kvpress_ada.harness.lukv`): ``keep[r][layer][kv_head]``,
+the fraction of the context each (layer, kv head) keeps at each of its ``ratios``; the calibrated components then
+read the budgets of the pipeline's own ratio off that curve (interpolated between its ratios) instead of one set of
+shares for every ratio.
+
 A calibration file records the model it was measured on (an architecture fingerprint), the scorer
 and the data; it is refused for any other model. Calibration samples come from the task suite with
 seeds ``>= CALIBRATION_SEED`` (10,000); evaluation uses seed 0, so calibration never sees an
@@ -85,7 +90,9 @@ def model_identity(config: Any, name: str | None = None) -> ModelIdentity:
 class Calibration(BaseModel):
     """A calibration file: ``shares[layer][kv_head]`` (non-negative, summing to 1 over the model)
     plus where they came from. ``spread``: the standard deviation of each share over the
-    calibration samples (how input-dependent that head's importance is)."""
+    calibration samples (how input-dependent that head's importance is). ``keep`` (optional, a keep
+    curve): ``keep[r][layer][kv_head]`` in ``[0, 1]``, the fraction of the context that (layer, kv head)
+    keeps at compression ratio ``ratios[r]`` (``ratios`` then increasing)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     format: str = FORMAT
@@ -104,6 +111,7 @@ class Calibration(BaseModel):
     command: list[str] | None = None
     shares: list[list[float]]
     spread: list[list[float]] | None = None
+    keep: list[list[list[float]]] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "Calibration":
@@ -115,6 +123,15 @@ class Calibration(BaseModel):
         flat = [x for r in rows for x in r]
         if any(not x >= 0.0 for x in flat) or abs(sum(flat) - 1.0) > 1e-6:
             raise ValueError("shares must be non-negative numbers summing to 1")
+        if self.keep is not None:
+            n, H = self.model.num_layers, self.model.num_kv_heads
+            if len(self.keep) != len(self.ratios) or any(len(t) != n or any(len(r) != H for r in t)
+                                                         for t in self.keep):
+                raise ValueError(f"keep must be {len(self.ratios)} ratios x {n} layers x {H} kv heads")
+            if any(not 0.0 <= x <= 1.0 for t in self.keep for r in t for x in r):
+                raise ValueError("keep fractions must lie in [0, 1]")
+            if any(b <= a for a, b in zip(self.ratios, self.ratios[1:])):
+                raise ValueError(f"the ratios of a keep curve must increase, got {self.ratios}")
         return self
 
     def check_model(self, config: Any, source: str = "this calibration") -> None:
@@ -152,6 +169,24 @@ def shares_tensor(path: str, device: torch.device | str = "cpu") -> torch.Tensor
     return _tensor(str(file), stat.st_mtime_ns, stat.st_size, path, str(device))
 
 
+def keep_curve(path: str, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(ratios [R], keep [R, n_layers, n_kv_heads])`` float64 of the calibration at ``path`` on ``device``
+    (cached), or ``None`` when it has no keep curve."""
+    cal = load(path)
+    if cal.keep is None:
+        return None
+    file = resolve(path)
+    stat = file.stat()
+    return _curve(str(file), stat.st_mtime_ns, stat.st_size, path, str(device))
+
+
+@functools.lru_cache(maxsize=32)
+def _curve(file: str, mtime_ns: int, size: int, label: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    cal = _load(file, mtime_ns, size, label)
+    return (torch.tensor(cal.ratios, dtype=torch.float64, device=device),
+            torch.tensor(cal.keep, dtype=torch.float64, device=device))
+
+
 @functools.lru_cache(maxsize=32)
 def _tensor(file: str, mtime_ns: int, size: int, label: str, device: str) -> torch.Tensor:
     return torch.tensor(_load(file, mtime_ns, size, label).shares, dtype=torch.float64, device=device)
@@ -171,5 +206,5 @@ def _load(file: str, mtime_ns: int, size: int, label: str) -> Calibration:
         raise CalibrationError(f"calibration file {label!r} is not a kvpress-ada calibration ({why})") from None
 
 
-__all__ = ["CALIBRATION_SEED", "SHIPPED", "Calibration", "CalibrationError", "ModelIdentity", "load",
+__all__ = ["CALIBRATION_SEED", "SHIPPED", "Calibration", "CalibrationError", "ModelIdentity", "keep_curve", "load",
            "model_identity", "resolve", "shares_tensor"]

@@ -525,6 +525,11 @@ def _calibrate_inputs(args) -> tuple[list[str], list[float], Any]:
     unknown = [t for t in tasks if t not in TASKS]
     if unknown or not tasks:
         raise UsageError(f"unknown task {(unknown or [args.tasks])[0]!r}; valid tasks: {', '.join(TASKS)}")
+    lukv = args.method == "lukv"
+    if args.ratios is None:  # the method's own: the two reference ratios, or LU-KV's curve from 0.05 to 0.95
+        args.ratios = ",".join(f"{0.05 * i:.2f}" for i in range(1, 20)) if lukv else "0.5,0.75"
+    if args.scorer is None:
+        args.scorer = "expected_attention" if lukv else "kvzip"
     ratios = _ratios(args.ratios)
     if 0.0 in ratios:
         raise UsageError("--ratios for calibration must be in (0, 1): ratio 0 keeps every entry and measures nothing")
@@ -544,6 +549,9 @@ def _calibrate_inputs(args) -> tuple[list[str], list[float], Any]:
         scorer = SCORERS.build(args.scorer)
     except ValueError as err:
         raise UsageError(f"--scorer: {err}") from None
+    if lukv and (getattr(scorer, "needs_model_pass", False) or getattr(scorer, "reads_hidden_states", False)):
+        raise UsageError(f"--method lukv profiles a one-pass scorer over a captured prefill; --scorer {args.scorer} "
+                         "needs a model pass or hidden states (use e.g. expected_attention or snapkv)")
     return tasks, ratios, scorer
 
 
@@ -563,10 +571,12 @@ def _file_job(args, tasks: list[str], example: str) -> tuple[Path, Any, Any]:
 def cmd_calibrate(args) -> int:
     tasks, ratios, scorer = _calibrate_inputs(args)
     from kvpress_ada.harness.calibrate import calibrate
+    from kvpress_ada.harness.lukv import profile_lukv
 
     out, model, tok = _file_job(args, tasks, "heads.json")
-    result = calibrate(model, tok, scorer, n=args.n, tasks=tasks, context=args.context, ratios=ratios,
-                       seed=args.seed, progress=not args.no_progress)
+    measure = profile_lukv if args.method == "lukv" else calibrate
+    result = measure(model, tok, scorer, n=args.n, tasks=tasks, context=args.context, ratios=ratios,
+                     seed=args.seed, progress=not args.no_progress)
     result = result.model_copy(update={"command": ["kvpress-ada", *args.argv]})
     tmp = out.with_name(out.name + ".tmp")
     result.save(tmp)
@@ -600,12 +610,19 @@ def _distill_inputs(args) -> list[str]:
     for option, name in mlp_only.items():
         value = getattr(args, name)
         if value is not None and args.kind == "linear":
-            raise UsageError(f"{option} applies to --kind mlp only (a linear surrogate is fit in closed form)")
+            raise UsageError(f"{option} applies to --kind mlp and gate only (a linear surrogate is fit in closed form)")
         if value is not None and value < 1:
             raise UsageError(f"{option} must be >= 1, got {value}")
-    from kvpress_ada.harness.distill import DEFAULT_EPOCHS, DEFAULT_MAX_TOKENS, DEFAULT_WIDTH
+    from kvpress_ada.harness.distill import (
+        DEFAULT_EPOCHS,
+        DEFAULT_MAX_TOKENS,
+        DEFAULT_WIDTH,
+        GATE_EPOCHS,
+        GATE_WIDTH,
+    )
 
-    for name, default in (("width", DEFAULT_WIDTH), ("epochs", DEFAULT_EPOCHS), ("max_tokens", DEFAULT_MAX_TOKENS)):
+    width, epochs = (GATE_WIDTH, GATE_EPOCHS) if args.kind == "gate" else (DEFAULT_WIDTH, DEFAULT_EPOCHS)
+    for name, default in (("width", width), ("epochs", epochs), ("max_tokens", DEFAULT_MAX_TOKENS)):
         if getattr(args, name) is None:
             setattr(args, name, default)
     return tasks
@@ -799,14 +816,21 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--dry-run", action="store_true", help="print the server's command line and stop")
     srv.set_defaults(func=cmd_serve, threads=None)
     cal = sub.add_parser("calibrate", help="measure per-(layer, kv head) budget shares of a scorer (KVzip) once "
-                                           "per model, for the Calibrated allocator",
+                                           "per model, for the Calibrated allocator (--method lukv: LU-KV's keep "
+                                           "curve over ratios)",
                          epilog=_tasks_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     cal.add_argument("--model", default="default", help=model_help)
-    cal.add_argument("--scorer", default="kvzip", help="registered scorer whose allocation is measured")
+    cal.add_argument("--method", default="shares", choices=["shares", "lukv"],
+                     help="shares: which share of the scorer's model-wide top-k falls in each (layer, kv head), "
+                          "averaged over --ratios; lukv: LU-KV's per-ratio budgets from how well the scorer's ranking "
+                          "captures the attention the question and answer pay the context")
+    cal.add_argument("--scorer", default=None, help="registered scorer whose allocation is measured (default: kvzip; "
+                                                    "expected_attention with --method lukv)")
     cal.add_argument("--n", type=int, default=32, help="calibration samples in all, spread over --tasks")
     cal.add_argument("--tasks", default="", help="comma-separated synthetic tasks (default: all, listed below)")
     cal.add_argument("--context", type=int, default=1000, help="context length in tokens (>= 64)")
-    cal.add_argument("--ratios", default="0.5,0.75", help="reference compression ratios in (0, 1) to average over")
+    cal.add_argument("--ratios", default=None, help="compression ratios in (0, 1): the references averaged over "
+                                                    "(default 0.5,0.75), or the keep curve's (lukv: 0.05 to 0.95)")
     cal.add_argument("--seed", type=int, default=10_000, help="first calibration seed (>= 10000; eval uses 0)")
     cal.add_argument("--out", default="heads.json", help="the calibration file to write (JSON)")
     cal.add_argument("--no-progress", action="store_true")
@@ -818,16 +842,19 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--model", default="default", help=model_help)
     dist.add_argument("--teacher", default="kvzip", choices=["kvzip", "kvzip_plus"],
                       help="whose scores are learned: KVzip() or KVzip(plus=True)")
-    dist.add_argument("--kind", default="mlp", choices=["linear", "mlp"],
-                      help="linear: ridge in closed form; mlp: gelu(h W1 + b1) W2 + b2 trained with Adam")
+    dist.add_argument("--kind", default="mlp", choices=["linear", "mlp", "gate"],
+                      help="linear: ridge in closed form; mlp: gelu(h W1 + b1) W2 + b2 trained with Adam; gate: "
+                           "Fast KVzip's sink-attention gate (dimension --width, 16 sink keys) trained by binary "
+                           "cross-entropy on the raw score")
     dist.add_argument("--n", type=int, default=40, help="training texts in all (every fifth held out; a quarter "
                                                         "is documentation text, the rest task samples)")
     dist.add_argument("--tasks", default="", help="comma-separated synthetic tasks (default: all, listed below)")
     dist.add_argument("--context", type=int, default=1000, help="text length in tokens (>= 64)")
     dist.add_argument("--seed", type=int, default=10_000, help="first training seed (>= 10000; eval uses 0)")
-    dist.add_argument("--width", type=int, help="the MLP's hidden width (mlp only; default 64)")
-    dist.add_argument("--epochs", type=int, help="passes over the training tokens (mlp only; default 8)")
-    dist.add_argument("--max-tokens", type=int, help="training tokens per layer, at most (mlp only; default 32768)")
+    dist.add_argument("--width", type=int, help="the MLP's hidden width (default 64) or the gate's dimension "
+                                                "(default 16)")
+    dist.add_argument("--epochs", type=int, help="passes over the training tokens (mlp: default 8; gate: 40)")
+    dist.add_argument("--max-tokens", type=int, help="training tokens per layer, at most (mlp, gate; default 32768)")
     dist.add_argument("--out", default="surrogate.safetensors", help="the surrogate file to write (safetensors)")
     dist.add_argument("--no-progress", action="store_true")
     dist.add_argument("--threads", type=int, help=threads_help)

@@ -13,6 +13,9 @@ prompt like ``eval``'s. Every fifth text is held out and only measures the fit.
   strength is picked per layer on the held-out texts from :data:`LAMBDAS`.
 * ``mlp``: ``gelu(h W1 + b1) W2 + b2`` trained with Adam (seeded) on standardised inputs and targets
   (statistics from the same stream), on at most ``max_tokens`` training tokens per layer.
+* ``gate``: Fast KVzip's sink-attention gate (:mod:`kvpress_ada.surrogate`), its output in ``(0, 1)`` fitted to
+  the teacher's raw score by binary cross-entropy (the authors' ``cnt`` loss) with Adam (seeded), on the same
+  subsample as ``mlp`` (:data:`GATE_EPOCHS` passes: the authors train 5,000 SGD steps of 1,000 tokens).
 
 Held-out fit quality per layer: R^2 (pooled over heads, against each head's held-out mean),
 Spearman's rank correlation per (text, head) averaged per head, and kept-set recall at each of
@@ -46,13 +49,16 @@ from kvpress_ada.surrogate import Surrogate, SurrogateMeta
 from kvpress_ada.tokens import encode
 
 TEACHERS = {"kvzip": lambda: KVzip(), "kvzip_plus": lambda: KVzip(plus=True)}
-KINDS = ("linear", "mlp")
+KINDS = ("linear", "mlp", "gate")
 FLOOR = 1e-6  # scores below it are clamped to it before the log
 LAMBDAS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge strengths, relative to the inputs' correlation matrix
 RATIOS = (0.5, 0.75)
 HELDOUT_EVERY = 5  # texts i with i % 5 == 4 are held out
 DOC_EVERY = 4  # texts i with i % 4 == 3 are documentation text
 DEFAULT_WIDTH = 64
+GATE_WIDTH, GATE_SINKS = 16, 16  # Fast KVzip's released gates: dim16_sink16
+GATE_EPOCHS = 40  # the gate's quadratic form fits slowly: 2,560 Adam steps of 512 tokens on 32,768 per layer
+GATE_LR = 3e-2
 DEFAULT_EPOCHS = 8
 DEFAULT_MAX_TOKENS = 32_768
 DOC_MODULES = ("abc", "argparse", "base64", "bisect", "calendar", "collections", "contextlib", "copy", "csv",
@@ -250,6 +256,48 @@ def fit_mlp(x: torch.Tensor, y: torch.Tensor, x_moments: tuple[torch.Tensor, tor
     return {"w1": w1, "b1": b1, "w2": b * y_std, "b2": b_bias * y_std + y_mean}
 
 
+# ----------------------------------------------------------------------------- gate
+def fit_gate(x: torch.Tensor, y: torch.Tensor, heads: int, group: int, width: int = GATE_WIDTH,
+             sinks: int = GATE_SINKS, epochs: int = GATE_EPOCHS, seed: int = 0, batch: int = 512,
+             lr: float = GATE_LR) -> dict[str, torch.Tensor]:
+    """Fast KVzip's gate (:func:`kvpress_ada.surrogate.gate_log_scores`) fitted to ``x [N, hidden]`` ->
+    ``y [N, heads]`` (the teacher's log score): binary cross-entropy of the gate against ``exp(y)`` (clamped to
+    ``[0, 1]``), Adam with a cosine schedule, seeded (the global RNG is left as it was). Initialised as the
+    authors' gates: linear layers at torch's default, norms at 1, sink keys and biases at 0. Float32 tensors."""
+    from kvpress_ada.surrogate import gate_log_scores
+
+    n, hidden = x.shape
+    target = y.float().exp().clamp(0.0, 1.0)
+    steps = max(1, epochs * math.ceil(n / batch))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]), torch.enable_grad(), torch.inference_mode(False):
+        torch.manual_seed(seed)
+        q_proj = torch.nn.Linear(hidden, heads * group * width)
+        k_proj = torch.nn.Linear(hidden, heads * width, bias=False)
+        extra = torch.nn.ParameterDict({"q_norm": torch.nn.Parameter(torch.ones(width)),
+                                        "k_norm": torch.nn.Parameter(torch.ones(width)),
+                                        "k_base": torch.nn.Parameter(torch.zeros(heads, sinks, width)),
+                                        "b": torch.nn.Parameter(torch.zeros(heads, group))})
+        params = [*q_proj.parameters(), *k_proj.parameters(), *extra.parameters()]
+        opt = torch.optim.Adam(params, lr=lr)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / steps, 1))))
+
+        def tensors() -> dict[str, torch.Tensor]:
+            return {"q_w": q_proj.weight.T, "q_b": q_proj.bias, "k_w": k_proj.weight.T, **dict(extra.items())}
+
+        for _ in range(epochs):
+            order = torch.randperm(n, generator=generator)
+            for start in range(0, n, batch):
+                idx = order[start:start + batch]
+                gate = gate_log_scores(tensors(), x[idx].float(), heads, group).exp().clamp(1e-7, 1 - 1e-7)
+                loss = torch.nn.functional.binary_cross_entropy(gate, target[idx])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                schedule.step()
+        return {k: v.detach().clone().contiguous() for k, v in tensors().items()}
+
+
 # ----------------------------------------------------------------------------- fit quality
 def _ranks(v: torch.Tensor) -> torch.Tensor:
     return v.argsort(-1).argsort(-1).double()
@@ -377,9 +425,11 @@ def collect_pairs(model: Any, tokenizer: Any, scorer: KVzip, texts: Sequence[Tra
 
 
 def fit_layers(pairs: Pairs, kind: str, width: int = DEFAULT_WIDTH, epochs: int = DEFAULT_EPOCHS, seed: int = 0,
-               n_texts: int | None = None, progress: bool = True) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
-    """Every layer's weights (float32) and, for ``linear``, the chosen ridge strengths; ``mlp`` reads
-    the subsampled pairs of the first ``n_texts`` training texts (all by default)."""
+               n_texts: int | None = None, progress: bool = True, group: int = 1,
+               sinks: int = GATE_SINKS) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+    """Every layer's weights (float32) and, for ``linear``, the chosen ridge strengths; ``mlp`` and ``gate`` read
+    the subsampled pairs of the first ``n_texts`` training texts (all by default); ``group``: the model's query
+    heads per kv head (``gate``)."""
     weights: list[dict[str, torch.Tensor]] = []
     lambdas: list[float] = []
     for layer in tqdm(range(len(pairs.stats)), disable=not progress, desc="fitting", unit="layer"):
@@ -390,6 +440,9 @@ def fit_layers(pairs: Pairs, kind: str, width: int = DEFAULT_WIDTH, epochs: int 
         else:
             x = torch.cat(pairs.fit_x[layer][:n_texts])
             y = torch.cat(pairs.fit_y[layer][:n_texts])
+            if kind == "gate":
+                weights.append(fit_gate(x, y, y.shape[1], group, width, sinks, epochs, seed=seed + layer))
+                continue
             weights.append(fit_mlp(x, y, pairs.stats[layer].x_moments(), pairs.stats[layer].y_moments(), width,
                                    epochs, seed=seed + layer))
     return weights, lambdas
@@ -403,10 +456,11 @@ def predict_heldout(surrogate: Surrogate, pairs: Pairs) -> list[list[torch.Tenso
 
 def distill(model: Any, tokenizer: Any, teacher: str | KVzip = "kvzip", kind: str = "linear", n: int = 40,
             context: int = 1000, tasks: Sequence[str] | None = None, seed: int = CALIBRATION_SEED,
-            width: int = DEFAULT_WIDTH, epochs: int = DEFAULT_EPOCHS, max_tokens: int = DEFAULT_MAX_TOKENS,
-            model_name: str | None = None, progress: bool = True) -> Surrogate:
+            width: int | None = None, epochs: int | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
+            model_name: str | None = None, progress: bool = True, sinks: int = GATE_SINKS) -> Surrogate:
     """A surrogate of ``teacher``'s scores for ``model``, trained on ``n`` texts of ``context`` tokens
-    (see the module docstring)."""
+    (see the module docstring); ``width``: the MLP's hidden width or the gate's dimension (defaults
+    :data:`DEFAULT_WIDTH`, :data:`GATE_WIDTH`), ``sinks``: the gate's sink keys."""
     from kvpress_ada import __version__
     from kvpress_ada.harness.eval.tasks import TASKS
 
@@ -417,17 +471,21 @@ def distill(model: Any, tokenizer: Any, teacher: str | KVzip = "kvzip", kind: st
         raise ValueError(f"distilling needs n >= 2 texts (one is held out to measure the fit), got n={n}")
     if seed < CALIBRATION_SEED:
         raise ValueError(f"training seeds start at {CALIBRATION_SEED} (evaluation uses seed 0); got seed={seed}")
-    if width < 1 or epochs < 1 or max_tokens < 1:
-        raise ValueError(f"width, epochs and max_tokens must be >= 1, got {width}, {epochs}, {max_tokens}")
+    width = width if width is not None else GATE_WIDTH if kind == "gate" else DEFAULT_WIDTH
+    epochs = epochs if epochs is not None else GATE_EPOCHS if kind == "gate" else DEFAULT_EPOCHS
+    if width < 1 or epochs < 1 or max_tokens < 1 or sinks < 1:
+        raise ValueError(f"width, epochs, max_tokens and sinks must be >= 1, got {width}, {epochs}, {max_tokens}, "
+                         f"{sinks}")
+    group = int(model.config.num_attention_heads) // model_identity(model.config).num_kv_heads
     tasks = list(tasks) if tasks else list(TASKS)
     start = time.perf_counter()
     texts = training_texts(tokenizer, n, context, tasks, seed)
     held = heldout(n)
     n_train = n - sum(held)
-    per_text = math.ceil(max_tokens / n_train) if kind == "mlp" else 0
+    per_text = math.ceil(max_tokens / n_train) if kind in ("mlp", "gate") else 0
     pairs = collect_pairs(model, tokenizer, scorer, texts, held, per_text, seed, progress)
     collected = time.perf_counter() - start
-    weights, lambdas = fit_layers(pairs, kind, width, epochs, seed, progress=progress)
+    weights, lambdas = fit_layers(pairs, kind, width, epochs, seed, progress=progress, group=group, sinks=sinks)
     dtype = torch.float32
     if kind == "mlp":  # half the bytes; kept only when every weight stays finite in float16
         half = [{k: v.half() for k, v in layer.items()} for layer in weights]
@@ -449,13 +507,18 @@ def distill(model: Any, tokenizer: Any, teacher: str | KVzip = "kvzip", kind: st
     if kind == "linear":
         training["ridge"] = {"lambdas": list(LAMBDAS), "chosen": lambdas,
                              "note": "ridge on standardised inputs, strength picked per layer on the held-out texts"}
+    elif kind == "gate":
+        training["gate"] = {"epochs": epochs, "batch": 512, "lr": GATE_LR, "optimizer": "Adam", "schedule": "cosine",
+                            "loss": "binary cross-entropy against exp(target), clamped to [0, 1]",
+                            "seed": f"{seed} + layer", "max_tokens": max_tokens, "tokens_per_text": per_text}
     else:
         training["mlp"] = {"epochs": epochs, "batch": 512, "lr": 3e-3, "weight_decay": 1e-4, "optimizer": "AdamW",
                            "schedule": "cosine", "seed": f"{seed} + layer", "max_tokens": max_tokens,
                            "tokens_per_text": per_text}
     meta: dict[str, Any] = dict(
         model=model_identity(model.config, model_name), teacher=scorer.model_dump(mode="json"), kind=kind,
-        hidden_size=int(model.config.hidden_size), width=width if kind == "mlp" else None,
+        hidden_size=int(model.config.hidden_size), width=width if kind in ("mlp", "gate") else None,
+        sinks=sinks if kind == "gate" else None,
         dtype=str(dtype).removeprefix("torch."),
         target={"quantity": "log(max(score, floor)) of the teacher's raw measured score (Prefill.pass_scores)",
                 "floor": FLOOR, "excluded": f"the first {pairs.skip} tokens of each text (the teacher's sinks, "

@@ -17,6 +17,7 @@ from .allocators import (
 )
 from .evictors import TopK
 from .pipeline import Pipeline
+from .refusals import refusal
 from .scorers import (
     CUR,
     H2O,
@@ -170,6 +171,9 @@ def preset(name: str, compression_ratio: float | None = None, budget: int | None
     try:
         fields = _PRESETS[name]()
     except KeyError:
+        reason = refusal(name) if isinstance(name, str) else None
+        if reason is not None:  # a published press kvpress_ada does not build: say what it would need
+            raise ValueError(f"preset {name!r} is not available: {reason}") from None
         raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(_PRESETS)}") from None
     fields.update(overrides)
     fields.setdefault("allocator", UniformHead())

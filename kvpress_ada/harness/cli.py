@@ -229,12 +229,22 @@ def _load_model(name: str):
     return load(name)
 
 
+def _unknown_preset(name: str) -> str:
+    """One line for a preset name the library does not build: why (a published press it refuses) or the valid names."""
+    from kvpress_ada.refusals import refusal
+
+    reason = refusal(name)
+    if reason is not None:
+        return f"preset {name!r} is not available: {reason}"
+    return f"unknown preset {name!r}; valid presets: {', '.join(choices.preset_names())}"
+
+
 # --------------------------------------------------------------------------- demo
 def cmd_demo(args) -> int:
     names = [args.preset, *_unique("--compare", _split(args.compare or ""))]
     for name in names:
         if name not in choices.preset_names():
-            raise UsageError(f"unknown preset {name!r}; valid presets: {', '.join(choices.preset_names())}")
+            raise UsageError(_unknown_preset(name))
     if args.preset in names[1:]:
         raise UsageError(f"--compare lists the main --preset {args.preset!r} again; give each preset once")
     if not 0.0 <= args.ratio < 1.0:
@@ -333,7 +343,7 @@ def _eval_inputs(args) -> tuple[list[str], list[str], list[float], dict]:
     presets = _unique("--presets", _split(args.presets) if args.presets else [])
     unknown = [p for p in presets if p not in choices.preset_names()]
     if unknown:
-        raise UsageError(f"unknown preset {unknown[0]!r}; valid presets: {', '.join(choices.preset_names())}")
+        raise UsageError(_unknown_preset(unknown[0]))
     tasks = _unique("--tasks", _split(args.tasks))
     unknown = [t for t in tasks if t not in TASKS]
     if unknown or not tasks:

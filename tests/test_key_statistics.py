@@ -122,12 +122,13 @@ def test_row_zscore_is_per_row_over_heads():
 # ----------------------------------------------------------------------------- CUR
 def _cur_ref(K, V, sinks, kind, window):
     """CurDKV's approximate leverage of one (row, head) written out: squared norms, shares of consecutive
-    windows of ``window`` tokens (``None``: all), combined, shares of the head's total; sinks ``inf``."""
+    windows of ``window`` tokens (``None``: the norms as they are), combined, shares of the head's total;
+    sinks ``inf``."""
     n = len(K)
 
     def shares(x):
         if window is None:
-            return [v / sum(x) for v in x]
+            return x
         out = []
         for start in range(0, n, window):
             part = x[start:start + window]

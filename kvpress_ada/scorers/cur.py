@@ -32,9 +32,9 @@ def window_shares(x: torch.Tensor, mask: torch.Tensor, window: int | None) -> to
 class CUR(Scorer):
     """Approximate leverage of each entry from squared row norms: ``k2 = ||k||^2`` and ``v2 = ||v||^2`` (after a
     seeded Gaussian projection to ``random_projection`` columns when set), each divided by its sum over a
-    local window of ``local_window`` entries; combined per ``leverage_type`` (``kv_product``: ``k2 * v2``,
-    ``kv_avg``: their mean, ``key`` or ``value`` alone), then divided by the head's sum. The first ``sinks``
-    tokens are protected.
+    local window of ``local_window`` entries (``None``: left as they are); combined per ``leverage_type``
+    (``kv_product``: ``k2 * v2``, ``kv_avg``: their mean, ``key`` or ``value`` alone), then divided by the
+    head's sum. The first ``sinks`` tokens are protected.
 
     Differs from NVIDIA kvpress's ``CURPress`` (``kvpress/presses/cur_press.py``, 0.5.5), which this follows:
     windows start at a row's first valid token and padding is left out of every sum (kvpress: one unpadded
@@ -50,7 +50,8 @@ class CUR(Scorer):
     name: Literal["cur"] = "cur"
     sinks: int = Field(4, ge=0, description="initial tokens always kept")
     leverage_type: Literal["key", "value", "kv_avg", "kv_product"] = "kv_product"
-    local_window: int | None = Field(16, ge=1, description="entries per normalisation window (None: the whole row)")
+    local_window: int | None = Field(16, ge=1, description="entries per normalisation window (None: no "
+                                                           "normalisation before combining)")
     random_projection: int | None = Field(None, ge=1, description="columns of a seeded Gaussian projection of keys "
                                                                   "and values before the norms (None: none)")
     seed: int = Field(0, ge=0, description="seed of the projection")
@@ -67,8 +68,10 @@ class CUR(Scorer):
         if self.random_projection is not None:
             proj = gaussian_sketch(keys.shape[-1], self.random_projection, self.seed, str(keys.device))
             keys, values = keys @ proj, values @ proj
-        k2 = window_shares(keys.square().sum(-1), obs.key_mask, self.local_window)
-        v2 = window_shares(values.square().sum(-1), obs.key_mask, self.local_window)
+        k2, v2 = keys.square().sum(-1), values.square().sum(-1)
+        if self.local_window is not None:
+            k2 = window_shares(k2, obs.key_mask, self.local_window)
+            v2 = window_shares(v2, obs.key_mask, self.local_window)
         scores = {"key": k2, "value": v2, "kv_avg": (k2 + v2) / 2, "kv_product": k2 * v2}[self.leverage_type]
         scores = window_shares(scores, obs.key_mask, None)
         return protect_first_valid(scores, obs.key_mask, self.sinks)

@@ -162,7 +162,7 @@ def generate_ragged_and_mask(model, press, ids, **kwargs):
 
     outs = []
     with torch.no_grad():
-        for p in (press, press.model_copy(update={"evictor": Mask()})):
+        for p in (press, press.model_copy(update={"evictor": Mask(rerotate=press.evictor.rerotate)})):
             with p(model):
                 outs.append(model.generate(ids, do_sample=False, **{"max_new_tokens": 4, **kwargs}))
     return outs[0], outs[1]

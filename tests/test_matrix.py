@@ -30,8 +30,9 @@ def test_preset_model_generate_ragged_matches_mask(arch_model, name):
     ids, mask = left_padded_batch()
     outs = {}
     for evictor in ("topk", "mask"):
-        overrides = {"evictor": Mask()} if evictor == "mask" else {}
-        press = preset(name, compression_ratio=0.6, **overrides)
+        press = preset(name, compression_ratio=0.6)
+        if evictor == "mask":  # the dense reference of the same evictor options (re-rotation)
+            press = press.replace(evictor=Mask(rerotate=press.evictor.rerotate))
         with press(arch_model):
             out = arch_model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                                       output_scores=True, return_dict_in_generate=True)

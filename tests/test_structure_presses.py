@@ -149,3 +149,223 @@ def test_block_keydiff_is_blockpress_on_the_first_layer():
         got = view.positions[0, h][view.valid[0, h]].tolist()
         assert got == held
         assert len(got) == budget
+
+
+# ----------------------------------------------------------------------------------------------------- FINCH
+
+
+def test_finch_matches_its_formula():
+    """Each window query's softmax over the valid keys it sees, times how many it sees, averaged over the
+    window's valid queries and the query group; the window kept (loops, ``math.exp``)."""
+    import math
+
+    from kvpress_ada.scorers import Finch
+
+    obs = _obs(L=12, pads=(0, 3))
+    w, G, D = 4, 2, obs.keys.shape[-1]
+    got = Finch(window=w).score(obs)
+    B, H, L = got.shape
+    for b in range(B):
+        valid = [j for j in range(L) if obs.key_mask[b, j]]
+        for h in range(H):
+            total = [0.0] * L
+            queries = [i for i in range(L - w, L) if obs.key_mask[b, i]]
+            for g in range(G):
+                for i in queries:
+                    seen = [j for j in valid if j <= i]
+                    q = obs.queries[b, h * G + g, i]
+                    logits = {j: float(q @ obs.keys[b, h, j]) * D**-0.5 for j in seen}
+                    top = max(logits.values())
+                    norm = sum(math.exp(v - top) for v in logits.values())
+                    for j in seen:
+                        total[j] += math.exp(logits[j] - top) / norm * len(seen) / len(queries) / G
+            for j in valid:
+                if j >= L - w:
+                    assert got[b, h, j] == INF
+                else:
+                    assert math.isclose(float(got[b, h, j]), total[j], rel_tol=1e-4, abs_tol=1e-6)
+
+
+def test_finch_padding_changes_nothing():
+    from kvpress_ada.scorers import Finch
+
+    obs = _obs()
+    batch = Finch(window=3).score(obs)
+    for b, p in enumerate((0, 5)):
+        assert torch.allclose(batch[b:b + 1, :, p:], Finch(window=3).score(_row(obs, b, p)), rtol=1e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------------------- re-rotation
+
+
+def _rope(x, positions, inv_freq):
+    """transformers' RoPE (``rotate_half`` layout) of ``x [..., L, D]`` at ``positions [..., L]``, written out."""
+    angle = positions.double()[..., None] * inv_freq.double()
+    cos, sin = torch.cat([angle, angle], -1).cos(), torch.cat([angle, angle], -1).sin()
+    half = x.shape[-1] // 2
+    return (x.double() * cos + torch.cat([-x[..., half:], x[..., :half]], -1).double() * sin).float()
+
+
+def test_evicted_after_counts_the_valid_entries_dropped_later():
+    from kvpress_ada.evictors.rerotation import evicted_after
+
+    g = torch.Generator().manual_seed(1)
+    keep, valid = torch.rand(3, 2, 17, generator=g) > 0.5, torch.rand(3, 2, 17, generator=g) > 0.2
+    got = evicted_after(keep & valid, valid)
+    for b, h, j in torch.cartesian_prod(torch.arange(3), torch.arange(2), torch.arange(17)).tolist():
+        want = sum(1 for t in range(j + 1, 17) if valid[b, h, t] and not (keep[b, h, t] and valid[b, h, t]))
+        assert got[b, h, j] == want
+
+
+def test_rotate_moves_a_key_to_a_later_position():
+    from kvpress_ada.evictors.rerotation import rotate
+
+    g = torch.Generator().manual_seed(2)
+    raw = torch.randn(2, 3, 9, 8, generator=g)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8)
+    pos = torch.randint(0, 50, (2, 3, 9), generator=g)
+    shift = torch.randint(0, 20, (2, 3, 9), generator=g)
+    assert torch.allclose(rotate(_rope(raw, pos, inv_freq), shift, inv_freq), _rope(raw, pos + shift, inv_freq),
+                          atol=1e-5)
+    half = inv_freq[:2]  # partial rotary: the first 4 channels rotate, the rest stay
+    partial = torch.cat([_rope(raw[..., :4], pos, half), raw[..., 4:]], -1)
+    moved = torch.cat([_rope(raw[..., :4], pos + shift, half), raw[..., 4:]], -1)
+    assert torch.allclose(rotate(partial, shift, half), moved, atol=1e-5)
+
+
+def test_rerotation_gives_kvpress_attention_logits():
+    """kvpress re-rotates a head's ``n`` kept keys to positions ``0..n-1`` and feeds the next token at ``n``; here
+    they move forward by the entries evicted after them and the next token keeps its true position. The logits of
+    a new query agree, for heads and rows that keep different numbers of entries, with left padding."""
+    from kvpress_ada.evictors.rerotation import KeyRotation
+    from kvpress_ada.runtime.views import HeldEntries
+
+    g = torch.Generator().manual_seed(3)
+    B, H, L, D, pads = 2, 3, 20, 8, (0, 6)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D)
+    raw_k, raw_q = torch.randn(B, H, L, D, generator=g), torch.randn(B, H, D, generator=g)
+    valid = torch.ones(B, H, L, dtype=torch.bool)
+    for b, p in enumerate(pads):
+        valid[b, :, :p] = False
+    true_pos = (valid.long().cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens from position 0
+    keys = _rope(raw_k, true_pos, inv_freq)
+    keep = (torch.rand(B, H, L, generator=g) > 0.4) & valid
+    held = HeldEntries(keys, keys, valid, torch.arange(L).expand(B, H, L))
+    rotated = KeyRotation(inv_freqs=(inv_freq,)).apply(0, held, keep).keys
+    for b in range(B):
+        nxt = int(valid[b, 0].sum())  # the next token's true position
+        for h in range(H):
+            idx = keep[b, h].nonzero().flatten()
+            n = len(idx)
+            ours = _rope(raw_q[b, h][None], torch.tensor([nxt]), inv_freq) @ rotated[b, h, idx].T
+            theirs_k = _rope(raw_k[b, h, idx], torch.arange(n), inv_freq)
+            theirs = _rope(raw_q[b, h][None], torch.tensor([n]), inv_freq) @ theirs_k.T
+            assert torch.allclose(ours, theirs, atol=1e-4)
+            assert torch.equal(rotated[b, h][~keep[b, h]], keys[b, h][~keep[b, h]])  # the others untouched
+
+
+@pytest.mark.parametrize("evictor", ["topk", "mask"])
+def test_rerotated_streamingllm_decodes_like_kvpress(evictor):
+    """The model under ``rerotated_streamingllm`` predicts what a dense cache does when it holds the kept entries
+    with their keys re-rotated to positions ``0..n-1`` and the next token sits at ``n`` (kvpress's
+    KeyRerotationPress); without re-rotation the prediction differs."""
+    from conftest import build_model
+    from transformers import DynamicCache
+
+    from kvpress_ada import Mask, preset
+    from kvpress_ada.hosts.transformers.hf import cache_kwarg, output_cache
+
+    model = build_model("llama")
+    L, n, sinks = 40, 16, 4
+    ids = torch.randint(4, 128, (1, L), generator=torch.Generator().manual_seed(5))
+    nxt = torch.tensor([[7]])
+    press = preset("rerotated_streamingllm", budget=n)
+    if evictor == "mask":
+        press = press.replace(evictor=Mask(rerotate=True))
+    kept = torch.cat([torch.arange(sinks), torch.arange(L - n + sinks, L)])
+    inv_freq = model.model.rotary_emb.inv_freq
+    with torch.no_grad():
+        dense = output_cache(model(ids, use_cache=True))
+        ref = DynamicCache(config=model.config)
+        for i, layer in enumerate(dense.layers):
+            angle = (torch.arange(n) - kept).double()[:, None] * inv_freq.double()  # kvpress: to 0..n-1
+            cos, sin = torch.cat([angle, angle], -1).cos().float(), torch.cat([angle, angle], -1).sin().float()
+            k = layer.keys[:, :, kept]
+            half = k.shape[-1] // 2
+            ref.update(k * cos + torch.cat([-k[..., half:], k[..., :half]], -1) * sin, layer.values[:, :, kept], i)
+        want = model(nxt, **{cache_kwarg(model): ref}, position_ids=torch.tensor([[n]])).logits
+        with press(model):
+            cache = output_cache(model(ids, use_cache=True))
+            got = model(nxt, **{cache_kwarg(model): cache}, position_ids=torch.tensor([[L]])).logits
+        plain = preset("streamingllm", budget=n, **({"evictor": Mask()} if evictor == "mask" else {}))
+        with plain(model):
+            cache = output_cache(model(ids, use_cache=True))
+            unrotated = model(nxt, **{cache_kwarg(model): cache}, position_ids=torch.tensor([[L]])).logits
+    assert torch.allclose(got, want, atol=1e-4)
+    assert not torch.allclose(unrotated, want, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["rerotated_streamingllm", "ada_finch"])
+def test_rerotation_across_chunks_and_decode_compactions_matches_the_mask_reference(name):
+    """Re-rotation again at every compression (chunked prefill, decode compaction): the ragged cache and the
+    dense Mask reference give the same logits, batch 2 with left padding, and differ from not re-rotating."""
+    from conftest import build_model, left_padded_batch
+
+    from kvpress_ada import Mask, preset
+    from kvpress_ada.scorers import Finch
+
+    model = build_model("llama")
+    ids, mask = left_padded_batch(seed=4)
+    press = preset(name, compression_ratio=0.5, prefill_chunk=32).replace(decode_budget=24, decode_interval=3)
+    if name == "ada_finch":
+        press = press.replace(scorer=Finch(window=8))
+    outs = []
+    for p in (press, press.replace(evictor=Mask(rerotate=True)), press.replace(evictor=Mask())):
+        with torch.no_grad(), p(model):
+            outs.append(model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8,
+                                       output_scores=True, return_dict_in_generate=True))
+    ragged, dense, unrotated = outs
+    assert torch.equal(ragged.sequences, dense.sequences)
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(ragged.scores, dense.scores))
+    assert not all(torch.allclose(a, b, atol=1e-4) for a, b in zip(ragged.scores, unrotated.scores))
+
+
+def test_rerotation_refusals():
+    from kvpress_ada import TopK, preset
+
+    with pytest.raises(ValueError, match="re-rotate"):
+        preset("finch", compression_ratio=0.5, storage="int8", prefill_chunk=64)
+    preset("finch", compression_ratio=0.5, storage="int8")  # one compression: the records are written re-rotated
+    from kvpress_ada.serving.requests import check_servable
+
+    with pytest.raises(ValueError, match="rerotate"):
+        check_servable(preset("snapkv", compression_ratio=0.5, evictor=TopK(rerotate=True)))
+
+
+def test_fan_out_rerotates_the_rows_of_the_presses_that_ask():
+    """A fan-out cache holds what the press's own prefill holds, re-rotated keys included; in a batch of presses
+    only the rows of re-rotating presses are re-rotated."""
+    from conftest import build_model
+
+    from kvpress_ada import preset
+    from kvpress_ada.hosts.transformers.fanout import capture_prefill
+    from kvpress_ada.hosts.transformers.hf import output_cache
+
+    model = build_model("llama")
+    ids = torch.randint(4, 128, (1, 50), generator=torch.Generator().manual_seed(6))
+    rotating, plain = preset("rerotated_streamingllm", budget=20), preset("streamingllm", budget=20)
+    with torch.no_grad():
+        prefill = capture_prefill(model, ids)
+        alone = {}
+        for name, press in (("rotating", rotating), ("plain", plain)):
+            with press(model):
+                alone[name] = output_cache(model(ids, use_cache=True))
+        fanned = prefill.compressed_cache(rotating)
+        batch = prefill.compressed_batch([rotating, plain], [prefill.keep_masks(rotating), prefill.keep_masks(plain)])
+    for i in range(len(fanned.layers)):
+        want = alone["rotating"].layers[i].view().keys
+        assert torch.allclose(fanned.layers[i].view().keys, want, atol=1e-5)
+        both = batch.layers[i].view().keys
+        assert torch.allclose(both[:1], want, atol=1e-5)
+        assert torch.allclose(both[1:], alone["plain"].layers[i].view().keys, atol=1e-5)
+        assert not torch.allclose(want, alone["plain"].layers[i].view().keys, atol=1e-3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+from pydantic import Field
 
 from ..components import Component, Registry
 from ..ranking import top_k
@@ -13,10 +14,16 @@ from ..ranking import top_k
 class Evictor(Component):
     """``select(scores, counts) -> keep [B, H, L]`` bool. ``frees_memory``: whether the entries not kept
     leave memory (a host then compacts the kept ones into its storage, ragged or paged) or stay hidden
-    in a dense cache. The host, not the evictor, picks the cache."""
+    in a dense cache. The host, not the evictor, picks the cache.
+
+    ``rerotate``: the kept keys are re-rotated after each eviction so each head's entries sit at contiguous RoPE
+    positions right before the next token's (kvpress's ``KeyRerotationPress``; :mod:`.rerotation`); the tokens
+    that come next keep their true positions."""
 
     kind: ClassVar[str] = "evictor"
     frees_memory: ClassVar[bool] = True
+
+    rerotate: bool = Field(False, description="re-rotate the kept keys to contiguous positions after each eviction")
 
     def select(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return topk_mask(scores, counts)

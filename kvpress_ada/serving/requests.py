@@ -44,6 +44,9 @@ def check_servable(press: Pipeline) -> None:
     if scorer.needs_model_pass:
         raise ValueError(f"scorer {scorer.__name__} scores with its own model pass over each request's context, "
                          "which a serving engine does not run: use a one-pass attention scorer (snapkv, ...)")
+    if press.evictor.rerotate:
+        raise ValueError("the evictor re-rotates the keys it keeps (rerotate=True), which a serving engine's pages "
+                         "do not: serve with rerotate=False, or run the press through the transformers host")
 
 
 @dataclass

@@ -702,6 +702,24 @@ def test_triton_kernels_compile_for_hopper():
         assert row["split"]["cp_async"] > 0, row  # K/V loads are software-pipelined
 
 
+def test_triton_kernels_with_logit_extras_compile_for_hopper():
+    """The variants with soft-capping and sinks compiled in (``--extras``) pass sm_90 codegen with the same
+    shared memory bound and software-pipelined K/V loads."""
+    if "nvidia" not in getattr(triton.backends, "backends", {}):
+        pytest.skip("Triton's NVIDIA backend is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "kvpress_ada.kernels.aot_check", "--dtype", "bf16", "--head-dim", "128", "--m", "4",
+           "--extras"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    import json
+
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 1 and rows[0]["extras"]
+    assert rows[0]["split"]["shared"] <= 99 * 1024 and rows[0]["split"]["cp_async"] > 0, rows[0]
+    assert all(rows[0][f"quantized_split_{name}"]["shared"] <= 99 * 1024 for name in ("int8", "int4", "e4m3"))
+
+
 # ----------------------------------------------------------------------------- op registration
 
 

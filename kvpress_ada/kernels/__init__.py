@@ -13,6 +13,10 @@ Ops (``torch.library`` custom ops in ``kernels.ragged.ops``, compile with ``full
   rows of records of a :class:`RecordLayout` (int8 / int4 / e4m3) with each row's side tensors (anchor, key
   centre) (:mod:`.quantized.scheme`: the scheme, :func:`quantize`, :func:`dequantize`).
 
+Every attention op (ragged, quantized, and ``paged.ops.paged_attention``) also takes two keyword-only logit
+terms, off by default: ``softcap`` (Gemma 2: ``softcap * tanh(l / softcap)`` of each logit) and ``sinks``
+(GPT-OSS: a float ``[H_q]`` tensor, one logit per query head in each softmax denominator, carrying no value).
+
 Modules: one package per op family (``ragged``, ``paged``, ``quantized``, ``model_pass``), each named the same
 way: ``ops`` (the custom ops, their validation and dispatch), ``reference`` (torch implementations; the
 record scheme ``quantized.scheme``), ``cpu_kernel`` (a fused CPU kernel), ``triton_kernel`` (Triton; imports

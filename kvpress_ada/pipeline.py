@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
@@ -10,6 +11,7 @@ from pydantic import ConfigDict, Field, SerializeAsAny, ValidationInfo, field_va
 
 from .allocators import ALLOCATORS, LAYER_SCHEDULES, HeadAllocator, LayerSchedule, UniformHead, UniformLayer
 from .allocators.heads import fit_to_valid
+from .channels import KEY_CHANNELS, KeyChannels, zero_channels
 from .components import OneLineErrors
 from .evictors import EVICTORS, Evictor, TopK
 from .hosts.base import host_for
@@ -19,7 +21,7 @@ from .storage import STORAGES, FullPrecision, Storage
 
 MAX_BUDGET = 2**31 - 1  # tokens per kv head: the ragged cache's offsets are int32
 _REGISTRIES = {"scorer": SCORERS, "allocator": ALLOCATORS, "layers": LAYER_SCHEDULES, "evictor": EVICTORS,
-               "storage": STORAGES}
+               "storage": STORAGES, "key_channels": KEY_CHANNELS}
 
 
 class Pipeline(OneLineErrors):
@@ -43,6 +45,8 @@ class Pipeline(OneLineErrors):
     layers: SerializeAsAny[LayerSchedule] = Field(default_factory=UniformLayer)
     evictor: SerializeAsAny[Evictor] = Field(default_factory=TopK)
     storage: SerializeAsAny[Storage] = Field(default_factory=FullPrecision)
+    key_channels: SerializeAsAny[KeyChannels] | None = Field(
+        None, description="prune channels of the kept keys at the end of the prompt (ThinK); None: keep them all")
     compression_ratio: float | None = Field(None, ge=0.0, lt=1.0)
     budget: int | None = Field(None, ge=1, le=MAX_BUDGET)
     prefill_chunk: int | None = Field(None, ge=1, description="prefill the context in chunks of this many tokens, "
@@ -54,11 +58,32 @@ class Pipeline(OneLineErrors):
                                        description="fraction of the tokens seen so far (prompt and generated) "
                                                    "evicted at each decode compaction (instead of decode_budget)")
 
-    @field_validator("scorer", "allocator", "layers", "evictor", "storage", mode="before")
+    @field_validator("scorer", "allocator", "layers", "evictor", "storage", "key_channels", mode="before")
     @classmethod
     def _build_component(cls, value: Any, info: ValidationInfo) -> Any:
         """Accept instances, registered names or dicts with a ``name`` (JSON/YAML configs)."""
+        if value is None and info.field_name == "key_channels":
+            return None
         return _REGISTRIES[str(info.field_name)].build(value)
+
+    @model_validator(mode="after")
+    def _key_channels_supported(self) -> "Pipeline":
+        """Channels are pruned once, at the end of the prompt, from the scorer's window queries (``channels``)."""
+        if self.key_channels is None:
+            return self
+        name = type(self.key_channels).__name__
+        if self.prefill_chunk is not None:
+            raise ValueError(f"key_channels={name} prunes key channels once, at the end of the prompt; chunked prefill "
+                             f"(prefill_chunk={self.prefill_chunk}) would choose them again over pruned keys: use "
+                             "prefill_chunk=None")
+        if self.compresses_decode:
+            raise ValueError(f"key_channels={name} prunes key channels once, at the end of the prompt; decode "
+                             "compression would choose them again over pruned keys: drop decode_budget/decode_ratio")
+        if type(self.key_channels).reads_queries and self.scorer.query_window() == 0:
+            raise ValueError(f"key_channels={name} scores channels with the scorer's window queries, and scorer "
+                             f"{type(self.scorer).__name__} reads none (query_window 0): use a scorer that reads "
+                             "queries (e.g. snapkv)")
+        return self
 
     @model_validator(mode="after")
     def _exactly_one_budget(self) -> "Pipeline":
@@ -141,10 +166,10 @@ class Pipeline(OneLineErrors):
     @property
     def compresses_prefill(self) -> bool:
         """Whether the prefill is compressed (a ``budget``, a ``compression_ratio`` above 0, an
-        allocator that keeps what clears a threshold, or a quantized storage: at ratio 0 it keeps every
-        entry, quantized)."""
+        allocator that keeps what clears a threshold, a quantized storage: at ratio 0 it keeps every
+        entry, quantized, or key channels pruned)."""
         return (self.budget is not None or bool(self.compression_ratio) or type(self.allocator).sets_budget
-                or self.storage.quantized)
+                or self.storage.quantized or self.key_channels is not None)
 
     @property
     def compresses_decode(self) -> bool:
@@ -224,6 +249,16 @@ class Pipeline(OneLineErrors):
             protected = self.scorer.protected(budget.lengths)
             return [self._keep_layer(v, self._cap(self.layers.layer_budget(
                 budget.average, *v.rank, budget.lengths, protected), budget)) for v in views]
+
+    def pruned(self, view: LayerView, keep: torch.Tensor, held: Any) -> Any:
+        """``held`` (a host's :class:`~kvpress_ada.runtime.views.HeldEntries` of the layer ``view`` shows) with the
+        channels :attr:`key_channels` drops zeroed in its keys, from the selection ``keep``; unchanged without
+        ``key_channels``. Hosts call it at the end of the prompt, before the layer keeps ``keep``."""
+        if self.key_channels is None:
+            return held
+        with torch.no_grad():
+            channels = self.key_channels.channel_keep(view, keep)
+        return replace(held, keys=zero_channels(held.keys, channels.to(held.keys.device)))
 
     def _keep_layer(self, view: LayerView, budget: torch.Tensor) -> torch.Tensor:
         """Keep mask of one layer with per-head budget ``budget [B]``. Rows whose valid entries all fit

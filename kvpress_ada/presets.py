@@ -15,6 +15,7 @@ from .allocators import (
     UniformHead,
     UniformLayer,
 )
+from .channels import ThinK
 from .evictors import TopK
 from .pipeline import Pipeline
 from .refusals import refusal
@@ -131,6 +132,10 @@ _PRESETS: dict[str, Callable[[], dict]] = {
     "fastkvzip": lambda: dict(scorer=FastKVzip(), layers=AdaLayer(alpha=0.0), allocator=AdaHead(alpha=0.0)),
     "ada_fastkvzip": lambda: dict(scorer=FastKVzip(), layers=AdaLayer(alpha=ADA_ALPHA),
                                   allocator=AdaHead(alpha=ADA_ALPHA)),
+    # ThinK: SnapKV's tokens, then half the channels of each kv head's kept keys zeroed (query-driven; no memory
+    # freed: the cache stores full-width keys, see kvpress_ada/channels.py); compression_ratio=0: channels only
+    "think": lambda: dict(scorer=SnapKV(), key_channels=ThinK()),
+    "ada_think": lambda: dict(scorer=SnapKV(), allocator=AdaHead(alpha=ADA_ALPHA), key_channels=ThinK()),
 }
 
 

@@ -117,7 +117,7 @@ def test_register_preset_refuses_an_existing_name_unless_override():
 # ----------------------------------------------------------------------------- one name per component
 
 CANONICAL = {"snapkv", "streamingllm", "h2o", "tova", "knorm", "expected_attention", "criticalkv", "random", "lagkv",
-             "keydiff", "kvzip", "kvzap"}
+             "keydiff", "kvzip", "kvzap", "kvcompose", "fastkvzip"}
 
 
 def test_file_registry_and_preset_names_agree():

@@ -42,6 +42,8 @@ class Eviction:
             self.pending.wait(layer_idx, (view, held))
             return False
         keep = self.press.keep([view], budget())[0]
+        if self.press.key_channels is not None:  # zero the pruned channels of the kept keys (ThinK)
+            held = self.press.pruned(view, keep, held)
         self.cache.retain(layer_idx, keep, held, self.spare)
         return True
 
@@ -64,5 +66,8 @@ class Eviction:
             views = prepare(views)  # type: ignore[arg-type]
         layers = [v.layer_idx for v in views]
         for i, (layer_idx, keep) in enumerate(zip(layers, self.press.keep(views, budget()))):
-            self.cache.retain(layer_idx, keep, held[i], self.spare)
+            entries = held[i]
+            if self.press.key_channels is not None:  # zero the pruned channels of the kept keys (ThinK)
+                entries = self.press.pruned(views[i], keep, self.cache.view(layer_idx) if entries is None else entries)
+            self.cache.retain(layer_idx, keep, entries, self.spare)
         return layers

@@ -155,6 +155,9 @@ class Prefill:
         if self.key_mask.shape[0] != 1:
             raise ValueError("compressed_batch stacks presses of a batch-1 prefill, not batch "
                              f"{self.key_mask.shape[0]}")
+        if any(p.key_channels is not None for p in presses):
+            raise ValueError("compressed_batch shares the prefill's keys between its rows, and a press pruning key "
+                             "channels (key_channels) rewrites them: build its cache with compressed_cache(press)")
         storages = {p.storage for p in presses}
         if len(storages) > 1:
             raise ValueError("compressed_batch stacks presses of one storage, got "
@@ -186,7 +189,10 @@ class Prefill:
         for i, (c, keep) in enumerate(zip(self.layers, keep_masks)):
             compressed.update(c.keys, c.values, i)
             if i in scope:  # a sliding-window layer keeps its window
-                compressed.retain(i, keep)
+                held = None
+                if press.key_channels is not None:  # zero the pruned channels of the kept keys (ThinK)
+                    held = press.pruned(self.view(press.scorer, i), keep, compressed.view(i))
+                compressed.retain(i, keep, held)
         return compressed
 
 

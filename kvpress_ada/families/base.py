@@ -10,7 +10,7 @@ sinks, logit soft-capping, layers without RoPE, query scaling). Nothing here imp
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 if TYPE_CHECKING:
     import torch
@@ -123,9 +123,16 @@ class Family:
         """The attention modules of vLLM's model of this family, in layer order."""
         raise NotImplementedError
 
-    def engine_output_weight(self, module: Any) -> torch.Tensor | None:
-        """The output projection's weight of one of vLLM's attention modules (``None`` when it has none)."""
+    def engine_output_projection(self, module: Any) -> torch.nn.Module | None:
+        """The output projection of one of vLLM's attention modules (``None`` when it has none)."""
         raise NotImplementedError
+
+    def engine_output_weight(self, module: Any) -> torch.Tensor | None:
+        """The output projection's weight of one of vLLM's attention modules (``None`` when it has none). On CPU,
+        vLLM's linear layers hand their weight to a packed GEMM and keep an empty one: the vLLM host reads it back
+        through :meth:`engine_output_projection`."""
+        proj = self.engine_output_projection(module)
+        return None if proj is None else cast("torch.Tensor", proj.weight)
 
     #: whether the vLLM host's kept positions and tokens were checked equal to the transformers host's for this
     #: family (``tests/test_vllm_host.py``); an unchecked family is refused there rather than served unverified
@@ -196,6 +203,5 @@ class LlamaLike(Family):
         decoder = getattr(model, "model", None)
         return [] if decoder is None else [getattr(layer, self.attention) for layer in decoder.layers]
 
-    def engine_output_weight(self, module: Any) -> torch.Tensor | None:
-        proj = getattr(module, self.projection_names["o"], None)
-        return None if proj is None else proj.weight
+    def engine_output_projection(self, module: Any) -> torch.nn.Module | None:
+        return getattr(module, self.projection_names["o"], None)

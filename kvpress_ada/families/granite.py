@@ -11,6 +11,8 @@ class GraniteFamily(LlamaLike):
     """Granite: Llama's attention with logits scaled by ``attention_multiplier`` (not ``head_dim ** -0.5``);
     its embedding, residual and logit multipliers are outside attention."""
 
+    vllm_checked = True
+
     @property
     def query_scaling(self) -> float:
         return float(setting(self.config, "attention_multiplier", self.head_dim ** -0.5))

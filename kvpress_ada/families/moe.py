@@ -11,11 +11,11 @@ from .registry import register_family
 class MixtralFamily(MistralFamily):
     """Mixtral: Mistral's attention (every layer slides when the config sets ``sliding_window``), MoE MLP."""
 
-    vllm_checked = False
+    vllm_checked = True
 
 
 @register_family("qwen3_moe")
 class Qwen3MoeFamily(Qwen3Family):
     """Qwen3-MoE: Qwen3's attention (per-head query and key norms), MoE MLP."""
 
-    vllm_checked = False
+    vllm_checked = True

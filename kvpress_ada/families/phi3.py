@@ -11,6 +11,8 @@ class Phi3Family(LlamaLike):
     """Phi-3: one fused ``qkv_proj`` (queries, then keys, then values) instead of separate projections; every layer
     slides when the config sets ``sliding_window``."""
 
+    vllm_checked = True
+
     projection_names = {"qkv": "qkv_proj", "o": "o_proj"}
 
     @property

@@ -10,6 +10,8 @@ from .registry import register_family
 class SmolLM3Family(LlamaLike):
     """SmolLM3: every fourth layer carries no rotary position embedding (``no_rope_layers[i] == 0``)."""
 
+    vllm_checked = True
+
     @property
     def layers_without_rope(self) -> tuple[int, ...]:
         flags = setting(self.config, "no_rope_layers", ())

@@ -85,12 +85,13 @@ class HostState:
 
     def _record_hidden_states(self, modules: list[torch.nn.Module]) -> None:
         """A forward pre-hook on every decoder layer's attention module (``modules``, in layer order) keeps the
-        hidden states entering it (``forward(positions, hidden_states)``), for a scorer that scores entries from
-        them."""
+        hidden states entering it ``[T, hidden]`` (vLLM's ``forward(positions, hidden_states)``; a ``hidden_states``
+        keyword ``[1, T, hidden]`` where vLLM's Transformers modeling backend runs a transformers model's modules),
+        for a scorer that scores entries from them."""
         def record(module: Any, args: tuple, kwargs: dict) -> None:
             hidden = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
-            if isinstance(hidden, torch.Tensor):
-                self.hidden[index[id(module)]] = hidden
+            if isinstance(hidden, torch.Tensor):  # [1, T, hidden] where vLLM runs a transformers model's modules
+                self.hidden[index[id(module)]] = hidden.reshape(-1, hidden.shape[-1])
 
         index = {id(module): i for i, module in enumerate(modules)}
         self.handles += [module.register_forward_pre_hook(record, with_kwargs=True) for module in modules]
@@ -123,11 +124,33 @@ def _build_serving(press: Pipeline, vllm_config: Any, runner: Any) -> PagedServi
     family = family_for(vllm_config.model_config.hf_config)
     modules = family.engine_attention_modules(runner.model) if runner is not None else []
 
+    weights: dict[int, torch.Tensor] = {}  # read back once per layer, when a scorer first asks (CriticalKV, ...)
+
     def layer_info(i: int) -> dict[str, Any]:
-        weight = family.engine_output_weight(modules[i]) if i < len(modules) else None
-        return {} if weight is None else {"output_weight": weight.detach()}
+        if i not in weights:
+            proj = family.engine_output_projection(modules[i]) if i < len(modules) else None
+            if proj is None:
+                return {}
+            weights[i] = output_weight(proj)
+        return {"output_weight": weights[i]}
 
     return PagedServing(press, pools, int(heads), layer_info)
+
+
+def output_weight(proj: Any) -> torch.Tensor:
+    """The weight ``[out, in]`` of one of vLLM's linear layers (tensor parallel size 1). On CPU, vLLM hands it to a
+    packed GEMM (oneDNN, sgl-kernel) after loading and keeps an empty one; it is then read back through that GEMM,
+    as the layer's product with the identity (exact: each output is one weight times one)."""
+    weight = proj.weight.detach()
+    if weight.numel() > 0:
+        return weight
+    method = getattr(proj, "quant_method", None)
+    size = getattr(proj, "input_size_per_partition", None)
+    if method is None or size is None:
+        raise ValueError(f"{type(proj).__name__} holds no weight and no vLLM linear method to read it back through")
+    with torch.no_grad():
+        eye = torch.eye(int(size), dtype=weight.dtype, device=weight.device)
+        return method.apply(proj, eye, None).t().contiguous()
 
 
 def _pool(press: Pipeline, pages: torch.Tensor, isa: str) -> PagePool:

@@ -28,7 +28,16 @@ import torch
 
 from ...kernels.model_pass.lse_attention import attention_with_lse, full_prefix_then_causal, prefix_then_causal_parts
 from ...scorers.base import PassChunk, PassScorer
-from .attention import RUN_KWARG, Handler, attention_routed, dense_attention, output_weight, recording_attention_inputs
+from .attention import (
+    RUN_KWARG,
+    Handler,
+    attention_routed,
+    dense_attention,
+    logit_extras,
+    masked_attention,
+    output_weight,
+    recording_attention_inputs,
+)
 from .hf import cache_kwarg
 from .window_layer import recording_windows
 
@@ -133,6 +142,10 @@ class PassRun(RecordingRun):
         if parts is None:
             parts = (*attention_with_lse(query, key, value, allowed, scaling), None)
         out, lse, lse_own = parts
+        softcap, sinks = logit_extras(kwargs)
+        if softcap is not None or sinks is not None:  # the model's own attention carries the pass forward; the
+            # scores below read plain scaled logits (a soft-cap keeps each row's order; sink mass is not modelled)
+            out = masked_attention(query, key, value, allowed, scaling, softcap, sinks)
         self.scores[layer_idx] = self.scorer.pass_scores(
             query, key, self.chunk, scaling, value=value, output_weight=output_weight(module),
             hidden_norm=self.hidden_norms.pop(layer_idx, None), lse=lse if self.chunk.whole_context else None,

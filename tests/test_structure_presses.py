@@ -369,3 +369,62 @@ def test_fan_out_rerotates_the_rows_of_the_presses_that_ask():
         assert torch.allclose(both[:1], want, atol=1e-5)
         assert torch.allclose(both[1:], alone["plain"].layers[i].view().keys, atol=1e-5)
         assert not torch.allclose(want, alone["plain"].layers[i].view().keys, atol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------------ SimLayerKV
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.3, 0.6, 1.0])
+def test_simlayerkv_matches_its_rule(threshold):
+    """A row's layer is lazy when the mean attention (over the last ``n_last`` valid queries and every query
+    head) on its first ``n_initial`` and last ``n_recent`` valid entries exceeds the threshold (loops)."""
+    import math
+
+    from kvpress_ada.scorers import SimLayerKV
+
+    obs = _obs(L=14, pads=(0, 4))
+    scorer = SimLayerKV(lazy_threshold=threshold, n_last=2, n_recent=3, n_initial=2)
+    got = scorer.score(obs)
+    B, H, L = got.shape
+    Hq, D = obs.queries.shape[1], obs.keys.shape[-1]
+    for b in range(B):
+        valid = [j for j in range(L) if obs.key_mask[b, j]]
+        kept = set(valid[:2] + valid[-3:])
+        mass, n = 0.0, 0
+        for hq in range(Hq):
+            for i in range(L - 2, L):
+                logits = {j: float(obs.queries[b, hq, i] @ obs.keys[b, hq // (Hq // H), j]) * D**-0.5
+                          for j in valid if j <= i}
+                top = max(logits.values())
+                norm = sum(math.exp(v - top) for v in logits.values())
+                mass += sum(math.exp(logits[j] - top) / norm for j in kept if j in logits)
+                n += 1
+        lazy = mass / n > threshold
+        for h in range(H):
+            for j in valid:
+                if j in kept or not lazy:
+                    assert got[b, h, j] == INF
+                else:  # droppable: below 0, the more recent the higher
+                    assert got[b, h, j] == -1.0 - sum(1 for t in valid if t > j)
+
+
+def test_simlayerkv_preset_keeps_sinks_and_recent_in_lazy_layers_only():
+    from conftest import build_model
+
+    from kvpress_ada import preset
+    from kvpress_ada.hosts.transformers.hf import output_cache
+    from kvpress_ada.scorers import SimLayerKV
+
+    model = build_model("llama")
+    ids = torch.randint(4, 128, (1, 60), generator=torch.Generator().manual_seed(8))
+    lazy = preset("simlayerkv", scorer=SimLayerKV(lazy_threshold=0.0, n_recent=10, n_initial=3))
+    never = preset("simlayerkv", scorer=SimLayerKV(lazy_threshold=1.0, n_recent=10, n_initial=3))
+    assert lazy.compression_ratio is None and lazy.budget is None  # the input decides how much is kept
+    with torch.no_grad():
+        for press, want in ((lazy, list(range(3)) + list(range(50, 60))), (never, list(range(60)))):
+            with press(model):
+                cache = output_cache(model(ids, use_cache=True))
+            for layer in cache.layers:
+                view = layer.view()
+                for h in range(view.keys.shape[1]):
+                    assert view.positions[0, h][view.valid[0, h]].tolist() == want

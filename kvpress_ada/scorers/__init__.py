@@ -21,11 +21,12 @@ from .lagkv import LagKV
 from .leverage import Leverage
 from .non_causal_attention import NonCausalAttention
 from .random import RandomScorer
+from .simlayerkv import SimLayerKV
 from .snapkv import SnapKV
 from .streamingllm import StreamingLLM
 from .tova import TOVA
 
 __all__ = ["SCORERS", "PassChunk", "PassScorer", "Scorer", "register_scorer", "ChunkKV", "Compactor", "CriticalKV",
            "CUR", "ExpectedAttention", "FastKVzip", "Finch", "H2O", "KeyDiff", "KNorm", "KVCompose", "KVzap", "KVzip",
-           "LagKV", "Leverage", "NonCausalAttention", "ObservedAttention", "RandomScorer", "SnapKV", "StreamingLLM",
+           "LagKV", "Leverage", "NonCausalAttention", "ObservedAttention", "RandomScorer", "SimLayerKV", "SnapKV", "StreamingLLM",
            "TOVA"]

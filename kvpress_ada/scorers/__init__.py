@@ -28,5 +28,5 @@ from .tova import TOVA
 
 __all__ = ["SCORERS", "PassChunk", "PassScorer", "Scorer", "register_scorer", "ChunkKV", "Compactor", "CriticalKV",
            "CUR", "ExpectedAttention", "FastKVzip", "Finch", "H2O", "KeyDiff", "KNorm", "KVCompose", "KVzap", "KVzip",
-           "LagKV", "Leverage", "NonCausalAttention", "ObservedAttention", "RandomScorer", "SimLayerKV", "SnapKV", "StreamingLLM",
-           "TOVA"]
+           "LagKV", "Leverage", "NonCausalAttention", "ObservedAttention", "RandomScorer", "SimLayerKV", "SnapKV",
+           "StreamingLLM", "TOVA"]

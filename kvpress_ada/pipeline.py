@@ -67,6 +67,16 @@ class Pipeline(OneLineErrors):
         return _REGISTRIES[str(info.field_name)].build(value)
 
     @model_validator(mode="after")
+    def _merge_supported(self) -> "Pipeline":
+        """A quantized layer moves its records unchanged once compressed: merging cannot rewrite their values."""
+        if self.evictor.merge is not None and self.storage.quantized and (self.prefill_chunk is not None
+                                                                          or self.compresses_decode):
+            raise ValueError(f"storage={self.storage.label!r} moves a compressed layer's entries as stored, so the "
+                             f"evictor's merge ({type(self.evictor.merge).__name__}) cannot rewrite their values at a "
+                             "later chunk or decode compaction: use full-precision storage or compress once")
+        return self
+
+    @model_validator(mode="after")
     def _key_channels_supported(self) -> "Pipeline":
         """Channels are pruned once, at the end of the prompt, from the scorer's window queries (``channels``)."""
         if self.key_channels is None:
@@ -250,15 +260,29 @@ class Pipeline(OneLineErrors):
             return [self._keep_layer(v, self._cap(self.layers.layer_budget(
                 budget.average, *v.rank, budget.lengths, protected), budget)) for v in views]
 
-    def pruned(self, view: LayerView, keep: torch.Tensor, held: Any) -> Any:
-        """``held`` (a host's :class:`~kvpress_ada.runtime.views.HeldEntries` of the layer ``view`` shows) with the
-        channels :attr:`key_channels` drops zeroed in its keys, from the selection ``keep``; unchanged without
-        ``key_channels``. Hosts call it at the end of the prompt, before the layer keeps ``keep``."""
-        if self.key_channels is None:
+    @property
+    def rewrites_kept(self) -> bool:
+        """Whether an eviction rewrites the entries it keeps (:meth:`rewrite`): the evictor merges the dropped
+        entries into them, or key channels are pruned."""
+        return self.evictor.merge is not None or self.key_channels is not None
+
+    def rewrite(self, view: LayerView, keep: torch.Tensor, held: Any) -> Any:
+        """``held`` (a host's :class:`~kvpress_ada.runtime.views.HeldEntries` of the layer ``view`` shows, same
+        columns) as the layer should keep it after the selection ``keep``: the evictor's ``merge`` folds the dropped
+        entries' values into kept ones, then :attr:`key_channels` zeroes the pruned channels of the keys; unchanged
+        when neither is set. Hosts call it at every eviction, before the layer keeps ``keep``."""
+        if not self.rewrites_kept:
             return held
         with torch.no_grad():
-            channels = self.key_channels.channel_keep(view, keep)
-        return replace(held, keys=zero_channels(held.keys, channels.to(held.keys.device)))
+            merge = self.evictor.merge
+            if merge is not None:
+                scores = self._scores(view) if type(merge).needs_scores else None
+                values = merge.merge(held.keys, held.values, held.valid, keep.to(held.valid.device), scores)
+                held = replace(held, values=values)
+            if self.key_channels is not None:
+                channels = self.key_channels.channel_keep(view, keep)
+                held = replace(held, keys=zero_channels(held.keys, channels.to(held.keys.device)))
+        return held
 
     def _keep_layer(self, view: LayerView, budget: torch.Tensor) -> torch.Tensor:
         """Keep mask of one layer with per-head budget ``budget [B]``. Rows whose valid entries all fit

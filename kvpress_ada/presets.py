@@ -16,10 +16,11 @@ from .allocators import (
     UniformLayer,
 )
 from .channels import ThinK
-from .evictors import TopK
+from .evictors import CaM, SimilarityMerge, TopK
 from .pipeline import Pipeline
 from .refusals import refusal
 from .scorers import (
+    CAP,
     CUR,
     H2O,
     TOVA,
@@ -36,6 +37,7 @@ from .scorers import (
     LagKV,
     Leverage,
     NonCausalAttention,
+    QFilter,
     RandomScorer,
     SimLayerKV,
     SnapKV,
@@ -103,6 +105,11 @@ _PRESETS: dict[str, Callable[[], dict]] = {
     # Compactor: z-scored leverage blended with z-scored non-causal chunked attention (one-shot prefill only)
     "non_causal_attention": lambda: dict(scorer=NonCausalAttention()),
     "compactor": lambda: dict(scorer=Compactor()),
+    # Q-Filters: each key's projection on its head's principal query direction, measured on the default model
+    # (kvpress_ada/qfilters/smollm2_135m.safetensors); refused for another model: `kvpress-ada qfilters`
+    "qfilter": lambda: dict(scorer=QFilter()),
+    # CapKV: ridge leverage of each value in the query-weighted capacity matrix (kvpress's CapPress)
+    "cap": lambda: dict(scorer=CAP()),
     # ChunkKV: SnapKV's scores averaged over chunks of 20 tokens, whole chunks kept (one ranking per layer, as in
     # kvpress); the Ada variant ranks each head's chunks and splits the budget across heads on them
     "chunkkv": lambda: dict(scorer=ChunkKV()),
@@ -137,6 +144,13 @@ _PRESETS: dict[str, Callable[[], dict]] = {
     # freed: the cache stores full-width keys, see kvpress_ada/channels.py); compression_ratio=0: channels only
     "think": lambda: dict(scorer=SnapKV(), key_channels=ThinK()),
     "ada_think": lambda: dict(scorer=SnapKV(), allocator=AdaHead(alpha=ADA_ALPHA), key_channels=ThinK()),
+    # merging the dropped entries' values into kept ones (SnapKV's selection): by key similarity (kvpress's
+    # MergingPress) or into the kept entries that follow, by score (CaM, kvpress's CAMPress), at every eviction
+    "merging": lambda: dict(scorer=SnapKV(), evictor=TopK(merge=SimilarityMerge())),
+    "ada_merging": lambda: dict(scorer=SnapKV(), allocator=AdaHead(alpha=ADA_ALPHA),
+                                evictor=TopK(merge=SimilarityMerge())),
+    "cam": lambda: dict(scorer=SnapKV(), evictor=TopK(merge=CaM())),
+    "ada_cam": lambda: dict(scorer=SnapKV(), allocator=AdaHead(alpha=ADA_ALPHA), evictor=TopK(merge=CaM())),
     # SimLayerKV: a lazy layer (its last query gives > 90% of its attention to the 4 initial and 128 recent tokens)
     # keeps those, every other layer keeps everything (the paper keeps 1024 recent tokens of 4k-128k contexts; 128
     # for the default model's 1k: about 11 of its 30 layers are lazy on calibration samples, seed 10,007)

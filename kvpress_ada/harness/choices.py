@@ -12,13 +12,13 @@ PRESETS = ("snapkv", "pyramidkv", "ada_snapkv", "ada_pyramidkv", "streamingllm",
            "expected_attention", "ada_expected_attention", "criticalkv", "ada_criticalkv", "random", "lagkv",
            "ada_lagkv", "keydiff", "kvzip", "kvzip_plus", "kvzip_layerwise", "ada_kvzip", "kvzap", "kvzap_linear",
            "kvzap_threshold", "calibrated_streamingllm", "leverage", "ada_leverage", "cur", "ada_cur",
-           "non_causal_attention", "compactor", "chunkkv", "ada_chunkkv", "kvcompose", "ada_kvcompose", "block_keydiff",
-           "lukv", "finch", "ada_finch", "rerotated_streamingllm", "fastkvzip", "ada_fastkvzip", "think", "ada_think",
-           "simlayerkv")
+           "non_causal_attention", "compactor", "qfilter", "cap", "chunkkv", "ada_chunkkv", "kvcompose",
+           "ada_kvcompose", "block_keydiff", "lukv", "finch", "ada_finch", "rerotated_streamingllm", "fastkvzip",
+           "ada_fastkvzip", "think", "ada_think", "merging", "ada_merging", "cam", "ada_cam", "simlayerkv")
 #: :data:`kvpress_ada.scorers.SCORERS`: canonical names (sorted), then the old names still accepted
-SCORERS = ("chunkkv", "compactor", "criticalkv", "cur", "expected_attention", "fastkvzip", "finch", "h2o", "keydiff",
-           "knorm", "kvcompose", "kvzap", "kvzip", "lagkv", "leverage", "non_causal_attention", "random", "simlayerkv",
-           "snapkv", "streamingllm", "tova")
+SCORERS = ("cap", "chunkkv", "compactor", "criticalkv", "cur", "expected_attention", "fastkvzip", "finch", "h2o",
+           "keydiff", "knorm", "kvcompose", "kvzap", "kvzip", "lagkv", "leverage", "non_causal_attention", "qfilter",
+           "random", "simlayerkv", "snapkv", "streamingllm", "tova")
 SCORER_ALIASES = ("observed_attention", "streaming_llm")
 #: :data:`kvpress_ada.storage.STORAGES`: full precision first, then the others sorted
 STORAGES = ("full", "fp8", "int4", "int8")

@@ -44,6 +44,10 @@ def check_servable(press: Pipeline) -> None:
     if scorer.needs_model_pass:
         raise ValueError(f"scorer {scorer.__name__} scores with its own model pass over each request's context, "
                          "which a serving engine does not run: use a one-pass attention scorer (snapkv, ...)")
+    if press.evictor.merge is not None:
+        raise ValueError(f"the evictor merges dropped entries into kept ones ({type(press.evictor.merge).__name__}), "
+                         "which a serving engine's pages do not: serve without merge, or run the press through the "
+                         "transformers host")
     if press.key_channels is not None:
         raise ValueError(f"key_channels={type(press.key_channels).__name__} zeroes channels of the kept keys, which a "
                          "serving engine's pages do not: serve without key_channels, or run the press through the "

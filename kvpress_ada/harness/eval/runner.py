@@ -220,7 +220,7 @@ def _batches(entries: list[Entry], batched: list[int], size: int) -> list[list[i
 def _batchable(press: Pipeline | None, length: int) -> bool:
     """Whether the entry's cache can be a row of :meth:`Prefill.compressed_batch`."""
     return (press is not None and not press.is_noop and type(press.evictor) is TopK and not _decoding(press)
-            and not Schedule(press).chunked(length) and press.key_channels is None)
+            and not Schedule(press).chunked(length) and not press.rewrites_kept)
 
 
 @torch.inference_mode()

@@ -42,8 +42,8 @@ class Eviction:
             self.pending.wait(layer_idx, (view, held))
             return False
         keep = self.press.keep([view], budget())[0]
-        if self.press.key_channels is not None:  # zero the pruned channels of the kept keys (ThinK)
-            held = self.press.pruned(view, keep, held)
+        if self.press.rewrites_kept:  # merge the dropped values, prune key channels
+            held = self.press.rewrite(view, keep, held)
         self.cache.retain(layer_idx, keep, held, self.spare)
         return True
 
@@ -67,7 +67,7 @@ class Eviction:
         layers = [v.layer_idx for v in views]
         for i, (layer_idx, keep) in enumerate(zip(layers, self.press.keep(views, budget()))):
             entries = held[i]
-            if self.press.key_channels is not None:  # zero the pruned channels of the kept keys (ThinK)
-                entries = self.press.pruned(views[i], keep, self.cache.view(layer_idx) if entries is None else entries)
+            if self.press.rewrites_kept:  # merge the dropped values, prune key channels
+                entries = self.press.rewrite(views[i], keep, self.cache.view(layer_idx) if entries is None else entries)
             self.cache.retain(layer_idx, keep, entries, self.spare)
         return layers

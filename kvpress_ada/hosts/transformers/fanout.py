@@ -107,7 +107,7 @@ class Prefill:
         held = HeldEntries(c.keys, c.values, valid, torch.arange(L, device=c.keys.device).expand(B, H, L), uniform=True)
         entry = self.entry_scores(scorer)[layer_idx] if scorer.reads_hidden_states else None
         return layer_view(scorer, self.model, c.module, len(self.layers), held, c.queries, c.scaling,
-                          head_shard(self.model), pass_scores, entry_scores=entry)
+                          head_shard(self.model), pass_scores, entry_scores=entry, scope=self.scope)
 
     def entry_scores(self, scorer) -> list[torch.Tensor]:
         """``[B, H_kv, L]`` per layer: what a scorer reading hidden states gives every entry (computed
@@ -132,19 +132,23 @@ class Prefill:
         check_press(press, self.model)
         scorer = press.scorer
         scope = self.scope
-        maps = self.pass_scores(scorer) if isinstance(scorer, PassScorer) else [None] * len(scope)
-        views = [self.view(press.scorer, i, m) for i, m in zip(scope, maps)]
+        maps = self.pass_scores(scorer) if isinstance(scorer, PassScorer) else [None] * len(self.layers)
+        views = [self.view(press.scorer, i, maps[i]) for i in scope]
         kept = dict(zip(scope, press.keep(views, press.prefill_budget(self.key_mask.sum(-1)))))
         return [kept[i] if i in kept else self.window_mask(i) for i in range(len(self.layers))]
 
     def pass_scores(self, scorer: PassScorer) -> list[torch.Tensor]:
         """``[B, H_kv, L]`` per layer: what ``scorer``'s model pass measured over the full cache (run
-        once per scorer configuration, then cached)."""
+        once per scorer configuration, then cached); zeros in a sliding-window layer a press leaves to its
+        window (a hybrid model's: the pass scores the layers a press compresses)."""
         key = scorer.model_dump_json()
         if key not in self.pass_cache:
-            self.pass_cache[key] = model_pass_scores(self.model, scorer, self.full_cache, self.input_ids,
+            scope = self.scope
+            maps = dict(zip(scope, model_pass_scores(self.model, scorer, self.full_cache, self.input_ids,
                                                      self.key_mask, next_positions(None, self.key_mask.shape),
-                                                     self.scope)
+                                                     scope)))
+            self.pass_cache[key] = [maps[i] if i in maps else c.keys.new_zeros(c.keys.shape[:3], dtype=torch.float32)
+                                    for i, c in enumerate(self.layers)]
         return self.pass_cache[key]
 
     def compressed_batch(self, presses: list, keep_masks: list[list[torch.Tensor]]) -> RaggedCache:
@@ -155,9 +159,10 @@ class Prefill:
         if self.key_mask.shape[0] != 1:
             raise ValueError("compressed_batch stacks presses of a batch-1 prefill, not batch "
                              f"{self.key_mask.shape[0]}")
-        if any(p.key_channels is not None for p in presses):
-            raise ValueError("compressed_batch shares the prefill's keys between its rows, and a press pruning key "
-                             "channels (key_channels) rewrites them: build its cache with compressed_cache(press)")
+        if any(p.rewrites_kept for p in presses):
+            raise ValueError("compressed_batch shares the prefill's entries between its rows, and a press that merges "
+                             "dropped values or prunes key channels rewrites them: build its cache with "
+                             "compressed_cache(press)")
         storages = {p.storage for p in presses}
         if len(storages) > 1:
             raise ValueError("compressed_batch stacks presses of one storage, got "
@@ -190,8 +195,8 @@ class Prefill:
             compressed.update(c.keys, c.values, i)
             if i in scope:  # a sliding-window layer keeps its window
                 held = None
-                if press.key_channels is not None:  # zero the pruned channels of the kept keys (ThinK)
-                    held = press.pruned(self.view(press.scorer, i), keep, compressed.view(i))
+                if press.rewrites_kept:  # merge the dropped values, prune key channels
+                    held = press.rewrite(self.view(press.scorer, i), keep, compressed.view(i))
                 compressed.retain(i, keep, held)
         return compressed
 

@@ -20,7 +20,7 @@ class MaskedLayer(DynamicLayer):
     Nothing is freed (like NVIDIA kvpress); tokens appended after compression are visible.
     """
 
-    rewrites_kept_keys = True  # retain() writes the view's kept keys back (a press may have re-rotated them)
+    rewrites_kept_keys = True  # retain() writes the view's kept keys and values back (re-rotated, merged, pruned)
 
     def __init__(self) -> None:
         super().__init__()
@@ -87,16 +87,20 @@ class MaskedLayer(DynamicLayer):
     def retain(self, keep: torch.Tensor, held: HeldEntries, spare: int | None = None) -> None:
         """Hide every entry of ``held`` (this layer's view) that ``keep`` drops; nothing is freed
         (``spare`` is unused)."""
-        keys, _ = self._dense()
+        keys, values = self._dense()
         if keep.shape != held.valid.shape:
             raise ValueError(f"keep mask of shape {tuple(keep.shape)} does not match the layer's view "
                              f"{tuple(held.valid.shape)}")
         kept = (keep & held.valid).to(torch.int32)
         full = torch.zeros(keys.shape[:3], dtype=torch.int32, device=keys.device)
         self.keep = full.scatter_add_(-1, held.positions.clamp(min=0).expand_as(kept), kept) > 0
-        if held.keys is not keys:  # the view is a copy: its kept keys go back where they came from
-            b, h, j = kept.bool().nonzero(as_tuple=True)
-            self.keys = keys.index_put((b, h, held.positions.expand_as(kept)[b, h, j]), held.keys[b, h, j])
+        if held.keys is not keys or held.values is not values:  # a copy (re-rotated keys, merged values, pruned
+            b, h, j = kept.bool().nonzero(as_tuple=True)       # channels): its kept entries go back in place
+            where = (b, h, held.positions.expand_as(kept)[b, h, j])
+            if held.keys is not keys:
+                self.keys = keys.index_put(where, held.keys[b, h, j])
+            if held.values is not values:
+                self.values = values.index_put(where, held.values[b, h, j])
 
     def head_lengths(self) -> torch.Tensor:
         """Visible entries per (batch, kv head), ``[B, H_kv]``."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, HYBRID, WINDOW, build_model, build_tokenizer
+from conftest import ARCHITECTURES, HYBRID, WINDOW, build_model, build_tokenizer, left_padded_batch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config
 
 from kvpress_ada import preset, use_tokenizer
@@ -42,6 +42,7 @@ from kvpress_ada.hosts.transformers.attention import attention_modules, output_w
 from kvpress_ada.hosts.transformers.fanout import capture_prefill
 from kvpress_ada.hosts.transformers.hf import output_cache
 from kvpress_ada.runtime import compressed_layers, held_windows, window_limit
+from kvpress_ada.storage import Int8
 
 ROOT = Path(__file__).resolve().parents[1]
 ADAPTERS = {"llama": LlamaFamily, "mistral": MistralFamily, "qwen2": Qwen2Family, "qwen3": Qwen3Family,
@@ -290,3 +291,36 @@ def test_the_families_package_imports_no_host_library():
 
 def test_every_registered_family_is_a_family():
     assert all(issubclass(type(family_for({"model_type": t})), Family) for t in supported_model_types())
+
+
+@pytest.mark.parametrize("arch", sorted(HYBRID))
+@pytest.mark.parametrize("mode", ["chunked prefill", "decode compaction", "int8", "batch row alone"])
+def test_every_mode_of_a_hybrid_model(arch, mode):
+    """The hybrid rule in each mode: chunked prefill, decode compaction and int8 storage give the tokens and logits of
+    the Mask reference (the same rule over a dense cache) on a left-padded batch past the window; a row of the batch
+    generates what it generates alone."""
+    model = build_model(arch)
+    ids, mask = left_padded_batch(seed=5, lengths=(100, 72))
+    overrides = {"chunked prefill": dict(prefill_chunk=32), "decode compaction": dict(decode_budget=30,
+                                                                                       decode_interval=4),
+                 "int8": {}, "batch row alone": {}}[mode]
+
+    def run(evictor, ids, mask, storage="full"):
+        press = preset("snapkv", compression_ratio=0.5, evictor=evictor, storage=storage, **overrides)
+        with press(model):
+            return model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, output_scores=True,
+                                  return_dict_in_generate=True)
+
+    if mode == "batch row alone":
+        both = run("topk", ids, mask)
+        alone = run("topk", ids[1:, 28:], mask[1:, 28:])
+        assert torch.equal(both.sequences[1, 28:], alone.sequences[0])
+        return
+    got = run("topk", ids, mask, storage=Int8(group_size=16) if mode == "int8" else "full")
+    reference = run("mask", ids, mask)
+    if mode == "int8":  # int8 keys and values: the same greedy tokens, logits within the quantization error
+        assert torch.equal(got.sequences, reference.sequences)
+        return
+    assert torch.equal(got.sequences, reference.sequences)
+    for a, b in zip(got.scores, reference.scores):
+        assert torch.allclose(a, b, atol=1e-4, rtol=0)

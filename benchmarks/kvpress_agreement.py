@@ -8,7 +8,8 @@ under a digest of the model's weights; ``tests/test_kvpress_recorded.py`` then c
 positions with the records in any environment, without kvpress.
 
 Only cases where the semantics coincide are recorded: kvpress draws the leverage sketch at random (the worker
-hands it ours instead); Compactor's blending is set to the ratio (kvpress's default); non-causal chunks divide
+hands it ours instead) and downloads Q-filters by model name (both sides get the same seeded random filters for
+the tiny model); Compactor's blending is set to the ratio (kvpress's default); non-causal chunks divide
 the (inner) context evenly (kvpress's short last chunk attends to zero padding); the Ada variants are left
 out (kvpress's safeguard rule differs: ``benchmarks/kvpress_compare.py``'s ``~kvpress`` replicas).
 
@@ -26,7 +27,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,37 +45,62 @@ RECORD = "python benchmarks/kvpress_agreement.py --record"
 
 @dataclass(frozen=True)
 class Case:
-    """One comparison: kvpress's ``press(**kwargs)`` against our scorer ``ours()`` (uniform allocation)."""
+    """One comparison: kvpress's ``press(**kwargs)`` against our scorer ``ours(model)`` (uniform allocation)."""
 
     arch: str
     length: int
     press: str
     kwargs: dict
-    ours: Callable[[], Any]
+    ours: Callable[[Any], Any]  # the model -> our scorer
     sketch: tuple[int, int] | None = None  # (seed, columns) of the leverage sketch both sides use
-    extra: dict = field(default_factory=dict)
+    qfilters: bool = False  # both sides score with qfilter_tensor(model)
 
 
 def _cases() -> dict[str, Case]:
-    from kvpress_ada.scorers import CUR, Compactor, Leverage, NonCausalAttention
+    from kvpress_ada.scorers import CAP, CUR, Compactor, Leverage, NonCausalAttention, QFilter
 
     r = dict(compression_ratio=RATIO)
     return {
-        "leverage": Case("llama", 100, "LeverageScorePress", r, lambda: Leverage(), sketch=(0, 48)),
-        "leverage/qwen3": Case("qwen3", 96, "LeverageScorePress", r, lambda: Leverage(), sketch=(0, 48)),
-        "cur": Case("llama", 100, "CURPress", r, lambda: CUR()),
+        "leverage": Case("llama", 100, "LeverageScorePress", r, lambda m: Leverage(), sketch=(0, 48)),
+        "leverage/qwen3": Case("qwen3", 96, "LeverageScorePress", r, lambda m: Leverage(), sketch=(0, 48)),
+        "cur": Case("llama", 100, "CURPress", r, lambda m: CUR()),
         "cur/kv_avg_global": Case("llama", 100, "CURPress",
                                   {**r, "leverage_type": "kv_avg", "use_local_approximation": False},
-                                  lambda: CUR(leverage_type="kv_avg", local_window=None)),
+                                  lambda m: CUR(leverage_type="kv_avg", local_window=None)),
         "cur/value_window8": Case("llama", 100, "CURPress", {**r, "leverage_type": "value", "local_window_size": 8},
-                                  lambda: CUR(leverage_type="value", local_window=8)),
+                                  lambda m: CUR(leverage_type="value", local_window=8)),
         "non_causal_attention": Case("llama", 100, "NonCausalAttnPress", {**r, "chunk_size": 25},
-                                     lambda: NonCausalAttention(chunk_size=25)),
+                                     lambda m: NonCausalAttention(chunk_size=25)),
         "compactor": Case("llama", 100, "CompactorPress", {**r, "chunk_size": 22},
-                          lambda: Compactor(chunk_size=22, blending=RATIO), sketch=(0, 48)),
+                          lambda m: Compactor(chunk_size=22, blending=RATIO), sketch=(0, 48)),
         "compactor/qwen3": Case("qwen3", 108, "CompactorPress", {**r, "chunk_size": 48},
-                                lambda: Compactor(chunk_size=48, blending=RATIO), sketch=(0, 48)),
+                                lambda m: Compactor(chunk_size=48, blending=RATIO), sketch=(0, 48)),
+        "qfilter": Case("llama", 100, "QFilterPress", r, lambda m: QFilter(path=random_qfilters(m)), qfilters=True),
+        "cap": Case("llama", 100, "CapPress", r, lambda m: CAP()),
+        "cap/tau2_sinks8": Case("llama", 100, "CapPress", {**r, "tau": 2.0, "n_sink": 8},
+                                lambda m: CAP(tau=2.0, sinks=8)),
+        "cap/qwen3": Case("qwen3", 96, "CapPress", r, lambda m: CAP()),
     }
+
+
+def qfilter_tensor(model: Any) -> torch.Tensor:
+    """Seeded random Q-filters ``[layers, kv heads, D]`` for ``model`` (both sides score with these)."""
+    attn = model.model.layers[0].self_attn
+    shape = (model.config.num_hidden_layers, model.config.num_key_value_heads, attn.head_dim)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(0))
+
+
+def random_qfilters(model: Any) -> str:
+    """A Q-filters file of :func:`qfilter_tensor` for ``model`` (written once per process, in the temp folder)."""
+    from kvpress_ada.calibration import model_identity
+    from kvpress_ada.qfilters import QFilters, QFiltersMeta, save
+
+    meta = QFiltersMeta(model=model_identity(model.config), data={"source": "seeded random (agreement test)"},
+                        library_version="test", created="test")
+    path = Path(tempfile.gettempdir()) / f"kvpress_ada_agreement_qfilters_{meta.model.fingerprint}.safetensors"
+    if not path.exists():
+        save(QFilters(qfilter_tensor(model), meta), path)
+    return str(path)
 
 
 def _model(arch: str):
@@ -102,7 +128,7 @@ def ours(case: Case, model: Any) -> tuple[torch.Tensor, torch.Tensor]:
     from kvpress_ada import Pipeline
     from kvpress_ada.hosts.transformers.fanout import capture_prefill
 
-    scorer = case.ours()
+    scorer = case.ours(model)
     press = Pipeline(scorer=scorer, compression_ratio=RATIO)
     with torch.inference_mode():
         prefill = capture_prefill(model, token_ids(case.length))
@@ -155,7 +181,8 @@ def record() -> dict:
             request = {"model": folder, "cases": [
                 {"label": label, "press": c.press, "kwargs": c.kwargs, "ids": token_ids(c.length)[0].tolist(),
                  "sketch": None if c.sketch is None else gaussian_sketch(head_dim, c.sketch[1], c.sketch[0],
-                                                                         "cpu").tolist(), **c.extra}
+                                                                         "cpu").tolist(),
+                 "q_filters": qfilter_tensor(model).tolist() if c.qfilters else None}
                 for label, c in mine.items()]}
             env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
             res = subprocess.run([str(python), str(ROOT / "benchmarks" / "kvpress_agreement_worker.py")],

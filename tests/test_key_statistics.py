@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvpress_ada import Observation
-from kvpress_ada.scorers import CUR, Compactor, Leverage, NonCausalAttention
+from kvpress_ada.scorers import CAP, CUR, Compactor, Leverage, NonCausalAttention, QFilter
 from kvpress_ada.scorers.statistics import gaussian_sketch, row_zscore
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -248,3 +248,191 @@ def test_compactor_formula(blending):
         kept = valid[:3] + valid[-2:]
         assert bool(torch.isinf(got[b][:, kept]).all())
     assert scorer.protected(torch.tensor([30, 4])).tolist() == [5, 4]
+
+
+# ----------------------------------------------------------------------------- Q-filters
+def _qfilters_file(tmp_path, model, filters=None):
+    """A Q-filters file for ``model``: ``filters`` (``[layers, kv heads, D]``) or made from its documentation."""
+    from kvpress_ada.calibration import model_identity
+    from kvpress_ada.harness.qfilters import make_qfilters
+    from kvpress_ada.qfilters import QFilters, QFiltersMeta, save
+
+    if filters is None:
+        made = make_qfilters(model, _tokenizer(), n=2, context=96, samples=60, progress=False)
+    else:
+        made = QFilters(filters, QFiltersMeta(model=model_identity(model.config), data={}, library_version="test",
+                                              created="now"))
+    path = tmp_path / "qf.safetensors"
+    save(made, path)
+    return str(path), made
+
+
+def _tokenizer():
+    from conftest import build_tokenizer
+
+    return build_tokenizer()
+
+
+def test_principal_filters_point_away_from_the_queries():
+    """The filter of a head is minus the principal direction of its queries, oriented towards where most
+    queries project (checked against the top eigenvector of ``X^T X``), averaged over the query group."""
+    from kvpress_ada.harness.qfilters import principal_filters
+
+    g = torch.Generator().manual_seed(3)
+    D, S = 8, 400
+    dirs = torch.nn.functional.normalize(torch.randn(4, D, generator=g), dim=-1)
+    sign = torch.tensor([1.0, -1.0, 1.0, 1.0])  # head 1's queries sit on the negative side
+    queries = (sign[:, None, None] * (3.0 + torch.rand(4, S, 1, generator=g)) * dirs[:, None, :]
+               + 0.3 * torch.randn(4, S, D, generator=g))
+    got = principal_filters(queries, kv_heads=2)
+    want = []
+    for h in range(4):
+        X = queries[h].double()
+        top = torch.linalg.eigh(X.T @ X).eigenvectors[:, -1]
+        top = top if (X @ top > 0).double().mean() > 0.5 else -top  # towards most queries
+        want.append(-top)
+    torch.testing.assert_close(got, torch.stack(want).view(2, 2, D).mean(1).float(), rtol=1e-4, atol=1e-5)
+    # and it points against the queries' mean direction in every group
+    assert bool((torch.einsum("hd,hsd->hs", got.repeat_interleave(2, 0), queries).mean(-1) < 0).all())
+
+
+def test_qfilter_formula_per_head_and_offset(tmp_path):
+    from conftest import build_model
+
+    model = build_model("llama")
+    L, H, D = model.config.num_hidden_layers, model.config.num_key_value_heads, 16
+    filters = torch.randn(L, H, D, generator=torch.Generator().manual_seed(4))
+    path, _ = _qfilters_file(tmp_path, model, filters)
+    keys = torch.randn(2, H, 9, D, generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    scorer = QFilter(path=path)
+    for layer in range(L):
+        obs = Observation(keys=keys, values=keys, queries=keys[:, :, :0], key_mask=mask, layer_idx=layer,
+                          n_layers=L, scaling=1.0)
+        got = scorer.score(obs)
+        for b in range(2):
+            for h in range(H):
+                for j in range(9):
+                    want = -sum(float(f) * float(k) for f, k in zip(filters[layer, h], keys[b, h, j]))
+                    assert abs(float(got[b, h, j]) - want) < 1e-4
+        # one kv head scored alone (chunked prefill after Ada) reads its own filter
+        alone = Observation(keys=keys[:, 1:], values=keys[:, 1:], queries=keys[:, :0], key_mask=mask,
+                            layer_idx=layer, n_layers=L, scaling=1.0, head_offset=1)
+        torch.testing.assert_close(scorer.score(alone), got[:, 1:])
+
+
+def test_qfilter_made_for_one_model_serves_it_and_refuses_another(tmp_path):
+    from conftest import build_model
+
+    from kvpress_ada import Pipeline
+    from kvpress_ada.hosts.transformers.fanout import capture_prefill
+
+    model = build_model("llama")
+    path, made = _qfilters_file(tmp_path, model)
+    assert made.filters.shape == (model.config.num_hidden_layers, model.config.num_key_value_heads, 16)
+    assert made.meta.data["samples_per_head"] == 60
+    press = Pipeline(scorer=QFilter(path=path), compression_ratio=0.5)
+    ids = torch.randint(5, 90, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        kept = capture_prefill(model, ids).keep_masks(press)
+    assert all(int(k.sum(-1).min()) == 20 for k in kept)
+    with press(model):
+        out = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 43)
+    other = build_model("qwen2")
+    with pytest.raises(ValueError, match="kvpress-ada qfilters") as err:
+        press.check_config(other.config)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="kvpress-ada qfilters"):  # the default model's filters on a tiny model
+        Pipeline(scorer=QFilter(), compression_ratio=0.5).check_config(model.config)
+
+
+def test_qfilter_on_a_padded_batch_ragged_matches_mask_and_rows_score_alone(tmp_path):
+    from conftest import build_model, left_padded_batch
+
+    from kvpress_ada import Pipeline
+
+    model = build_model("llama")
+    path, _ = _qfilters_file(tmp_path, model, torch.randn(3, 2, 16, generator=torch.Generator().manual_seed(6)))
+    ids, mask = left_padded_batch(seed=3)
+    outs = {}
+    for evictor in ("topk", "mask"):
+        with Pipeline(scorer=QFilter(path=path), evictor=evictor, compression_ratio=0.5)(model):
+            outs[evictor] = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                                           output_scores=True, return_dict_in_generate=True)
+    assert torch.equal(outs["topk"].sequences, outs["mask"].sequences)
+    keys, values, queries, key_mask = _setup(9, D=16, pads=(0, 4))
+    scorer = QFilter(path=path)
+    padded = scorer.score(_obs(keys, values, queries[:, :, :0], key_mask))
+    alone = scorer.score(_obs(keys[1:, :, 4:], values[1:, :, 4:], queries[1:, :, :0], key_mask[1:, 4:]))
+    torch.testing.assert_close(padded[1:, :, 4:], alone)
+
+
+def test_shipped_qfilters_are_the_default_models():
+    from kvpress_ada import qfilters
+
+    shipped = qfilters.load(qfilters.SHIPPED)
+    assert shipped.meta.model.name == "SmolLM2-135M-Instruct"
+    assert shipped.filters.shape == (30, 3, 64) and bool(torch.isfinite(shipped.filters).all())
+    assert shipped.meta.data["samples_per_head"] >= 3000
+    # averages of unit vectors over a group of 3 query heads: norms in (0, 1]
+    norms = shipped.filters.norm(dim=-1)
+    assert bool((norms > 0.05).all() and (norms <= 1.0 + 1e-5).all())
+
+
+# ----------------------------------------------------------------------------- CAP
+def _cap_ref(Qh, K, V, ranks_q, n, sinks, tau, n_future, eps, D):
+    """CapKV for one query head of one row, written out: the anchor is the mean over the (non-sink) queries of
+    ``mean_k R(n + k) R(-r) q`` (a query at rank ``r`` re-rotated to the future positions ``n .. n + n_future - 1``),
+    ``w_i = exp(tau (cos(mu, k_i) - max))``, ``A = I + sum (w + eps) v v^T``, score ``w_i v_i^T A^-1 v_i``."""
+    rotated = []
+    for q, r in zip(Qh, ranks_q):
+        if r < sinks:
+            continue
+        outs = [_rotate(q, n + k - r, D) for k in range(n_future)]
+        rotated.append([sum(o[d] for o in outs) / n_future for d in range(D)])
+    mu = [sum(x[d] for x in rotated) / len(rotated) for d in range(D)]
+
+    def cos(a, b):
+        return sum(x * y for x, y in zip(a, b)) / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+
+    stats = [min(1.0, max(-1.0, cos(mu, k))) for k in K[sinks:]]
+    top = max(stats)
+    w = [math.exp(tau * (c - top)) for c in stats]
+    A = torch.eye(D, dtype=torch.float64)
+    for wi, v in zip(w, V[sinks:]):
+        vt = torch.tensor(v, dtype=torch.float64)
+        A += (wi + eps) * torch.outer(vt, vt)
+    inv = torch.linalg.inv(A)
+    vs = [torch.tensor(v, dtype=torch.float64) for v in V[sinks:]]
+    return [math.inf] * sinks + [wi * float(v @ inv @ v) for wi, v in zip(w, vs)]
+
+
+@pytest.mark.parametrize("window,sinks,tau", [(None, 4, 5.0), (6, 2, 2.0), (None, 0, 10.0)])
+def test_cap_formula(window, sinks, tau):
+    keys, values, queries, key_mask = _setup(21, L=16, pads=(0, 5))
+    B, H, L, D = keys.shape
+    G = queries.shape[1] // H
+    w = L if window is None else window
+    scorer = CAP(window=window, sinks=sinks, tau=tau, n_future=5)
+    got = scorer.score(_obs(keys, values, queries[:, :, L - w:], key_mask))
+    for b in range(B):
+        valid = [j for j in range(L) if key_mask[b, j]]
+        n = len(valid)
+        q_pos = [j for j in range(L - w, L) if key_mask[b, j]]
+        for h in range(H):
+            K = [keys[b, h, j].double().tolist() for j in valid]
+            V = [values[b, h, j].double().tolist() for j in valid]
+            per_head = [_cap_ref([queries[b, h * G + g, j].double().tolist() for j in q_pos],
+                                 K, V, [valid.index(j) for j in q_pos], n, sinks, tau, 5, 1e-6, D)
+                        for g in range(G)]
+            want = [sum(p[i] for p in per_head) / G for i in range(n)]
+            torch.testing.assert_close(got[b, h, valid].double(), torch.tensor(want, dtype=torch.float64),
+                                       rtol=1e-4, atol=1e-6)
+
+
+def test_cap_scores_are_ridge_leverages_below_their_weight():
+    """Each score is ``w_i`` times a ridge leverage in ``[0, 1)``: at most the token's weight, itself at most 1."""
+    keys, values, queries, key_mask = _setup(22, L=40)
+    got = CAP(sinks=0).score(_obs(keys, values, queries, key_mask))
+    assert bool((got >= 0).all() and (got < 1).all())

@@ -65,6 +65,8 @@ def _assert_same(padded, alone):
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_padded_row_scores_equal_the_row_alone(name, data):
+    if name == "qfilter":
+        pytest.skip("scores with filters made for one model: its padded rows are in tests/test_key_statistics.py")
     cls = SCORERS.get(name)
     scorer = data.draw(scorer_strategy(cls), label="scorer")
     need = max(scorer.min_context(), 1)

@@ -1,5 +1,5 @@
 """``kvpress-ada``: the demo, the quality-vs-compression evaluation, the head-budget calibration
-(``calibrate``) and score-surrogate training (``distill``) on the default model or another
+(``calibrate``), score-surrogate training (``distill``) and Q-filters (``qfilters``) on the default model or another
 (``--model``: a named model, a path or a hub id), and vLLM's OpenAI-compatible server with a press (``serve``).
 
 Exit codes: 0 done; 2 bad input (an argument, a ``--model`` that names no model: a path that does
@@ -584,18 +584,27 @@ def cmd_calibrate(args) -> int:
     from kvpress_ada.harness.lukv import profile_lukv
 
     out, model, tok = _file_job(args, tasks, "heads.json")
-    measure = profile_lukv if args.method == "lukv" else calibrate
-    result = measure(model, tok, scorer, n=args.n, tasks=tasks, context=args.context, ratios=ratios,
-                     seed=args.seed, progress=not args.no_progress)
+    if args.method == "duo":  # DuoAttention's head patterns: no scorer, no ratios
+        from kvpress_ada.harness.duo import measure_duo
+
+        result = measure_duo(model, tok, n=args.n, tasks=tasks, context=args.context, seed=args.seed,
+                             progress=not args.no_progress)
+    else:
+        measure = profile_lukv if args.method == "lukv" else calibrate
+        result = measure(model, tok, scorer, n=args.n, tasks=tasks, context=args.context, ratios=ratios,
+                         seed=args.seed, progress=not args.no_progress)
     result = result.model_copy(update={"command": ["kvpress-ada", *args.argv]})
     tmp = out.with_name(out.name + ".tmp")
     result.save(tmp)
     os.replace(tmp, out)
     layer = [round(sum(row), 4) for row in result.shares]
-    print(f"calibrated {result.model.name} with {type(scorer).__name__} on {result.n} samples "
+    what = "DuoAttention's head patterns" if args.method == "duo" else type(scorer).__name__
+    print(f"calibrated {result.model.name} with {what} on {result.n} samples "
           f"({', '.join(tasks)}; seeds from {args.seed}) in {result.seconds:.1f}s")
     print(f"layer shares (sum over kv heads): {layer}")
-    print(f"wrote {out}; use it with Calibrated(path={str(out)!r}) and CalibratedLayer(path={str(out)!r})")
+    use = (f"DuoAttention(path={str(out)!r})" if args.method == "duo" else
+           f"Calibrated(path={str(out)!r}) and CalibratedLayer(path={str(out)!r})")
+    print(f"wrote {out}; use it with {use}")
     return 0
 
 
@@ -662,6 +671,32 @@ def cmd_distill(args) -> int:
           "at r = 0.5 / 0.75")
     print(f"R^2 per layer: {fit['r2']}")
     print(f"wrote {out} ({out.stat().st_size:,} bytes)")
+    return 0
+
+
+# --------------------------------------------------------------------------- qfilters
+def cmd_qfilters(args) -> int:
+    for option, value, least in (("--n", args.n, 1), ("--context", args.context, 64), ("--samples", args.samples, 1)):
+        if value < least:
+            raise UsageError(f"{option} must be >= {least}, got {value}")
+    if args.seed < choices.CALIBRATION_SEED:
+        raise UsageError(f"--seed must be >= {choices.CALIBRATION_SEED} (eval uses --seed 0), got {args.seed}")
+    out = Path(args.out)
+    if out.is_dir():
+        raise UsageError(f"--out {args.out} is a directory; give a file name such as qfilters.safetensors")
+    _prepare_out(str(out.parent if str(out.parent) else "."))
+    model, tok = _load_model(args.model)
+    _check_context(model, args.context)
+    from kvpress_ada.harness.qfilters import make_qfilters
+    from kvpress_ada.qfilters import save
+
+    made = make_qfilters(model, tok, n=args.n, context=args.context, samples=args.samples, seed=args.seed,
+                         progress=not args.no_progress)
+    made.meta = made.meta.model_copy(update={"command": ["kvpress-ada", *args.argv]})
+    save(made, out)
+    print(f"made Q-filters of {made.meta.model.name} from {made.meta.data['samples_per_head']} queries per head "
+          f"({args.n} documentation texts of {args.context} tokens) in {made.meta.seconds:.1f}s")
+    print(f"wrote {out}; use it with QFilter(path={str(out)!r})")
     return 0
 
 
@@ -830,10 +865,11 @@ def build_parser() -> argparse.ArgumentParser:
                                            "curve over ratios)",
                          epilog=_tasks_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     cal.add_argument("--model", default="default", help=model_help)
-    cal.add_argument("--method", default="shares", choices=["shares", "lukv"],
+    cal.add_argument("--method", default="shares", choices=["shares", "lukv", "duo"],
                      help="shares: which share of the scorer's model-wide top-k falls in each (layer, kv head), "
                           "averaged over --ratios; lukv: LU-KV's per-ratio budgets from how well the scorer's ranking "
-                          "captures the attention the question and answer pay the context")
+                          "captures the attention the question and answer pay the context; duo: DuoAttention's head "
+                          "patterns (how far each head's output moves when it keeps only sinks and recent tokens)")
     cal.add_argument("--scorer", default=None, help="registered scorer whose allocation is measured (default: kvzip; "
                                                     "expected_attention with --method lukv)")
     cal.add_argument("--n", type=int, default=32, help="calibration samples in all, spread over --tasks")
@@ -869,6 +905,17 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--no-progress", action="store_true")
     dist.add_argument("--threads", type=int, help=threads_help)
     dist.set_defaults(func=cmd_distill)
+    qf = sub.add_parser("qfilters", help="make Q-filters (the qfilter scorer): each head's principal query "
+                                         "direction, from documentation text")
+    qf.add_argument("--model", default="default", help=model_help)
+    qf.add_argument("--n", type=int, default=16, help="documentation texts prefilled")
+    qf.add_argument("--context", type=int, default=1024, help="tokens per text (>= 64)")
+    qf.add_argument("--samples", type=int, default=3000, help="query samples per head (spread over the texts)")
+    qf.add_argument("--seed", type=int, default=10_000, help="seed of the texts and samples (>= 10000; eval uses 0)")
+    qf.add_argument("--out", default="qfilters.safetensors", help="the Q-filters file to write (safetensors)")
+    qf.add_argument("--no-progress", action="store_true")
+    qf.add_argument("--threads", type=int, help=threads_help)
+    qf.set_defaults(func=cmd_qfilters)
     return parser
 
 

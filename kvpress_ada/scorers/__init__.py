@@ -4,6 +4,7 @@ The file, the registry name and the preset name of a scorer are the same word (`
 ``snapkv``, ``h2o.py`` is ``h2o``, ...); older registry names load as aliases."""
 
 from .base import SCORERS, PassChunk, PassScorer, Scorer, register_scorer
+from .cap import CAP
 from .chunkkv import ChunkKV
 from .compactor import Compactor
 from .criticalkv import CriticalKV
@@ -20,13 +21,14 @@ from .kvzip import KVzip
 from .lagkv import LagKV
 from .leverage import Leverage
 from .non_causal_attention import NonCausalAttention
+from .qfilter import QFilter
 from .random import RandomScorer
 from .simlayerkv import SimLayerKV
 from .snapkv import SnapKV
 from .streamingllm import StreamingLLM
 from .tova import TOVA
 
-__all__ = ["SCORERS", "PassChunk", "PassScorer", "Scorer", "register_scorer", "ChunkKV", "Compactor", "CriticalKV",
-           "CUR", "ExpectedAttention", "FastKVzip", "Finch", "H2O", "KeyDiff", "KNorm", "KVCompose", "KVzap", "KVzip",
-           "LagKV", "Leverage", "NonCausalAttention", "ObservedAttention", "RandomScorer", "SimLayerKV", "SnapKV",
-           "StreamingLLM", "TOVA"]
+__all__ = ["SCORERS", "PassChunk", "PassScorer", "Scorer", "register_scorer", "CAP", "ChunkKV", "Compactor",
+           "CriticalKV", "CUR", "ExpectedAttention", "FastKVzip", "Finch", "H2O", "KeyDiff", "KNorm", "KVCompose",
+           "KVzap", "KVzip", "LagKV", "Leverage", "NonCausalAttention", "ObservedAttention", "QFilter", "RandomScorer",
+           "SimLayerKV", "SnapKV", "StreamingLLM", "TOVA"]

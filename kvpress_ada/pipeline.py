@@ -16,12 +16,13 @@ from .components import OneLineErrors
 from .evictors import EVICTORS, Evictor, TopK
 from .hosts.base import host_for
 from .observation import Budget, LayerView, Observation
+from .readers import READERS, Reader
 from .scorers import SCORERS, Scorer
 from .storage import STORAGES, FullPrecision, Storage
 
 MAX_BUDGET = 2**31 - 1  # tokens per kv head: the ragged cache's offsets are int32
 _REGISTRIES = {"scorer": SCORERS, "allocator": ALLOCATORS, "layers": LAYER_SCHEDULES, "evictor": EVICTORS,
-               "storage": STORAGES, "key_channels": KEY_CHANNELS}
+               "storage": STORAGES, "key_channels": KEY_CHANNELS, "reader": READERS}
 
 
 class Pipeline(OneLineErrors):
@@ -34,6 +35,8 @@ class Pipeline(OneLineErrors):
     layer is compacted back to ``B`` tokens per kv head on average; ``decode_ratio=r`` instead of
     ``decode_budget``: back to ``(1 - r)`` of the tokens each row has seen (prompt and generated). An
     allocator that sets its own budget (``Threshold``) needs none of these: a budget then caps each head.
+    ``reader=TopPages(budget=b)``: each decode step reads the kept entries of selected pages only
+    (:mod:`kvpress_ada.readers`); with no budget at all the press evicts nothing and only reads sparsely (Quest).
     :meth:`keep` is the whole selection policy; ``with press(model):`` applies it (modes and their
     semantics: ``docs/design.md``). Impossible combinations are refused at construction, in one line.
     """
@@ -57,12 +60,15 @@ class Pipeline(OneLineErrors):
     decode_ratio: float | None = Field(None, ge=0.0, lt=1.0,
                                        description="fraction of the tokens seen so far (prompt and generated) "
                                                    "evicted at each decode compaction (instead of decode_budget)")
+    reader: SerializeAsAny[Reader] | None = Field(
+        None, description="the pages of the kept cache each decode step reads (kvpress_ada.readers, e.g. "
+                          "top_pages); None: every kept entry. With no budget at all nothing is evicted")
 
-    @field_validator("scorer", "allocator", "layers", "evictor", "storage", "key_channels", mode="before")
+    @field_validator("scorer", "allocator", "layers", "evictor", "storage", "key_channels", "reader", mode="before")
     @classmethod
     def _build_component(cls, value: Any, info: ValidationInfo) -> Any:
         """Accept instances, registered names or dicts with a ``name`` (JSON/YAML configs)."""
-        if value is None and info.field_name == "key_channels":
+        if value is None and info.field_name in ("key_channels", "reader"):
             return None
         return _REGISTRIES[str(info.field_name)].build(value)
 
@@ -96,15 +102,31 @@ class Pipeline(OneLineErrors):
         return self
 
     @model_validator(mode="after")
+    def _reader_supported(self) -> "Pipeline":
+        """A reader reads pages of the ragged cache's full-precision keys."""
+        if self.reader is None:
+            return self
+        name = type(self.reader).__name__
+        if not type(self.evictor).frees_memory:
+            raise ValueError(f"reader {name} reads pages of the ragged cache, but the evictor "
+                             f"{type(self.evictor).__name__} keeps the dense cache: use evictor='topk' with a reader")
+        if self.storage.quantized:
+            raise ValueError(f"reader {name} bounds pages by their full-precision keys; storage={self.storage.label!r} "
+                             "keeps records (page summaries of read-back keys are not built yet): use full-precision "
+                             "storage with a reader")
+        return self
+
+    @model_validator(mode="after")
     def _exactly_one_budget(self) -> "Pipeline":
         both = self.compression_ratio is not None and self.budget is not None
         thresholded = type(self.allocator).sets_budget
         if both or (self.compression_ratio is None and self.budget is None and not self.compresses_decode
-                    and not thresholded):
+                    and not thresholded and self.reader is None):
             raise ValueError(
                 "give exactly one of compression_ratio (0 <= r < 1, fraction evicted) or budget "
                 "(>= 1 tokens kept per kv head) for prefill compression, or neither with decode_budget (or "
-                "decode_ratio) and decode_interval for decode-only compression; got compression_ratio="
+                "decode_ratio) and decode_interval for decode-only compression, or neither with a reader (no "
+                "eviction, sparse reads); got compression_ratio="
                 f"{self.compression_ratio}, budget={self.budget}, decode_budget={self.decode_budget}")
         if self.decode_budget is not None and self.decode_ratio is not None:
             raise ValueError("give at most one of decode_budget (tokens kept per kv head while generating) and "
@@ -177,9 +199,9 @@ class Pipeline(OneLineErrors):
     def compresses_prefill(self) -> bool:
         """Whether the prefill is compressed (a ``budget``, a ``compression_ratio`` above 0, an
         allocator that keeps what clears a threshold, a quantized storage: at ratio 0 it keeps every
-        entry, quantized, or key channels pruned)."""
+        entry, quantized, or key channels pruned; a reader: every kept entry laid out ragged, read by pages)."""
         return (self.budget is not None or bool(self.compression_ratio) or type(self.allocator).sets_budget
-                or self.storage.quantized or self.key_channels is not None)
+                or self.storage.quantized or self.key_channels is not None or self.reader is not None)
 
     @property
     def compresses_decode(self) -> bool:
@@ -200,8 +222,9 @@ class Pipeline(OneLineErrors):
         """Raise ``ValueError`` when a component of this press cannot serve a model with this ``config``
         (a calibration or surrogate made for another model, a storage that cannot hold its entries); a
         host calls it once when the press meets a model, with its own checks."""
-        for component in (self.scorer, self.layers, self.allocator, self.evictor, self.storage):
-            component.check_model(config)
+        for component in (self.scorer, self.layers, self.allocator, self.evictor, self.storage, self.reader):
+            if component is not None:
+                component.check_model(config)
 
     # ------------------------------------------------------------------ budgets
     def average_budget(self, lengths: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from .allocators import (
 from .channels import ThinK
 from .evictors import CaM, SimilarityMerge, TopK
 from .pipeline import Pipeline
+from .readers import TopPages
 from .refusals import refusal
 from .scorers import (
     CAP,
@@ -155,6 +156,13 @@ _PRESETS: dict[str, Callable[[], dict]] = {
     # keeps those, every other layer keeps everything (the paper keeps 1024 recent tokens of 4k-128k contexts; 128
     # for the default model's 1k: about 11 of its 30 layers are lazy on calibration samples, seed 10,007)
     "simlayerkv": lambda: dict(scorer=SimLayerKV(n_recent=128), allocator=Threshold(tau=0.0)),
+    # Quest (Tang et al., ICML 2024): nothing evicted (no budget; the scorer would only serve one given), each decode
+    # step reads each kv head's first, newest and best-bounded pages of 16 entries, 1,024 tokens per head
+    "quest": lambda: dict(scorer=KNorm(), reader=TopPages()),
+    # evict with Ada-SnapKV (give compression_ratio or budget), then read the kept cache by pages, the read budget
+    # split across kv heads by Ada-KV's allocator over the page bounds (evicting and reading sparsely combined)
+    "ada_snapkv_read": lambda: dict(scorer=SnapKV(), allocator=AdaHead(alpha=ADA_ALPHA),
+                                    reader=TopPages(allocator=AdaHead(alpha=ADA_ALPHA))),
 }
 
 

@@ -102,7 +102,9 @@ def main() -> int:
     results = {}
     failures = []
     surrogate = sys.argv[4] if len(sys.argv) > 4 else None  # a surrogate file for this model: KVzap runs too
-    names = (presets or portable_preset_names()) + (["kvzap"] if surrogate else [])
+    # a reader is refused under tensor parallelism (its read split compares every kv head of a layer)
+    names = (presets or [n for n in portable_preset_names() if preset(n, compression_ratio=0.5).reader is None]) + (
+        ["kvzap"] if surrogate else [])
     for name in names:
         if name == "kvzap":
             from kvpress_ada.scorers.kvzap import KVzap

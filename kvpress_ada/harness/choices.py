@@ -14,7 +14,8 @@ PRESETS = ("snapkv", "pyramidkv", "ada_snapkv", "ada_pyramidkv", "streamingllm",
            "kvzap_threshold", "calibrated_streamingllm", "leverage", "ada_leverage", "cur", "ada_cur",
            "non_causal_attention", "compactor", "qfilter", "cap", "chunkkv", "ada_chunkkv", "kvcompose",
            "ada_kvcompose", "block_keydiff", "lukv", "finch", "ada_finch", "rerotated_streamingllm", "fastkvzip",
-           "ada_fastkvzip", "think", "ada_think", "merging", "ada_merging", "cam", "ada_cam", "simlayerkv")
+           "ada_fastkvzip", "think", "ada_think", "merging", "ada_merging", "cam", "ada_cam", "simlayerkv",
+           "quest", "ada_snapkv_read")
 #: :data:`kvpress_ada.scorers.SCORERS`: canonical names (sorted), then the old names still accepted
 SCORERS = ("cap", "chunkkv", "compactor", "criticalkv", "cur", "expected_attention", "fastkvzip", "finch", "h2o",
            "keydiff", "knorm", "kvcompose", "kvzap", "kvzip", "lagkv", "leverage", "non_causal_attention", "qfilter",

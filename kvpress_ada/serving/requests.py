@@ -55,6 +55,10 @@ def check_servable(press: Pipeline) -> None:
     if press.evictor.rerotate:
         raise ValueError("the evictor re-rotates the keys it keeps (rerotate=True), which a serving engine's pages "
                          "do not: serve with rerotate=False, or run the press through the transformers host")
+    if press.reader is not None:
+        raise ValueError(f"reader {type(press.reader).__name__} reads selected pages at each decode step, which a "
+                         "serving engine does not yet: serve without a reader, or run the press through the "
+                         "transformers host")
 
 
 @dataclass

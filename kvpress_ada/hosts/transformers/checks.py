@@ -33,3 +33,6 @@ def check_press(press: Pipeline, model: Any) -> None:
     if head_shard(model) is not None and (press.compresses_decode or press.prefill_chunk is not None):
         raise ValueError("decode compression (decode_budget) and chunked prefill (prefill_chunk) are not "
                          "supported on a tensor-parallel model yet; use a press without them")
+    if head_shard(model) is not None and press.reader is not None:
+        raise ValueError(f"reader {type(press.reader).__name__} splits a layer's read budget across every kv head, "
+                         "which a tensor-parallel rank does not hold: use a press without a reader")

@@ -23,7 +23,7 @@ from .checks import check_press
 from .hf import cache_kwarg, check_left_padded, check_supported, prefill_key_mask
 from .model_pass import RecordingRun, model_pass_scores
 from .press_cache import HeldEntries
-from .ragged_cache import RaggedCache
+from .ragged_cache import RaggedCache, read_with
 from .routing import next_positions
 from .tensor_parallel import head_shard
 from .window_layer import WindowLayer
@@ -167,7 +167,12 @@ class Prefill:
         if len(storages) > 1:
             raise ValueError("compressed_batch stacks presses of one storage, got "
                              f"{sorted(s.label for s in storages)}: batch each storage apart")
+        readers = {p.reader for p in presses}
+        if len(readers) > 1:
+            raise ValueError("compressed_batch stacks presses of one reader (every row of a cache reads alike), got "
+                             f"{len(readers)}: batch each reader apart")
         cache = ragged_cache(presses[0].storage, self.model.config) if presses else RaggedCache(self.model.config)
+        read_with(cache, next(iter(readers), None))
         E = len(presses)
         rotating = torch.tensor([p.evictor.rerotate for p in presses], dtype=torch.bool)
         if bool(rotating.any()):  # the rows of the presses whose evictor re-rotates the keys it keeps
@@ -190,6 +195,7 @@ class Prefill:
         compressed = new_cache(press, self.model.config)
         compressed.state.key_mask = self.key_mask
         compressed.rerotation = key_rotation(self.model) if press.evictor.rerotate else None
+        read_with(compressed, press.reader)
         scope = compressed.compressed_layers()
         for i, (c, keep) in enumerate(zip(self.layers, keep_masks)):
             compressed.update(c.keys, c.values, i)

@@ -24,6 +24,7 @@ from ... import kernels
 from ...kernels.ragged.reference import CHUNK
 from .attention import logit_extras
 from .entries import gather_slots, left_pad_index, ragged_index, real_entries
+from .page_summaries import PageSummaries, check_page_size
 from .press_cache import DenseAttention, DenseUntilKept, HeldEntries, PressCache, uncroppable
 from .window_layer import WindowLayer, press_layers
 
@@ -44,6 +45,8 @@ class RaggedLayer(DenseUntilKept):
             raise ValueError(f"decode_reserve must be >= 1 token per row, got {decode_reserve}")
         self.decode_reserve = decode_reserve
         self.growth = growth
+        self.reader: Any = None  # a press's read policy (kvpress_ada.readers): decode steps read selected pages
+        self.layer_idx = 0  # the reader's layer index
         self._clear()
 
     def _clear(self) -> None:
@@ -58,6 +61,7 @@ class RaggedLayer(DenseUntilKept):
         self._compressed_at = 0  # tokens seen when the layer was last compressed (appended ones follow)
         self.shape = (0, 0, 0)  # (B, H_kv, D)
         self.head_dim = 0  # D of the entries (set by the first update)
+        self.pages: PageSummaries | None = None  # page summaries while compressed under a reader
 
     # ------------------------------------------------------------------ HF API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -76,6 +80,8 @@ class RaggedLayer(DenseUntilKept):
             self.reserve(q)  # eager callers need not reserve; a compiled step was reserved by its caller
         self._reserved = 0
         self._append_entries(key_states.detach(), value_states.detach())
+        if self.pages is not None:
+            self.pages.append(key_states.detach(), self.row_offsets, self.row_lengths)
         return self.k_flat, self.v_flat
 
     def reserve(self, q: int) -> None:
@@ -97,6 +103,7 @@ class RaggedLayer(DenseUntilKept):
         self._appended -= n
         self._spare += n
         self.row_lengths.sub_(n)  # in place: the compiled step may hold its address
+        self._rebuild_pages()
 
     # --------------------------------------------------------------- ragged API
     def compress(self, keep: torch.Tensor, spare: int | None = None, positions: torch.Tensor | None = None) -> None:
@@ -119,6 +126,7 @@ class RaggedLayer(DenseUntilKept):
         self._compact_entries(keys, values, keep)
         self.keys = self.values = None
         self.compressed = True
+        self._rebuild_pages()
 
     def _layout(self, spare: int, lengths: torch.Tensor) -> None:
         """Allocate flat storage with at least ``spare`` free slots per row after ``lengths`` tokens,
@@ -152,6 +160,29 @@ class RaggedLayer(DenseUntilKept):
         dst = _row_token_index(self.row_offsets, host_lengths)
         self.k_flat[dst] = old_k[src]
         self.v_flat[dst] = old_v[src]
+        self._rebuild_pages()
+
+    # ------------------------------------------------------------ sparse reads
+    def read_with(self, reader: Any, layer_idx: int = 0) -> None:
+        """Read decode steps through ``reader`` (``None``: every kept entry): the layer keeps page summaries
+        (:mod:`.page_summaries`) while compressed, and a single-query step attends over the pages it selects."""
+        if reader is not None:
+            check_page_size(reader)
+        self.reader, self.layer_idx = reader, layer_idx
+        self.pages = None
+        self._rebuild_pages()
+
+    def _rebuild_pages(self) -> None:
+        if self.reader is not None and self.compressed:
+            if self.pages is None:
+                self.pages = PageSummaries(self.reader)
+            self.pages.rebuild(self.k_flat, self.row_offsets, self.row_lengths)
+
+    def _reads_every_page(self) -> bool:
+        """Eagerly, whether the reader reads every page of every row (then attention reads them densely, exactly
+        as without a reader); a compiled step always goes through the selection."""
+        return not torch.compiler.is_compiling() and bool(self.reader.reads_every_page(
+            max(self._base, default=0) + self._appended))
 
     def view(self, key_mask: torch.Tensor | None = None) -> HeldEntries:
         """What each row holds, left-padded (the dense prefill itself before compression, ``key_mask``
@@ -219,7 +250,11 @@ class RaggedLayer(DenseUntilKept):
 
     def _attention(self, query: torch.Tensor, scaling: float, softcap: float | None = None,
                    sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """``[B, H_q, Q, D]`` attention of ``query`` over the rows (with the family's ``softcap`` and ``sinks``)."""
+        """``[B, H_q, Q, D]`` attention of ``query`` over the rows (with the family's ``softcap`` and ``sinks``);
+        a decode step under a reader attends over the pages it selects."""
+        if self.pages is not None and query.shape[2] == 1 and not self._reads_every_page():
+            return self.pages.attention(query, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths, scaling,
+                                        self.layer_idx, softcap, sinks)
         return kernels.ragged_attention(query, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths, scaling,
                                         softcap=softcap, sinks=sinks)
 
@@ -239,7 +274,8 @@ class RaggedLayer(DenseUntilKept):
     # ------------------------------------------------------------ inspection
     def nbytes(self) -> int:
         tensors = (self.k_flat, self.v_flat) if self.compressed else (self.keys, self.values)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        pages = self.pages.nbytes() if self.pages is not None and self.compressed else 0
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None) + pages
 
     def batch_nbytes(self) -> list[int]:
         """Bytes each batch row holds (its kv heads' slots, free room included): what the row would
@@ -253,7 +289,8 @@ class RaggedLayer(DenseUntilKept):
         offsets = self.row_offsets.tolist() + [self.k_flat.shape[0]]
         caps = [b - a for a, b in zip(offsets, offsets[1:])]
         per_slot = self.k_flat[0].nbytes + self.v_flat[0].nbytes if self.k_flat.shape[0] else 0
-        return [sum(caps[b * H:(b + 1) * H]) * per_slot for b in range(B)]
+        pages = self.pages.batch_nbytes(B) if self.pages is not None else [0] * B
+        return [sum(caps[b * H:(b + 1) * H]) * per_slot + pages[b] for b in range(B)]
 
     def head_lengths(self) -> torch.Tensor:
         if not self.compressed:
@@ -354,6 +391,16 @@ class RaggedCache(PressCache):
         per_layer = [layer.batch_nbytes() for layer in self.layers if isinstance(layer, (RaggedLayer, WindowLayer))]
         return [sum(row) for row in zip(*per_layer)]
 
+    def read_with(self, reader: Any) -> None:
+        """Decode steps of every ragged layer read the pages ``reader`` selects (``None``: every kept entry; see
+        :meth:`RaggedLayer.read_with`); a storage kept as records is refused in one line."""
+        if reader is not None and self.storage.quantized:
+            raise ValueError(f"reader {type(reader).__name__} needs page summaries of full-precision keys; "
+                             f"storage={self.storage.label!r} keeps records: use full-precision storage")
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, RaggedLayer):
+                layer.read_with(reader, i)
+
     def reserve(self, q: int) -> None:
         """Room for ``q`` more tokens per row in every compressed layer, counted now (see
         :meth:`RaggedLayer.reserve`); the eager half of a compiled decode step."""
@@ -363,3 +410,13 @@ class RaggedCache(PressCache):
 
 
 register_ragged_cache("native", RaggedCache)
+
+
+def read_with(cache: Any, reader: Any) -> None:
+    """Decode steps over ``cache`` read the pages ``reader`` selects (:meth:`RaggedCache.read_with`); ``None``: every
+    kept entry. Another cache kind takes no reader (refused in one line)."""
+    if isinstance(cache, RaggedCache):
+        cache.read_with(reader)
+    elif reader is not None:
+        raise ValueError(f"reader {type(reader).__name__} reads pages of a RaggedCache, not of a "
+                         f"{type(cache).__name__}: pass no cache (the press builds one) or a RaggedCache")

@@ -47,6 +47,7 @@ from .decode_compression import DecodeRun, hidden_scorer
 from .hf import cache_kwarg, check_left_padded, check_supported, input_shape, prefill_key_mask
 from .prefill import PrefillRun
 from .press_cache import PressCache, SequenceState
+from .ragged_cache import read_with
 from .tensor_parallel import head_shard
 
 if TYPE_CHECKING:
@@ -145,6 +146,7 @@ class _Route:
             cache.state = SequenceState(n_layers=len(cache.layers), key_mask=key_mask, prompt=int(shape[1]),
                                         compressed=cache.compressed_layers())
             cache.rerotation = key_rotation(self.model) if press.evictor.rerotate else None
+            read_with(cache, press.reader)
             if Schedule(press).chunked(shape[1]):
                 return start_chunked_prefill(self.model, press, cache, args, kwargs, self.cache_key)
         if kwargs.get("output_attentions") or getattr(self.model.config, "output_attentions", False):

@@ -1,0 +1,86 @@
+"""Page summaries of one ragged layer, for a press with a ``reader`` (:mod:`kvpress_ada.readers`).
+
+A :class:`~.ragged_cache.RaggedLayer` that reads sparsely holds, beside its flat buffers, each page's channel-wise
+key ``kmin, kmax`` (:mod:`kvpress_ada.kernels.ragged.sparse`) and the page table of its rows. They are rebuilt
+whenever the layer is laid out (compression, decode compaction, re-layout, crop) and updated in place by every
+append (one custom op, no host sync, so the compiled decode step keeps them current). A decode step (one query
+per row) scores every page with its bound, asks the reader which pages each kv head reads, and attends over
+those (:func:`~kvpress_ada.kernels.ragged.sparse.sparse_ragged_attention`). ``nbytes`` counts the summaries and
+the table: ``2 * D * itemsize / page_size`` bytes per slot, plus 8 bytes per page of the table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...kernels.ragged.reference import CHUNK
+from ...kernels.ragged.sparse import (
+    append_summaries,
+    page_bounds,
+    page_summaries,
+    page_table,
+    sparse_ragged_attention,
+)
+
+
+def check_page_size(reader: Any) -> None:
+    """Refuse, in one line, a reader whose pages would straddle two rows of the ragged layout (rows start on
+    :data:`~kvpress_ada.kernels.ragged.reference.CHUNK` boundaries)."""
+    P = int(reader.page_size)
+    if P < 1 or CHUNK % P:
+        raise ValueError(f"reader page_size={P} must divide the ragged cache's row alignment ({CHUNK} entries): "
+                         f"use one of {[d for d in range(1, CHUNK + 1) if CHUNK % d == 0]}")
+
+
+class PageSummaries:
+    """The summaries of one compressed layer's pages and what a decode step reads with them."""
+
+    def __init__(self, reader: Any):
+        check_page_size(reader)
+        self.reader = reader
+        self.size = int(reader.page_size)
+        self.kmin = self.kmax = torch.empty(0)
+        self.table = torch.empty(0, 0, dtype=torch.long)
+
+    def rebuild(self, k_flat: torch.Tensor, row_offsets: torch.Tensor, row_lengths: torch.Tensor) -> None:
+        """Summaries of every page of the layout (eager: at each (re-)layout, crop or compaction)."""
+        with torch.inference_mode(False):  # normal tensors, as the flat buffers (RaggedLayer._layout)
+            self.kmin, self.kmax = page_summaries(k_flat, row_offsets, row_lengths, self.size)
+            self.table = page_table(row_offsets, k_flat.shape[0], self.size)
+        if torch.compiler.is_compiling():
+            return
+        for t in (self.kmin, self.kmax):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(self.table, 1)
+        if k_flat.device.type == "cuda":
+            for t in (self.kmin, self.kmax, self.table):
+                torch._dynamo.mark_static_address(t)
+
+    def append(self, keys: torch.Tensor, row_offsets: torch.Tensor, row_lengths: torch.Tensor) -> None:
+        """Fold the keys ``[B, H_kv, Q, D]`` just appended (``row_lengths`` counts them) into their pages."""
+        append_summaries(keys, self.kmin, self.kmax, row_offsets, row_lengths, self.size)
+
+    def attention(self, query: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, row_offsets: torch.Tensor,
+                  row_lengths: torch.Tensor, scaling: float, layer_idx: int, softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, H_q, Q, D]`` attention of ``query`` over the pages the reader selects."""
+        B = query.shape[0]
+        R, W = self.table.shape
+        bounds = page_bounds(query, self.kmin, self.kmax, self.table, scaling, softcap)
+        selected = self.reader.select(bounds, row_lengths.view(B, R // B), layer_idx).reshape(R, W)
+        return sparse_ragged_attention(query, k_flat, v_flat, row_offsets, row_lengths, self.table, selected,
+                                       self.size, scaling, softcap=softcap, sinks=sinks)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.kmin, self.kmax, self.table))
+
+    def batch_nbytes(self, batch: int) -> list[int]:
+        """Bytes per batch row (its rows' pages and table rows; every row is laid out on its own)."""
+        if not self.table.numel():
+            return [0] * batch
+        pages = (self.table >= 0).sum(-1).view(batch, -1).sum(-1)  # pages of each batch row's rows
+        per_page = self.kmin[0].nbytes + self.kmax[0].nbytes if self.kmin.numel() else 0
+        table_row = self.table[0].nbytes * (self.table.shape[0] // batch)
+        return [int(n) * per_page + table_row for n in pages.tolist()]

@@ -1,0 +1,214 @@
+"""Page summaries of the ragged cache and attention over selected pages (Quest, Tang et al., ICML 2024).
+
+Pages: the ragged layout (``k_flat [N, D]``, row ``r`` at ``row_offsets[r]``) cut into pages of ``P`` consecutive
+slots, page ``g`` holding slots ``g * P .. g * P + P - 1``: with every row offset and ``N`` multiples of ``P``,
+page ``j`` of row ``r`` is flat page ``row_offsets[r] / P + j`` and holds the row's entries ``j * P ..``.
+A page's summary is the channel-wise ``kmin, kmax [N / P, D]`` of the keys it holds (``+inf`` / ``-inf`` where
+it holds none: the identities of ``min`` / ``max``, so an append only reduces into them). Its bound on a query's
+logit, ``q . c + |q| . r`` with ``c = (kmax + kmin) / 2``, ``r = (kmax - kmin) / 2``, equals
+``sum_d max(q_d kmin_d, q_d kmax_d) >= q . k`` for every key ``k`` of the page (Quest's bound, in two matmuls).
+
+* :func:`page_summaries`, :func:`page_table` - built from the layout (eager, at each re-layout);
+* :func:`append_summaries` - an in-place custom op: the appended keys reduced into their pages' summaries;
+* :func:`page_bounds` - each query head's bound over each page of its row (plain torch: traced in a compiled step);
+* :func:`sparse_ragged_attention` - a custom op: attention over the entries of the selected pages only (the torch
+  reference here, one ``bmm`` over the gathered pages, the CPU path; no Triton kernel yet).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..support import check_logit_extras
+from .reference import capped
+
+__all__ = ["page_summaries", "page_table", "append_summaries", "page_bounds", "sparse_ragged_attention",
+           "sparse_attention_ref"]
+
+
+def _slot_rows(n_slots: int, row_offsets: Tensor, row_lengths: Tensor) -> Tensor:
+    """``[n_slots]`` bool: the slots that hold an entry (rows in ascending offset order, as laid out)."""
+    offs = row_offsets.long()
+    slots = torch.arange(n_slots, device=offs.device)
+    row = (torch.searchsorted(offs, slots, right=True) - 1).clamp(min=0)
+    return (slots >= offs[row]) & (slots - offs[row] < row_lengths.long()[row])
+
+
+def page_summaries(k_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor, page_size: int) -> tuple[Tensor, Tensor]:
+    """``(kmin, kmax) [N / P, D]`` in the cache's dtype: each page's channel-wise min and max over the keys it holds
+    (``+inf`` / ``-inf`` where it holds none). ``N`` and every offset must be multiples of ``page_size``."""
+    N, D = k_flat.shape
+    held = _slot_rows(N, row_offsets, row_lengths)[:, None]
+    inf = torch.tensor(float("inf"), dtype=k_flat.dtype, device=k_flat.device)
+    kmin = torch.where(held, k_flat, inf).view(N // page_size, page_size, D).amin(1)
+    kmax = torch.where(held, k_flat, -inf).view(N // page_size, page_size, D).amax(1)
+    return kmin, kmax
+
+
+def page_table(row_offsets: Tensor, n_slots: int, page_size: int) -> Tensor:
+    """``[R, W]`` int64: flat page id of page ``j`` of row ``r`` (``-1`` past the row's capacity), ``W`` the most
+    pages a row has room for. Rows in ascending offset order, each row's capacity up to the next one's offset."""
+    offs = row_offsets.long()
+    ends = torch.cat([offs[1:], offs.new_tensor([n_slots])])
+    caps = (ends - offs) // page_size
+    width = max(int(caps.max()) if caps.numel() else 0, 1)  # one host sync, at re-layout time
+    j = torch.arange(width, device=offs.device)
+    return torch.where(j < caps[:, None], offs[:, None] // page_size + j, -1)
+
+
+def page_bounds(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, scale: float,
+                softcap: float | None = None) -> Tensor:
+    """``[B, H_kv, G * Q, W]`` fp32: an upper bound of each query's logit (``scale * q . k``, soft-capped when
+    ``softcap``: a monotone map) over every entry of page ``j`` of its kv row, for ``q [B, H_q, Q, D]``; ``-inf``
+    for a page past the row's capacity or that holds nothing. No host sync."""
+    B, Hq, Q, D = q.shape
+    R, W = table.shape
+    page = table.clamp(min=0)
+    lo, hi = kmin[page].float(), kmax[page].float()  # [R, W, D]
+    centre, radius = (hi + lo) * 0.5, (hi - lo) * 0.5
+    qs = q.float().reshape(R, (Hq // (R // B)) * Q, D) * scale
+    bound = torch.bmm(qs, centre.transpose(1, 2)) + torch.bmm(qs.abs(), radius.transpose(1, 2))  # [R, GQ, W]
+    if softcap:
+        bound = softcap * torch.tanh(bound / softcap)
+    empty = (table < 0)[:, None, :] | torch.isnan(bound)  # an empty page: inf - inf
+    return bound.masked_fill(empty, float("-inf")).view(B, R // B, -1, W)
+
+
+# ----------------------------------------------------------------------------- append (custom op)
+def _append_impl(k_new: Tensor, kmin: Tensor, kmax: Tensor, row_offsets: Tensor, row_lengths: Tensor,
+                 page_size: int) -> None:
+    B, H, Q, D = k_new.shape
+    first = row_offsets.long() + row_lengths.long() - Q  # the new entries' first slot in each row
+    pages = ((first[:, None] + torch.arange(Q, device=first.device)) // page_size).reshape(-1, 1).expand(-1, D)
+    keys = k_new.reshape(-1, D).to(kmin.dtype)
+    kmin.scatter_reduce_(0, pages, keys, "amin", include_self=True)
+    kmax.scatter_reduce_(0, pages, keys, "amax", include_self=True)
+
+
+_append_op = torch.library.custom_op("kvpress_ada::append_page_summaries", _append_impl,
+                                     mutates_args=("kmin", "kmax"))
+
+
+@_append_op.register_fake
+def _(k_new, kmin, kmax, row_offsets, row_lengths, page_size):
+    _check_append(k_new, kmin, kmax, row_offsets, row_lengths)
+
+
+def _check_append(k_new: Tensor, kmin: Tensor, kmax: Tensor, row_offsets: Tensor, row_lengths: Tensor) -> None:
+    if k_new.dim() != 4 or k_new.shape[0] * k_new.shape[1] != row_offsets.shape[0]:
+        raise ValueError(f"k_new {tuple(k_new.shape)} must be [B, H_kv, Q, D] with B * H_kv = "
+                         f"{row_offsets.shape[0]} rows")
+    if kmin.shape != kmax.shape or kmin.dim() != 2 or kmin.shape[1] != k_new.shape[-1]:
+        raise ValueError(f"kmin {tuple(kmin.shape)} and kmax {tuple(kmax.shape)} must both be "
+                         f"[pages, D={k_new.shape[-1]}]")
+    if row_lengths.shape != row_offsets.shape:
+        raise ValueError(f"row_lengths {tuple(row_lengths.shape)} and row_offsets {tuple(row_offsets.shape)} differ")
+
+
+def append_summaries(k_new: Tensor, kmin: Tensor, kmax: Tensor, row_offsets: Tensor, row_lengths: Tensor,
+                     page_size: int) -> None:
+    """Reduce ``k_new [B, H_kv, Q, D]``, just appended (``row_lengths`` counts them already), into the summaries
+    of their pages, in place. Device-side index ops (no host sync)."""
+    _check_append(k_new, kmin, kmax, row_offsets, row_lengths)
+    if not torch.compiler.is_compiling() and all(type(t) is Tensor for t in (k_new, kmin, kmax)):
+        _append_impl(k_new, kmin, kmax, row_offsets, row_lengths, int(page_size))
+        return
+    _append_op(k_new, kmin, kmax, row_offsets, row_lengths, int(page_size))
+
+
+# ----------------------------------------------------------------------------- sparse attention (custom op)
+def sparse_attention_ref(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor,
+                         table: Tensor, selected: Tensor, page_size: int, scale: float, softcap: float = 0.0,
+                         sinks: Tensor | None = None) -> Tensor:
+    """Torch reference of :func:`sparse_ragged_attention`: the selected pages gathered (``[S, P, D]``), scored
+    against their row's query group in one ``bmm``, per-row maxima and sums combined (``scatter_reduce`` /
+    ``index_add``), one more ``bmm`` for the values. Reads only the selected pages."""
+    B, Hq, Q, D = q.shape
+    R = table.shape[0]
+    GQ = (Hq // (R // B)) * Q
+    P = page_size
+    dev = q.device
+    rows, js = (selected & (table >= 0)).nonzero(as_tuple=True)  # one host sync
+    pages = table[rows, js]
+    kc = k_flat.view(-1, P, D).index_select(0, pages).float()
+    vc = v_flat.view(-1, P, D).index_select(0, pages).float()
+    seen = row_lengths.long()[rows] - js * P  # entries of the row from the page's start on
+    ahead = torch.arange(Q - 1, -1, -1, device=dev).repeat(GQ // Q)  # [GQ]: Q - 1 - i (bottom-right causal)
+    limit = seen[:, None] - ahead[None, :]
+    qr = (q.float() * scale).reshape(R, GQ, D)
+    s = torch.bmm(qr.index_select(0, rows), kc.transpose(1, 2))  # [S, GQ, P]
+    if softcap:
+        capped(s, softcap)
+    s.masked_fill_(torch.arange(P, device=dev)[None, None, :] >= limit[:, :, None], float("-inf"))
+    m = torch.full((R, GQ), float("-inf"), device=dev).scatter_reduce_(0, rows[:, None].expand(-1, GQ), s.amax(-1),
+                                                                         "amax")
+    sink = None
+    if sinks is not None:  # [R, GQ]: query head h * G + g of row b * H_kv + h, for each of its Q queries
+        sink = sinks.float().view(1, R // B, GQ // Q, 1).expand(B, -1, -1, Q).reshape(R, GQ)
+        m = torch.maximum(m, sink)
+    m = m.clamp_min(torch.finfo(torch.float32).min)  # rows that see nothing: exp(-inf - finite) = 0
+    p = torch.exp(s - m.index_select(0, rows)[:, :, None])
+    denom = torch.zeros(R, GQ, device=dev).index_add_(0, rows, p.sum(-1))
+    if sink is not None:
+        denom += torch.exp(sink - m)
+    out = torch.zeros(R, GQ, D, device=dev).index_add_(0, rows, torch.bmm(p, vc))
+    out = out / denom.clamp_min(torch.finfo(torch.float32).tiny)[:, :, None]
+    return out.view(B, Hq, Q, D).to(q.dtype)
+
+
+def _sparse_impl(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor, table: Tensor,
+                 selected: Tensor, page_size: int, scale: float, softcap: float = 0.0,
+                 sinks: Tensor | None = None) -> Tensor:
+    if q.numel() == 0:
+        return torch.zeros_like(q)
+    return sparse_attention_ref(q, k_flat, v_flat, row_offsets, row_lengths, table, selected, page_size, scale,
+                                softcap, sinks)
+
+
+_sparse_op = torch.library.custom_op("kvpress_ada::sparse_ragged_attention", _sparse_impl, mutates_args=())
+
+
+@_sparse_op.register_fake
+def _(q, k_flat, v_flat, row_offsets, row_lengths, table, selected, page_size, scale, softcap=0.0, sinks=None):
+    _check_sparse(q, k_flat, v_flat, row_offsets, row_lengths, table, selected, page_size, softcap, sinks)
+    return torch.empty_like(q)
+
+
+def _check_sparse(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor, table: Tensor,
+                  selected: Tensor, page_size: int, softcap: float | None, sinks: Tensor | None) -> float:
+    """Raise a one-line error on arguments :func:`sparse_ragged_attention` cannot take; return the soft-cap."""
+    if q.dim() != 4 or k_flat.dim() != 2 or k_flat.shape != v_flat.shape or q.shape[-1] != k_flat.shape[-1]:
+        raise ValueError(f"q {tuple(q.shape)} must be [B, H_q, Q, D] and k_flat {tuple(k_flat.shape)}, v_flat "
+                         f"{tuple(v_flat.shape)} both [N, D] of the same D")
+    R = row_offsets.shape[0]
+    B = q.shape[0]
+    if B == 0 or R % B or q.shape[1] % (R // B):
+        raise ValueError(f"{R} cache rows do not split into batch {B} x kv heads dividing H_q={q.shape[1]}")
+    if row_lengths.shape != row_offsets.shape:
+        raise ValueError(f"row_lengths {tuple(row_lengths.shape)} and row_offsets {tuple(row_offsets.shape)} differ")
+    if table.dim() != 2 or table.shape[0] != R or selected.shape != table.shape or selected.dtype != torch.bool:
+        raise ValueError(f"table {tuple(table.shape)} must be [R={R}, W] and selected a bool mask of its shape, got "
+                         f"{selected.dtype} {tuple(selected.shape)}")
+    if page_size < 1 or k_flat.shape[0] % page_size:
+        raise ValueError(f"page_size={page_size} must divide the {k_flat.shape[0]} slots of the cache")
+    return check_logit_extras(softcap, sinks, q.shape[1], q.device)
+
+
+def sparse_ragged_attention(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor,
+                            table: Tensor, selected: Tensor, page_size: int, scale: float, *,
+                            softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
+    """:func:`~.ops.ragged_attention` over the entries of the selected pages only.
+
+    ``table [R, W]``: flat page ids of each row's pages (:func:`page_table`); ``selected [R, W]`` bool: the pages
+    row ``r`` reads (a page past the row's capacity is never read). Query ``i`` of ``Q`` sees the selected
+    entries among the first ``row_lengths[r] - (Q - 1 - i)`` of its row (bottom-right causal); a query that sees
+    nothing outputs 0. ``softcap`` and ``sinks`` as in ragged attention. With every page selected this is
+    ragged attention (the same sums, in another order: equal to float rounding). Returns ``[B, H_q, Q, D]`` in
+    ``q.dtype`` (fp32 accumulation)."""
+    cap = _check_sparse(q, k_flat, v_flat, row_offsets, row_lengths, table, selected, page_size, softcap, sinks)
+    args = (q, k_flat, v_flat, row_offsets, row_lengths, table, selected)
+    if not torch.compiler.is_compiling() and all(type(t) is Tensor for t in args) and (
+            sinks is None or type(sinks) is Tensor):
+        return _sparse_impl(*args, int(page_size), float(scale), cap, sinks)
+    return _sparse_op(*args, int(page_size), float(scale), cap, sinks)

@@ -1,0 +1,40 @@
+"""Read policies: which pages of each (layer, kv head) row of the kept cache a decode step reads.
+
+Eviction decides what a cache *holds*; a reader decides what each decode step *reads* of it (dynamic sparse
+attention: Quest, Tang et al., ICML 2024, arXiv 2406.10774). A row's kept entries are cut into pages of
+``page_size`` consecutive entries; the host keeps, per page, a bound on every query's logit over the page and
+hands the reader the bounds of one layer; the reader returns the pages to read. ``Pipeline(reader=None)`` (the
+default) reads every kept entry, as before. Register your own with :func:`register_reader`.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from ..components import Component, Registry
+
+
+class Reader(Component):
+    """``select(bounds, lengths, layer_idx) -> [B, H_kv, W]`` bool: the pages each kv head of one layer reads.
+
+    ``bounds [B, H_kv, G, W]`` (fp32): for each query head ``g`` of the kv head's group, an upper bound of its
+    scaled logit over every entry of page ``j`` (``-inf`` for a page that holds nothing); ``lengths [B, H_kv]``:
+    the entries each row holds (page ``j`` holds entries ``j * page_size`` .. ``(j + 1) * page_size - 1``). No
+    host sync (a compiled decode step runs it)."""
+
+    kind: ClassVar[str] = "reader"
+    page_size: int
+
+    def select(self, bounds: torch.Tensor, lengths: torch.Tensor,
+               layer_idx: int) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__} must implement select(bounds, lengths, layer_idx)")
+
+    def reads_every_page(self, longest: int) -> bool:
+        """Whether every page of rows of at most ``longest`` entries is read (a host then reads them densely)."""
+        return False
+
+
+READERS = Registry("reader", Reader)
+register_reader = READERS.decorator_function()

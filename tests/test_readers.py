@@ -1,0 +1,389 @@
+"""Sparse reads of the kept cache (``Pipeline.reader``, :mod:`kvpress_ada.readers`): page summaries, Quest's page
+bound, the read allocation across kv heads, attention over the selected pages, and every mode a decode step
+reads through (prefill compression, no eviction, decode compression, fan-out, batches, compiled steps)."""
+
+import pytest
+import torch
+from conftest import build_model, left_padded_batch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+from torch._dynamo.utils import counters
+
+from kvpress_ada import AdaHead, Mask, Pipeline, SnapKV, preset
+from kvpress_ada.allocators import Threshold
+from kvpress_ada.hosts.transformers import RaggedCache, RaggedLayer, compiled
+from kvpress_ada.hosts.transformers.fanout import capture_prefill
+from kvpress_ada.hosts.transformers.generation import decode_rows
+from kvpress_ada.hosts.transformers.hf import output_cache
+from kvpress_ada.hosts.transformers.paged_cache import PagedCache
+from kvpress_ada.kernels.ragged.ops import ragged_attention
+from kvpress_ada.kernels.ragged.sparse import page_bounds, page_summaries, sparse_ragged_attention
+from kvpress_ada.readers import READERS, TopPages, row_pages
+from kvpress_ada.serving.requests import check_servable
+
+torch.set_num_threads(1)
+ALLOCATORS = [("uniform", {}), ("ada", {"alpha": 0.0}), ("ada", {"alpha": 0.2}), ("ada", {"alpha": 0.7})]
+
+
+def _layer(B, H, D, keep, page_size, seed=0, appends=(), scale=1.0):
+    """A compressed ragged layer under a reader of ``page_size`` pages: random keys (``scale``) kept where ``keep``,
+    then ``appends`` tokens appended (each an eager append of that many tokens per row)."""
+    g = torch.Generator().manual_seed(seed)
+    L = keep.shape[-1]
+    layer = RaggedLayer(decode_reserve=3)
+    k = torch.randn(B, H, L, D, generator=g) * scale
+    layer.update(k, torch.randn(B, H, L, D, generator=g))
+    layer.read_with(TopPages(budget=2 * page_size, page_size=page_size))
+    layer.compress(keep)
+    for q in appends:
+        layer.update(torch.randn(B, H, q, D, generator=g) * scale, torch.randn(B, H, q, D, generator=g))
+    return layer
+
+
+def _entries(layer):
+    """Per row ``r``: its keys ``[n, D]`` and values, read from the flat buffers."""
+    out = []
+    for o, n in zip(layer.row_offsets.tolist(), layer.row_lengths.tolist()):
+        out.append((layer.k_flat[o:o + n], layer.v_flat[o:o + n]))
+    return out
+
+
+def _assert_summaries_current(layer):
+    """The summaries kept current by appends equal those rebuilt from the layout now."""
+    kmin, kmax = page_summaries(layer.k_flat, layer.row_offsets, layer.row_lengths, layer.pages.size)
+    assert torch.equal(layer.pages.kmin, kmin) and torch.equal(layer.pages.kmax, kmax)
+
+
+# ----------------------------------------------------------------------------- the page bound
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), page_size=st.sampled_from([1, 2, 4, 8, 16, 32]),
+       appends=st.lists(st.integers(1, 5), max_size=6), scale=st.sampled_from([1e-3, 1.0, 30.0]),
+       softcap=st.sampled_from([None, 5.0]))
+def test_page_bound_is_an_upper_bound_of_every_logit(seed, page_size, appends, scale, softcap):
+    """Every query head's logit (scaled, soft-capped) over every entry of a page is at most the page's bound, after
+    compression and appends (some of which re-lay the layer out); empty pages bound nothing (-inf)."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, G, L, D = 2, 3, 2, 70, 8
+    keep = torch.rand(B, H, L, generator=g) < torch.rand(B, H, 1, generator=g)
+    layer = _layer(B, H, D, keep, page_size, seed, appends, scale)
+    _assert_summaries_current(layer)
+    q = torch.randn(B, H * G, 1, D, generator=g) * scale
+    bounds = page_bounds(q, layer.pages.kmin, layer.pages.kmax, layer.pages.table, 0.3, softcap)
+    for r, (keys, _) in enumerate(_entries(layer)):
+        b, h = divmod(r, H)
+        logits = 0.3 * q[b, h * G:(h + 1) * G, 0] @ keys.T  # [G, n]
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        page = torch.arange(keys.shape[0]) // page_size
+        top = bounds[b, h][:, page]  # [G, n]: each entry's page bound
+        tol = 1e-5 * (0.3 * q[b, h * G:(h + 1) * G, 0].abs() @ keys.abs().T) + 1e-6
+        assert bool((logits <= top + tol).all())
+        n_pages = -(-keys.shape[0] // page_size)
+        assert bool(torch.isneginf(bounds[b, h][:, n_pages:]).all())
+
+
+def test_bound_is_tight_on_one_entry_pages():
+    """With pages of one entry the bound is the logit itself (Quest's bound is exact on a single key)."""
+    B, H, L, D = 1, 2, 40, 16
+    layer = _layer(B, H, D, torch.ones(B, H, L, dtype=torch.bool), page_size=1, appends=(1,))
+    q = torch.randn(B, 2 * H, 1, D)
+    bounds = page_bounds(q, layer.pages.kmin, layer.pages.kmax, layer.pages.table, 0.25)
+    for r, (keys, _) in enumerate(_entries(layer)):
+        logits = 0.25 * q[0, 2 * r:2 * r + 2, 0] @ keys.T
+        torch.testing.assert_close(bounds[0, r][:, :keys.shape[0]], logits, atol=1e-5, rtol=1e-5)
+
+
+def test_summaries_follow_crop_retain_and_relayout():
+    B, H, L, D = 2, 2, 60, 8
+    keep = torch.rand(B, H, L, generator=torch.Generator().manual_seed(3)) < 0.5
+    layer = _layer(B, H, D, keep, 8, appends=(1,) * 40)  # 40 appends: re-laid out more than once
+    _assert_summaries_current(layer)
+    layer.crop(-7)
+    _assert_summaries_current(layer)
+    held = layer.view()
+    layer.retain(held.valid & (torch.rand(held.valid.shape) < 0.6), held)
+    _assert_summaries_current(layer)
+    assert layer.nbytes() - layer.k_flat.nbytes - layer.v_flat.nbytes == (
+        2 * layer.k_flat.shape[0] // 8 * D * 4 + layer.pages.table.nbytes)
+
+
+# ----------------------------------------------------------------------------- the read allocation
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), allocator=st.sampled_from(ALLOCATORS), budget=st.integers(8, 80),
+       width=st.integers(1, 12))
+def test_read_allocation_totals_and_floors(seed, allocator, budget, width):
+    """Each batch row of a layer reads exactly ``min(H * ceil(budget / P), pages held)`` pages; every head reads its
+    first and newest pages (its floor: both, or what it holds), at least ``alpha * its share`` when it holds that
+    many (Ada's safeguard), never a page it does not hold."""
+    name, fields = allocator
+    P = 4
+    reader = TopPages(budget=max(budget, 2 * P), page_size=P, allocator={"name": name, **fields})
+    g = torch.Generator().manual_seed(seed)
+    B, H, G = 3, 4, 2
+    lengths = torch.randint(0, width * P + 1, (B, H), generator=g)
+    bounds = torch.randn(B, H, G, width, generator=g) * torch.rand(B, H, 1, 1, generator=g) * 10
+    exists, always = row_pages(lengths, P, width)
+    bounds = bounds.masked_fill(~exists[:, :, None], float("-inf"))
+    _, counts = reader.page_counts(bounds, lengths, layer_idx=0)
+    selected = reader.select(bounds, lengths, layer_idx=0)
+    held = exists.sum(-1)
+    k = reader.pages_per_head
+    assert torch.equal(counts.sum(-1), torch.minimum(torch.full((B,), H * k), held.sum(-1)))
+    assert torch.equal(selected.sum(-1), counts)
+    assert bool((selected <= exists).all()) and bool((always <= selected).all())
+    assert bool((counts >= torch.minimum(held, torch.full_like(held, 2))).all())
+    floor = int(fields.get("alpha", 1.0) * k)
+    assert bool((counts >= torch.minimum(held, torch.full_like(held, floor))).all())
+
+
+def test_ada_reads_more_pages_of_the_peaked_heads():
+    """Ada gives the read budget to the heads whose bounds are far apart (a few pages hold the attention); the
+    uniform allocator reads the same number of pages in every head."""
+    B, H, G, W, P = 1, 2, 1, 10, 4
+    lengths = torch.full((B, H), W * P)
+    bounds = torch.zeros(B, H, G, W)
+    bounds[0, 0, 0, 2:8] = 20.0  # head 0: six pages far above the rest
+    uniform = TopPages(budget=4 * P, page_size=P).page_counts(bounds, lengths, 0)[1]
+    ada = TopPages(budget=4 * P, page_size=P, allocator=AdaHead(alpha=0.0)).page_counts(bounds, lengths, 0)[1]
+    assert uniform.tolist() == [[4, 4]] and ada.sum() == 8 and ada[0, 0] > ada[0, 1] >= 2
+
+
+# ----------------------------------------------------------------------------- attention over selected pages
+
+
+def _masked_reference(q, layer, selected, scale, page_size, softcap=None, sinks=None):
+    """Attention of each row's query group over its entries in the selected pages, one row at a time."""
+    B, Hq, Q, D = q.shape
+    R = layer.row_offsets.shape[0]
+    G = Hq // (R // B)
+    out = torch.zeros_like(q)
+    for r, (keys, values) in enumerate(_entries(layer)):
+        b, h = divmod(r, R // B)
+        n = keys.shape[0]
+        chosen = selected[r][torch.arange(n) // page_size]
+        for i in range(Q):
+            seen = chosen & (torch.arange(n) < n - (Q - 1 - i))
+            logits = scale * q[b, h * G:(h + 1) * G, i] @ keys.T
+            if softcap:
+                logits = softcap * torch.tanh(logits / softcap)
+            logits = logits.masked_fill(~seen, float("-inf"))
+            if sinks is not None:
+                logits = torch.cat([logits, sinks[h * G:(h + 1) * G, None]], -1)
+            weights = torch.softmax(logits, -1).nan_to_num(0.0)[:, :n]
+            out[b, h * G:(h + 1) * G, i] = weights @ values
+    return out
+
+
+@pytest.mark.parametrize("Q", [1, 3])
+@pytest.mark.parametrize("extras", ["plain", "softcap", "sinks"])
+def test_sparse_attention_is_attention_over_the_selected_entries(Q, extras):
+    g = torch.Generator().manual_seed(5)
+    B, H, G, L, D, P = 2, 3, 2, 90, 8, 8
+    keep = torch.rand(B, H, L, generator=g) < 0.6
+    layer = _layer(B, H, D, keep, P, appends=(2, 1))
+    q = torch.randn(B, H * G, Q, D, generator=g)
+    softcap = 4.0 if extras == "softcap" else None
+    sinks = torch.randn(H * G, generator=g) if extras == "sinks" else None
+    table = layer.pages.table
+    selected = torch.rand(table.shape, generator=g) < 0.4
+    got = sparse_ragged_attention(q, layer.k_flat, layer.v_flat, layer.row_offsets, layer.row_lengths, table,
+                                  selected, P, 0.4, softcap=softcap, sinks=sinks)
+    torch.testing.assert_close(got, _masked_reference(q, layer, selected, 0.4, P, softcap, sinks), atol=1e-5,
+                               rtol=1e-5)
+    every = torch.ones_like(selected)
+    dense = ragged_attention(q, layer.k_flat, layer.v_flat, layer.row_offsets, layer.row_lengths, 0.4,
+                             softcap=softcap, sinks=sinks)
+    torch.testing.assert_close(sparse_ragged_attention(q, layer.k_flat, layer.v_flat, layer.row_offsets,
+                                                       layer.row_lengths, table, every, P, 0.4, softcap=softcap,
+                                                       sinks=sinks), dense, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- through the model
+
+
+def _generate(model, press, ids, mask=None, steps=16):
+    with torch.inference_mode(), press(model):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1), output_cache(out)
+
+
+def _ids(L=120, B=1, seed=0):
+    return torch.randint(5, 100, (B, L), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("allocator", ["uniform", "ada"])
+def test_read_budget_covering_the_kept_cache_is_dense_attention(llama, allocator, monkeypatch):
+    """A read budget at or above what each row keeps reads every entry: the same logits and tokens as dense reads
+    (exactly: the layer reads densely); with the selection forced (every page selected, read by pages) the same
+    tokens and logits within float rounding."""
+    ids, mask = left_padded_batch(lengths=(120, 95))
+    base = Pipeline(scorer=SnapKV(window=8), allocator="ada", compression_ratio=0.5)
+    press = base.replace(reader=TopPages(budget=512, allocator=allocator))
+    tokens, logits, cache = _generate(llama, base, ids, mask)
+    got_tokens, got_logits, got_cache = _generate(llama, press, ids, mask)
+    assert torch.equal(got_tokens, tokens) and torch.equal(got_logits, logits)
+    assert got_cache.layers[0].pages is not None and got_cache.nbytes() > cache.nbytes()
+    monkeypatch.setattr(TopPages, "reads_every_page", lambda self, longest: False)
+    paged_tokens, paged_logits, _ = _generate(llama, press, ids, mask)
+    assert torch.equal(paged_tokens, tokens)
+    torch.testing.assert_close(paged_logits, logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("evict", [{}, {"compression_ratio": 0.4}])
+def test_sparse_reads_change_the_output_and_batch_rows_read_alone(llama, evict):
+    """Under a read budget below what is kept the logits move (pages are skipped), and each row of a left-padded
+    batch reads what it reads alone (Ada's read split is per batch row): the same tokens, logits within float
+    rounding. (Uniform eviction here: Ada's memory split on this tiny model has near-ties that a batch of other
+    lengths breaks otherwise, with or without a reader.)"""
+    ids, mask = left_padded_batch(lengths=(150, 110))
+    press = Pipeline(scorer=SnapKV(window=8), reader=TopPages(budget=32, page_size=8, allocator=AdaHead(alpha=0.2)),
+                     **evict)
+    tokens, logits, _ = _generate(llama, press, ids, mask)
+    dense_logits = _generate(llama, press.replace(reader=TopPages(budget=4096)), ids, mask)[1]
+    assert float((logits - dense_logits).abs().max()) > 1e-3
+    for b in range(2):
+        real = mask[b].bool()
+        alone_tokens, alone_logits, _ = _generate(llama, press, ids[b:b + 1, real])
+        assert torch.equal(alone_tokens[0], tokens[b])
+        torch.testing.assert_close(alone_logits[0], logits[b], atol=1e-5, rtol=0)
+
+
+def test_quest_preset_evicts_nothing_and_reads_pages(llama):
+    press = preset("quest", reader=TopPages(budget=32))
+    assert press.budget is None and press.compression_ratio is None and not press.is_noop
+    ids = _ids(L=100)
+    _, logits, cache = _generate(llama, press, ids, steps=6)
+    assert all(cache.head_lengths(i).eq(100 + 5).all() for i in range(len(cache.layers)))
+    dense = _generate(llama, press.replace(reader=TopPages(budget=4096)), ids, steps=6)[1]
+    assert float((logits - dense).abs().max()) > 1e-4  # 32 of 105 entries read per head
+    read = preset("ada_snapkv_read", compression_ratio=0.5)
+    assert read.reader == TopPages(allocator=AdaHead(alpha=0.2)) and read.allocator == AdaHead(alpha=0.2)
+
+
+def test_decode_compression_keeps_summaries_current(llama):
+    """Decode compactions re-lay the layer out: the summaries are rebuilt there and kept by appends between; with a
+    budget covering the cache, the tokens of dense reads."""
+    press = Pipeline(scorer=SnapKV(window=4, kernel=3), allocator="ada", budget=40, decode_budget=36,
+                     decode_interval=6, reader=TopPages(budget=16, page_size=8, allocator="ada"))
+    ids = _ids(L=90, seed=2)
+    _, _, cache = _generate(llama, press, ids, steps=20)
+    assert min(cache.state.compactions) >= 2
+    for layer in cache.layers:
+        _assert_summaries_current(layer)
+    wide = press.replace(reader=TopPages(budget=256, page_size=8))
+    assert torch.equal(_generate(llama, wide, ids, steps=20)[0], _generate(llama, press.replace(reader=None), ids,
+                                                                           steps=20)[0])
+
+
+def test_fanout_cache_reads_as_the_press(llama):
+    """A fan-out cache (one dense prefill) reads as the press's own cache: the same greedy tokens; a batch of presses
+    reading alike is the batch of their caches."""
+    ids = _ids(L=110, seed=4)
+    press = Pipeline(scorer=SnapKV(window=8), compression_ratio=0.5, reader=TopPages(budget=32, page_size=8))
+    own = _generate(llama, press, ids, steps=8)[0][0].tolist()
+    prefill = capture_prefill(llama, ids)
+    cache = prefill.compressed_cache(press)
+    assert all(layer.pages is not None for layer in cache.layers)
+    with press(llama):
+        fanned, _ = decode_rows(llama, prefill.logits, cache, 8, set())
+    assert fanned[0] == own
+    other = press.replace(allocator="ada")
+    batch = prefill.compressed_batch([press, other], [prefill.keep_masks(p) for p in (press, other)])
+    with press(llama):
+        rows, _ = decode_rows(llama, prefill.logits.expand(2, -1), batch, 8, set())
+    assert rows[0] == own
+    with pytest.raises(ValueError, match="one reader"):
+        prefill.compressed_batch([press, press.replace(reader=None)], [prefill.keep_masks(press)] * 2)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gpt_oss", "qwen3"])
+def test_every_family_reads_pages(arch):
+    """Soft-capped logits (Gemma-2), sinks (GPT-OSS) and hybrid sliding-window layers (their window read densely):
+    a covering budget gives the tokens of dense reads, a small one runs."""
+    model = build_model(arch)
+    ids = _ids(L=80, seed=6)
+    base = Pipeline(scorer=SnapKV(window=8), compression_ratio=0.5)
+    dense = _generate(model, base, ids, steps=8)[0]
+    assert torch.equal(_generate(model, base.replace(reader=TopPages(budget=64)), ids, steps=8)[0], dense)
+    _, _, cache = _generate(model, base.replace(reader=TopPages(budget=16, page_size=8)), ids, steps=8)
+    assert any(getattr(layer, "pages", None) is not None for layer in cache.layers)
+
+
+def test_compiled_decode_reads_pages_without_graph_breaks(monkeypatch):
+    """The compiled decode step selects pages and attends over them in one graph: no graph break, the tokens of
+    the eager steps."""
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    monkeypatch.delenv(compiled.ENV_VAR, raising=False)
+    model = build_model("llama", num_hidden_layers=2)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)
+    press = Pipeline(scorer="snapkv", allocator="ada", compression_ratio=0.5,
+                     reader=TopPages(budget=48, allocator="ada"))
+    counters.clear()
+    for seed, L in enumerate((90, 200)):
+        ids = _ids(L=L, seed=seed)
+        outs = []
+        for compile in (False, True):
+            with press(model, compile=compile):
+                step = model.__dict__.get("forward")
+                outs.append(model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False))
+        assert isinstance(step, compiled.DecodeForward) and step.calls == 23
+        assert torch.equal(outs[0], outs[1])
+    assert counters["graph_break"] == {}, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+# ----------------------------------------------------------------------------- config and refusals
+
+
+def test_reader_config_round_trips_and_registers():
+    press = preset("ada_snapkv_read", compression_ratio=0.5)
+    assert Pipeline.model_validate_json(press.model_dump_json()) == press
+    assert "top_pages" in READERS.names()
+    built = Pipeline(scorer="snapkv", reader={"name": "top_pages", "budget": 64, "allocator": "ada"})
+    assert built.reader == TopPages(budget=64, allocator=AdaHead())
+    assert TopPages(budget=40, page_size=16).pages_per_head == 3
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(budget=20, page_size=16), "budget >= 32"),
+    (dict(page_size=12), "power of two"),
+    (dict(allocator=Threshold(tau=0.0)), "sets its own budget"),
+])
+def test_reader_refusals(fields, match):
+    with pytest.raises(ValidationError, match=match):
+        TopPages(**fields)
+
+
+def test_pipeline_and_host_refusals(llama):
+    reader = TopPages(budget=64)
+    with pytest.raises(ValidationError, match="keeps the dense cache"):
+        Pipeline(scorer="snapkv", compression_ratio=0.5, evictor=Mask(), reader=reader)
+    with pytest.raises(ValidationError, match="keeps records"):
+        Pipeline(scorer="snapkv", compression_ratio=0.5, storage="int8", reader=reader)
+    with pytest.raises(ValueError, match="serving engine"):
+        check_servable(Pipeline(scorer="snapkv", compression_ratio=0.5, reader=reader))
+    wide = Pipeline(scorer="snapkv", compression_ratio=0.5, reader=TopPages(budget=128, page_size=64))
+    with pytest.raises(ValueError, match="row alignment"), wide(llama):
+        llama(_ids(L=70), use_cache=True)
+    press = Pipeline(scorer="snapkv", compression_ratio=0.5, reader=reader)
+    with pytest.raises(ValueError, match="not of a PagedCache"), press(llama):
+        llama(_ids(L=70), use_cache=True, past_key_values=PagedCache(llama.config))
+    cache = RaggedCache(llama.config)
+    cache.read_with(reader)
+    assert all(layer.reader == reader for layer in cache.layers)
+
+
+
+def test_tensor_parallel_refuses_a_reader(llama, monkeypatch):
+    from kvpress_ada.hosts.transformers import checks
+
+    monkeypatch.setattr(checks, "head_shard", lambda model: object())
+    with pytest.raises(ValueError, match="tensor-parallel rank"):
+        checks.check_press(Pipeline(scorer="snapkv", compression_ratio=0.5, reader=TopPages()), llama)

@@ -29,7 +29,7 @@ class CAP(Scorer):
     here a finite ``window`` is allowed too (decode compression then re-scores with the last ``window`` queries,
     refused without one). The anchor's rotation uses the post-RoPE queries and relative positions
     (:func:`~.expected_attention._rotate_to_future`), the same rotation kvpress builds from the pre-RoPE queries;
-    the capacity system is solved in float64.
+    ``v_i^T A^-1 v_i`` is ``||F^-1 v_i||^2`` with ``F`` the Cholesky factor of ``A`` (``A >= I``).
 
     Across heads: ``A``'s identity term has each head's value scale against it, and ``w`` is shifted by each
     head's own maximum, so raw scores are not compared.
@@ -65,14 +65,15 @@ class CAP(Scorer):
         q = _rotate_to_future(q, obs.rope_inv_freq.float().to(q.device), self.n_future)
         counted = content[:, L - w:].to(q.dtype)[:, None, :, None]  # queries sit where their keys do
         anchor = (q * counted).sum(2) / counted.sum(2).clamp(min=1.0)  # [B, H_q, D]
-        keys = F.normalize(obs.keys.float(), dim=-1).repeat_interleave(G, dim=1)  # [B, H_q, L, D]
-        stat = torch.einsum("bhd,bhld->bhl", F.normalize(anchor, dim=-1), keys).clamp(-1.0, 1.0)
-        logits = (self.tau * stat).masked_fill(~content[:, None, :], float("-inf"))
-        weights = torch.exp(logits - logits.amax(dim=-1, keepdim=True)).nan_to_num(0.0).double()  # 0 off content
-        values = obs.values.double().repeat_interleave(G, dim=1) * content[:, None, :, None]
-        capacity = torch.eye(D, dtype=torch.float64, device=values.device) + torch.einsum(
-            "bhl,bhld,bhle->bhde", weights + self.epsilon * content[:, None, :], values, values)
-        solved = torch.linalg.solve(capacity, values.transpose(-1, -2))  # A^-1 v_i, [B, H_q, D, L]
-        leverage = (values.transpose(-1, -2) * solved).sum(dim=-2)  # [B, H_q, L]
-        scores = (weights * leverage).view(B, H, G, L).mean(dim=2).float()
+        anchor = F.normalize(anchor, dim=-1).view(B, H, G, D)
+        stat = torch.einsum("bhgd,bhld->bhgl", anchor, F.normalize(obs.keys.float(), dim=-1)).clamp(-1.0, 1.0)
+        logits = (self.tau * stat).masked_fill(~content[:, None, None, :], float("-inf"))
+        weights = torch.exp(logits - logits.amax(dim=-1, keepdim=True)).nan_to_num(0.0)  # [B, H, G, L]
+        values = (obs.values.float() * content[:, None, :, None])[:, :, None]  # [B, H, 1, L, D], 0 off content
+        weighted = values * (weights + self.epsilon * content[:, None, None, :])[..., None]
+        capacity = torch.eye(D, device=values.device) + weighted.transpose(-1, -2) @ values  # [B, H, G, D, D]
+        factor = torch.linalg.cholesky(capacity)  # A >= I: positive definite
+        solved = torch.linalg.solve_triangular(factor, values.transpose(-1, -2), upper=False)  # L^-1 v_i
+        leverage = solved.square().sum(dim=-2)  # v_i^T A^-1 v_i, [B, H, G, L]
+        scores = (weights * leverage).mean(dim=2)
         return protect_first_valid(scores, obs.key_mask, self.sinks)

@@ -28,6 +28,7 @@ from .scorers import (
     ChunkKV,
     Compactor,
     CriticalKV,
+    DuoAttention,
     ExpectedAttention,
     FastKVzip,
     Finch,
@@ -163,6 +164,10 @@ _PRESETS: dict[str, Callable[[], dict]] = {
     # split across kv heads by Ada-KV's allocator over the page bounds (evicting and reading sparsely combined)
     "ada_snapkv_read": lambda: dict(scorer=SnapKV(), allocator=AdaHead(alpha=ADA_ALPHA),
                                     reader=TopPages(allocator=AdaHead(alpha=ADA_ALPHA))),
+    # DuoAttention: half the (layer, kv head) pairs, those whose output moves least without the middle of the
+    # context (the default model's measured patterns, kvpress_ada/calibration/smollm2_135m_duo.json; refused for
+    # another model: `kvpress-ada calibrate --method duo`), keep only 128 sinks and 256 recent entries
+    "duo_attention": lambda: dict(scorer=DuoAttention(), allocator=Threshold(tau=0.0)),
 }
 
 

@@ -281,6 +281,23 @@ def test_decode_compression_keeps_summaries_current(llama):
                                                                            steps=20)[0])
 
 
+@pytest.mark.parametrize("mode", [dict(prefill_chunk=32, compression_ratio=0.5),
+                                  dict(decode_budget=30, decode_interval=5),
+                                  dict(compression_ratio=0.5, layers="pyramid")])
+def test_every_mode_reads_pages(llama, mode):
+    """Chunked prefill (chunks attend densely; each chunk's compaction rebuilds the summaries), decode-only
+    compression, a layer schedule: a covering read budget gives the tokens of dense reads, and every layer's
+    summaries are current after a small one."""
+    ids = _ids(L=100, seed=7)
+    base = Pipeline(scorer=SnapKV(window=4, kernel=3), **mode)
+    dense = _generate(llama, base, ids, steps=12)[0]
+    assert torch.equal(_generate(llama, base.replace(reader=TopPages(budget=512)), ids, steps=12)[0], dense)
+    _, _, cache = _generate(llama, base.replace(reader=TopPages(budget=16, page_size=4, allocator="ada")), ids,
+                            steps=12)
+    for layer in cache.layers:
+        _assert_summaries_current(layer)
+
+
 def test_fanout_cache_reads_as_the_press(llama):
     """A fan-out cache (one dense prefill) reads as the press's own cache: the same greedy tokens; a batch of presses
     reading alike is the batch of their caches."""

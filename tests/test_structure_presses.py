@@ -428,3 +428,110 @@ def test_simlayerkv_preset_keeps_sinks_and_recent_in_lazy_layers_only():
                 view = layer.view()
                 for h in range(view.keys.shape[1]):
                     assert view.positions[0, h][view.valid[0, h]].tolist() == want
+
+
+# ----------------------------------------------------------------------------------------------- DuoAttention
+
+
+def test_streaming_deviation_matches_its_formula():
+    """Per query head and query: softmax attention output over every earlier entry against over the first
+    ``sinks`` and the ``recent`` latest (itself included); relative L2 distance, mean over queries and group."""
+    import math
+
+    from kvpress_ada.harness.duo import streaming_deviation
+
+    g = torch.Generator().manual_seed(9)
+    H, G, L, D, Q, sinks, recent = 2, 2, 12, 4, 3, 2, 4
+    q, k, v = torch.randn(H * G, Q, D, generator=g), torch.randn(H, L, D, generator=g), torch.randn(H, L, D, generator=g)
+    got = streaming_deviation(q, k, v, 0.5, sinks, recent)
+
+    def attend(hq, i, keys):
+        logits = [float(q[hq, i - (L - Q)] @ k[hq // G, j]) * 0.5 for j in keys]
+        top = max(logits)
+        w = [math.exp(x - top) for x in logits]
+        return sum(wi / sum(w) * v[hq // G, j] for wi, j in zip(w, keys))
+
+    for h in range(H):
+        devs = []
+        for hq in range(h * G, (h + 1) * G):
+            for i in range(L - Q, L):
+                full = attend(hq, i, list(range(i + 1)))
+                stream = attend(hq, i, [j for j in range(i + 1) if j < sinks or j > i - recent])
+                devs.append(float((full - stream).norm() / full.norm()))
+        assert math.isclose(float(got[h]), sum(devs) / len(devs), rel_tol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def duo_tiny(tmp_path_factory):
+    """A tiny llama and DuoAttention patterns measured on it by the real ``measure_duo``, saved to a file."""
+    from conftest import build_model, build_tokenizer
+
+    from kvpress_ada.harness.duo import measure_duo
+
+    model = build_model("llama", max_position_embeddings=4096)
+    result = measure_duo(model, build_tokenizer(), n=2, tasks=["passkey"], context=300, sinks=3, recent=10,
+                         queries=8, progress=False)
+    path = tmp_path_factory.mktemp("duo") / "duo.json"
+    result.save(path)
+    return model, str(path), result
+
+
+def test_duo_attention_streams_the_heads_that_move_least(duo_tiny):
+    from kvpress_ada import preset
+    from kvpress_ada.hosts.transformers.hf import output_cache
+    from kvpress_ada.scorers import DuoAttention
+
+    model, path, result = duo_tiny
+    shares = torch.tensor(result.shares)
+    assert result.scorer["sinks"] == 3 and result.question_aware and torch.isclose(shares.sum(), torch.tensor(1.0))
+    scorer = DuoAttention(path=path, head_ratio=0.5)
+    streaming = scorer.streaming()
+    assert int(streaming.sum()) == round(shares.numel() * 0.5)
+    assert shares[streaming].max() <= shares[~streaming].min()  # the least moved heads stream
+    ids = torch.randint(4, 60, (1, 40), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad(), preset("duo_attention", scorer=scorer)(model):
+        cache = output_cache(model(ids, use_cache=True))
+    for layer, held in enumerate(cache.layers):
+        view = held.view()
+        for h in range(view.keys.shape[1]):
+            kept = view.positions[0, h][view.valid[0, h]].tolist()
+            assert kept == (list(range(3)) + list(range(30, 40)) if streaming[layer, h] else list(range(40)))
+
+
+def test_duo_attention_ragged_matches_mask_and_padding_changes_nothing(duo_tiny):
+    from conftest import generate_ragged_and_mask, left_padded_batch
+
+    from kvpress_ada import preset
+    from kvpress_ada.scorers import DuoAttention
+
+    model, path, _ = duo_tiny
+    press = preset("duo_attention", scorer=DuoAttention(path=path, head_ratio=0.7))
+    ids, mask = left_padded_batch(seed=11, lengths=(60, 44))
+    ragged, dense = generate_ragged_and_mask(model, press, ids, attention_mask=mask)
+    assert torch.equal(ragged, dense)
+    with torch.no_grad(), press(model):
+        alone = model.generate(ids[1:, 16:], do_sample=False, max_new_tokens=4)
+    assert torch.equal(ragged[1, 16:], alone[0])
+
+
+def test_duo_attention_refuses_other_models_and_other_files(duo_tiny, tmp_path):
+    from conftest import default_model_config
+
+    from kvpress_ada import calibration, preset
+    from kvpress_ada.scorers import DuoAttention
+
+    model, path, result = duo_tiny
+    with pytest.raises(calibration.CalibrationError, match="kvpress-ada calibrate --method duo") as err:
+        DuoAttention(path=path).check_model(default_model_config())
+    assert "\n" not in str(err.value)
+    with pytest.raises(calibration.CalibrationError, match="--method duo"):
+        DuoAttention().check_model(model.config)  # the shipped patterns are the default model's
+    DuoAttention().check_model(default_model_config())
+    other = result.model_copy(update={"scorer": {"name": "kvzip"}})
+    other.save(tmp_path / "kvzip.json")
+    with pytest.raises(calibration.CalibrationError, match="not DuoAttention's head patterns"):
+        DuoAttention(path=str(tmp_path / "kvzip.json")).streaming()
+    with pytest.raises(ValueError, match="head_ratio"):
+        DuoAttention(head_ratio=1.5)
+    assert "duo_attention" not in __import__("kvpress_ada.presets").presets.portable_preset_names()
+    assert preset("duo_attention").allocator.sets_budget

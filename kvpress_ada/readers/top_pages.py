@@ -82,8 +82,9 @@ class TopPages(Reader):
         ``-inf`` for those that hold nothing) and the pages each kv head reads."""
         B, H, _, W = bounds.shape
         exists, always = row_pages(lengths, self.page_size, W)
-        logits = bounds.float().masked_fill(~exists[:, :, None], float("-inf"))
-        share = torch.softmax(logits, dim=-1).nan_to_num(0.0).amax(2)  # a row with no page: NaN -> 0
+        # pages a row does not hold: the lowest finite logit (a row holding none gets finite shares, dropped below)
+        logits = bounds.float().masked_fill(~exists[:, :, None], torch.finfo(torch.float32).min)
+        share = torch.softmax(logits, dim=-1).amax(2)
         inf = torch.full_like(share, float("inf"))
         scores = torch.where(always, inf, torch.where(exists, share, -inf))
         per_head = torch.full((B,), self.pages_per_head, dtype=torch.long, device=bounds.device)

@@ -9,6 +9,7 @@ from .chunkkv import ChunkKV
 from .compactor import Compactor
 from .criticalkv import CriticalKV
 from .cur import CUR
+from .duo_attention import DuoAttention
 from .expected_attention import ExpectedAttention
 from .fastkvzip import FastKVzip
 from .finch import Finch
@@ -29,6 +30,6 @@ from .streamingllm import StreamingLLM
 from .tova import TOVA
 
 __all__ = ["SCORERS", "PassChunk", "PassScorer", "Scorer", "register_scorer", "CAP", "ChunkKV", "Compactor",
-           "CriticalKV", "CUR", "ExpectedAttention", "FastKVzip", "Finch", "H2O", "KeyDiff", "KNorm", "KVCompose",
+           "CriticalKV", "DuoAttention", "CUR", "ExpectedAttention", "FastKVzip", "Finch", "H2O", "KeyDiff", "KNorm", "KVCompose",
            "KVzap", "KVzip", "LagKV", "Leverage", "NonCausalAttention", "ObservedAttention", "QFilter", "RandomScorer",
            "SimLayerKV", "SnapKV", "StreamingLLM", "TOVA"]

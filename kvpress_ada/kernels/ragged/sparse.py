@@ -12,7 +12,7 @@ logit, ``q . c + |q| . r`` with ``c = (kmax + kmin) / 2``, ``r = (kmax - kmin) /
 * :func:`append_summaries` - an in-place custom op: the appended keys reduced into their pages' summaries;
 * :func:`page_bounds` - each query head's bound over each page of its row (plain torch: traced in a compiled step);
 * :func:`sparse_ragged_attention` - a custom op: attention over the entries of the selected pages only (the torch
-  reference here, one ``bmm`` over the gathered pages, the CPU path; no Triton kernel yet).
+  reference here, each row's pages gathered, one batched ``bmm``; the CPU path; no Triton kernel yet).
 """
 
 from __future__ import annotations
@@ -121,39 +121,44 @@ def append_summaries(k_new: Tensor, kmin: Tensor, kmax: Tensor, row_offsets: Ten
 def sparse_attention_ref(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor,
                          table: Tensor, selected: Tensor, page_size: int, scale: float, softcap: float = 0.0,
                          sinks: Tensor | None = None) -> Tensor:
-    """Torch reference of :func:`sparse_ragged_attention`: the selected pages gathered (``[S, P, D]``), scored
-    against their row's query group in one ``bmm``, per-row maxima and sums combined (``scatter_reduce`` /
-    ``index_add``), one more ``bmm`` for the values. Reads only the selected pages."""
+    """Torch reference of :func:`sparse_ragged_attention`: each row's selected pages gathered in page order
+    (``[R, M * P, D]``, ``M`` the most pages a row reads; rows that read fewer are padded and masked), scored
+    against the row's query group in one batched ``bmm``, a softmax, one more ``bmm`` for the values. Reads only
+    the selected pages (and the padding of rows that read fewer than ``M``)."""
     B, Hq, Q, D = q.shape
-    R = table.shape[0]
+    R, W = table.shape
     GQ = (Hq // (R // B)) * Q
     P = page_size
     dev = q.device
-    rows, js = (selected & (table >= 0)).nonzero(as_tuple=True)  # one host sync
-    pages = table[rows, js]
-    kc = k_flat.view(-1, P, D).index_select(0, pages).float()
-    vc = v_flat.view(-1, P, D).index_select(0, pages).float()
-    seen = row_lengths.long()[rows] - js * P  # entries of the row from the page's start on
+    sel = selected & (table >= 0)
+    counts = sel.sum(-1)
+    M = max(int(counts.max()), 1) if R else 1  # one host sync
+    col = torch.where(sel, torch.cumsum(sel, -1) - 1, M)  # each selected page's place among its row's (M: dropped)
+    js = torch.zeros(R, M + 1, dtype=torch.long, device=dev).scatter_(
+        1, col, torch.arange(W, device=dev).expand(R, W))[:, :M]  # [R, M]: the pages read, in page order
+    slots = (table.gather(1, js).clamp(min=0)[..., None] * P + torch.arange(P, device=dev)).view(R, M * P)
+    kc, vc = k_flat[slots], v_flat[slots]  # [R, M * P, D]
+    if kc.dtype != torch.float32:
+        kc, vc = kc.float(), vc.float()
+    seen = torch.where(torch.arange(M, device=dev) < counts[:, None], row_lengths.long()[:, None] - js * P, 0)
     ahead = torch.arange(Q - 1, -1, -1, device=dev).repeat(GQ // Q)  # [GQ]: Q - 1 - i (bottom-right causal)
-    limit = seen[:, None] - ahead[None, :]
+    limit = seen[:, None, :, None] - ahead[None, :, None, None]  # [R, GQ, M, 1]
+    visible = (torch.arange(P, device=dev) < limit).view(R, GQ, M * P)
     qr = (q.float() * scale).reshape(R, GQ, D)
-    s = torch.bmm(qr.index_select(0, rows), kc.transpose(1, 2))  # [S, GQ, P]
+    s = torch.bmm(qr, kc.transpose(1, 2))  # [R, GQ, M * P]
     if softcap:
         capped(s, softcap)
-    s.masked_fill_(torch.arange(P, device=dev)[None, None, :] >= limit[:, :, None], float("-inf"))
-    m = torch.full((R, GQ), float("-inf"), device=dev).scatter_reduce_(0, rows[:, None].expand(-1, GQ), s.amax(-1),
-                                                                         "amax")
-    sink = None
-    if sinks is not None:  # [R, GQ]: query head h * G + g of row b * H_kv + h, for each of its Q queries
-        sink = sinks.float().view(1, R // B, GQ // Q, 1).expand(B, -1, -1, Q).reshape(R, GQ)
+    s.masked_fill_(~visible, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    if sinks is not None:  # [R, GQ, 1]: query head h * G + g of row b * H_kv + h, for each of its Q queries
+        sink = sinks.float().view(1, R // B, GQ // Q, 1).expand(B, -1, -1, Q).reshape(R, GQ, 1)
         m = torch.maximum(m, sink)
     m = m.clamp_min(torch.finfo(torch.float32).min)  # rows that see nothing: exp(-inf - finite) = 0
-    p = torch.exp(s - m.index_select(0, rows)[:, :, None])
-    denom = torch.zeros(R, GQ, device=dev).index_add_(0, rows, p.sum(-1))
-    if sink is not None:
-        denom += torch.exp(sink - m)
-    out = torch.zeros(R, GQ, D, device=dev).index_add_(0, rows, torch.bmm(p, vc))
-    out = out / denom.clamp_min(torch.finfo(torch.float32).tiny)[:, :, None]
+    p = torch.exp(s - m)
+    denom = p.sum(-1, keepdim=True)
+    if sinks is not None:
+        denom = denom + torch.exp(sink - m)
+    out = torch.bmm(p, vc) / denom.clamp_min(torch.finfo(torch.float32).tiny)
     return out.view(B, Hq, Q, D).to(q.dtype)
 
 

@@ -442,7 +442,8 @@ def test_streaming_deviation_matches_its_formula():
 
     g = torch.Generator().manual_seed(9)
     H, G, L, D, Q, sinks, recent = 2, 2, 12, 4, 3, 2, 4
-    q, k, v = torch.randn(H * G, Q, D, generator=g), torch.randn(H, L, D, generator=g), torch.randn(H, L, D, generator=g)
+    q = torch.randn(H * G, Q, D, generator=g)
+    k, v = torch.randn(H, L, D, generator=g), torch.randn(H, L, D, generator=g)
     got = streaming_deviation(q, k, v, 0.5, sinks, recent)
 
     def attend(hq, i, keys):

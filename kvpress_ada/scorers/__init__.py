@@ -30,6 +30,6 @@ from .streamingllm import StreamingLLM
 from .tova import TOVA
 
 __all__ = ["SCORERS", "PassChunk", "PassScorer", "Scorer", "register_scorer", "CAP", "ChunkKV", "Compactor",
-           "CriticalKV", "DuoAttention", "CUR", "ExpectedAttention", "FastKVzip", "Finch", "H2O", "KeyDiff", "KNorm", "KVCompose",
-           "KVzap", "KVzip", "LagKV", "Leverage", "NonCausalAttention", "ObservedAttention", "QFilter", "RandomScorer",
-           "SimLayerKV", "SnapKV", "StreamingLLM", "TOVA"]
+           "CriticalKV", "DuoAttention", "CUR", "ExpectedAttention", "FastKVzip", "Finch", "H2O", "KeyDiff", "KNorm",
+           "KVCompose", "KVzap", "KVzip", "LagKV", "Leverage", "NonCausalAttention", "ObservedAttention", "QFilter",
+           "RandomScorer", "SimLayerKV", "SnapKV", "StreamingLLM", "TOVA"]

@@ -188,6 +188,17 @@ def random_surrogate(config, kind: str = "linear", width: int = 5, seed: int = 0
     return sur.Surrogate(layers, meta)
 
 
+def random_qfilters(config, seed: int = 0):
+    """Q-filters (:mod:`kvpress_ada.qfilters`) with random directions made for ``config``'s model."""
+    from kvpress_ada.calibration import model_identity
+    from kvpress_ada.qfilters import QFilters, QFiltersMeta
+
+    identity = model_identity(config)
+    shape = (identity.num_layers, identity.num_kv_heads, identity.head_dim)
+    meta = QFiltersMeta(model=identity, data={}, library_version="0", created="now")
+    return QFilters(torch.randn(shape, generator=torch.Generator().manual_seed(seed)), meta)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return build_tokenizer()

@@ -9,12 +9,13 @@ bytes stay at ``n_layers * batch * H_kv * (B + K) * D * 2 * itemsize``.
 
 import pytest
 import torch
-from conftest import build_model, random_surrogate
+from conftest import build_model, random_qfilters, random_surrogate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from kvpress_ada import Pipeline, generate
+from kvpress_ada import qfilters as qf
 from kvpress_ada import surrogate as sur
 from kvpress_ada.allocators import AdaHead, UniformHead
 from kvpress_ada.evictors import Mask, TopK
@@ -73,9 +74,12 @@ def test_ragged_matches_mask_left_padded_batch(llama):
 @pytest.mark.parametrize("name", sorted(SCORERS.names()))
 def test_every_scorer_decodes_or_refuses(llama, name, tmp_path):
     scorer = SCORERS.build(name)
-    if getattr(type(scorer), "model_specific", False):  # KVzap: a surrogate file made for this model
-        path = tmp_path / "surrogate.safetensors"
-        sur.save(random_surrogate(llama.config, seed=1), path)
+    if getattr(type(scorer), "model_specific", False):  # a file made for this model: Q-filters, KVzap's surrogate
+        path = tmp_path / "model.safetensors"
+        if name == "qfilter":
+            qf.save(random_qfilters(llama.config, seed=1), path)
+        else:
+            sur.save(random_surrogate(llama.config, seed=1), path)
         scorer = scorer.model_copy(update={"path": str(path)})
     try:
         press = Pipeline(scorer=scorer, budget=16, decode_budget=10, decode_interval=4)

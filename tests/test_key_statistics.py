@@ -5,6 +5,7 @@ invariants each formula promises."""
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import pytest
 import torch
@@ -436,3 +437,74 @@ def test_cap_scores_are_ridge_leverages_below_their_weight():
     keys, values, queries, key_mask = _setup(22, L=40)
     got = CAP(sinks=0).score(_obs(keys, values, queries, key_mask))
     assert bool((got >= 0).all() and (got < 1).all())
+
+
+# ----------------------------------------------------------------------------- chunked prefill
+def _chunked_press(name, tmp_path, model, **kwargs):
+    from conftest import random_qfilters
+
+    from kvpress_ada import preset
+    from kvpress_ada import qfilters as qf
+
+    if name == "qfilter":
+        path = tmp_path / "qf.safetensors"
+        qf.save(random_qfilters(model.config, seed=2), path)
+        return preset(name, scorer=QFilter(path=str(path)), **kwargs)
+    return preset(name, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["leverage", "ada_leverage", "cur", "ada_cur", "cap", "qfilter"])
+def test_chunked_prefill_ragged_matches_mask_and_one_chunk_is_one_shot(name, tmp_path):
+    from conftest import build_model
+
+    from kvpress_ada import Mask
+
+    model = build_model("llama")
+    ids = torch.randint(4, 128, (1, 83), generator=torch.Generator().manual_seed(5))
+    press = _chunked_press(name, tmp_path, model, compression_ratio=0.7, prefill_chunk=16)
+    outs = {}
+    with torch.no_grad():
+        for label, p in (("topk", press), ("mask", press.model_copy(update={"evictor": Mask()})),
+                         ("one chunk", press.model_copy(update={"prefill_chunk": 200})),
+                         ("one shot", press.model_copy(update={"prefill_chunk": None}))):
+            with p(model):
+                outs[label] = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True,
+                                             return_dict_in_generate=True)
+    assert torch.equal(outs["topk"].sequences, outs["mask"].sequences)
+    for a, b in zip(outs["topk"].logits, outs["mask"].logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    assert torch.equal(outs["one chunk"].sequences, outs["one shot"].sequences)
+
+
+class _RecordingLeverage(Leverage):
+    seen: ClassVar[list] = []
+
+    def score(self, obs):
+        if obs.layer_idx == 0:
+            self.seen.append((obs.keys.clone(), obs.key_mask.clone(), None if obs.positions is None
+                              else obs.positions.clone()))
+        return super().score(obs)
+
+
+def test_chunked_prefill_hands_leverage_the_kept_entries_positions():
+    """After the first chunk the first layer holds scattered positions; the observation names each entry's
+    position, and each held key is the one-shot prefill's key at that position (what RoPE is undone at)."""
+    from conftest import build_model
+
+    from kvpress_ada import Pipeline
+    from kvpress_ada.hosts.transformers.fanout import capture_prefill
+
+    model = build_model("llama")
+    ids = torch.randint(4, 128, (1, 60), generator=torch.Generator().manual_seed(6))
+    _RecordingLeverage.seen.clear()
+    with torch.no_grad(), Pipeline(scorer=_RecordingLeverage(), compression_ratio=0.6, prefill_chunk=16)(model):
+        model(ids, use_cache=True)
+    full = capture_prefill(model, ids).layers[0].keys
+    scattered = 0
+    for keys, mask, positions in _RecordingLeverage.seen:
+        assert positions is not None
+        for h in range(keys.shape[1]):
+            pos = positions[0, h][mask[0]]
+            torch.testing.assert_close(keys[0, h][mask[0]], full[0, h, pos], atol=1e-5, rtol=1e-5)
+            scattered += int((pos.diff() > 1).any())
+    assert len(_RecordingLeverage.seen) >= 3 and scattered > 0

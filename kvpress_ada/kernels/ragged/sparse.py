@@ -136,8 +136,9 @@ def sparse_attention_ref(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets:
     col = torch.where(sel, torch.cumsum(sel, -1) - 1, M)  # each selected page's place among its row's (M: dropped)
     js = torch.zeros(R, M + 1, dtype=torch.long, device=dev).scatter_(
         1, col, torch.arange(W, device=dev).expand(R, W))[:, :M]  # [R, M]: the pages read, in page order
-    slots = (table.gather(1, js).clamp(min=0)[..., None] * P + torch.arange(P, device=dev)).view(R, M * P)
-    kc, vc = k_flat[slots], v_flat[slots]  # [R, M * P, D]
+    pages = table.gather(1, js).clamp(min=0).view(-1)  # whole pages copied (P * D contiguous elements each)
+    kc = k_flat.view(-1, P, D).index_select(0, pages).view(R, M * P, D)
+    vc = v_flat.view(-1, P, D).index_select(0, pages).view(R, M * P, D)
     if kc.dtype != torch.float32:
         kc, vc = kc.float(), vc.float()
     seen = torch.where(torch.arange(M, device=dev) < counts[:, None], row_lengths.long()[:, None] - js * P, 0)

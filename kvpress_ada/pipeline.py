@@ -180,6 +180,9 @@ class Pipeline(OneLineErrors):
             raise ValueError(f"storage={self.storage.label!r} moves the kept records unchanged when it compresses "
                              "again (chunked prefill, decode compaction), so it cannot re-rotate their keys "
                              "(evictor rerotate=True): use full-precision storage or compress once")
+        if self.evictor.rerotate and self.key_channels is not None:
+            raise ValueError(f"key_channels={type(self.key_channels).__name__} zeroes key channels that re-rotation "
+                             "(evictor rerotate=True) would mix back in (RoPE rotates channel pairs): use one of them")
         return self
 
     def replace(self, **changes: Any) -> "Pipeline":

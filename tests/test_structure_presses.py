@@ -536,3 +536,11 @@ def test_duo_attention_refuses_other_models_and_other_files(duo_tiny, tmp_path):
         DuoAttention(head_ratio=1.5)
     assert "duo_attention" not in __import__("kvpress_ada.presets").presets.portable_preset_names()
     assert preset("duo_attention").allocator.sets_budget
+
+
+def test_rerotation_refuses_pruned_key_channels():
+    from kvpress_ada import TopK, preset
+    from kvpress_ada.channels import ThinK
+
+    with pytest.raises(ValueError, match="re-rotation"):
+        preset("snapkv", compression_ratio=0.5, evictor=TopK(rerotate=True), key_channels=ThinK())

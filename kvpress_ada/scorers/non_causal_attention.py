@@ -76,4 +76,4 @@ class NonCausalAttention(Scorer):
 
     def score(self, obs: Observation) -> torch.Tensor:
         scores = non_causal_scores(obs, obs.key_mask, self.chunk_size)
-        return row_zscore(scores, obs.key_mask[:, None, :].expand(scores.shape))
+        return row_zscore(scores, obs.key_mask[:, None, :].expand(scores.shape), shard=obs.shard)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import torch
 
@@ -79,15 +80,22 @@ def ridge_leverage(x: torch.Tensor, mask: torch.Tensor, ridge: float, tries: int
     return ((x * solved.transpose(-1, -2)).sum(dim=-1).clamp(min=0.0) * m[..., 0]).float()
 
 
-def row_zscore(scores: torch.Tensor, mask: torch.Tensor, floor: float = 1e-6) -> torch.Tensor:
+def row_zscore(scores: torch.Tensor, mask: torch.Tensor, floor: float = 1e-6, shard: Any = None) -> torch.Tensor:
     """``(s - mean) / max(std, floor)`` per batch row over every head's valid entries (``mask [B, H, L]``;
     unbiased std, as ``torch.std``), zero where not valid; the sums in float64, so that where the padding
-    sits changes no bit of a row's float32 result."""
+    sits changes no bit of a row's float32 result. Under tensor parallelism (``shard``: this rank's block of
+    the layer's kv heads) the statistics span every rank's heads, as in one process."""
     x = scores.double()
     m = mask.to(x.dtype)
-    n = m.sum(dim=(1, 2), keepdim=True)
-    mean = (x * m).sum(dim=(1, 2), keepdim=True) / n.clamp(min=1.0)
-    var = (((x - mean) * m) ** 2).sum(dim=(1, 2), keepdim=True) / (n - 1).clamp(min=1.0)
+
+    def over_heads(per_head: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, 1, 1], every head of the layer
+        if shard is not None:
+            per_head = shard.gather(per_head)
+        return per_head.sum(dim=1)[:, None, None]
+
+    n = over_heads(m.sum(-1))
+    mean = over_heads((x * m).sum(-1)) / n.clamp(min=1.0)
+    var = over_heads((((x - mean) * m) ** 2).sum(-1)) / (n - 1).clamp(min=1.0)
     return ((x - mean) / var.sqrt().clamp(min=floor) * m).float()
 
 

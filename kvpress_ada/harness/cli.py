@@ -665,11 +665,12 @@ def cmd_distill(args) -> int:
     print(f"distilled {meta.model.name} ({args.teacher} -> {args.kind}) on {training['n_train']} texts "
           f"({training['tokens_per_layer']['fit']:,} tokens per layer), {training['n_heldout']} held out, "
           f"in {meta.seconds:.1f}s (collect {training['seconds_collect']:.1f}s, fit {training['seconds_fit']:.1f}s)")
-    print(f"held-out fit, mean over layers: R^2 {summary['r2']:.3f}, Spearman {summary['spearman']:.3f}, "
+    print(f"held-out fit, mean over the layers a press compresses: R^2 {summary['r2']:.3f}, "
+          f"Spearman {summary['spearman']:.3f}, "
           f"kept-set recall per head {summary['recall@0.5']:.3f} / {summary['recall@0.75']:.3f} and over all "
           f"layers and heads {summary['global_recall@0.5']:.3f} / {summary['global_recall@0.75']:.3f} "
           "at r = 0.5 / 0.75")
-    print(f"R^2 per layer: {fit['r2']}")
+    print(f"R^2 per layer (layers {fit.get('layers', 'all')}): {fit['r2']}")
     print(f"wrote {out} ({out.stat().st_size:,} bytes)")
     return 0
 

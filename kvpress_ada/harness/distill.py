@@ -42,8 +42,10 @@ import torch
 from tqdm.auto import tqdm
 
 from kvpress_ada.calibration import CALIBRATION_SEED, model_identity
+from kvpress_ada.families import family_of
 from kvpress_ada.hosts.transformers.fanout import capture_prefill
 from kvpress_ada.hosts.transformers.generation import split_prompt
+from kvpress_ada.runtime import compressed_layers
 from kvpress_ada.scorers import KVzip
 from kvpress_ada.surrogate import Surrogate, SurrogateMeta
 from kvpress_ada.tokens import encode
@@ -487,7 +489,7 @@ def distill(model: Any, tokenizer: Any, teacher: str | KVzip = "kvzip", kind: st
     collected = time.perf_counter() - start
     weights, lambdas = fit_layers(pairs, kind, width, epochs, seed, progress=progress, group=group, sinks=sinks)
     dtype = torch.float32
-    if kind == "mlp":  # half the bytes; kept only when every weight stays finite in float16
+    if kind in ("mlp", "gate"):  # half the bytes; kept only when every weight stays finite in float16
         half = [{k: v.half() for k, v in layer.items()} for layer in weights]
         if all(bool(torch.isfinite(v).all()) for layer in half for v in layer.values()):
             weights, dtype = half, torch.float16
@@ -526,7 +528,12 @@ def distill(model: Any, tokenizer: Any, teacher: str | KVzip = "kvzip", kind: st
         training=training, fit={}, library_version=__version__,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     surrogate = Surrogate(weights, SurrogateMeta.model_validate(meta))
-    meta["fit"] = fit_quality(predict_heldout(surrogate, pairs), pairs.held_y)
+    # a hybrid model's sliding-window layers are never scored by a press (their targets are the floor): the fit is
+    # measured over the layers a press compresses
+    scope = compressed_layers(family_of(model))
+    predicted = predict_heldout(surrogate, pairs)
+    meta["fit"] = {**fit_quality([predicted[i] for i in scope], [pairs.held_y[i] for i in scope]),
+                   "layers": list(scope)}
     meta["seconds"] = round(time.perf_counter() - start, 1)
     return Surrogate(weights, SurrogateMeta.model_validate(meta))
 

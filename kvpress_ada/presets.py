@@ -27,6 +27,7 @@ from .scorers import (
     TOVA,
     ChunkKV,
     Compactor,
+    Composed,
     CriticalKV,
     DuoAttention,
     ExpectedAttention,
@@ -168,6 +169,9 @@ _PRESETS: dict[str, Callable[[], dict]] = {
     # context (the default model's measured patterns, kvpress_ada/calibration/smollm2_135m_duo.json; refused for
     # another model: `kvpress-ada calibrate --method duo`), keep only 128 sinks and 256 recent entries
     "duo_attention": lambda: dict(scorer=DuoAttention(), allocator=Threshold(tau=0.0)),
+    # kvpress's ComposedPress of two token presses: KNorm keeps 3/4 of each head's entries, SnapKV ranks those for
+    # the budget (compression_ratio is the total: kvpress's 1 - (1 - r_knorm) * (1 - r_snapkv))
+    "composed": lambda: dict(scorer=Composed()),
 }
 
 

@@ -544,3 +544,76 @@ def test_rerotation_refuses_pruned_key_channels():
 
     with pytest.raises(ValueError, match="re-rotation"):
         preset("snapkv", compression_ratio=0.5, evictor=TopK(rerotate=True), key_channels=ThinK())
+
+
+# ------------------------------------------------------------------------------------------------ composed
+
+
+def test_composed_scores_the_survivors_of_each_stage():
+    """Stage 1 (KNorm) keeps round(0.6 n) of each head's valid entries; KeyDiff then scores only those, its anchor
+    the mean over the survivors (loops); the others score -inf."""
+    import torch.nn.functional as F
+
+    from kvpress_ada.scorers import Composed, KeyDiff
+
+    obs = _obs(L=15, pads=(0, 4))
+    got = Composed(stages=[KNorm(), KeyDiff()], keep=[0.6]).score(obs)
+    B, H, L = got.shape
+    for b in range(B):
+        valid = [j for j in range(L) if obs.key_mask[b, j]]
+        for h in range(H):
+            norms = {j: -float(obs.keys[b, h, j].norm()) for j in valid}  # KNorm: lower norm = keep
+            n = round(0.6 * len(valid))
+            ranked = sorted(valid, key=lambda j: (norms[j], j), reverse=True)
+            survivors = sorted(ranked[:n])
+            unit = [F.normalize(obs.keys[b, h, j], dim=0) for j in survivors]
+            anchor = sum(unit) / len(unit)
+            for j in range(L):
+                if j in survivors:
+                    want = -float(F.cosine_similarity(obs.keys[b, h, j], anchor, dim=0))
+                    assert abs(float(got[b, h, j]) - want) < 1e-5
+                else:
+                    assert got[b, h, j] == -INF
+
+
+def test_composed_threshold_stage_and_capabilities():
+    from kvpress_ada.scorers import Composed, SimLayerKV
+
+    obs = _obs(L=16, pads=(0, 3))
+    lazy = SimLayerKV(lazy_threshold=0.0, n_last=1, n_recent=5, n_initial=2)
+    got = Composed(stages=[lazy, KNorm()], keep=[None]).score(obs)
+    first = lazy.score(obs)
+    assert torch.equal(torch.isneginf(got) & obs.key_mask[:, None, :], ~torch.isposinf(first) & obs.key_mask[:, None])
+    both = Composed(stages=[KNorm(), CriticalKV()], keep=[0.5])
+    assert both.needs_output_weight and both.query_window() == CriticalKV().query_window()
+    assert both.comparable_across_heads == CriticalKV.comparable_across_heads
+    assert Composed(stages=[SnapKV(), KNorm()], keep=[0.5]).comparable_across_heads is False
+    press = Pipeline(scorer=Composed(stages=["knorm", {"name": "snapkv", "window": 8}], keep=[0.5]), budget=4)
+    assert Pipeline.model_validate_json(press.model_dump_json()) == press
+    with pytest.raises(ValueError, match="model pass"):
+        Composed(stages=["knorm", "kvzip"], keep=[0.5])
+    with pytest.raises(ValueError, match="one fraction per stage"):
+        Composed(stages=["knorm", "snapkv"], keep=[0.5, 0.5])
+    with pytest.raises(ValueError):
+        Composed(stages=["knorm", "snapkv"], keep=[0.0])
+
+
+def test_composed_with_ada_heads_scores_each_head_apart():
+    """Ada heads keep different survivors: the second stage then scores each kv head on its own, as a pipeline
+    scores a layer whose heads hold different entries."""
+    from kvpress_ada.scorers import Composed
+
+    obs = _obs(L=18, pads=(0, 2))
+    scorer = Composed(stages=[KNorm(), SnapKV(window=3, kernel=1)], keep=[0.5])
+    got = scorer.score(obs)
+    for h in range(obs.keys.shape[1]):
+        alone = replace_obs(obs, h)
+        assert torch.allclose(got[:, h:h + 1], scorer.score(alone), atol=1e-6)
+
+
+def replace_obs(obs, h):
+    from dataclasses import replace
+
+    G = obs.queries.shape[1] // obs.keys.shape[1]
+    return replace(obs, keys=obs.keys[:, h:h + 1], values=obs.values[:, h:h + 1],
+                   queries=obs.queries[:, h * G:(h + 1) * G], head_offset=h)

@@ -15,10 +15,10 @@ PRESETS = ("snapkv", "pyramidkv", "ada_snapkv", "ada_pyramidkv", "streamingllm",
            "non_causal_attention", "compactor", "qfilter", "cap", "chunkkv", "ada_chunkkv", "kvcompose",
            "ada_kvcompose", "block_keydiff", "lukv", "finch", "ada_finch", "rerotated_streamingllm", "fastkvzip",
            "ada_fastkvzip", "think", "ada_think", "merging", "ada_merging", "cam", "ada_cam", "simlayerkv", "quest",
-           "ada_snapkv_read", "duo_attention")
+           "ada_snapkv_read", "duo_attention", "composed")
 #: :data:`kvpress_ada.scorers.SCORERS`: canonical names (sorted), then the old names still accepted
-SCORERS = ("cap", "chunkkv", "compactor", "criticalkv", "cur", "duo_attention", "expected_attention", "fastkvzip",
-           "finch", "h2o", "keydiff", "knorm", "kvcompose", "kvzap", "kvzip", "lagkv", "leverage",
+SCORERS = ("cap", "chunkkv", "compactor", "composed", "criticalkv", "cur", "duo_attention", "expected_attention",
+           "fastkvzip", "finch", "h2o", "keydiff", "knorm", "kvcompose", "kvzap", "kvzip", "lagkv", "leverage",
            "non_causal_attention", "qfilter", "random", "simlayerkv", "snapkv", "streamingllm", "tova")
 SCORER_ALIASES = ("observed_attention", "streaming_llm")
 #: :data:`kvpress_ada.storage.STORAGES`: full precision first, then the others sorted

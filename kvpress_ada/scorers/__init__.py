@@ -7,6 +7,7 @@ from .base import SCORERS, PassChunk, PassScorer, Scorer, register_scorer
 from .cap import CAP
 from .chunkkv import ChunkKV
 from .compactor import Compactor
+from .composed import Composed
 from .criticalkv import CriticalKV
 from .cur import CUR
 from .duo_attention import DuoAttention
@@ -29,7 +30,7 @@ from .snapkv import SnapKV
 from .streamingllm import StreamingLLM
 from .tova import TOVA
 
-__all__ = ["SCORERS", "PassChunk", "PassScorer", "Scorer", "register_scorer", "CAP", "ChunkKV", "Compactor",
+__all__ = ["SCORERS", "PassChunk", "PassScorer", "Scorer", "register_scorer", "CAP", "ChunkKV", "Compactor", "Composed",
            "CriticalKV", "DuoAttention", "CUR", "ExpectedAttention", "FastKVzip", "Finch", "H2O", "KeyDiff", "KNorm",
            "KVCompose", "KVzap", "KVzip", "LagKV", "Leverage", "NonCausalAttention", "ObservedAttention", "QFilter",
            "RandomScorer", "SimLayerKV", "SnapKV", "StreamingLLM", "TOVA"]

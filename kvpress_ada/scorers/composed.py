@@ -15,6 +15,7 @@ from .knorm import KNorm
 from .snapkv import SnapKV
 
 _Keep = Annotated[float, Field(gt=0.0, le=1.0)]
+_DEFAULT_KEEP: list[float | None] = [0.75]  # the default stages: KNorm keeps 3/4 of each head's entries
 
 
 @register_scorer("composed")
@@ -36,7 +37,7 @@ class Composed(Scorer):
     name: Literal["composed"] = "composed"
     stages: list[SerializeAsAny[Scorer]] = Field(default_factory=lambda: [KNorm(), SnapKV()], min_length=2,
                                                  description="scorers in the order they prune")
-    keep: list[_Keep | None] = Field(default_factory=lambda: [0.75],
+    keep: list[_Keep | None] = Field(default_factory=lambda: _DEFAULT_KEEP.copy(),
                                      description="fraction of each head's entries every stage but the last keeps "
                                                  "(None: the entries it protects)")
 

@@ -231,7 +231,8 @@ def test_shipped_surrogate_fits_qwen_coder_0_5b():
     assert out.shape == (1, 2, 3) and bool(torch.isfinite(out).all())
     with pytest.raises(sur.SurrogateError, match="qwen2.5-coder-0.5b-instruct") as err:
         shipped.check_model(DEFAULT_CONFIG)  # the refusal offers the files shipped for the model in hand
-    assert str(err.value).endswith(f"this package ships {sur.SHIPPED_LINEAR} and {sur.SHIPPED_MLP} for it")
+    shipped_here = f"{sur.SHIPPED_GATE} and {sur.SHIPPED_LINEAR} and {sur.SHIPPED_MLP}"
+    assert str(err.value).endswith(f"this package ships {shipped_here} for it")
     with pytest.raises(sur.SurrogateError) as err:
         sur.load(sur.SHIPPED_MLP).check_model(config)
     assert str(err.value).endswith("this package ships builtin:qwen2_5_coder_0_5b_kvzip_mlp for it")

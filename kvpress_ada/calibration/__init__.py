@@ -138,7 +138,7 @@ class Calibration(BaseModel):
         """Refuse a model whose fingerprint differs from the one this calibration was made on."""
         other = model_identity(config)
         if other.fingerprint != self.model.fingerprint:
-            shipped = packaged.shipped_for(_HERE, ".json", other.fingerprint, lambda p: load(p).model.fingerprint)
+            shipped = packaged.shipped_for(_HERE, ".json", other.fingerprint, _budget_fingerprint)
             fix = (f"this package ships {' and '.join(shipped)} for it (Calibrated(path=...) / "
                    "CalibratedLayer(path=...))" if shipped else
                    "run `kvpress-ada calibrate --model <that model> --out heads.json` and use "
@@ -148,6 +148,13 @@ class Calibration(BaseModel):
 
     def save(self, path: str | os.PathLike) -> None:
         Path(path).write_text(json.dumps(self.model_dump(mode="json"), indent=1) + "\n")
+
+
+def _budget_fingerprint(path: str) -> str:
+    """The model fingerprint of the budget calibration at ``path`` ("" for DuoAttention's head patterns, which
+    share the file format but are no budget shares: never offered to ``Calibrated``)."""
+    found = load(path)
+    return "" if found.scorer.get("name") == "duo_attention" else found.model.fingerprint
 
 
 def resolve(path: str) -> Path:

@@ -71,8 +71,10 @@ AGNOSTIC_METHODS = ("kvzip", "kvzip_layerwise", "ada_kvzip", "lagkv", "ada_lagkv
 # KVzap (score surrogates): compared with kvpress's KVzipPress (their teacher) and, for the threshold preset, with
 # kvpress's DMSPress threshold logic on the very scores of our surrogate (SuppliedKVzapPress in the worker)
 SURROGATE_METHODS = ("kvzap", "kvzap_linear", "kvzap_threshold")
+# key statistics (question-agnostic scorers of the keys' and values' geometry; CAP reads every prefill query)
+KEY_STATISTICS_METHODS = ("leverage", "ada_leverage", "cur", "ada_cur", "non_causal_attention", "compactor", "cap")
 RATIO_FREE = ("kvzap_threshold",)  # set their own budget (a threshold): run once, at ratio 0 (no cap)
-ALL_METHODS = METHODS + AGNOSTIC_METHODS + SURROGATE_METHODS
+ALL_METHODS = METHODS + AGNOSTIC_METHODS + SURROGATE_METHODS + KEY_STATISTICS_METHODS
 # --kvpress-cache: transformers' QuantizedCache backends, what each needs in the kvpress venv, and the bit widths
 # transformers 5.2 accepts for it (QuantoQuantizedLayer: 2 and 4 only; HQQQuantizedLayer: 1, 2, 3, 4, 8)
 QUANTIZED_BACKENDS = {"quanto": ("optimum-quanto==0.2.7",), "hqq": ("hqq==0.2.8.post1",)}
@@ -90,6 +92,13 @@ KVPRESS_NAMES = {
     "lagkv": "LagKVPress",
     "keydiff": "KeyDiffPress",
     "kvzap_threshold": "DMSPress(KVzapPress(our surrogate))",
+    "leverage": "LeverageScorePress",
+    "ada_leverage": "AdaKVPress(LeverageScorePress)",
+    "cur": "CURPress",
+    "ada_cur": "AdaKVPress(CURPress)",
+    "non_causal_attention": "NonCausalAttnPress",
+    "compactor": "CompactorPress",
+    "cap": "CapPress",
 }
 # presets with no kvpress press of their own, compared (paired) with this kvpress press; presets in neither
 # table (streamingllm here) run on our side only, as a baseline
@@ -109,6 +118,14 @@ KVPRESS_DEFAULTS = {
                 "and the first `sinks` tokens scored +inf (as our KVzap); evicted keys are masked (masked_key_indices)",
     "KeyDiffPress": "no parameters besides compression_ratio (the paper's block-wise version is "
                     "BlockPress(KeyDiffPress), not run); gathers the kept tokens",
+    "LeverageScorePress": "sketch_dimension=48, a fresh Gaussian sketch per layer and call (global RNG); z-scored "
+                          "over the layer; gathers the kept tokens",
+    "CURPress": "num_sinks=4, leverage_type='kv_product', use_random_leverage=False, use_local_approximation=True, "
+                "local_window_size=16; gathers the kept tokens",
+    "NonCausalAttnPress": "chunk_size=256 (a short last chunk attends to zero padding); gathers the kept tokens",
+    "CompactorPress": "sink_size_start=8, sink_size_end=4, chunk_size=256, sketch_dimension=48, blending=None (the "
+                      "compression ratio); gathers the kept tokens",
+    "CapPress": "tau=5.0, n_future_positions=512, n_sink=4, epsilon=1e-6; gathers the kept tokens",
 }
 
 

@@ -58,6 +58,9 @@ import kvpress  # noqa: E402
 from kvpress import (  # noqa: E402
     AdaKVPress,
     BasePress,
+    CapPress,
+    CompactorPress,
+    CURPress,
     DMSPress,
     ExpectedAttentionPress,
     KeyDiffPress,
@@ -65,6 +68,8 @@ from kvpress import (  # noqa: E402
     KVzapPress,
     KVzipPress,
     LagKVPress,
+    LeverageScorePress,
+    NonCausalAttnPress,
     PyramidKVPress,
     ScorerPress,
     SnapKVPress,
@@ -94,6 +99,14 @@ PRESSES = {
     "kvzip_layerwise": lambda r: KVzipPress(compression_ratio=r, layerwise=True),
     "lagkv": lambda r: LagKVPress(compression_ratio=r),
     "keydiff": lambda r: KeyDiffPress(compression_ratio=r),
+    # key statistics (a fresh random leverage sketch per call, as kvpress draws it; Compactor's blending = r)
+    "leverage": lambda r: LeverageScorePress(compression_ratio=r),
+    "ada_leverage": lambda r: AdaKVPress(LeverageScorePress(compression_ratio=r), alpha_safeguard=ADA_ALPHA),
+    "cur": lambda r: CURPress(compression_ratio=r),
+    "ada_cur": lambda r: AdaKVPress(CURPress(compression_ratio=r), alpha_safeguard=ADA_ALPHA),
+    "non_causal_attention": lambda r: NonCausalAttnPress(compression_ratio=r),
+    "compactor": lambda r: CompactorPress(compression_ratio=r),
+    "cap": lambda r: CapPress(compression_ratio=r),
 }
 
 

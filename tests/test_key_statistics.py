@@ -369,6 +369,25 @@ def test_qfilter_on_a_padded_batch_ragged_matches_mask_and_rows_score_alone(tmp_
     torch.testing.assert_close(padded[1:, :, 4:], alone)
 
 
+def test_qfilters_command_writes_filters_the_scorer_accepts(tmp_path, monkeypatch, capsys):
+    from conftest import build_model
+
+    import kvpress_ada.harness.cli as cli
+    from kvpress_ada import qfilters
+
+    model, loads = build_model("llama"), []
+    monkeypatch.setattr(cli, "_load_model", lambda name: loads.append(name) or (model, _tokenizer()))
+    assert cli.main(["qfilters", "--model", "tiny", "--n", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "kvpress-ada qfilters: error: --n must be >= 1, got 0"
+    assert loads == []  # refused before the model loads
+    out = tmp_path / "qf.safetensors"
+    assert cli.main(["qfilters", "--model", "tiny", "--n", "2", "--context", "96", "--samples", "40",
+                     "--out", str(out), "--no-progress"]) == 0
+    made = qfilters.load(str(out))
+    assert made.meta.command[:2] == ["kvpress-ada", "qfilters"] and made.meta.data["samples_per_head"] == 40
+    QFilter(path=str(out)).check_model(model.config)
+
+
 def test_shipped_qfilters_are_the_default_models():
     from kvpress_ada import qfilters
 

@@ -311,12 +311,18 @@ def test_every_mode_of_a_hybrid_model(arch, mode):
             return model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, output_scores=True,
                                   return_dict_in_generate=True)
 
+    storage = Int8(group_size=16) if mode == "int8" else "full"
+    with preset("snapkv", compression_ratio=0.5, storage=storage, **overrides)(model):
+        cache = output_cache(model(ids, attention_mask=mask, use_cache=True))
+    heads = model.config.num_key_value_heads
+    for i in compressed_layers(family_of(model)):  # each row keeps half its real tokens in every global layer
+        assert cache.head_lengths(i).sum(-1).tolist() == [heads * 50, heads * 36], (mode, i)
     if mode == "batch row alone":
         both = run("topk", ids, mask)
         alone = run("topk", ids[1:, 28:], mask[1:, 28:])
         assert torch.equal(both.sequences[1, 28:], alone.sequences[0])
         return
-    got = run("topk", ids, mask, storage=Int8(group_size=16) if mode == "int8" else "full")
+    got = run("topk", ids, mask, storage=storage)
     reference = run("mask", ids, mask)
     if mode == "int8":  # int8 keys and values: the same greedy tokens, logits within the quantization error
         assert torch.equal(got.sequences, reference.sequences)

@@ -6,9 +6,11 @@ from conftest import ARCHITECTURES, build_model, build_tokenizer, generate_ragge
 
 from kvpress_ada import AdaHead, AdaLayer, Pipeline, Threshold, generate, preset
 from kvpress_ada import surrogate as sur
+from kvpress_ada.families import family_of
 from kvpress_ada.hosts.transformers.fanout import capture_prefill
 from kvpress_ada.hosts.transformers.hf import output_cache
 from kvpress_ada.presets import portable_preset_names
+from kvpress_ada.runtime import compressed_layers
 from kvpress_ada.scorers.kvzap import KVzap
 
 torch.set_num_threads(1)
@@ -29,9 +31,11 @@ def _ids(length: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
 
 
 def _kept(cache) -> list[torch.Tensor]:
+    """Kept positions of every layer the press compresses (a hybrid model's sliding-window layers hold their
+    window)."""
     out = []
-    for layer in cache.layers:
-        held = layer.view()
+    for i in cache.compressed_layers():
+        held = cache.layers[i].view()
         out.append(torch.where(held.valid, held.positions, -1).sort(-1).values)
     return out
 
@@ -54,8 +58,9 @@ def test_scores_are_the_surrogate_of_each_attention_input_with_sinks_protected(t
     ids = _ids(20, seed=1)
     _cache(model, Pipeline(scorer=Spy(path=path, sinks=3), compression_ratio=0.5), ids)
     hidden = capture_prefill(model, ids, hidden_states=True).layers
-    for i, c in enumerate(hidden):
-        want = sur.load(path).predict(c.hidden, i)
+    assert set(seen) == set(compressed_layers(family_of(model)))
+    for i in seen:
+        want = sur.load(path).predict(hidden[i].hidden, i)
         want[..., :3] = float("inf")
         torch.testing.assert_close(seen[i], want)
 
@@ -78,16 +83,17 @@ def test_every_mode_runs_and_agrees(tiny):
     alone = _kept(_cache(model, press, ids[:, pad:]))
     for a, b in zip(padded, alone):
         assert torch.equal(a[0][a[0] >= 0], b[0][b[0] >= 0] + pad)
-    n, H = len(kept), model.config.num_key_value_heads
+    scope, H = compressed_layers(family_of(model)), model.config.num_key_value_heads
+    n = len(scope)
     chunked = _cache(model, press.model_copy(update={"prefill_chunk": 8}), ids)
-    assert sum(int(chunked.head_lengths(i).sum()) for i in range(n)) == n * H * 18
+    assert sum(int(chunked.head_lengths(i).sum()) for i in scope) == n * H * 18
     decoding = Pipeline(scorer=KVzap(path=path, window=2), budget=6, decode_budget=6, decode_interval=4,
                         **MODEL_SCOPE)
     with torch.no_grad(), decoding(model):
         out = model.generate(ids, max_new_tokens=9, do_sample=False, return_dict_in_generate=True)
     cache = out.past_key_values
-    assert cache.state.compactions == [2] * n
-    assert sum(int(cache.head_lengths(i).sum()) for i in range(n)) <= n * H * (6 + 4)
+    assert [cache.state.compactions[i] for i in scope] == [2] * n
+    assert sum(int(cache.head_lengths(i).sum()) for i in scope) <= n * H * (6 + 4)
     tok = build_tokenizer()
     answer = generate(model, tok, "The key is 42. " * 3, ["Key?"], press=press, max_new_tokens=3)
     assert isinstance(answer, list) and len(answer) == 1
@@ -100,8 +106,8 @@ def test_threshold_keeps_what_the_surrogate_clears(tiny):
     tau = float(sur.load(path).predict(prefill.layers[0].hidden, 0).median())
     press = Pipeline(scorer=KVzap(path=path, sinks=0), allocator=Threshold(tau=tau, floor=0))
     cache = _cache(model, press, ids)
-    for i, c in enumerate(prefill.layers):
-        want = (sur.load(path).predict(c.hidden, i) >= tau).sum(-1)
+    for i in compressed_layers(family_of(model)):
+        want = (sur.load(path).predict(prefill.layers[i].hidden, i) >= tau).sum(-1)
         assert torch.equal(cache.head_lengths(i), want.clamp(min=0))
 
 

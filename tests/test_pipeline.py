@@ -92,7 +92,7 @@ def test_unsupported_model_is_refused():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64))
-    with pytest.raises(ValueError, match="llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ValueError, match="llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3"):
         with preset("snapkv", compression_ratio=0.5)(model):
             pass
 

@@ -61,7 +61,8 @@ class ChunkedPrefill(Handler):
         """Chunk ``index`` is run next: every layer's clock counts it (the same step in every layer)."""
         self.index = index
         start, stop = self.chunks[index]
-        self.due = self.cache.state.advance(self.schedule, stop - start)[0].due
+        steps = self.cache.state.advance(self.schedule, stop - start)
+        self.due = next((step.due for step in steps if step.due is not None), None)  # the compressed layers' due
 
     def handles_prefill(self, layer_idx: int) -> bool:
         return False  # every chunk goes through attend()

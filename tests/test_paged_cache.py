@@ -122,6 +122,8 @@ def test_paged_keeps_and_generates_what_ragged_does(llama, tokenizer, name, mode
         press = preset(name, compression_ratio=0.5, **MODES[mode])
     except ValueError:
         pytest.skip(f"{name} does not run in {mode} mode")  # refused at construction (e.g. a model pass)
+    if press.evictor.rerotate and mode != "one-shot":
+        pytest.skip("a paged layer moves its kept entries as stored: it refuses to re-rotate them a second time")
     ids, mask = left_padded_batch()
     key = cache_kwarg(llama)
     results = []

@@ -617,3 +617,19 @@ def replace_obs(obs, h):
     G = obs.queries.shape[1] // obs.keys.shape[1]
     return replace(obs, keys=obs.keys[:, h:h + 1], values=obs.values[:, h:h + 1],
                    queries=obs.queries[:, h * G:(h + 1) * G], head_offset=h)
+
+
+def test_a_paged_cache_refuses_to_rerotate_a_compressed_layer_in_one_line():
+    from conftest import build_model, left_padded_batch
+
+    from kvpress_ada import preset
+    from kvpress_ada.hosts.transformers.hf import cache_kwarg
+    from kvpress_ada.hosts.transformers.paged_cache import PagedCache
+
+    model = build_model("llama")
+    ids, mask = left_padded_batch()
+    press = preset("rerotated_streamingllm", compression_ratio=0.5).replace(decode_budget=40, decode_interval=2)
+    with pytest.raises(ValueError, match="cannot re-rotate") as err, torch.no_grad(), press(model):
+        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4,
+                       **{cache_kwarg(model): PagedCache(config=model.config, page_size=8)})
+    assert "\n" not in str(err.value)

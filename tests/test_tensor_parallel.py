@@ -129,7 +129,8 @@ def test_two_ranks_equal_one_process(tmp_path):
     failed = {name: r["problems"] for ranked in data["ranks"] for name, r in ranked.items() if not r["ok"]}
     assert not failed and proc.returncode == 0, (failed, proc.stderr[-2000:])
     assert data["world_size"] == 2
-    served = {n for n in portable_preset_names() if preset(n, compression_ratio=0.5).reader is None}  # no reader: TP
+    presses = {n: preset(n, compression_ratio=0.5) for n in portable_preset_names()}
+    served = {n for n, p in presses.items() if p.reader is None and p.prefill_chunk is None}  # TP refuses them
     assert all(set(ranked) == served | {"kvzap"} for ranked in data["ranks"])
     # Ada gives the heads of a layer different budgets, decided across both ranks' heads
     ada = [ranked["ada_snapkv"]["layer0_lengths"] for ranked in data["ranks"]]

@@ -41,6 +41,11 @@ def near_tie_swaps(keep, ref_keep, ref_scores, rtol=1e-5):
     return n, ""
 
 
+def _served(press) -> bool:
+    """Whether a tensor-parallel model runs ``press`` (no reader, no chunked prefill)."""
+    return press.reader is None and press.prefill_chunk is None
+
+
 def main() -> int:
     path, report = sys.argv[1], sys.argv[2]
     presets = sys.argv[3].split(",") if len(sys.argv) > 3 and sys.argv[3] else None
@@ -102,8 +107,9 @@ def main() -> int:
     results = {}
     failures = []
     surrogate = sys.argv[4] if len(sys.argv) > 4 else None  # a surrogate file for this model: KVzap runs too
-    # a reader is refused under tensor parallelism (its read split compares every kv head of a layer)
-    names = (presets or [n for n in portable_preset_names() if preset(n, compression_ratio=0.5).reader is None]) + (
+    # refused under tensor parallelism: a reader (its read split compares every kv head of a layer) and a
+    # chunked prefill (block_keydiff)
+    names = (presets or [n for n in portable_preset_names() if _served(preset(n, compression_ratio=0.5))]) + (
         ["kvzap"] if surrogate else [])
     for name in names:
         if name == "kvzap":

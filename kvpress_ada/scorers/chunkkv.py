@@ -69,14 +69,18 @@ class ChunkKV(Scorer):
         return self.scorer.entry_scores(hidden, layer_idx)
 
     def score(self, obs: Observation) -> torch.Tensor:
-        return chunk_means(self.scorer.score(obs).float(), obs.key_mask, self.length, self.shared)
+        whole = obs.shard is not None and obs.n_kv_heads == obs.shard.n_local  # the layer's heads span ranks
+        return chunk_means(self.scorer.score(obs).float(), obs.key_mask, self.length, self.shared,
+                           obs.shard if whole else None)
 
 
-def chunk_means(scores: torch.Tensor, key_mask: torch.Tensor, length: int, shared: bool) -> torch.Tensor:
+def chunk_means(scores: torch.Tensor, key_mask: torch.Tensor, length: int, shared: bool,
+                shard: Any = None) -> torch.Tensor:
     """``[B, H, L]``: each valid, unprotected entry of ``scores [B, H, L]`` replaced by the mean of the
     unprotected entries of its chunk (``length`` consecutive valid entries of ``key_mask [B, L]``, counted from
     the row's last; with ``shared`` the mean runs over every head's entries of the chunk, one ranking for all
-    heads); ``+inf`` entries and padding keep their scores."""
+    heads; ``shard``: under tensor parallelism, the mean also runs over the other ranks' heads); ``+inf`` entries
+    and padding keep their scores."""
     B, H, L = scores.shape
     from_end = key_mask.long().flip(-1).cumsum(-1).flip(-1) - 1  # [B, L] valid entries after this one
     chunk = (from_end.clamp(min=0) // length)[:, None, :].expand(B, H, L)
@@ -84,6 +88,8 @@ def chunk_means(scores: torch.Tensor, key_mask: torch.Tensor, length: int, share
     values = torch.where(counted, scores, torch.zeros_like(scores))
     weights = counted.to(values.dtype)
     if shared:  # the heads of a row hold the same entries here: one mean over every head's entries of a chunk
+        if shard is not None:
+            values, weights = shard.gather(values), shard.gather(weights)
         values, weights = values.sum(1, keepdim=True).expand(B, H, L), weights.sum(1, keepdim=True).expand(B, H, L)
     n_chunks = L // length + 1
     total = values.new_zeros(B, H, n_chunks).scatter_add_(2, chunk, values)

@@ -50,7 +50,10 @@ class SimLayerKV(Scorer):
         w = min(self.n_last, obs.queries.shape[2])
         attn = window_attention(obs, w)  # [B, H, G, w, L]
         queries = obs.key_mask[:, L - w:].sum(-1).clamp(min=1)  # the window's valid queries per row
-        share = attn.sum(3).mean((1, 2)) / queries[:, None]  # [B, L]: mean over heads and queries
+        per_head = attn.sum(3).mean(2)  # [B, H, L]
+        if obs.shard is not None and H == obs.shard.n_local:  # tensor parallelism: every rank's heads decide
+            per_head = obs.shard.gather(per_head)
+        share = per_head.mean(1) / queries[:, None]  # [B, L]: mean over heads and queries
         lazy = (share * kept).sum(-1) > self.lazy_threshold  # [B]
         scores = torch.where(kept | ~lazy[:, None], float("inf"), _DROPPABLE - after.float())
         return scores[:, None, :].expand(B, H, L).clone()

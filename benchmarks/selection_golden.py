@@ -49,6 +49,7 @@ from kvpress_ada.hosts.transformers import (  # noqa: E402
     check_press,
 )
 from kvpress_ada.hosts.transformers.fanout import capture_prefill  # noqa: E402
+from kvpress_ada.hosts.transformers.window_layer import WindowLayer  # noqa: E402
 from kvpress_ada.storage import Int4  # noqa: E402
 
 GOLDEN = ROOT / "benchmarks" / "results" / "selection_golden.json"
@@ -105,6 +106,10 @@ def _held(layer: Any) -> list[list[tuple[torch.Tensor, torch.Tensor | None]]]:
         keep = torch.ones(B, H, L, dtype=torch.bool) if layer.keep is None else \
             torch.nn.functional.pad(layer.keep, (0, L - layer.keep.shape[-1]), value=True)
         return [[(keys[b, h][keep[b, h]], None) for h in range(H)] for b in range(B)]
+    if isinstance(layer, WindowLayer):  # a hybrid model's sliding-window layer: its window, as the model holds it
+        keys = layer.keys
+        assert keys is not None
+        return [[(keys[b, h], None) for h in range(keys.shape[1])] for b in range(keys.shape[0])]
     raise TypeError(type(layer).__name__)
 
 

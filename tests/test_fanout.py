@@ -19,8 +19,9 @@ SAMPLES = [
 
 
 @pytest.mark.parametrize("question_aware", [False, True])
-def test_fanout_answers_equal_separate_runs(tokenizer, question_aware):
-    model = build_model("qwen2", seed=3)
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3_text"])  # gemma3_text: a hybrid (sliding layers hold a window)
+def test_fanout_answers_equal_separate_runs(tokenizer, question_aware, arch):
+    model = build_model(arch, seed=3)
     entries = grid(["snapkv", "ada_snapkv", "ada_pyramidkv", "h2o", "ada_criticalkv", "streamingllm"], [0.3, 0.7])
     result = evaluate(model, tokenizer, SAMPLES, entries, question_aware=question_aware, max_new_tokens=5,
                       progress=False)

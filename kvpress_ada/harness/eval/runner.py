@@ -85,10 +85,10 @@ def _crop_to(cache, length: int) -> None:
     cache.crop(length - cache.get_seq_length())
 
 
-def _decoding(press) -> bool:
-    """Decode compression compacts while generating, which a crop cannot undo: such presses answer
-    and teacher-force on copies of the compressed cache instead."""
-    return press is not None and press.compresses_decode
+def _decoding(press, cache=None) -> bool:
+    """Whether answering and teacher-forcing run on a copy of ``cache``: decode compression compacts while
+    generating, and a sliding-window layer lets old tokens go, which a crop cannot undo."""
+    return (press is not None and press.compresses_decode) or any(getattr(cache, "is_sliding", ()))
 
 
 @torch.inference_mode()
@@ -96,11 +96,12 @@ def _teacher_forced(model, press, cache, tokens: torch.Tensor):
     """Logits ``[B, T, V]`` and per-layer hidden states ``[B, T, H]`` of ``tokens [B, T]`` fed over ``cache``
     (left as it was)."""
     length = cache.get_seq_length()
-    if _decoding(press):
+    copied = _decoding(press, cache)
+    if copied:
         cache = copy.deepcopy(cache)
     with _routed(press, model):
         out = model(input_ids=tokens, use_cache=True, output_hidden_states=True, **{cache_kwarg(model): cache})
-    if not _decoding(press):
+    if not copied:
         _crop_to(output_cache(out), length)
     return out.logits, out.hidden_states
 
@@ -132,7 +133,8 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
 
     def answer(press, cache, logits=None, rows: int = 1) -> list[list[int]]:
         """Greedy answer tokens of each of the cache's ``rows`` batch rows; the cache is left as it was."""
-        if _decoding(press):
+        copied = _decoding(press, cache)
+        if copied:
             cache = copy.deepcopy(cache)
         with _routed(press, model):
             if question_aware:
@@ -140,7 +142,7 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
                 tokens, cache = decode_rows(model, first.expand(rows, -1), cache, max_new_tokens, eos)
             else:
                 tokens, cache = continue_rows(model, tail_ids.expand(rows, -1), cache, max_new_tokens, eos)
-        if not _decoding(press):
+        if not copied:
             _crop_to(cache, length)
         return tokens
 

@@ -45,15 +45,17 @@ class WindowLayer(DynamicSlidingWindowLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens (a negative count, as the press caches take it), then keep
-        the window (what a recording forward kept comes back)."""
+        the window (what a recording forward kept comes back); refused in one line when the window no longer holds
+        the tokens before them."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
         n = -tokens_to_remove
         if not self.is_initialized:
             return
         keys, values = self._held()
-        if n > keys.shape[-2]:
-            raise ValueError(f"cannot crop {n} tokens from a sliding-window layer holding {keys.shape[-2]}")
+        if keys.shape[-2] - n < min(self.cumulative_length - n, self.sliding_window - 1):
+            raise ValueError(f"cannot crop {n} tokens from a sliding-window layer: the window has let the tokens "
+                             "before them go; continue a copy of the cache instead (copy.deepcopy)")
         if n:
             keys, values = keys[:, :, :-n], values[:, :, :-n]
             self.cumulative_length -= n

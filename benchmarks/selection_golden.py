@@ -113,10 +113,27 @@ def _held(layer: Any) -> list[list[tuple[torch.Tensor, torch.Tensor | None]]]:
     raise TypeError(type(layer).__name__)
 
 
-def _positions(cache: Any) -> list[list[list[list[int]]]]:
-    """Positions held per (layer, row, head), each matched to the logged key it equals."""
+def _rewrites_keys(press: Any) -> bool:
+    """Whether ``press`` changes the keys it keeps (re-rotation, pruned key channels): its held keys match no logged
+    key, so its positions are read from the cache's own record of them."""
+    return bool(getattr(press.evictor, "rerotate", False)) or getattr(press, "key_channels", None) is not None
+
+
+def _recorded_positions(cache: Any, i: int) -> list[list[list[int]]]:
+    """Positions layer ``i`` of a press cache says it holds, per (row, head)."""
+    held = cache.layers[i].view(cache.state.key_mask)
+    B, H = held.valid.shape[:2]
+    return [[sorted(held.positions[b, h][held.valid[b, h]].tolist()) for h in range(H)] for b in range(B)]
+
+
+def _positions(cache: Any, rewritten: bool = False) -> list[list[list[list[int]]]]:
+    """Positions held per (layer, row, head), each matched to the logged key it equals (``rewritten``: a press that
+    changes the keys it keeps: the positions the cache records, sliding-window layers still matched)."""
     out = []
     for i, layer in enumerate(cache.layers):
+        if rewritten and not isinstance(layer, WindowLayer):
+            out.append(_recorded_positions(cache, i))
+            continue
         log = _LOG[i]
         pos = torch.tensor(sorted(log))
         table = torch.stack([log[p] for p in pos.tolist()], dim=2)  # [B, H, P, D]
@@ -192,7 +209,7 @@ def _run(model, name: str, mode: str, ids, mask, ratio: float, chunk: int, new_t
                 for t in range(c.keys.shape[2]):
                     _LOG.setdefault(i, {})[t] = c.keys[:, :, t].clone()
             try:
-                positions = _positions(prefill.compressed_cache(press))
+                positions = _positions(prefill.compressed_cache(press), _rewrites_keys(press))
             except ValueError:
                 return {"refused": True}
             return {"kept": _digest(positions)}
@@ -204,7 +221,7 @@ def _run(model, name: str, mode: str, ids, mask, ratio: float, chunk: int, new_t
             return {"refused": True}
         cache = out.past_key_values
         tokens = out.sequences[:, ids.shape[1]:].tolist()
-    return {"tokens": tokens, "kept": _digest(_positions(cache))}
+    return {"tokens": tokens, "kept": _digest(_positions(cache, _rewrites_keys(press)))}
 
 
 def _reinit(model: Any, seed: int) -> Any:

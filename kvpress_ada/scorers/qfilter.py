@@ -44,7 +44,11 @@ class QFilter(Scorer):
         self.load_filters().check_model(config, source=f"Q-filters {self.path!r}")
 
     def score(self, obs: Observation) -> torch.Tensor:
-        filters = self.load_filters().on(obs.keys.device)[obs.layer_idx]  # [H_kv of the layer, D]
+        layers = self.load_filters().on(obs.keys.device)
+        if obs.layer_idx >= len(layers) or layers[obs.layer_idx].shape[-1] != obs.keys.shape[-1]:
+            raise ValueError(f"Q-filters {self.path!r} were made for another model (layer {obs.layer_idx}, head "
+                             f"dimension {obs.keys.shape[-1]} here): make this model's with `kvpress-ada qfilters`")
+        filters = layers[obs.layer_idx]  # [H_kv of the layer, D]
         start = obs.global_head_offset
         heads = filters[start:start + obs.n_kv_heads]
         return -torch.einsum("bhld,hd->bhl", obs.keys.float(), heads)

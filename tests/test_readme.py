@@ -113,7 +113,7 @@ def test_docs_state_the_budget_rule_the_pipeline_enforces(doc):
 
 def test_qwen_details_link_points_to_the_qwen_section():
     readme = (ROOT / "README.md").read_text()
-    slices = readme[readme.index("Qwen2.5-Coder slices are joined"):]
+    slices = readme[readme.index("Qwen2.5-Coder slices"):]
     link = re.search(r"\]\(docs/usage\.md#([\w-]+)\)", slices)
     assert link and "qwen" in link.group(1)
 

@@ -74,6 +74,8 @@ def test_ragged_matches_mask_left_padded_batch(llama):
 @pytest.mark.parametrize("name", sorted(SCORERS.names()))
 def test_every_scorer_decodes_or_refuses(llama, name, tmp_path):
     scorer = SCORERS.build(name)
+    if name == "duo_attention":
+        pytest.skip("DuoAttention's head patterns are a calibration file of one model: tests/test_structure_presses.py")
     if getattr(type(scorer), "model_specific", False):  # a file made for this model: Q-filters, KVzap's surrogate
         path = tmp_path / "model.safetensors"
         if name == "qfilter":

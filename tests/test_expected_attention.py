@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpress_ada import ExpectedAttention, Observation, Pipeline
-from kvpress_ada.scorers.expected_attention import _rotate_to_future
+from kvpress_ada.scorers.expected_attention import rotate_to_future
 
 
 def _inv_freq(D, base=10000.0):
@@ -30,7 +30,7 @@ def test_future_rotation_equals_explicit_average(w, n_future, D, seed):
         shift = torch.arange(w, 0, -1, dtype=torch.float64) + k  # query j is w - j positions before the future
         explicit += _rope(q, shift[:, None] * inv[None, :])
     explicit /= n_future
-    fast = _rotate_to_future(q.float(), inv.float(), n_future).double()
+    fast = rotate_to_future(q.float(), inv.float(), n_future).double()
     assert torch.allclose(fast, explicit, atol=2e-4 * (1 + explicit.abs().max().item()))
 
 

@@ -142,7 +142,8 @@ def test_benchmark_results_in_git_hold_no_per_sample_records():
     per_sample = [f for f in results if re.search(r"(quality_(agnostic|aware)|results|partial[^/]*)\.json$", f)]
     assert per_sample == []
     size = sum((ROOT / f).stat().st_size for f in results if (ROOT / f).is_file())
-    assert size <= 5 * 10**6, f"benchmarks/results holds {size / 1e6:.2f} MB in git (summaries and plots: at most 5 MB)"
+    # the selection goldens of 13 tiny families x every preset x 2 transformers releases take 1.6 MB of it
+    assert size <= 6 * 10**6, f"benchmarks/results holds {size / 1e6:.2f} MB in git (summaries and plots: at most 6 MB)"
 
 
 def _benchmarks_common():

@@ -12,7 +12,7 @@ from pydantic import Field
 
 from ..observation import Observation
 from .base import Scorer, protect_first_valid, register_scorer
-from .expected_attention import _rotate_to_future
+from .expected_attention import rotate_to_future
 from .statistics import ranks
 
 
@@ -28,7 +28,7 @@ class CAP(Scorer):
     values as output directions, the future-RoPE average), which reads every prefill query as its query history;
     here a finite ``window`` is allowed too (decode compression then re-scores with the last ``window`` queries,
     refused without one). The anchor's rotation uses the post-RoPE queries and relative positions
-    (:func:`~.expected_attention._rotate_to_future`), the same rotation kvpress builds from the pre-RoPE queries;
+    (:func:`~.expected_attention.rotate_to_future`), the same rotation kvpress builds from the pre-RoPE queries;
     ``v_i^T A^-1 v_i`` is ``||F^-1 v_i||^2`` with ``F`` the Cholesky factor of ``A`` (``A >= I``).
 
     Across heads: ``A``'s identity term has each head's value scale against it, and ``w`` is shifted by each
@@ -62,7 +62,7 @@ class CAP(Scorer):
         q = obs.queries.float()
         w = q.shape[2]
         content = obs.key_mask & (ranks(obs.key_mask) >= self.sinks)  # [B, L]
-        q = _rotate_to_future(q, obs.rope_inv_freq.float().to(q.device), self.n_future)
+        q = rotate_to_future(q, obs.rope_inv_freq.float().to(q.device), self.n_future)
         counted = content[:, L - w:].to(q.dtype)[:, None, :, None]  # queries sit where their keys do
         anchor = (q * counted).sum(2) / counted.sum(2).clamp(min=1.0)  # [B, H_q, D]
         anchor = F.normalize(anchor, dim=-1).view(B, H, G, D)

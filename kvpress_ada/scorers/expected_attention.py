@@ -48,7 +48,7 @@ class ExpectedAttention(Scorer):
         q = obs.queries.float()  # [B, Hq, w, D] at positions L-w .. L-1
         B, Hq, w, D = q.shape
         Hkv, G = obs.n_kv_heads, obs.group_size
-        q = _rotate_to_future(q, obs.rope_inv_freq.float().to(q.device), self.n_future)
+        q = rotate_to_future(q, obs.rope_inv_freq.float().to(q.device), self.n_future)
         q = q.view(B, Hkv, G, w, D)
         weight = obs.key_mask[:, -w:].to(q.dtype)[:, None, None, :, None]  # queries sit where the keys do
         count = weight.sum(dim=3).clamp(min=1.0)  # [B, 1, 1, 1]
@@ -73,7 +73,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
-def _rotate_to_future(q: torch.Tensor, inv_freq: torch.Tensor, n_future: int) -> torch.Tensor:
+def rotate_to_future(q: torch.Tensor, inv_freq: torch.Tensor, n_future: int) -> torch.Tensor:
     """Average rotation taking each post-RoPE query from its position to the next ``n_future``
     positions after the context. Query ``j`` of ``w`` sits ``w - j`` positions before the first
     future one, and RoPE is a rotation group, so ``mean_k R(w - j + k) q = M R(w - j) q`` with

@@ -8,8 +8,8 @@ synthetic tasks of ``kvpress-ada eval``. Formats: ``model`` (the named model's o
 ``prompt_template``, else the checkpoint's chat template), ``none`` (no template: the context, then
 ``Question: ... Answer:``, no special tokens) and the alternatives of :data:`FORMATS`.
 
-    python benchmarks/prompt_formats.py --model gemma-3-270m --formats model,none,bos,turns,fewshot \
-        --tasks passkey,multikey,vartrack --n 8 --context 4000 --out benchmarks/results/gemma_prompt_formats_4k.json
+    python benchmarks/prompt_formats.py --model gemma-3-270m --formats model,none,bos,turns,fewshot,fewshot_word \
+        --tasks passkey,multikey --n 8 --context 4000 --out benchmarks/results/gemma-3-270m_prompt_formats_4k.json
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--out", type=Path, default=None, help="JSON of every answer and the accuracies")
+    p.add_argument("--out", type=Path, default=None, help="JSON summary: accuracy per format and task, time")
+    p.add_argument("--records", type=Path, default=None, help="JSON of every answer (keep it out of git)")
     args = p.parse_args(argv)
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     bad = [f for f in formats if f not in ("model", "none", *FORMATS)]
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                           seed=args.seed)]
     print(f"model and {len(samples)} samples ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     templates = {"model": own, "none": None, **FORMATS}
-    rows, records = [], []
+    rows, records, summary = [], [], {}
     for fmt in formats:
         tokenizer.chat_template = templates[fmt]
         scores: dict[str, list[float]] = {}
@@ -108,18 +109,22 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(records[-1]), file=sys.stderr, flush=True)
         seconds = time.perf_counter() - start
         every = [s for task in scores.values() for s in task]
+        summary[fmt] = {"accuracy": {task: sum(v) / len(v) for task, v in scores.items()},
+                        "all": sum(every) / len(every), "n": {task: len(v) for task, v in scores.items()},
+                        "seconds_per_sample": seconds / len(every)}
         rows.append([fmt] + [f"{sum(v) / len(v):.2f}" for v in scores.values()]
                     + [f"{sum(every) / len(every):.2f}", f"{seconds / len(every):.0f}"])
     tasks = list(dict.fromkeys(s.task for s in samples))
     table = common.fmt_table(["format", *tasks, "all", "s / sample"], rows)
     print(table)
+    run = {"machine": common.machine_info(), "git": common.git_state(), "date": common.now_iso(),
+           "model": args.model, "source_template": SOURCES[args.model].prompt_template, "tasks": tasks,
+           "n": args.n, "context": args.context, "seed": args.seed, "threads": args.threads,
+           "max_new_tokens": args.max_new_tokens, "formats": {f: templates[f] for f in formats}}
     if args.out is not None:
-        src = SOURCES[args.model]
-        common.write_json(args.out, {
-            "machine": common.machine_info(), "git": common.git_state(), "date": common.now_iso(),
-            "model": args.model, "own_template": own, "source_template": src.prompt_template,
-            "tasks": tasks, "n": args.n, "context": args.context, "seed": args.seed, "threads": args.threads,
-            "formats": {f: templates[f] for f in formats}, "table": table, "records": records})
+        common.write_json(args.out, {**run, "summary": summary, "table": table})
+    if args.records is not None:
+        common.write_json(args.records, {**run, "records": records})
     return 0
 
 

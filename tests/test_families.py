@@ -219,7 +219,9 @@ def test_a_hybrid_models_sliding_layers_hold_their_window_and_the_press_compress
         heads = model.config.num_key_value_heads
         for i in held:  # the window's last tokens, exactly what the model's own cache holds there
             assert kept[i] == heads * (window - 1)
-            assert torch.equal(cache.layers[i].keys, reference.layers[i].keys)
+            # the same tokens; the global layers before it attend through the library's dense prefill, whose
+            # rounding may differ from the model's own attention (5.18's sdpa for Gemma-2: 3e-7)
+            torch.testing.assert_close(cache.layers[i].keys, reference.layers[i].keys, atol=1e-5, rtol=0)
         compressed = [kept[i] for i in compressed_layers(family)]
         assert sum(compressed) == len(compressed) * heads * round(0.5 * ids.shape[1]), name
         assert cache.nbytes() == sum(cache.layers[i].nbytes() for i in range(family.n_layers))

@@ -2,7 +2,8 @@
 """Benchmark the ragged (Ada-KV) decode attention kernel on a CUDA GPU.
 
 1. Correctness: Triton vs the torch reference in bf16 and fp16 (Ada-shaped rows, Q in
-   {1, 4}, GQA), plus compaction vs its reference.
+   {1, 4}, GQA), attention over selected pages vs its reference (and, all pages selected, vs
+   ragged attention), plus compaction vs its reference.
 2. Bandwidth: one decode step (Q=1) of one layer, H_kv=8, G=4, D=128, at contexts
    8k..128k and B in {1, 8}. Row lengths are Ada-shaped: drawn log-uniformly so rows
    differ ~10x, scaled so they average (1 - ratio) * context. Achieved bandwidth = bytes of
@@ -11,6 +12,9 @@
    torch SDPA over a dense cache of the same kept size (the same bytes), and, if
    ``flash_attn`` is importable, ``flash_attn_varlen_func`` with each kv row as a sequence.
    The goal is >= 70% of peak at 32k.
+   Beside it, attention over selected pages (Quest-style sparse reads, ``sparse_triton_kernel``) over the same
+   rows laid out on ``--page-size`` pages, each row reading ``--read-fraction`` of its pages: its time, and its
+   bandwidth over the bytes of the pages it reads (the number that should match the dense kernel's).
 3. ``--sweep``: try launch configs (split size, block_n, warps, stages) at 32k and report
    the best ones (to retune ``triton_kernels.default_config``).
 
@@ -54,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--peak-bw", type=float, default=4.8e12, help="peak HBM bandwidth in B/s (default 4.8e12, H200)")
     p.add_argument("--iters", type=int, default=50, help="graph replays per measurement")
     p.add_argument("--goal", type=float, default=0.70, help="target fraction of peak at 32k (default 0.70)")
+    p.add_argument("--page-size", type=int, default=16, help="entries per page of the sparse reads (default 16)")
+    p.add_argument("--read-fraction", type=float, default=0.25,
+                   help="fraction of each row's pages the sparse reads select (default 0.25)")
     p.add_argument("--sweep", action="store_true", help="also sweep launch configs at 32k")
     p.add_argument("--no-check", action="store_true", help="skip the correctness checks")
     p.add_argument("--out", type=Path, default=None, help=f"JSON output (default {DEFAULT_OUT.relative_to(ROOT)})")
@@ -94,12 +101,13 @@ def randn(shape, dtype, device, gen):
     return torch.randn(shape, device=device, dtype=dtype)
 
 
-def make_ragged(B, H_kv, G, D, Q, lens, dtype, device, gen, gaps=0):
-    """Packed ragged cache (``gaps`` spare slots after each row) and queries."""
+def make_ragged(B, H_kv, G, D, Q, lens, dtype, device, gen, gaps=0, align=1):
+    """Packed ragged cache (``gaps`` spare slots after each row, each row's capacity rounded up to a multiple of
+    ``align``: rows start on page boundaries) and queries."""
     import torch
 
     R = B * H_kv
-    caps = [n + gaps for n in lens]
+    caps = [-(-(n + gaps) // align) * align for n in lens]
     offs = [0] * R
     for r in range(1, R):
         offs[r] = offs[r - 1] + caps[r - 1]
@@ -171,8 +179,28 @@ def replicas_for(bytes_per_call: int, cuda: bool, l2_bytes: int = 60 << 20) -> i
 # ----------------------------------------------------------------------------- checks
 
 
-def check_correctness(kernels, tk, dtypes, device, gen, small: bool) -> list[dict]:
+def sparse_case(lens, offs, n_slots, page, fraction, device, gen):
+    """The page table of a page-aligned ragged layout and a random selection of about ``fraction`` of each row's
+    pages (at least one where the row holds any), with the bytes-read count: entries held in selected pages."""
     import torch
+
+    from kvpress_ada.kernels.ragged.sparse import page_table
+
+    table = page_table(offs, n_slots, page)
+    R, W = table.shape
+    held = (torch.arange(W, device=device) * page)[None, :] < lens.long()[:, None]  # pages holding an entry
+    pick = (torch.rand(R, W, generator=gen) < fraction).to(device) & held
+    first = held & (torch.cumsum(held, -1) == 1)
+    selected = pick | (first & ~pick.any(-1, keepdim=True))
+    entries = torch.clamp(lens.long()[:, None] - torch.arange(W, device=device) * page, 0, page)
+    return table, selected, int((entries * selected).sum())
+
+
+def check_correctness(kernels, tk, dtypes, device, gen, small: bool, page: int = 16) -> list[dict]:
+    import torch
+
+    from kvpress_ada.kernels.ragged import sparse_triton_kernel as st
+    from kvpress_ada.kernels.ragged.sparse import sparse_attention_ref
 
     out = []
     tol = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -193,6 +221,23 @@ def check_correctness(kernels, tk, dtypes, device, gen, small: bool) -> list[dic
                 out.append(dict(op="ragged_attention", dtype=str(dtype), Q=Q, split_size=split, max_abs_err=err, ok=ok))
                 print(f"  check ragged_attention {str(dtype):15s} Q={Q} split={split or 'auto':>4}: "
                       f"max|err|={err:.2e} {'ok' if ok else 'FAIL'}")
+        # attention over selected pages (a third of them; then all: ragged attention)
+        for Q in (1, 4):
+            B, H_kv, G = 2, 2 if small else 8, 4
+            lens = ada_lengths(B * H_kv, ctx, 0.5, 10.0, gen)
+            lens[0] = 0
+            q, k, v, offs, lens_t = make_ragged(B, H_kv, G, D, Q, lens, dtype, device, gen, gaps=3, align=page)
+            table, selected, _ = sparse_case(lens_t, offs, k.shape[0], page, 0.33, device, gen)
+            scale = D**-0.5
+            for name, sel, ref in (
+                    ("some", selected, sparse_attention_ref(q, k, v, offs, lens_t, table, selected, page, scale)),
+                    ("all", torch.ones_like(selected), kernels.ragged_attention_ref(q, k, v, offs, lens_t, scale))):
+                got = st.sparse_attention_triton(q, k, v, lens_t, table, sel, page, scale)
+                err = (got.float() - ref.float()).abs().max().item()
+                ok = bool(torch.isfinite(got).all()) and err <= tol[dtype] * max(1.0, ref.float().abs().max().item())
+                out.append(dict(op="sparse_attention", dtype=str(dtype), Q=Q, pages=name, max_abs_err=err, ok=ok))
+                print(f"  check sparse_attention {str(dtype):15s} Q={Q} pages={name:>4}: max|err|={err:.2e} "
+                      f"{'ok' if ok else 'FAIL'}")
         # compaction
         B, H, L = 2, 2 if small else 8, ctx
         keys = randn((B, L, H, D), dtype, device, gen).transpose(1, 2)
@@ -253,6 +298,21 @@ def measure(args, kernels, tk, context, B, dtype, device, gen, cuda, flash_varle
             row.setdefault("sweep", []).append(dict(kw, us=sec * 1e6, frac_peak=bytes_kv / sec / args.peak_bw))
     if configs:
         return row
+    # attention over selected pages: the same rows on page boundaries, each reading about read_fraction of its pages
+    from kvpress_ada.kernels.ragged import sparse_triton_kernel as st
+
+    P = args.page_size
+    paged = [make_ragged(B, H_kv, G, D, 1, lens, dtype, device, gen, align=P) for _ in range(n_rep)]
+    table, selected, read_entries = sparse_case(paged[0][4], paged[0][3], paged[0][1].shape[0], P,
+                                                args.read_fraction, device, gen)
+    fns = [lambda c=c: st.sparse_attention_triton(c[0], c[1], c[2], c[4], table, selected, P, scale) for c in paged]
+    sec = time_fns(fns, args.iters, cuda)
+    bytes_read = 2 * read_entries * D * elem
+    row.update(sparse_read_entries=read_entries, sparse_us=sec * 1e6, sparse_bw=bytes_read / sec,
+               sparse_frac_peak=bytes_read / sec / args.peak_bw)
+    parts.append(f"sparse({read_entries / kept:.2f} read) {sec * 1e6:8.1f} us {bytes_read / sec / 1e12:5.2f} TB/s "
+                 f"({100 * bytes_read / sec / args.peak_bw:4.1f}%)")
+    del paged
     # dense SDPA over a cache of the same kept size (same bytes)
     n_dense = max(1, round(kept / R))
     dense = []
@@ -340,6 +400,7 @@ def main(argv=None) -> int:
         torch=torch.__version__, triton=__import__("triton").__version__,
         flash_attn=flash_varlen is not None, peak_bw=args.peak_bw, dtype=str(time_dtype), ratio=args.ratio,
         spread=args.spread, kv_heads=args.kv_heads, group=args.group, head_dim=args.head_dim,
+        page_size=args.page_size, read_fraction=args.read_fraction,
     )
     if cuda:
         result["copy_bw"] = measure_copy_bw(device)
@@ -357,7 +418,8 @@ def main(argv=None) -> int:
     ok = True
     if not args.no_check:
         print("correctness (Triton vs torch reference):")
-        result["checks"] = check_correctness(kernels, tk, check_dtypes, device, gen, small=not cuda)
+        result["checks"] = check_correctness(kernels, tk, check_dtypes, device, gen, small=not cuda,
+                                             page=args.page_size)
         ok = all(c["ok"] for c in result["checks"])
         save()
     print(f"ragged decode attention, {time_dtype}, H_kv={args.kv_heads} G={args.group} D={args.head_dim}, "

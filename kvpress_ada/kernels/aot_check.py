@@ -41,8 +41,9 @@ def _compile(kernel, types, consts, num_warps, num_stages, arch):
 
 
 def check(dtype: str, head_dim: int, m_total: int, arch: int = 90, extras: bool = False) -> dict:
-    """Compile the split, reduce and compact kernels, and the split kernel over int8 / int4 records (groups of
-    32 channels) and e4m3 records (one scale per head), for one (dtype, head_dim, G*Q); ``extras``: with
+    """Compile the split, reduce and compact kernels, the split kernel over int8 / int4 records (groups of
+    32 channels) and e4m3 records (one scale per head), and the split kernel over selected pages (16-entry
+    pages), for one (dtype, head_dim, G*Q); ``extras``: with
     soft-capping and sinks compiled in."""
     import torch
 
@@ -80,6 +81,18 @@ def check(dtype: str, head_dim: int, m_total: int, arch: int = 90, extras: bool 
             cfg["num_stages"],
             arch,
         )
+    from .ragged import sparse_triton_kernel as st
+
+    out["sparse_split"] = _compile(
+        st._sparse_split_kernel,
+        {"Q_ptr": t, "K_ptr": t, "V_ptr": t, "CNT_ptr": "*i32", "PAGE_ptr": "*i32", "J_ptr": "*i32",
+         "qk_scale": "fp32", **f32},
+        dict(PAGE=16, HEAD_DIM=head_dim, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], R_PAD=16,
+             IEEE=dtype == "fp32", SOFTCAP=extras),
+        cfg["num_warps"],
+        cfg["num_stages"],
+        arch,
+    )
     out["reduce"] = _compile(
         tk._ragged_attn_reduce_kernel,
         {"O_ptr": t, **f32},

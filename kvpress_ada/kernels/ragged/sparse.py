@@ -11,8 +11,9 @@ logit, ``q . c + |q| . r`` with ``c = (kmax + kmin) / 2``, ``r = (kmax - kmin) /
 * :func:`page_summaries`, :func:`page_table` - built from the layout (eager, at each re-layout);
 * :func:`append_summaries` - an in-place custom op: the appended keys reduced into their pages' summaries;
 * :func:`page_bounds` - each query head's bound over each page of its row (plain torch: traced in a compiled step);
-* :func:`sparse_ragged_attention` - a custom op: attention over the entries of the selected pages only (the torch
-  reference here, each row's pages gathered, one batched ``bmm``; the CPU path; no Triton kernel yet).
+* :func:`sparse_ragged_attention` - a custom op: attention over the entries of the selected pages only, dispatched
+  as the ragged ops are (:mod:`..support`): the Triton kernel (:mod:`.sparse_triton_kernel`, split-K over each
+  row's selected pages) on CUDA, the torch reference here (each row's pages gathered, one batched ``bmm``) on CPU.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..support import check_logit_extras
+from ..support import check_logit_extras, resolve_backend, triton_module
 from .reference import capped
 
 __all__ = ["page_summaries", "page_table", "append_summaries", "page_bounds", "sparse_ragged_attention",
@@ -168,6 +169,9 @@ def _sparse_impl(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor,
                  sinks: Tensor | None = None) -> Tensor:
     if q.numel() == 0:
         return torch.zeros_like(q)
+    if resolve_backend(q.device, q.shape[-1]) == "triton":
+        return triton_module("ragged.sparse_triton_kernel").sparse_attention_triton(
+            q, k_flat, v_flat, row_lengths, table, selected, page_size, scale, softcap=softcap, sinks=sinks)
     return sparse_attention_ref(q, k_flat, v_flat, row_offsets, row_lengths, table, selected, page_size, scale,
                                 softcap, sinks)
 

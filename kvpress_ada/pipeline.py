@@ -103,17 +103,14 @@ class Pipeline(OneLineErrors):
 
     @model_validator(mode="after")
     def _reader_supported(self) -> "Pipeline":
-        """A reader reads pages of the ragged cache's full-precision keys."""
+        """A reader reads pages of the ragged cache (full precision or records: its summaries bound the keys as
+        they read back)."""
         if self.reader is None:
             return self
         name = type(self.reader).__name__
         if not type(self.evictor).frees_memory:
             raise ValueError(f"reader {name} reads pages of the ragged cache, but the evictor "
                              f"{type(self.evictor).__name__} keeps the dense cache: use evictor='topk' with a reader")
-        if self.storage.quantized:
-            raise ValueError(f"reader {name} bounds pages by their full-precision keys; storage={self.storage.label!r} "
-                             "keeps records (page summaries of read-back keys are not built yet): use full-precision "
-                             "storage with a reader")
         return self
 
     @model_validator(mode="after")

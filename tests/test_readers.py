@@ -2,6 +2,8 @@
 bound, the read allocation across kv heads, attention over the selected pages, and every mode a decode step
 reads through (prefill compression, no eviction, decode compression, fan-out, batches, compiled steps)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import build_model, left_padded_batch
@@ -17,8 +19,16 @@ from kvpress_ada.hosts.transformers.fanout import capture_prefill
 from kvpress_ada.hosts.transformers.generation import decode_rows
 from kvpress_ada.hosts.transformers.hf import output_cache
 from kvpress_ada.hosts.transformers.paged_cache import PagedCache
+from kvpress_ada.hosts.transformers.quantized_cache import QuantizedRaggedLayer
+from kvpress_ada.kernels.quantized.ops import quantized_attention
+from kvpress_ada.kernels.quantized.scheme import RecordLayout
 from kvpress_ada.kernels.ragged.ops import ragged_attention
-from kvpress_ada.kernels.ragged.sparse import page_bounds, page_summaries, sparse_ragged_attention
+from kvpress_ada.kernels.ragged.sparse import (
+    page_bounds,
+    page_summaries,
+    sparse_quantized_attention,
+    sparse_ragged_attention,
+)
 from kvpress_ada.readers import READERS, TopPages, row_pages
 from kvpress_ada.serving.requests import check_servable
 
@@ -382,8 +392,7 @@ def test_pipeline_and_host_refusals(llama):
     reader = TopPages(budget=64)
     with pytest.raises(ValidationError, match="keeps the dense cache"):
         Pipeline(scorer="snapkv", compression_ratio=0.5, evictor=Mask(), reader=reader)
-    with pytest.raises(ValidationError, match="keeps records"):
-        Pipeline(scorer="snapkv", compression_ratio=0.5, storage="int8", reader=reader)
+    assert Pipeline(scorer="snapkv", compression_ratio=0.5, storage="int4", reader=reader).reader == reader
     with pytest.raises(ValueError, match="serving engine"):
         check_servable(Pipeline(scorer="snapkv", compression_ratio=0.5, reader=reader))
     wide = Pipeline(scorer="snapkv", compression_ratio=0.5, reader=TopPages(budget=128, page_size=64))
@@ -404,3 +413,153 @@ def test_tensor_parallel_refuses_a_reader(llama, monkeypatch):
     monkeypatch.setattr(checks, "head_shard", lambda model: object())
     with pytest.raises(ValueError, match="tensor-parallel rank"):
         checks.check_press(Pipeline(scorer="snapkv", compression_ratio=0.5, reader=TopPages()), llama)
+
+
+# ----------------------------------------------------------------------------- quantized storage (records)
+RECORDS = {"int4": RecordLayout("int", 4, 16), "int8": RecordLayout("int", 8, 16), "fp8": RecordLayout("e4m3", 8, 0)}
+
+
+def _records_layer(kind, residual, B, H, D, keep, page_size, seed=0, scale=1.0):
+    """A compressed layer of ``kind`` records (``residual`` newest entries per row in full precision) under a
+    reader of ``page_size`` pages."""
+    g = torch.Generator().manual_seed(seed)
+    layer = QuantizedRaggedLayer(replace(RECORDS[kind], residual=residual), decode_reserve=3)
+    L = keep.shape[-1]
+    layer.update(torch.randn(B, H, L, D, generator=g) * scale, torch.randn(B, H, L, D, generator=g))
+    layer.read_with(TopPages(budget=2 * page_size, page_size=page_size))
+    layer.compress(keep)
+    return layer
+
+
+def _read_back(layer):
+    """Per row: the keys and values attention reads (anchor, records, residual ring), in row order."""
+    held = layer.view()
+    B, H = held.valid.shape[:2]
+    return [(held.keys[b, h][held.valid[b, h]], held.values[b, h][held.valid[b, h]]) for b in range(B)
+            for h in range(H)]
+
+
+def _assert_bounds_cover(layer, q, scale, softcap=None):
+    """Every query head's logit over every entry as it reads back now is at most its page's bound."""
+    bounds = page_bounds(q, layer.pages.kmin, layer.pages.kmax, layer.pages.table, scale, softcap)
+    B, H = bounds.shape[:2]
+    G = q.shape[1] // H
+    for r, (keys, _) in enumerate(_read_back(layer)):
+        b, h = divmod(r, H)
+        qg = q[b, h * G:(h + 1) * G, 0].float()
+        logits = scale * qg @ keys.float().T
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        top = bounds[b, h][:, torch.arange(keys.shape[0]) // layer.pages.size]
+        assert bool((logits <= top + 1e-5 * (scale * qg.abs() @ keys.float().abs().T) + 1e-6).all())
+
+
+def _assert_summaries_cover(layer):
+    """The summaries kept current by appends contain those rebuilt from what every slot may read back as (records
+    pending in the ring written first: the rebuilt ones would read their slots' stale bytes)."""
+    layer._record_pending()
+    keys = layer._page_keys()
+    kmin, kmax = page_summaries(keys[0], layer.row_offsets, layer.row_lengths, layer.pages.size)
+    for more in keys[1:]:
+        lo, hi = page_summaries(more, layer.row_offsets, layer.row_lengths, layer.pages.size)
+        kmin, kmax = torch.minimum(kmin, lo), torch.maximum(kmax, hi)
+    assert bool((layer.pages.kmin <= kmin).all()) and bool((layer.pages.kmax >= kmax).all())
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), kind=st.sampled_from(sorted(RECORDS)), residual=st.sampled_from([0, 2, 5]),
+       page_size=st.sampled_from([1, 4, 8, 16]), appends=st.lists(st.integers(1, 7), max_size=6),
+       scale=st.sampled_from([1e-2, 1.0, 20.0]), softcap=st.sampled_from([None, 5.0]))
+def test_page_bound_covers_every_logit_over_records(seed, kind, residual, page_size, appends, scale, softcap):
+    """Over int4 / int8 / fp8 records the bound covers every logit over the keys as attention reads them (the
+    anchor, the records, the residual ring), after compression, after every append (deferred into the ring or
+    quantized at once, some re-laying the layer out), after the ring's records are written, a crop and a retain."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, G, L, D = 2, 2, 2, 50, 16
+    keep = torch.rand(B, H, L, generator=g) < torch.rand(B, H, 1, generator=g)
+    layer = _records_layer(kind, residual, B, H, D, keep, page_size, seed, scale)
+    q = torch.randn(B, H * G, 1, D, generator=g) * scale
+    _assert_bounds_cover(layer, q, 0.3, softcap)
+    for n in appends:
+        layer.update(torch.randn(B, H, n, D, generator=g) * scale, torch.randn(B, H, n, D, generator=g))
+        _assert_bounds_cover(layer, q, 0.3, softcap)
+        _assert_summaries_cover(layer)
+    _assert_bounds_cover(layer, q, 0.3, softcap)
+    if appends:
+        layer.crop(-1)
+        _assert_bounds_cover(layer, q, 0.3, softcap)
+    held = layer.view()
+    layer.retain(held.valid & (torch.rand(held.valid.shape, generator=g) < 0.7), held)
+    _assert_bounds_cover(layer, q, 0.3, softcap)
+    _assert_summaries_cover(layer)
+
+
+@pytest.mark.parametrize("kind", sorted(RECORDS))
+@pytest.mark.parametrize("extras", ["plain", "softcap", "sinks"])
+def test_sparse_attention_over_records_is_attention_over_the_selected_entries(kind, extras):
+    """Over records, attention over the selected pages is the softmax over the selected entries as they read back
+    (anchor, records, ring); with every page selected it is quantized attention."""
+    g = torch.Generator().manual_seed(11)
+    B, H, G, L, D, P = 2, 2, 2, 70, 16, 8
+    layer = _records_layer(kind, 3, B, H, D, torch.rand(B, H, L, generator=g) < 0.6, P, seed=11)
+    for n in (2, 1, 4):  # deferred appends, then one quantized at once
+        layer.update(torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g))
+    q = torch.randn(B, H * G, 1, D, generator=g)
+    softcap = 4.0 if extras == "softcap" else None
+    sinks = torch.randn(H * G, generator=g) if extras == "sinks" else None
+    table = layer.pages.table
+    selected = torch.rand(table.shape, generator=g) < 0.4
+    args = (q, layer.k_flat, layer.v_flat, layer.row_offsets, layer.row_lengths, layer.side, table)
+    got = sparse_quantized_attention(*args, selected, P, 0.4, layer.layout, softcap=softcap, sinks=sinks)
+    want = torch.zeros_like(q)
+    for r, (keys, values) in enumerate(_read_back(layer)):
+        b, h = divmod(r, H)
+        chosen = selected[r][torch.arange(keys.shape[0]) // P]
+        logits = 0.4 * q[b, h * G:(h + 1) * G, 0] @ keys.T
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        logits = logits.masked_fill(~chosen, float("-inf"))
+        if sinks is not None:
+            logits = torch.cat([logits, sinks[h * G:(h + 1) * G, None]], -1)
+        want[b, h * G:(h + 1) * G, 0] = torch.softmax(logits, -1).nan_to_num(0.0)[:, :keys.shape[0]] @ values
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    dense = quantized_attention(q, layer.k_flat, layer.v_flat, layer.row_offsets, layer.row_lengths, layer.side, 0.4,
+                                layer.layout, softcap=softcap, sinks=sinks)
+    every = sparse_quantized_attention(*args, torch.ones_like(selected), P, 0.4, layer.layout, softcap=softcap,
+                                       sinks=sinks)
+    torch.testing.assert_close(every, dense, atol=2e-5, rtol=2e-5)
+    raw = torch.ops.kvpress_ada.sparse_quantized_attention(*args, selected, P, 0.4, *_op_layout(layer.layout),
+                                                           softcap or 0.0, sinks)
+    torch.testing.assert_close(raw, got)
+
+
+def _op_layout(layout):
+    from kvpress_ada.kernels.quantized.ops import _fields
+
+    encoding, *fields = _fields(layout)
+    return encoding, [int(f) for f in fields]
+
+
+@pytest.mark.parametrize("storage", ["int4", "int8"])
+def test_records_read_budget_covering_the_kept_cache_is_dense_attention(llama, storage, monkeypatch):
+    """With int4 / int8 storage a covering read budget gives exactly the tokens and logits of dense reads over the
+    records; the selection forced (every page, read by pages) the same tokens; a small budget moves the logits and
+    keeps the summaries covering every key as it reads back, through decode compression."""
+    ids = _ids(L=110, seed=4)
+    base = Pipeline(scorer=SnapKV(window=8), allocator="ada", compression_ratio=0.5,
+                    storage={"name": storage, "group_size": 16, "residual": 4},
+                    decode_budget=48, decode_interval=6)
+    tokens, logits, _ = _generate(llama, base, ids, steps=14)
+    press = base.replace(reader=TopPages(budget=512, allocator="ada"))
+    got_tokens, got_logits, cache = _generate(llama, press, ids, steps=14)
+    assert torch.equal(got_tokens, tokens) and torch.equal(got_logits, logits)
+    assert isinstance(cache.layers[0], QuantizedRaggedLayer) and cache.layers[0].pages is not None
+    small = base.replace(reader=TopPages(budget=8, page_size=4, allocator=AdaHead(alpha=0.2)))
+    small_logits, cache = _generate(llama, small, ids, steps=14)[1:]
+    assert float((small_logits - logits).abs().max()) > 1e-4
+    for layer in cache.layers:
+        _assert_summaries_cover(layer)
+    monkeypatch.setattr(TopPages, "reads_every_page", lambda self, longest: False)
+    paged_tokens, paged_logits, _ = _generate(llama, press, ids, steps=14)
+    assert torch.equal(paged_tokens, tokens)
+    torch.testing.assert_close(paged_logits, logits, atol=1e-4, rtol=0)

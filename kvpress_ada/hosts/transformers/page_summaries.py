@@ -6,7 +6,10 @@ whenever the layer is laid out (compression, decode compaction, re-layout, crop)
 append (one custom op, no host sync, so the compiled decode step keeps them current). A decode step (one query
 per row) scores every page with its bound, asks the reader which pages each kv head reads, and attends over
 those (:func:`~kvpress_ada.kernels.ragged.sparse.sparse_ragged_attention`). ``nbytes`` counts the summaries and
-the table: ``2 * D * itemsize / page_size`` bytes per slot, plus 8 bytes per page of the table.
+the table: ``2 * D * itemsize / page_size`` bytes per slot, plus 8 bytes per page of the table. Over quantized
+storage (int8, int4, fp8) the summaries cover what each key reads back as (its record, and while it is among its
+row's newest the residual ring's full-precision copy; the anchor), in float32, so the bound holds for the logits
+attention computes; records written after the append that put a key in the ring are folded in when written.
 """
 
 from __future__ import annotations
@@ -44,17 +47,22 @@ class PageSummaries:
         self.kmin = self.kmax = torch.empty(0)
         self.table = torch.empty(0, 0, dtype=torch.long)
 
-    def rebuild(self, k_flat: torch.Tensor, row_offsets: torch.Tensor, row_lengths: torch.Tensor) -> None:
-        """Summaries of every page of the layout (eager: at each (re-)layout, crop or compaction)."""
+    def rebuild(self, keys: tuple[torch.Tensor, ...], row_offsets: torch.Tensor, row_lengths: torch.Tensor) -> None:
+        """Summaries of every page of the layout (eager: at each (re-)layout, crop or compaction) over ``keys``:
+        one ``[N, D]`` tensor of what each slot's key reads as, or several whose union each summary covers (a slot
+        of quantized storage reads as its record, or from the residual ring while it is among the newest)."""
         with torch.inference_mode(False):  # normal tensors, as the flat buffers (RaggedLayer._layout)
-            self.kmin, self.kmax = page_summaries(k_flat, row_offsets, row_lengths, self.size)
-            self.table = page_table(row_offsets, k_flat.shape[0], self.size)
+            self.kmin, self.kmax = page_summaries(keys[0], row_offsets, row_lengths, self.size)
+            for more in keys[1:]:
+                kmin, kmax = page_summaries(more, row_offsets, row_lengths, self.size)
+                self.kmin, self.kmax = torch.minimum(self.kmin, kmin), torch.maximum(self.kmax, kmax)
+            self.table = page_table(row_offsets, keys[0].shape[0], self.size)
         if torch.compiler.is_compiling():
             return
         for t in (self.kmin, self.kmax):
             torch._dynamo.maybe_mark_dynamic(t, 0)
         torch._dynamo.maybe_mark_dynamic(self.table, 1)
-        if k_flat.device.type == "cuda":
+        if keys[0].device.type == "cuda":
             for t in (self.kmin, self.kmax, self.table):
                 torch._dynamo.mark_static_address(t)
 
@@ -62,14 +70,19 @@ class PageSummaries:
         """Fold the keys ``[B, H_kv, Q, D]`` just appended (``row_lengths`` counts them) into their pages."""
         append_summaries(keys, self.kmin, self.kmax, row_offsets, row_lengths, self.size)
 
+    def select(self, query: torch.Tensor, row_lengths: torch.Tensor, scaling: float, layer_idx: int,
+               softcap: float | None = None) -> torch.Tensor:
+        """``[R, W]`` bool: the pages of each row the reader reads for ``query [B, H_q, 1, D]``."""
+        B = query.shape[0]
+        R, W = self.table.shape
+        bounds = page_bounds(query, self.kmin, self.kmax, self.table, scaling, softcap)
+        return self.reader.select(bounds, row_lengths.view(B, R // B), layer_idx).reshape(R, W)
+
     def attention(self, query: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, row_offsets: torch.Tensor,
                   row_lengths: torch.Tensor, scaling: float, layer_idx: int, softcap: float | None = None,
                   sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, H_q, Q, D]`` attention of ``query`` over the pages the reader selects."""
-        B = query.shape[0]
-        R, W = self.table.shape
-        bounds = page_bounds(query, self.kmin, self.kmax, self.table, scaling, softcap)
-        selected = self.reader.select(bounds, row_lengths.view(B, R // B), layer_idx).reshape(R, W)
+        selected = self.select(query, row_lengths, scaling, layer_idx, softcap)
         return sparse_ragged_attention(query, k_flat, v_flat, row_offsets, row_lengths, self.table, selected,
                                        self.size, scaling, softcap=softcap, sinks=sinks)
 

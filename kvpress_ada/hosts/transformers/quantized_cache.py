@@ -38,7 +38,9 @@ from ...kernels.quantized.scheme import (
     record_newest,
     record_width,
     row_anchors,
+    side_slots,
 )
+from ...kernels.ragged.sparse import sparse_quantized_attention
 from ...storage import Storage
 from .entries import gather_slots, ragged_index
 from .press_cache import HeldEntries
@@ -79,6 +81,7 @@ class QuantizedRaggedLayer(RaggedLayer):
         if self._unrecorded:
             record_newest(self.k_flat, self.v_flat, self.row_offsets, self.row_lengths, self.side,
                           self._unrecorded, self.layout)
+            self._summarise_newest(self._unrecorded)
             self._unrecorded = 0
 
     def _empty_slots(self, total: int) -> torch.Tensor:
@@ -116,6 +119,37 @@ class QuantizedRaggedLayer(RaggedLayer):
             return
         kernels.quantized_append(keys, values, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths,
                                  self.side, self.layout)
+        self._summarise_newest(Q)
+
+    # ------------------------------------------------------------ page summaries (sparse reads)
+    def _page_keys(self) -> tuple[torch.Tensor, ...]:
+        """float32 ``[N, D]`` twice: each slot's key read back from its record, then the same with each row's
+        newest entries read from its residual ring (each row's first slot reads as its anchor in both): a ring
+        entry reads as its full-precision copy now and as its record once it leaves the ring, so the summaries
+        cover both."""
+        N, D = self.k_flat.shape[0], self.head_dim
+        offs = self.row_offsets.long()
+        row = (torch.searchsorted(offs, torch.arange(N, device=offs.device), right=True) - 1).clamp(min=0)
+        recorded = torch.zeros(N + 1, D, dtype=torch.float32, device=offs.device)  # slot N: where free ones go
+        recorded[:N] = decode_keys(self.k_flat, self.side[2].index_select(0, row), D, self.layout, self.dtype,
+                                   torch.float32)
+        slots = side_slots(self.row_offsets, self.row_lengths, self.residual, N)  # [1 + residual, rows]
+        recorded.index_copy_(0, slots[0], self.side[0].float())  # the anchors
+        ringed = recorded.clone()
+        if self.residual:
+            ringed.index_copy_(0, slots[1:].reshape(-1), self.side[3:3 + self.residual].float().reshape(-1, D))
+        return recorded[:N], ringed[:N]
+
+    def _summarise_newest(self, n: int) -> None:
+        """Fold what each row's newest ``n`` entries read back as from their records, just written, into their
+        pages' summaries (their full-precision keys were folded in when they were appended)."""
+        if self.pages is None or not n:
+            return
+        B, H, D = self.shape
+        first = self.row_offsets.long() + self.row_lengths.long() - n  # every row holds the n appended entries
+        slots = first[:, None] + torch.arange(n, device=first.device)
+        keys = decode_keys(self.k_flat[slots], self.side[2][:, None], D, self.layout, self.dtype, torch.float32)
+        self.pages.append(keys.view(B, H, n, D), self.row_offsets, self.row_lengths)
 
     def _read_slots(self, index: torch.Tensor, present: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, H, _ = self.shape
@@ -139,6 +173,11 @@ class QuantizedRaggedLayer(RaggedLayer):
 
     def _attention(self, query: torch.Tensor, scaling: float, softcap: float | None = None,
                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if self.pages is not None and self._reads_pages(query):
+            selected = self.pages.select(query, self.row_lengths, scaling, self.layer_idx, softcap)
+            return sparse_quantized_attention(query, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths,
+                                              self.side, self.pages.table, selected, self.pages.size, scaling,
+                                              self.layout, softcap=softcap, sinks=sinks)
         return kernels.quantized_attention(query, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths,
                                            self.side, scaling, self.layout, softcap=softcap, sinks=sinks)
 
@@ -164,6 +203,7 @@ class QuantizedRaggedLayer(RaggedLayer):
         self.compressed = False
         self.compress(kept, spare=spare, positions=held.positions)
         self._refill_residual(held.keys, held.values, kept)
+        self._rebuild_pages()  # over the refilled rings
 
     def _refill_residual(self, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor) -> None:
         """Each row's residual ring from what its newest ``residual`` kept entries read back as (``keys,
@@ -184,6 +224,7 @@ class QuantizedRaggedLayer(RaggedLayer):
         kept = held.valid & (torch.cumsum(held.valid, dim=-1) <= self.row_lengths.view(held.valid.shape[:2] + (1,)) - n)
         super()._crop_kept(n)
         self._refill_residual(held.keys, held.values, kept)
+        self._rebuild_pages()  # over the refilled rings
 
     def nbytes(self) -> int:
         return super().nbytes() + (self.side.numel() * self.side.element_size() if self.compressed else 0)

@@ -176,7 +176,17 @@ class RaggedLayer(DenseUntilKept):
         if self.reader is not None and self.compressed:
             if self.pages is None:
                 self.pages = PageSummaries(self.reader)
-            self.pages.rebuild(self.k_flat, self.row_offsets, self.row_lengths)
+            self.pages.rebuild(self._page_keys(), self.row_offsets, self.row_lengths)
+
+    def _page_keys(self) -> tuple[torch.Tensor, ...]:
+        """What each slot's key reads as, ``[N, D]`` (several tensors: each slot may read as any of them; the page
+        summaries cover their union)."""
+        return (self.k_flat,)
+
+    def _reads_pages(self, query: torch.Tensor) -> bool:
+        """Whether this attention call reads the pages the reader selects (a decode step under a reader that does
+        not read every page)."""
+        return self.pages is not None and query.shape[2] == 1 and not self._reads_every_page()
 
     def _reads_every_page(self) -> bool:
         """Eagerly, whether the reader reads every page of every row (then attention reads them densely, exactly
@@ -252,7 +262,7 @@ class RaggedLayer(DenseUntilKept):
                    sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, H_q, Q, D]`` attention of ``query`` over the rows (with the family's ``softcap`` and ``sinks``);
         a decode step under a reader attends over the pages it selects."""
-        if self.pages is not None and query.shape[2] == 1 and not self._reads_every_page():
+        if self.pages is not None and self._reads_pages(query):
             return self.pages.attention(query, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths, scaling,
                                         self.layer_idx, softcap, sinks)
         return kernels.ragged_attention(query, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths, scaling,
@@ -393,10 +403,7 @@ class RaggedCache(PressCache):
 
     def read_with(self, reader: Any) -> None:
         """Decode steps of every ragged layer read the pages ``reader`` selects (``None``: every kept entry; see
-        :meth:`RaggedLayer.read_with`); a storage kept as records is refused in one line."""
-        if reader is not None and self.storage.quantized:
-            raise ValueError(f"reader {type(reader).__name__} needs page summaries of full-precision keys; "
-                             f"storage={self.storage.label!r} keeps records: use full-precision storage")
+        :meth:`RaggedLayer.read_with`)."""
         for i, layer in enumerate(self.layers):
             if isinstance(layer, RaggedLayer):
                 layer.read_with(reader, i)

@@ -11,6 +11,8 @@ logit, ``q . c + |q| . r`` with ``c = (kmax + kmin) / 2``, ``r = (kmax - kmin) /
 * :func:`page_summaries`, :func:`page_table` - built from the layout (eager, at each re-layout);
 * :func:`append_summaries` - an in-place custom op: the appended keys reduced into their pages' summaries;
 * :func:`page_bounds` - each query head's bound over each page of its row (plain torch: traced in a compiled step);
+* :func:`sparse_quantized_attention` - a custom op: the same over rows of quantized records (int8, int4, fp8), only
+  the selected pages' records dequantized (torch, every backend);
 * :func:`sparse_ragged_attention` - a custom op: attention over the entries of the selected pages only, dispatched
   as the ragged ops are (:mod:`..support`): the Triton kernel (:mod:`.sparse_triton_kernel`, split-K over each
   row's selected pages) on CUDA, the torch reference here (each row's pages gathered, one batched ``bmm``) on CPU.
@@ -18,14 +20,18 @@ logit, ``q . c + |q| . r`` with ``c = (kmax + kmin) / 2``, ``r = (kmax - kmin) /
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from torch import Tensor
 
+from ..quantized.ops import _fields, _layout
+from ..quantized.scheme import RecordLayout, check_side, dequantize, key_rotation, residual_of, side_operands
 from ..support import check_logit_extras, resolve_backend, triton_module
 from .reference import capped
 
 __all__ = ["page_summaries", "page_table", "append_summaries", "page_bounds", "sparse_ragged_attention",
-           "sparse_attention_ref"]
+           "sparse_attention_ref", "sparse_quantized_attention", "sparse_quantized_attention_ref"]
 
 
 def _slot_rows(n_slots: int, row_offsets: Tensor, row_lengths: Tensor) -> Tensor:
@@ -119,29 +125,29 @@ def append_summaries(k_new: Tensor, kmin: Tensor, kmax: Tensor, row_offsets: Ten
 
 
 # ----------------------------------------------------------------------------- sparse attention (custom op)
-def sparse_attention_ref(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor,
-                         table: Tensor, selected: Tensor, page_size: int, scale: float, softcap: float = 0.0,
-                         sinks: Tensor | None = None) -> Tensor:
-    """Torch reference of :func:`sparse_ragged_attention`: each row's selected pages gathered in page order
-    (``[R, M * P, D]``, ``M`` the most pages a row reads; rows that read fewer are padded and masked), scored
-    against the row's query group in one batched ``bmm``, a softmax, one more ``bmm`` for the values. Reads only
-    the selected pages (and the padding of rows that read fewer than ``M``)."""
-    B, Hq, Q, D = q.shape
+def _listed_pages(table: Tensor, selected: Tensor) -> tuple[Tensor, Tensor, int]:
+    """``(js [R, M], counts [R], M)``: each row's selected pages (places ``j`` in the row, page order; rows that
+    read fewer than ``M``, the most any row reads, padded with 0) and how many it reads. One host sync (``M``)."""
     R, W = table.shape
+    dev = table.device
+    sel = selected & (table >= 0)
+    counts = sel.sum(-1)
+    M = max(int(counts.max()), 1) if R else 1
+    col = torch.where(sel, torch.cumsum(sel, -1) - 1, M)  # each selected page's place among its row's (M: dropped)
+    js = torch.zeros(R, M + 1, dtype=torch.long, device=dev).scatter_(
+        1, col, torch.arange(W, device=dev).expand(R, W))[:, :M]
+    return js, counts, M
+
+
+def _attend(q: Tensor, kc: Tensor, vc: Tensor, js: Tensor, counts: Tensor, row_lengths: Tensor, page_size: int,
+            scale: float, softcap: float, sinks: Tensor | None) -> Tensor:
+    """float32 ``[B, H_q, Q, D]``: each row's query group over the keys and values of its listed pages,
+    ``kc, vc`` float32 ``[R, M * P, D]`` in list order (the entries each query sees: bottom-right causal)."""
+    B, Hq, Q, D = q.shape
+    R, M = js.shape
     GQ = (Hq // (R // B)) * Q
     P = page_size
     dev = q.device
-    sel = selected & (table >= 0)
-    counts = sel.sum(-1)
-    M = max(int(counts.max()), 1) if R else 1  # one host sync
-    col = torch.where(sel, torch.cumsum(sel, -1) - 1, M)  # each selected page's place among its row's (M: dropped)
-    js = torch.zeros(R, M + 1, dtype=torch.long, device=dev).scatter_(
-        1, col, torch.arange(W, device=dev).expand(R, W))[:, :M]  # [R, M]: the pages read, in page order
-    pages = table.gather(1, js).clamp(min=0).view(-1)  # whole pages copied (P * D contiguous elements each)
-    kc = k_flat.view(-1, P, D).index_select(0, pages).view(R, M * P, D)
-    vc = v_flat.view(-1, P, D).index_select(0, pages).view(R, M * P, D)
-    if kc.dtype != torch.float32:
-        kc, vc = kc.float(), vc.float()
     seen = torch.where(torch.arange(M, device=dev) < counts[:, None], row_lengths.long()[:, None] - js * P, 0)
     ahead = torch.arange(Q - 1, -1, -1, device=dev).repeat(GQ // Q)  # [GQ]: Q - 1 - i (bottom-right causal)
     limit = seen[:, None, :, None] - ahead[None, :, None, None]  # [R, GQ, M, 1]
@@ -160,8 +166,26 @@ def sparse_attention_ref(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets:
     denom = p.sum(-1, keepdim=True)
     if sinks is not None:
         denom = denom + torch.exp(sink - m)
-    out = torch.bmm(p, vc) / denom.clamp_min(torch.finfo(torch.float32).tiny)
-    return out.view(B, Hq, Q, D).to(q.dtype)
+    return (torch.bmm(p, vc) / denom.clamp_min(torch.finfo(torch.float32).tiny)).view(B, Hq, Q, D)
+
+
+def sparse_attention_ref(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor,
+                         table: Tensor, selected: Tensor, page_size: int, scale: float, softcap: float = 0.0,
+                         sinks: Tensor | None = None) -> Tensor:
+    """Torch reference of :func:`sparse_ragged_attention`: each row's selected pages gathered in page order
+    (``[R, M * P, D]``, ``M`` the most pages a row reads; rows that read fewer are padded and masked), scored
+    against the row's query group in one batched ``bmm``, a softmax, one more ``bmm`` for the values. Reads only
+    the selected pages (and the padding of rows that read fewer than ``M``)."""
+    R = table.shape[0]
+    D = q.shape[-1]
+    P = page_size
+    js, counts, M = _listed_pages(table, selected)
+    pages = table.gather(1, js).clamp(min=0).view(-1)  # whole pages copied (P * D contiguous elements each)
+    kc = k_flat.view(-1, P, D).index_select(0, pages).view(R, M * P, D)
+    vc = v_flat.view(-1, P, D).index_select(0, pages).view(R, M * P, D)
+    if kc.dtype != torch.float32:
+        kc, vc = kc.float(), vc.float()
+    return _attend(q, kc, vc, js, counts, row_lengths, P, scale, softcap, sinks).to(q.dtype)
 
 
 def _sparse_impl(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor, table: Tensor,
@@ -186,11 +210,15 @@ def _(q, k_flat, v_flat, row_offsets, row_lengths, table, selected, page_size, s
 
 
 def _check_sparse(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor, table: Tensor,
-                  selected: Tensor, page_size: int, softcap: float | None, sinks: Tensor | None) -> float:
-    """Raise a one-line error on arguments :func:`sparse_ragged_attention` cannot take; return the soft-cap."""
-    if q.dim() != 4 or k_flat.dim() != 2 or k_flat.shape != v_flat.shape or q.shape[-1] != k_flat.shape[-1]:
+                  selected: Tensor, page_size: int, softcap: float | None, sinks: Tensor | None,
+                  records: bool = False) -> float:
+    """Raise a one-line error on arguments :func:`sparse_ragged_attention` (``records``: of
+    :func:`sparse_quantized_attention`) cannot take; return the soft-cap."""
+    if q.dim() != 4 or k_flat.dim() != 2 or k_flat.shape != v_flat.shape or (
+            not records and q.shape[-1] != k_flat.shape[-1]) or (records and k_flat.dtype != torch.uint8):
+        what = "uint8 records [N, width]" if records else "[N, D] of the same D"
         raise ValueError(f"q {tuple(q.shape)} must be [B, H_q, Q, D] and k_flat {tuple(k_flat.shape)}, v_flat "
-                         f"{tuple(v_flat.shape)} both [N, D] of the same D")
+                         f"{tuple(v_flat.shape)} both {what}")
     R = row_offsets.shape[0]
     B = q.shape[0]
     if B == 0 or R % B or q.shape[1] % (R // B):
@@ -222,3 +250,89 @@ def sparse_ragged_attention(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offse
             sinks is None or type(sinks) is Tensor):
         return _sparse_impl(*args, int(page_size), float(scale), cap, sinks)
     return _sparse_op(*args, int(page_size), float(scale), cap, sinks)
+
+
+# ----------------------------------------------------------------------------- over quantized records (custom op)
+def sparse_quantized_attention_ref(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor,
+                                   row_lengths: Tensor, side: Tensor, table: Tensor, selected: Tensor, page_size: int,
+                                   scale: float, layout: RecordLayout, softcap: float = 0.0,
+                                   sinks: Tensor | None = None) -> Tensor:
+    """Torch reference of :func:`sparse_quantized_attention`: each row's selected pages of records gathered in page
+    order and dequantized (only those: ``[R, M * P, D]`` float32, keys in the records' space ``y``), the slots a row
+    reads in full precision (its anchor at rank 0, its residual ring's newest entries:
+    :func:`~..quantized.scheme.side_slots`) taken from ``side``, then the rotated query attends as in
+    :func:`sparse_attention_ref` (the rows' rotated centres added to the keys when ``softcap`` or ``sinks`` need
+    ``q . k`` itself, as :func:`~..quantized.scheme.quantized_attention_ref` does)."""
+    R = table.shape[0]
+    D = q.shape[-1]
+    P = page_size
+    js, counts, M = _listed_pages(table, selected)
+    pages = table.gather(1, js).clamp(min=0).view(-1)
+    width = k_rec.shape[1]
+    kc = dequantize(k_rec.view(-1, P, width).index_select(0, pages), D, layout, q.dtype, torch.float32)
+    vc = dequantize(v_rec.view(-1, P, width).index_select(0, pages), D, layout, q.dtype, torch.float32)
+    kc, vc = kc.view(R, M * P, D), vc.view(R, M * P, D)
+    residual = residual_of(side)
+    rank = ((js * P)[:, :, None] + torch.arange(P, device=q.device)).view(R, M * P)  # each slot's rank in its row
+    full = side_operands(side, layout)  # [2 (1 + residual), rows, D]: anchor and ring keys, then values
+    src = torch.where(rank == 0, 0, -1)
+    if residual:  # rank k >= 1 among the row's newest `residual` reads its ring slot k % residual
+        newest = (rank >= 1) & (rank >= row_lengths.long()[:, None] - residual)
+        src = torch.where(newest, 1 + torch.remainder(rank, residual), src)
+    pick = src.clamp(min=0)[..., None].expand(R, M * P, D)
+    exact = (src >= 0)[..., None]
+    kc = torch.where(exact, full[:1 + residual].transpose(0, 1).gather(1, pick), kc)
+    vc = torch.where(exact, full[1 + residual:].transpose(0, 1).gather(1, pick), vc)
+    rotation = key_rotation(layout, D, q.device)
+    if softcap or sinks is not None:  # both need q . k itself, not q . (k - c)
+        centre = side[2].float()
+        kc = kc + (centre if rotation is None else centre @ rotation)[:, None, :]
+    q_rot = q.float() if rotation is None else q.float() @ rotation
+    return _attend(q_rot, kc, vc, js, counts, row_lengths, P, scale, softcap, sinks).to(q.dtype)
+
+
+def _sparse_quantized_impl(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor,
+                           side: Tensor, table: Tensor, selected: Tensor, page_size: int, scale: float,
+                           layout: RecordLayout, softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
+    if q.numel() == 0:
+        return torch.zeros_like(q)
+    return sparse_quantized_attention_ref(q, k_rec, v_rec, row_offsets, row_lengths, side, table, selected,
+                                          page_size, scale, layout, softcap, sinks)
+
+
+@torch.library.custom_op("kvpress_ada::sparse_quantized_attention", mutates_args=())
+def _sparse_quantized_op(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor,
+                         side: Tensor, table: Tensor, selected: Tensor, page_size: int, scale: float, encoding: str,
+                         fields: list[int], softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
+    """Raw op behind :func:`sparse_quantized_attention` (no validation): ``encoding`` and ``fields`` (the other record
+    fields a quantized op receives, as integers) rebuild the layout."""
+    layout = _layout(encoding, *cast(list[Any], fields))  # bits, group, rotate_keys (0 / 1), ...
+    return _sparse_quantized_impl(q, k_rec, v_rec, row_offsets, row_lengths, side, table, selected, page_size, scale,
+                                  layout, softcap, sinks)
+
+
+@_sparse_quantized_op.register_fake
+def _(q, k_rec, v_rec, row_offsets, row_lengths, side, table, selected, page_size, scale, encoding, fields,
+      softcap=0.0, sinks=None):
+    return torch.empty_like(q)
+
+
+def sparse_quantized_attention(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor,
+                               side: Tensor, table: Tensor, selected: Tensor, page_size: int, scale: float,
+                               layout: RecordLayout, *, softcap: float | None = None,
+                               sinks: Tensor | None = None) -> Tensor:
+    """:func:`~..quantized.ops.quantized_attention` over the entries of the selected pages only (``table``,
+    ``selected``, ``page_size``: as :func:`sparse_ragged_attention`): rows of records ``k_rec, v_rec uint8 [N,
+    width]`` of ``layout`` with their ``side`` tensors, each non-empty row's first entry read as its anchor and
+    its newest ``residual`` entries from its ring, only the selected pages' records dequantized. The torch
+    reference on every backend (no Triton kernel yet). With every page selected this is quantized attention (the
+    same read-back keys and values; sums in another order)."""
+    cap = _check_sparse(q, k_rec, v_rec, row_offsets, row_lengths, table, selected, page_size, softcap, sinks,
+                        records=True)
+    check_side(side, row_offsets.shape[0], q.shape[-1], q.dtype, q.device)
+    args = (q, k_rec, v_rec, row_offsets, row_lengths, side, table, selected)
+    if not torch.compiler.is_compiling() and all(type(t) is Tensor for t in args) and (
+            sinks is None or type(sinks) is Tensor):
+        return _sparse_quantized_impl(*args, int(page_size), float(scale), layout.records(), cap, sinks)
+    encoding, *fields = _fields(layout)
+    return _sparse_quantized_op(*args, int(page_size), float(scale), encoding, [int(f) for f in fields], cap, sinks)

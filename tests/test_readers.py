@@ -342,15 +342,18 @@ def test_every_family_reads_pages(arch):
     assert any(getattr(layer, "pages", None) is not None for layer in cache.layers)
 
 
-def test_compiled_decode_reads_pages_without_graph_breaks(monkeypatch):
+@pytest.mark.parametrize("storage", ["full", {"name": "int4", "group_size": 16, "residual": 4},
+                                     {"name": "fp8", "residual": 0}])
+def test_compiled_decode_reads_pages_without_graph_breaks(monkeypatch, storage):
     """The compiled decode step selects pages and attends over them in one graph: no graph break, the tokens of
-    the eager steps."""
+    the eager steps; over records too (int4: appends deferred into the ring, their records and summaries written
+    eagerly between steps; fp8 without a ring: quantized and folded into the summaries inside the step)."""
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
     monkeypatch.delenv(compiled.ENV_VAR, raising=False)
     model = build_model("llama", num_hidden_layers=2)
     with torch.no_grad():
         model.lm_head.weight.mul_(8)
-    press = Pipeline(scorer="snapkv", allocator="ada", compression_ratio=0.5,
+    press = Pipeline(scorer="snapkv", allocator="ada", compression_ratio=0.5, storage=storage,
                      reader=TopPages(budget=48, allocator="ada"))
     counters.clear()
     for seed, L in enumerate((90, 200)):

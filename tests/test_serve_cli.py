@@ -79,6 +79,8 @@ def test_decode_compression_is_handed_to_the_server(capsys, tmp_path):
     (["--preset", "h2o", "--decode-budget", "64", "--decode-interval", "8"], "decode compression"),
     (["--prefill-chunk", "0"], "--prefill-chunk"),
     (["--preset", "kvzip"], "model pass"),
+    (["--preset", "quest"], "reader TopPages reads selected pages"),
+    (["--preset", "ada_snapkv_read", "--storage", "int4"], "reader TopPages reads selected pages"),
     (["--ratio", "1.2"], "--ratio"),
     (["--model", "/no/such/dir"], "/no/such/dir"),
     (["--model", "defualt"], "did you mean 'default'"),

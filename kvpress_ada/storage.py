@@ -18,9 +18,13 @@ entries read from until ``residual`` newer ones arrive), so a ragged row appends
 per token.
 
 * ``int8`` / ``int4``: asymmetric integers in groups of ``group_size`` channels with one scale and one zero
-  point per group; keys are centred by their row's mean key and rotated by a fixed random-sign Hadamard matrix
-  before they are quantized (default residual 32: it cuts the KL divergence from full precision through the
-  cache about five-fold for int4, at ``2 * residual * head_dim`` floats per row).
+  point per group (in float16 for a float32 model, ``half_scales``: an int4 record of head dim 64 is 40 bytes,
+  not 48); keys are centred by their row's mean key and rotated by a fixed random-sign Hadamard matrix before
+  they are quantized. Default residual 4: the ring costs ``2 * residual * head_dim`` floats per row whatever
+  the row keeps, so 32 entries (KIVI's choice, once the default) were 38% of what int4 at r = 0.75 holds at 1k
+  tokens on the default model (8.4% of the fp32 full cache; now 4.8%), for a teacher-forced KL from the full
+  cache of 0.052 against 0.060 without a ring (4 entries: 0.060; ``benchmarks/README.md``, "Bytes at short
+  contexts"). At long contexts a larger ring costs little: ``Int4(residual=32)``.
 * ``fp8``: float8 e4m3 (the KV format serving engines deploy) with one float32 scale per token per kv head
   (``group_size=None``, the default) or per group of channels; keys and values stored as they are, residual 0 by
   default. Measured on tiny models (``benchmarks/fp8_scheme_choice.py``: KL of teacher-forced next-token
@@ -117,7 +121,7 @@ class RecordStorage(Storage):
     :class:`~kvpress_ada.serving.record_pages.QuantizedPagePool`)."""
 
     structure: ClassVar[str] = "records"
-    residual: int = Field(32, description="each row's newest entries kept in full precision (0: none)")
+    residual: int = Field(4, description="each row's newest entries kept in full precision (0: none)")
     max_residual: ClassVar[int] = 1024
 
     @field_validator("residual")
@@ -146,6 +150,8 @@ class _Grouped(RecordStorage):
     default 32, 0: off)."""
 
     group_size: int = Field(32, description="channels of the head dimension sharing one scale and zero point")
+    half_scales: bool = Field(True, description="a float32 model's scales and zero points in float16 (a 16-bit "
+                                                "model's are in its dtype either way); False: float32")
     allowed_group_sizes: ClassVar[tuple[int, ...]] = (16, 32, 64, 128)
     bits: ClassVar[int] = 8
 
@@ -159,7 +165,8 @@ class _Grouped(RecordStorage):
 
     @property
     def layout(self) -> RecordLayout:
-        return RecordLayout("int", type(self).bits, self.group_size, self.residual)
+        return RecordLayout("int", type(self).bits, self.group_size, self.residual,
+                            scale_bits=16 if self.half_scales else 0)
 
 
 @register_storage("int8")

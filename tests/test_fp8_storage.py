@@ -149,7 +149,7 @@ def test_ops_compile_fullgraph_and_pass_opcheck():
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k_new, v_new, k_rec, v_rec, offs, lens, side)
     torch.testing.assert_close(got, expected)
     assert torch.equal(k_rec, eager[0]) and torch.equal(lens, eager[3]) and counters["graph_break"] == {}
-    fields = ("e4m3", 8, 0, False)
+    fields = ("e4m3", 8, 0, False, 0)
     torch.library.opcheck(torch.ops.kvpress_ada.quantized_attention,
                           (torch.randn(2, 4, 2, D), k_rec, v_rec, offs, lens, side, 0.5, *fields))
     keys = torch.randn(2, 2, 4, D)

@@ -104,6 +104,41 @@ def test_float32_input_with_16_bit_scales_stays_within_half_a_scale(case, bits, 
     assert (err <= bound * (1 + 1e-5)).all(), float((err - bound).max())
 
 
+@settings(max_examples=60, deadline=None)
+@given(entries(), st.sampled_from([4, 8]))
+def test_float16_scales_of_float32_entries_stay_within_half_a_scale(case, bits):
+    """``scale_bits=16`` (what Int8 / Int4 declare by default): float32 entries' records carry float16 scales and
+    zero points (``D * bits / 8 + 2 * (D / group) * 2`` bytes), the zero point rounded down and the scale up, so
+    the range stays covered and every element reads back within half a scale."""
+    x, group = case
+    x = x.float().clamp(-30000, 30000)
+    n, D = x.shape
+    layout = qz.RecordLayout("int", bits, group, scale_bits=16)
+    records = kernels.quantize(x, layout)
+    assert records.shape == (n, D * bits // 8 + 2 * (D // group) * 2) == (n, kernels.record_width(D, layout, x.dtype))
+    _, scale, zero = qz.record_scales(records, D, layout, torch.float32)
+    assert scale.dtype == zero.dtype == torch.float16
+    lo, hi = x.view(n, D // group, group).aminmax(dim=-1)
+    assert (zero.float() <= lo).all()
+    assert (((1 << bits) - 1) * scale.float() + zero.float() >= hi - 1e-6 * hi.abs()).all()
+    back = kernels.dequantize(records, D, layout, torch.float32)
+    err = (back - x).abs().view(n, D // group, group)
+    bound = scale.float()[..., None] / 2 + 1e-6 * x.abs().view(n, D // group, group).amax(-1, keepdim=True)
+    assert (err <= bound * (1 + 1e-5)).all(), float((err - bound).max())
+
+
+def test_float16_scales_saturate_and_only_integers_take_them():
+    """Beyond float16's range a float32 entry's scales saturate (finite read-back, never inf or NaN); e4m3
+    records keep float32 scales: ``scale_bits=16`` is refused for them in one line."""
+    layout = qz.RecordLayout("int", 4, 16, scale_bits=16)
+    x = torch.tensor([[1e6, -1e6] + [0.0] * 14])
+    back = kernels.dequantize(kernels.quantize(x, layout), 16, layout, torch.float32)
+    assert torch.isfinite(back).all() and back.abs().max() <= torch.finfo(torch.float16).max * 2
+    with pytest.raises(ValueError, match="scale_bits=16: e4m3 records take 0") as err:
+        qz.RecordLayout("e4m3", 8, 0, scale_bits=16)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("D", [16, 64, 80, 96, 128])
 def test_rotation_is_a_fixed_orthogonal_random_sign_hadamard(D):
     R = qz.rotation(D)
@@ -364,18 +399,18 @@ def test_raw_ops_opcheck():
     k_rec, v_rec, side, _ = _records(k, v, offs, lens, int_layout(bits, group))
     q = torch.randn(3, 2, 2, D)
     torch.library.opcheck(torch.ops.kvpress_ada.quantized_attention,
-                          (q, k_rec, v_rec, offs, lens, side, 0.5, "int", bits, group, True))
+                          (q, k_rec, v_rec, offs, lens, side, 0.5, "int", bits, group, True, 0))
     new = torch.randn(3, 1, 1, D)
     torch.library.opcheck(torch.ops.kvpress_ada.quantized_append,
                           (new, new.flip(-1), k_rec.clone(), v_rec.clone(), offs, lens.clone(), side.clone(), "int",
-                           bits, group, True))
+                           bits, group, True, 0))
     _, _, ring, _ = _records(k, v, offs, lens, int_layout(bits, group), residual=3)
     torch.library.opcheck(torch.ops.kvpress_ada.quantized_append_side, (new, new.flip(-1), lens.clone(), ring.clone()))
     keys = torch.randn(3, 1, 4, D)
     keep = torch.tensor([True, False, True, True]).expand(3, 1, 4).contiguous()
     torch.library.opcheck(torch.ops.kvpress_ada.quantized_compact,
                           (keys, keys.neg(), keep, offs, k_rec.clone(), v_rec.clone(), side.clone(), "int", bits,
-                           group, True))
+                           group, True, 0))
 
 
 def test_one_line_refusals():
@@ -547,7 +582,7 @@ def test_extras_off_is_the_default_refusals_opcheck_and_compile():
         assert "\n" not in str(err.value)
     sinks = _sinks(4, 8)
     torch.library.opcheck(torch.ops.kvpress_ada.quantized_attention,
-                          (q, k_rec, v_rec, offs, lens, side, 0.5, "int", 4, 16, True, 0, 2.0, sinks))
+                          (q, k_rec, v_rec, offs, lens, side, 0.5, "int", 4, 16, True, 0, 0, 2.0, sinks))
 
     def step(q, k_rec, v_rec, offs, lens, side, sinks):
         return kernels.quantized_attention(q * 2, k_rec, v_rec, offs, lens, side, 0.2, layout, softcap=2.0,

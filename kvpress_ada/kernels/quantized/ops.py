@@ -89,23 +89,25 @@ def _same_entries(k_new: Tensor, v_new: Tensor) -> None:
 # ----------------------------------------------------------------------------- custom ops
 
 
-def _fields(layout: RecordLayout) -> tuple[str, int, int, bool]:
+def _fields(layout: RecordLayout) -> tuple[str, int, int, bool, int]:
     """What a custom op receives of ``layout`` (its record fields; the residual is read from ``side``)."""
-    return str(layout.encoding), int(layout.bits), int(layout.group), bool(layout.rotate_keys)
+    return (str(layout.encoding), int(layout.bits), int(layout.group), bool(layout.rotate_keys),
+            int(layout.scale_bits))
 
 
-def _layout(encoding: str, bits: int, group: int, rotate_keys: bool) -> RecordLayout:
-    return RecordLayout(encoding, bits, group, 0, rotate_keys)
+def _layout(encoding: str, bits: int, group: int, rotate_keys: bool, scale_bits: int) -> RecordLayout:
+    return RecordLayout(encoding, bits, group, 0, rotate_keys, scale_bits)
 
 
 
 @torch.library.custom_op("kvpress_ada::quantized_attention", mutates_args=())
 def _quantized_attention_op(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor, row_lengths: Tensor,
                             side: Tensor, scale: float, encoding: str, bits: int, group: int, rotate_keys: bool,
-                            split_size: int = 0, softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
+                            scale_bits: int, split_size: int = 0, softcap: float = 0.0,
+                            sinks: Tensor | None = None) -> Tensor:
     """Raw op behind :func:`quantized_attention` (no validation): backend dispatch."""
     return _attention_impl(q, k_rec, v_rec, row_offsets, row_lengths, side, scale,
-                           _layout(encoding, bits, group, rotate_keys), split_size, softcap, sinks)
+                           _layout(encoding, bits, group, rotate_keys, scale_bits), split_size, softcap, sinks)
 
 
 def _attention_impl(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, layout, split_size, softcap=0.0,
@@ -123,8 +125,8 @@ def _attention_impl(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, layo
 
 
 @_quantized_attention_op.register_fake
-def _(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, encoding, bits, group, rotate_keys, split_size=0,
-      softcap=0.0, sinks=None):
+def _(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, encoding, bits, group, rotate_keys, scale_bits,
+      split_size=0, softcap=0.0, sinks=None):
     check_logit_extras(softcap, sinks, q.shape[1], q.device)
     return torch.empty_like(q)
 
@@ -132,15 +134,15 @@ def _(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, encoding, bits, gr
 @torch.library.custom_op("kvpress_ada::quantized_append", mutates_args=("k_rec", "v_rec", "row_lengths", "side"))
 def _quantized_append_op(k_new: Tensor, v_new: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor,
                          row_lengths: Tensor, side: Tensor, encoding: str, bits: int, group: int,
-                         rotate_keys: bool) -> None:
+                         rotate_keys: bool, scale_bits: int) -> None:
     """Raw op behind :func:`quantized_append` (no validation); torch ops on every backend."""
     if k_new.numel():
         quantized_append_ref(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side,
-                             _layout(encoding, bits, group, rotate_keys))
+                             _layout(encoding, bits, group, rotate_keys, scale_bits))
 
 
 @_quantized_append_op.register_fake
-def _(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side, encoding, bits, group, rotate_keys):
+def _(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side, encoding, bits, group, rotate_keys, scale_bits):
     return None
 
 
@@ -159,15 +161,15 @@ def _(k_new, v_new, row_lengths, side):
 @torch.library.custom_op("kvpress_ada::quantized_compact", mutates_args=("k_rec", "v_rec", "side"))
 def _quantized_compact_op(keys: Tensor, values: Tensor, keep: Tensor, row_offsets: Tensor, k_rec: Tensor,
                           v_rec: Tensor, side: Tensor, encoding: str, bits: int, group: int,
-                          rotate_keys: bool) -> None:
+                          rotate_keys: bool, scale_bits: int) -> None:
     """Raw op behind :func:`quantized_compact` (no validation); torch ops on every backend."""
     if keys.numel():
         quantized_compact_ref(keys, values, keep, row_offsets, k_rec, v_rec, side,
-                              _layout(encoding, bits, group, rotate_keys))
+                              _layout(encoding, bits, group, rotate_keys, scale_bits))
 
 
 @_quantized_compact_op.register_fake
-def _(keys, values, keep, row_offsets, k_rec, v_rec, side, encoding, bits, group, rotate_keys):
+def _(keys, values, keep, row_offsets, k_rec, v_rec, side, encoding, bits, group, rotate_keys, scale_bits):
     return None
 
 

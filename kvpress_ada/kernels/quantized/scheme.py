@@ -24,13 +24,17 @@ value, key centre, then ``R`` residual keys and ``R`` residual values: :func:`re
 
 Integers (:func:`quantize`, encoding ``"int"``): asymmetric per token, in groups of ``group`` channels of what
 the record holds.
-A group ``x[0..group)`` is stored as ``zero = min(x)`` rounded *down* to the storage dtype (exact when ``x``
-is in that dtype, as values are), ``scale = (max(x) - zero) / (2^bits - 1)`` rounded *up* (the top of the
-range stays covered), and integers ``q = round((x - zero) / scale)`` in ``[0, 2^bits - 1]``; it reads back as
-``q * scale + zero``. Every element is within ``scale / 2`` of ``x`` (plus float32 rounding) - for keys in
-the rotated, centred space, where the rotation spreads an outlier channel over every channel of its
-Hadamard block; a constant group (``scale = 0``) reads back exactly. (A key's ``y`` is at most its distance
-from the centre, ``|k - c|``, per element: for float16 entries that must stay below 65504.)
+A group ``x[0..group)`` is stored as ``zero = min(x)`` rounded *down* to the scales' dtype
+(:meth:`RecordLayout.scale_dtype`: the entries' dtype, or float16 for float32 entries with ``scale_bits=16``;
+exact when ``x`` is in that dtype, as 16-bit values are), ``scale = (max(x) - zero) / (2^bits - 1)`` rounded
+*up* (the top of the range stays covered), and integers ``q = round((x - zero) / scale)`` in
+``[0, 2^bits - 1]``; it reads back as ``q * scale + zero``. Every element is within ``scale / 2`` of ``x``
+(plus float32 rounding) - for keys in the rotated, centred space, where the rotation spreads an outlier channel
+over every channel of its Hadamard block; a constant group (``scale = 0``) reads back exactly. float16 scales
+of float32 entries round the zero point and the scale by at most 2^-11 relative, widening the step by
+``2^-11 (|zero| + range) / (2^bits - 1)`` at most. (A key's ``y`` is at most its distance from the centre,
+``|k - c|``, per element: for float16 entries, or float16 scales, that must stay below 65504; beyond it
+float16 scales saturate, never inf.)
 
 e4m3 (encoding ``"e4m3"``, 8 bits): symmetric per token, one float32 scale per group (``group`` 0: the whole
 head dimension, one scale per token per kv head), ``scale = max|x| / 448`` (float32), elements
@@ -112,6 +116,7 @@ ENCODINGS = {"int": BITS, "e4m3": (8,)}
 E4M3_MAX = 448.0
 """The largest finite ``float8_e4m3fn``: an e4m3 group's largest magnitude is stored as it."""
 _SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_HALF_MAX = torch.finfo(torch.float16).max
 SIGN_SEED = 0
 """Seed of the rotation's sign vector (``torch.Generator().manual_seed(SIGN_SEED)``, CPU)."""
 
@@ -121,15 +126,18 @@ class RecordLayout:
     """What a storage kind keeps per kept token and per row (module docstring): ``encoding`` of the elements
     (``"int"``: asymmetric integers, a scale and a zero point per group in the entries' dtype; ``"e4m3"``: float8
     e4m3, one float32 scale per group), ``bits`` per element, ``group`` channels per scale (0: the whole head
-    dimension), each row's newest ``residual`` entries also kept in full precision (a ring), and whether keys
-    are centred by their row's mean and rotated before they are encoded (``rotate_keys``). Hosts build their
-    layers from it and pass it to every op of :mod:`.quantized_ops`; :meth:`width` is the bytes of a record."""
+    dimension), each row's newest ``residual`` entries also kept in full precision (a ring), whether keys
+    are centred by their row's mean and rotated before they are encoded (``rotate_keys``), and ``scale_bits``
+    (integers only; 0: scales and zero points in the entries' dtype; 16: float32 entries' in float16, 16-bit
+    entries' in their own dtype: :meth:`scale_dtype`). Hosts build their layers from it and pass it to every op of
+    :mod:`.quantized_ops`; :meth:`width` is the bytes of a record."""
 
     encoding: str = "int"
     bits: int = 8
     group: int = 32
     residual: int = 0
     rotate_keys: bool = True
+    scale_bits: int = 0
 
     def __post_init__(self) -> None:
         widths = ENCODINGS.get(self.encoding)
@@ -142,6 +150,9 @@ class RecordLayout:
             raise ValueError(f"group={self.group} must be even (0: the whole head dimension)")
         if self.residual < 0:
             raise ValueError(f"residual={self.residual} must be 0 (none) or more entries per row")
+        if self.scale_bits not in ((0, 16) if self.encoding == "int" else (0,)):
+            raise ValueError(f"scale_bits={self.scale_bits}: {self.encoding} records take "
+                             f"{'0 (the entries dtype) or 16' if self.encoding == 'int' else '0 (float32 scales)'}")
 
     @property
     def label(self) -> str:
@@ -154,8 +165,11 @@ class RecordLayout:
         return self.group or head_dim
 
     def scale_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype of the scales (and zero points) of records made from entries of ``dtype``."""
-        return dtype if self.encoding == "int" else torch.float32
+        """The dtype of the scales (and zero points) of records made from entries of ``dtype``: integers' in
+        ``dtype`` (float16 for float32 entries with ``scale_bits=16``), e4m3's in float32."""
+        if self.encoding != "int":
+            return torch.float32
+        return torch.float16 if self.scale_bits == 16 and dtype == torch.float32 else dtype
 
     def element_bytes(self, head_dim: int) -> int:
         """Bytes of a record's elements (before its scales)."""
@@ -276,9 +290,12 @@ def quantize(x: Tensor, layout: RecordLayout, dtype: torch.dtype | None = None) 
         return torch.cat([elements, scale.contiguous().view(torch.uint8)], dim=-1)
     levels = (1 << layout.bits) - 1
     low, top = torch.aminmax(xf, dim=-1)
-    zero = _round_down(low, dtype)  # exact when x is in dtype: then it is one of the entries
+    sdtype = layout.scale_dtype(dtype)
+    if sdtype != dtype and sdtype == torch.float16:  # float32 entries, float16 scales: saturate, never inf
+        low, top = low.clamp(-_HALF_MAX, _HALF_MAX), top.clamp(-_HALF_MAX, _HALF_MAX)
+    zero = _round_down(low, sdtype)  # exact when x is in sdtype: then it is one of the entries
     zf = zero.float()
-    scale = _round_up((top - zf) / levels, dtype)
+    scale = _round_up((top - zf) / levels, sdtype)
     sf = scale.float()
     # a constant group (scale 0) has x - zero = 0: any positive divisor gives 0
     q = (xf - zf[..., None]).div_(sf.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).round_().clamp_(0, levels)

@@ -61,9 +61,30 @@ def test_no_shard_without_tensor_parallelism(llama):
 
 @pytest.mark.parametrize("n_kv, n_q", [(3, 6), (1, 4)])
 def test_unsupported_layout_refused(n_kv, n_q):
-    model = SimpleNamespace(tp_size=2, config=SimpleNamespace(num_key_value_heads=n_kv, num_attention_heads=n_q))
+    config = SimpleNamespace(model_type="llama", num_key_value_heads=n_kv, num_attention_heads=n_q)
+    model = SimpleNamespace(tp_size=2, config=config, _tp_plan={"model.layers.*.self_attn.q_proj": "colwise"})
     with pytest.raises(ValueError, match="divisible by 2"):
         head_shard(model)
+
+
+@pytest.mark.parametrize("arch, outcome", [("llama", "split"), ("gemma3_text", "split"), ("gpt_oss", "whole"),
+                                           ("olmo2", "q_proj"), ("phi3", "qkv_proj")])
+def test_a_familys_own_plan_splits_its_heads_leaves_them_whole_or_is_refused(arch, outcome):
+    """transformers' plan of each family: heads split column-wise (a rank's block of kv heads), attention left
+    whole on every rank (GPT-OSS: no shard, the press runs as in one process), or projections gathered after a
+    column split (OLMo-2's q/k norms over all heads, Phi-3's fused qkv): refused in one line."""
+    config = build_model(arch, num_attention_heads=8, num_key_value_heads=4).config
+    model = SimpleNamespace(tp_size=2, config=config, _tp_plan=dict(config.base_model_tp_plan or {}))
+    if outcome in ("split", "whole"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(dist, "get_rank", lambda *a: 1)
+            shard = head_shard(model)
+        assert (shard is None) == (outcome == "whole")
+        assert shard is None or (shard.rank, shard.size, shard.n_local) == (1, 2, 2)
+    else:
+        with pytest.raises(ValueError, match=f"need {outcome} sharded column-wise.*'colwise_gather_output'") as err:
+            head_shard(model)
+        assert "\n" not in str(err.value)
 
 
 def test_rowwise_qkv_refused():
@@ -137,3 +158,27 @@ def test_two_ranks_equal_one_process(tmp_path):
     assert len({n for rank in ada for row in rank for n in row}) > 1
     swaps = sum(r["near_tie_swaps"] for ranked in data["ranks"] for r in ranked.values())
     assert swaps <= 4, f"{swaps} near-tie swaps: more than float rounding explains"
+
+
+@needs_gloo
+@pytest.mark.parametrize("arch", ["gemma3_text", "gpt_oss"])
+def test_two_ranks_equal_one_process_on_a_hybrid_family(tmp_path, arch):
+    """Gemma-3 (heads split; its sliding-window layers hold the rank's kv heads of the window) and GPT-OSS (sinks;
+    its plan leaves attention whole, so each rank runs the press as one process): kept sets, tokens and bytes per
+    rank equal the single-process model's for a one-pass, a model-pass and an output-weight press."""
+    model_dir = tmp_path / arch
+    build_model(arch, num_attention_heads=8, num_key_value_heads=4).save_pretrained(model_dir)
+    build_tokenizer().save_pretrained(model_dir)
+    report = tmp_path / "report.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    names = ["ada_snapkv", "kvzip", "criticalkv"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "tests" / "tp_worker.py"), str(model_dir), str(report), ",".join(names)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    data = json.loads(report.read_text()) if report.exists() else None
+    assert data is not None, proc.stderr[-4000:]
+    failed = {name: r["problems"] for ranked in data["ranks"] for name, r in ranked.items() if not r["ok"]}
+    assert not failed and proc.returncode == 0, (failed, proc.stderr[-2000:])
+    assert all(set(ranked) == set(names) for ranked in data["ranks"])
+    heads = [len(ranked["ada_snapkv"]["layer0_lengths"][0]) for ranked in data["ranks"]]
+    assert heads == ([4, 4] if arch == "gpt_oss" else [2, 2])  # whole attention on every rank, or its block

@@ -64,7 +64,13 @@ def main() -> int:
     for m in (tp, ref):
         use_tokenizer(m, tok)
     shard = head_shard(tp)
-    assert shard is not None and shard.size == dist.get_world_size(), shard
+    # a plan that leaves attention whole (GPT-OSS's): every rank holds every kv head, as one process does
+    whole = shard is None
+    assert whole or shard.size == dist.get_world_size(), shard
+    n_local = tp.config.num_key_value_heads if whole else shard.n_local
+
+    def local(t):
+        return t if whole else shard.local(t)
     rank = dist.get_rank()
 
     gen = torch.Generator().manual_seed(0)
@@ -125,24 +131,27 @@ def main() -> int:
         if not torch.equal(tokens, ref_tokens):
             problems.append(f"tokens {tokens.tolist()} != {ref_tokens.tolist()}")
         for layer, (keep, ref_keep) in enumerate(zip(keeps, ref_keeps)):
-            if keep.shape[1] != shard.n_local:
-                problems.append(f"layer {layer}: {keep.shape[1]} heads on this rank, expected {shard.n_local}")
-            elif not torch.equal(keep, shard.local(ref_keep)):
-                near, why = near_tie_swaps(keep, shard.local(ref_keep), shard.local(ref_scores[layer]))
+            if keep.shape[1] != n_local:
+                problems.append(f"layer {layer}: {keep.shape[1]} heads on this rank, expected {n_local}")
+            elif not torch.equal(keep, local(ref_keep)):
+                near, why = near_tie_swaps(keep, local(ref_keep), local(ref_scores[layer]))
                 swaps += near
                 if why:
                     problems.append(f"layer {layer}: {why}")
-        D = tp.config.hidden_size // tp.config.num_attention_heads
-        reserve = cache.layers[0].decode_reserve
+        D = getattr(tp.config, "head_dim", None) or tp.config.hidden_size // tp.config.num_attention_heads
+        # a hybrid model's sliding-window layers hold their window (the rank's kv heads of it); the others are
+        # press layers: each row kept entries + the decode reserve, rounded up to whole chunks (compile-first)
+        windows = [layer for layer in cache.layers if not hasattr(layer, "decode_reserve")]
+        reserve = next(layer for layer in cache.layers if hasattr(layer, "decode_reserve")).decode_reserve
         from kvpress_ada.kernels.ragged.reference import CHUNK
 
-        # each row: kept entries + the decode reserve, rounded up to whole chunks (compile-first layout)
-        own = sum(int((-(-(k.sum(-1) + reserve) // CHUNK) * CHUNK).sum()) for k in keeps) * D * 2 * 4
+        own = sum(int((-(-(k.sum(-1) + reserve) // CHUNK) * CHUNK).sum()) for k in keeps) * D * 2 * 4 + sum(
+            layer.nbytes() for layer in windows)
         if cache.nbytes() != own:
             problems.append(f"this rank holds {cache.nbytes()} bytes, its rows are {own}")
         total = torch.tensor([cache.nbytes()])
         dist.all_reduce(total)
-        if int(total) != ref_cache.nbytes():
+        if int(total) != ref_cache.nbytes() * (dist.get_world_size() if whole else 1):
             problems.append(f"ranks hold {int(total)} bytes together, one process {ref_cache.nbytes()}")
         results[name] = {"ok": not problems, "problems": problems, "near_tie_swaps": swaps, "tokens": tokens.tolist(),
                          "layer0_lengths": keeps[0].sum(-1).tolist(), "bytes": cache.nbytes()}

@@ -114,8 +114,8 @@ class Family:
 
     # ------------------------------------------------------------ tensor parallelism
     def head_projection_styles(self, plan: Mapping[str, str]) -> dict[str, str]:
-        """The style a tensor-parallel plan gives each projection whose output is split by head (``"colwise"``
-        when the plan does not name it)."""
+        """The style a tensor-parallel plan gives each projection whose output is split by head (``"replicated"``
+        when the plan does not name it: every rank computes every head, as GPT-OSS's plan leaves its attention)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------ the vLLM host
@@ -197,7 +197,7 @@ class LlamaLike(Family):
     def head_projection_styles(self, plan: Mapping[str, str]) -> dict[str, str]:
         marker = f".{self.attention}."
         styles = {key.rsplit(".", 1)[-1]: style for key, style in plan.items() if marker in key}
-        return {name: styles.get(name, "colwise") for role, name in self.projection_names.items() if role != "o"}
+        return {name: styles.get(name, "replicated") for role, name in self.projection_names.items() if role != "o"}
 
     def engine_attention_modules(self, model: Any) -> list[torch.nn.Module]:
         decoder = getattr(model, "model", None)

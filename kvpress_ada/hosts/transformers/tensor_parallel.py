@@ -63,7 +63,8 @@ def _tp_mesh(model: Any) -> Any:
 
 
 def head_shard(model: Any) -> HeadShard | None:
-    """The kv-head block of this rank when ``model`` is tensor-parallel (``tp_size > 1``), else ``None``.
+    """The kv-head block of this rank when ``model`` is tensor-parallel (``tp_size > 1``) with its attention
+    heads split across ranks, else ``None`` (one process, or a plan that leaves attention whole: GPT-OSS's).
 
     Raises a clear error for what is not supported: a kv-head count the world size does not divide
     (the GQA group of a kv head would be split across ranks), or sharding along more than tensor
@@ -72,14 +73,17 @@ def head_shard(model: Any) -> HeadShard | None:
     if size <= 1:
         return None
     config = model.config
+    plan = getattr(model, "_tp_plan", None) or getattr(config, "base_model_tp_plan", None) or {}
+    styles = family_of(model).head_projection_styles(plan)
+    if set(styles.values()) == {"replicated"}:
+        return None  # the plan leaves attention whole: every rank holds every kv head, as one process does
     n_kv = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     n_q = int(config.num_attention_heads)
     if n_kv % size or n_q % size:
         raise ValueError(f"tensor parallelism over {size} ranks needs the number of kv heads ({n_kv}) and of query "
                          f"heads ({n_q}) divisible by {size}, so that each rank holds whole kv heads with their query "
                          "groups; kvpress_ada presses refuse other world sizes")
-    plan = getattr(model, "_tp_plan", None) or getattr(config, "base_model_tp_plan", None) or {}
-    for proj, style in family_of(model).head_projection_styles(plan).items():
+    for proj, style in sorted(styles.items(), key=lambda item: item[1] == "replicated"):  # a named style first
         if style != "colwise":
             raise ValueError(f"kvpress_ada presses need {proj} sharded column-wise (contiguous blocks of heads) under "
                              f"tensor parallelism; this model's plan shards it as {style!r}")

@@ -301,10 +301,10 @@ class Pipeline(OneLineErrors):
             if merge is not None:
                 scores = self._scores(view) if type(merge).needs_scores else None
                 values = merge.merge(held.keys, held.values, held.valid, keep.to(held.valid.device), scores)
-                held = replace(held, values=values)
+                held = replace(held, values=values, rewritten=True)
             if self.key_channels is not None:
                 channels = self.key_channels.channel_keep(view, keep)
-                held = replace(held, keys=zero_channels(held.keys, channels.to(held.keys.device)))
+                held = replace(held, keys=zero_channels(held.keys, channels.to(held.keys.device)), rewritten=True)
         return held
 
     def _keep_layer(self, view: LayerView, budget: torch.Tensor) -> torch.Tensor:

@@ -124,8 +124,6 @@ def test_paged_keeps_and_generates_what_ragged_does(llama, tokenizer, name, mode
         pytest.skip(f"{name} does not run in {mode} mode")  # refused at construction (e.g. a model pass)
     if press.reader is not None:
         pytest.skip("a reader reads the ragged cache's page summaries; the paged cache reads densely (not compared)")
-    if press.evictor.merge is not None and mode == "chunked":
-        pytest.skip("merging in chunked prefill: the paged cache is not compared (known gap, see the session note)")
     if press.evictor.rerotate and mode != "one-shot":
         pytest.skip("a paged layer moves its kept entries as stored: it refuses to re-rotate them a second time")
     ids, mask = left_padded_batch()

@@ -57,4 +57,4 @@ class KeyRotation:
         if self.rows is not None:
             shift = shift * self.rows.to(shift.device).long()[:, None, None]
         keys = torch.where(kept[..., None], rotate(held.keys, shift, inv_freq), held.keys)
-        return replace(held, keys=keys)
+        return replace(held, keys=keys, rewritten=True)

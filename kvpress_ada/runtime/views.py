@@ -28,6 +28,7 @@ class HeldEntries:
     valid: torch.Tensor
     positions: torch.Tensor
     uniform: bool | None = None  # every kv head of a row holds the same entries (None: not known)
+    rewritten: bool = False  # keys or values differ from what the layer stores (a merge, pruned key channels)
 
 
 class LayerInputs(Protocol):

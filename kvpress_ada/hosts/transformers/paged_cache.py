@@ -97,14 +97,16 @@ class PagedLayer(DenseUntilKept):
 
     def retain(self, keep: torch.Tensor, held: HeldEntries, spare: int | None = None) -> None:
         """Keep the entries of ``held`` (this layer's :meth:`view`) where ``keep`` is True, each (row, kv head)
-        in pages of its own; ``spare`` free entries per row are made room for (default: ``reserve_pages``)."""
+        in pages of its own; ``spare`` free entries per row are made room for (default: ``reserve_pages``). A
+        compressed layer's kept entries keep their pages, unless ``held`` was rewritten (merged values, pruned
+        key channels): then its pages are laid out again from ``held``."""
         if keep.shape != held.valid.shape:
             raise ValueError(f"keep mask of shape {tuple(keep.shape)} does not match the layer's view "
                              f"{tuple(held.valid.shape)}")
         keep = keep & held.valid
         B, H, W, D = held.keys.shape
         reserve = self.reserve_pages if spare is None else -(-spare // self.page_size)
-        if not self.compressed:
+        if not self.compressed or held.rewritten:
             counts = keep.sum(-1)
             pages = int((-(-counts // self.page_size)).sum()) + reserve * B * H
             self.pool = PagePool.allocate(max(pages, 1), self.page_size, D, self.dtype, self.device)

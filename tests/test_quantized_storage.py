@@ -140,8 +140,6 @@ def _held_bytes(cache):
 def test_every_preset_keeps_the_full_precision_positions(storage, name):
     """One-shot presets (KVzip's model pass included), batch 2 with left padding: selection reads the
     full-precision prefill, so the kept positions are those of full-precision storage."""
-    if preset(name, compression_ratio=0.6).reader is not None:
-        pytest.skip("a reader bounds pages by full-precision keys: refused with a quantized storage (test_readers.py)")
     model = _model()
     ids, mask = left_padded_batch()
     caches = {}

@@ -36,6 +36,27 @@ def _with(press, storage):
     return press.model_copy(update={"storage": storage})
 
 
+def _agrees_up_to_a_near_tie(tokens, hf_model, press, prompt, tie=0.05):
+    """Whether ``tokens`` are the transformers host's greedy tokens for ``prompt`` in the cache of ``press``'s storage
+    up to the first step whose top-two logit margin there is under ``tie``: the hosts' forwards differ by float
+    rounding, which a quantized record can turn into a step of its integers (or of a float16 zero point), so on
+    this tiny model (margins of 0.01-0.03 occur) a near tie may go either way after it."""
+    import torch
+
+    from kvpress_ada.hosts.transformers.hf import cache_kwarg
+
+    cache = ragged_cache(press.storage, hf_model.config)
+    with torch.no_grad(), press(hf_model):
+        out = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=len(tokens),
+                                output_logits=True, return_dict_in_generate=True, **{cache_kwarg(hf_model): cache})
+    alone = out.sequences[0, len(prompt):].tolist()
+    if alone == tokens:
+        return True
+    first = next(j for j, (a, b) in enumerate(zip(alone, tokens)) if a != b)
+    top = out.logits[first][0].topk(2).values
+    return float(top[0] - top[1]) < tie
+
+
 @STORAGES
 @pytest.mark.parametrize("name,batched_tokens", [("ada_snapkv", 2048), ("snapkv", 48)])
 def test_kept_positions_and_tokens_equal_the_transformers_host(model_dir, hf_model, monkeypatch, storage, name,
@@ -120,9 +141,13 @@ def test_a_preempted_quantized_request_generates_the_tokens_of_an_uninterrupted_
                                                                                      storage, batched_tokens):
     """A request holding records is preempted (its pages, side tensors included, go back) and computed again later
     (the tokens it had generated one at a time, as the first time: its residual ring then holds what it held), and
-    the press evicts and quantizes again: every request generates its tokens alone. In chunks of 48 tokens the
-    recompute's last chunk brings generated tokens only."""
+    the press evicts and quantizes again: every request generates the tokens of an uninterrupted run of the same
+    engine, and the transformers host's up to a near tie (:func:`_agrees_up_to_a_near_tie`; 60 tokens here, 8 in
+    the exact comparison above). In chunks of 48 tokens the recompute's last chunk brings generated tokens only."""
     press = _with(_small_window(preset("snapkv", compression_ratio=0.5)), storage)
     tokens = host.tokens_with_a_preemption(model_dir, press, monkeypatch, 60, max_num_batched_tokens=batched_tokens)
+    llm = _serve(model_dir, press, prompts=PROMPTS[:1], max_tokens=1, max_num_batched_tokens=batched_tokens)[0]
+    assert tokens == _run_to_completion(llm, PROMPTS, 60)[1]
+    del llm
     for i, prompt in enumerate(PROMPTS):
-        assert tokens[i] == _alone(hf_model, press, prompt, 60, monkeypatch)[0], i
+        assert _agrees_up_to_a_near_tie(tokens[i], hf_model, press, prompt), i

@@ -64,6 +64,18 @@ def test_a_quantized_storage_is_handed_to_the_server(capsys, tmp_path):
     assert code == 0 and press["storage"]["name"] == "int4" and press["compression_ratio"] == 0.75, press
 
 
+@pytest.mark.parametrize("name", ["quest", "ada_snapkv_read"])
+def test_a_reader_is_handed_to_the_server_reading_the_engines_pages(capsys, tmp_path, name):
+    """vLLM's kernel reads whole blocks of 32 entries: the reader's pages of 16 become 32, its budget in tokens kept
+    (said in a warning)."""
+    with pytest.warns(UserWarning, match="whole pages of 32 entries"):
+        code, out, _ = _dry_run(capsys, "--model", str(tmp_path), "--preset", name, "--ratio", "0.5")
+    argv = shlex.split(out.strip())
+    press = json.loads(argv[argv.index("--additional-config") + 1])["kvpress_ada"]["press"]
+    reader = press["reader"]
+    assert code == 0 and (reader["name"], reader["page_size"], reader["budget"]) == ("top_pages", 32, 1024), press
+
+
 def test_decode_compression_is_handed_to_the_server(capsys, tmp_path):
     code, out, _ = _dry_run(capsys, "--model", str(tmp_path), "--preset", "snapkv", "--ratio", "0.75",
                             "--decode-budget", "256", "--decode-interval", "64", "--storage", "int8")
@@ -79,8 +91,7 @@ def test_decode_compression_is_handed_to_the_server(capsys, tmp_path):
     (["--preset", "h2o", "--decode-budget", "64", "--decode-interval", "8"], "decode compression"),
     (["--prefill-chunk", "0"], "--prefill-chunk"),
     (["--preset", "kvzip"], "model pass"),
-    (["--preset", "quest"], "reader TopPages reads selected pages"),
-    (["--preset", "ada_snapkv_read", "--storage", "int4"], "reader TopPages reads selected pages"),
+    (["--preset", "ada_snapkv_read", "--storage", "int4"], "reader TopPages reads selected pages of full-precision"),
     (["--ratio", "1.2"], "--ratio"),
     (["--model", "/no/such/dir"], "/no/such/dir"),
     (["--model", "defualt"], "did you mean 'default'"),

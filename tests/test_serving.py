@@ -409,3 +409,79 @@ def _small_window_press(name):
     if "window" in type(press.scorer).model_fields:
         press = press.model_copy(update={"scorer": press.scorer.model_copy(update={"window": 16})})
     return press
+
+
+READING = {  # mode -> a press's fields beside its reader (of 2 pages of 8 per kv head on average: a row holds ~6)
+    "evict": dict(scorer=SnapKV(window=16), allocator=AdaHead(alpha=0.2), compression_ratio=0.5),
+    "decode": dict(scorer=SnapKV(window=16), compression_ratio=0.5, decode_budget=24, decode_interval=4),
+    "no eviction": dict(scorer="knorm"),
+}
+
+
+def _pages_per_head(selected, lengths, page_size):
+    """Per row (kv head) of one request: the indices of the pages it reads among those it holds."""
+    held = (lengths.long() + page_size - 1) // page_size
+    return tuple(tuple(j for j in range(int(n)) if selected[h, j]) for h, n in enumerate(held))
+
+
+@pytest.mark.parametrize("mode", list(READING))
+def test_requests_read_the_pages_each_reads_alone_on_the_transformers_host(llama, monkeypatch, mode):
+    """Under a reader (Ada's read budget over Quest's page bounds) requests packed in mixed steps (staggered
+    arrivals, prompts in an engine's chunks of 40 beside others' decode tokens) read at each decode step, per
+    (layer, kv head), the pages the transformers host reads for each alone, and generate its tokens; each held
+    page's summaries are the min / max of the keys it holds after appends and compactions, a free page's the
+    identities; pages held count their summaries' bytes."""
+    from kvpress_ada.hosts.transformers.page_summaries import PageSummaries
+    from kvpress_ada.readers import TopPages
+
+    P = 8
+    press = Pipeline(**READING[mode], reader=TopPages(budget=2 * P, page_size=P, allocator=AdaHead(alpha=0.2)))
+    served: dict[str, dict[int, list]] = {}
+    pages_read = PagedServing._pages_read
+
+    def record_served(self, layer_idx, ids, query, table, lengths, scaling):
+        selected = pages_read(self, layer_idx, ids, query, table, lengths, scaling)
+        for n, rid in enumerate(ids):
+            H = selected.shape[1]
+            served.setdefault(rid, {}).setdefault(layer_idx, []).append(
+                _pages_per_head(selected[n], lengths[n * H:(n + 1) * H], P))
+        return selected
+
+    alone: dict[int, list] = {}
+    select = PageSummaries.select
+
+    def record_alone(self, query, row_lengths, scaling, layer_idx, softcap=None):
+        selected = select(self, query, row_lengths, scaling, layer_idx, softcap)
+        alone.setdefault(layer_idx, []).append(_pages_per_head(selected, row_lengths, P))
+        return selected
+
+    monkeypatch.setattr(PagedServing, "_pages_read", record_served)
+    monkeypatch.setattr(PageSummaries, "select", record_alone)
+    prompts = {"a": (_prompt(90, 31), 0), "b": (_prompt(71, 32), 2), "c": (_prompt(100, 33), 3)}
+    new = 10
+    engine, tokens, _ = _serve_packed(llama, press, {r: (p, s, _engine_chunks(40)) for r, (p, s) in prompts.items()},
+                                      new)
+    fewer = 0
+    for r, (prompt, _) in prompts.items():
+        alone.clear()
+        host_tokens, host_kept = _alone(llama, press, prompt, new)
+        assert engine.kept(r) == host_kept and tokens[r] == host_tokens, (mode, r)
+        assert served[r] == alone and len(alone) == len(llama.model.layers), (mode, r)
+        assert all(len(steps) == new - 1 for steps in alone.values())  # every decode step of every layer read pages
+        held = [len(seq.pages[h]) for seq in engine.serving.requests[r].seqs for h in range(seq.heads)]
+        fewer += sum(len(js) < n for steps in alone.values() for per_head in steps for js, n in zip(per_head, held))
+    assert fewer > 0  # heads read fewer pages than they hold
+    for pool, layer_seqs in zip(engine.serving.pools, zip(*(r.seqs for r in engine.serving.requests.values()))):
+        used = torch.zeros(pool.capacity, dtype=torch.bool)
+        for seq in layer_seqs:
+            keys, _, present, _ = pool.view([seq])
+            for h in range(seq.heads):
+                held_keys = keys[0, h][present[0, h]]
+                for j, page in enumerate(seq.pages[h]):
+                    used[page] = True
+                    page_keys = held_keys[j * P:(j + 1) * P]
+                    assert torch.equal(pool.kmin[page], page_keys.amin(0)) and torch.equal(pool.kmax[page],
+                                                                                            page_keys.amax(0))
+        assert bool((pool.kmin[~used] == float("inf")).all()) and bool((pool.kmax[~used] == float("-inf")).all())
+        D = pool.k_pages.shape[-1]
+        assert pool.nbytes(list(layer_seqs)) == sum(s.pages_held for s in layer_seqs) * (2 * P * D * 4 + 2 * D * 4)

@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 
 from ..components import Component, Registry
+from ..kernels.ragged.sparse import page_bounds
 
 
 class Reader(Component):
@@ -38,3 +39,15 @@ class Reader(Component):
 
 READERS = Registry("reader", Reader)
 register_reader = READERS.decorator_function()
+
+
+def select_pages(reader: Reader, query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, table: torch.Tensor,
+                 lengths: torch.Tensor, scale: float, layer_idx: int,
+                 softcap: float | None = None) -> torch.Tensor:
+    """``[B, H_kv, W]`` bool: the pages ``reader`` reads for ``query [B, H_q, 1, D]`` over rows whose page ``j`` is
+    page ``table[r, j]`` (``[B * H_kv, W]``, ``-1``: none) of the summaries ``kmin, kmax [pages, D]`` and which hold
+    ``lengths [B * H_kv]`` entries: each page's Quest bound (:func:`~kvpress_ada.kernels.ragged.sparse.page_bounds`),
+    then :meth:`Reader.select`. What every host that pages calls (the ragged cache's pages, an engine's pages)."""
+    B = query.shape[0]
+    bounds = page_bounds(query, kmin, kmax, table, scale, softcap)
+    return reader.select(bounds, lengths.view(B, -1), layer_idx)

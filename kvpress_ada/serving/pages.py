@@ -11,6 +11,11 @@ pages and returns the old ones: pages held are ``sum over heads of ceil(kept / S
 :meth:`PagePool.table` gives the page table and lengths that
 :func:`~kvpress_ada.kernels.paged.ops.paged_attention` reads; :meth:`PagePool.view` the left-padded view
 :meth:`Pipeline.keep <kvpress_ada.Pipeline.keep>` selects from.
+
+For a press with a reader (:mod:`kvpress_ada.readers`) the pool keeps each page's Quest summaries
+(:meth:`PagePool.summarise`: the channel-wise min and max of the keys it holds, as stored), folded in by every
+write and reset when a page returns, so they stay current through appends and compactions;
+:func:`selected_table` cuts a page table to the pages a reader selects (what attention then reads).
 """
 
 from __future__ import annotations
@@ -45,9 +50,26 @@ class PagedSequence:
         return sum(len(p) for p in self.pages)
 
 
+def selected_table(table: torch.Tensor, lengths: torch.Tensor, selected: torch.Tensor,
+                   page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(table, lengths)`` of rows cut to their selected pages: row ``r``'s pages where ``selected [R, M]`` (in page
+    order, ``-1`` after them) and the entries they hold. Only a row's newest page is partial and it comes last, so
+    the cut row's entries are contiguous: a paged kernel reading it reads exactly the selected pages' entries."""
+    M = table.shape[1]
+    sel = selected & (table >= 0)
+    order = torch.argsort((~sel).to(torch.uint8), dim=1, stable=True)  # selected pages first, in page order
+    j = torch.arange(M, device=table.device)
+    cut = torch.where(j < sel.sum(1, keepdim=True), table.gather(1, order), -1).to(table.dtype)
+    held = (lengths.long()[:, None] - j * page_size).clamp(0, page_size)  # entries in each page
+    return cut, (held * sel).sum(1).to(lengths.dtype)
+
+
 class PagePool:
     """One layer's pages (see the module docstring): ``k_pages, v_pages [P, S, D]``, the position of the
     entry in each slot (``-1``: none), and the ids of the free pages."""
+
+    kmin: torch.Tensor | None = None  # [P, D] float32 page summaries, while summarised (summarise)
+    kmax: torch.Tensor | None = None
 
     def __init__(self, k_pages: torch.Tensor, v_pages: torch.Tensor):
         if k_pages.shape != v_pages.shape or k_pages.dim() != 3:
@@ -77,6 +99,9 @@ class PagePool:
         scores = self.scores.new_zeros((P + extra, S))
         k_pages[:P], v_pages[:P], positions[:P], scores[:P] = self.k_pages, self.v_pages, self.positions, self.scores
         self.k_pages, self.v_pages, self.positions, self.scores = k_pages, v_pages, positions, scores
+        if self.kmin is not None and self.kmax is not None:
+            self.kmin = torch.cat([self.kmin, self.kmin.new_full((extra, D), float("inf"))])
+            self.kmax = torch.cat([self.kmax, self.kmax.new_full((extra, D), float("-inf"))])
         self._free[:0] = range(P + extra - 1, P - 1, -1)  # taken after the pages already free
 
     # ------------------------------------------------------------------ pages
@@ -98,7 +123,10 @@ class PagePool:
     def give(self, ids: list[int]) -> None:
         """Return pages to the pool."""
         if ids:
-            self.positions[torch.tensor(ids, dtype=torch.long, device=self.positions.device)] = -1
+            index = torch.tensor(ids, dtype=torch.long, device=self.positions.device)
+            self.positions[index] = -1
+            if self.kmin is not None and self.kmax is not None:  # an empty page's summaries: min / max identities
+                self.kmin[index], self.kmax[index] = float("inf"), float("-inf")
             self._free.extend(reversed(ids))
 
     def release(self, seq: PagedSequence) -> None:
@@ -111,6 +139,30 @@ class PagePool:
         """New pages ``seq`` takes to append ``tokens`` entries to every head."""
         S = self.page_size
         return sum(-(-(n + tokens) // S) - len(p) for n, p in zip(seq.lengths, seq.pages))
+
+    # ------------------------------------------------------------------ page summaries
+    def summarise(self) -> None:
+        """Keep each page's Quest summaries from now on (Tang et al., ICML 2024): ``kmin, kmax [P, D]`` float32, the
+        channel-wise min and max of the keys the page holds as stored (``+inf`` / ``-inf`` for a page holding none),
+        so ``sum_d max(q_d kmin_d, q_d kmax_d)`` bounds ``q . k`` over the page. Built from what the pages hold now,
+        then folded in by every write and reset when a page returns (appends and compactions keep them current)."""
+        if self.kmin is not None:
+            return
+        P, _, D = self.k_pages.shape
+        device = self.k_pages.device
+        self.kmin = torch.full((P, D), float("inf"), dtype=torch.float32, device=device)
+        self.kmax = torch.full((P, D), float("-inf"), dtype=torch.float32, device=device)
+        page, slot = (self.positions >= 0).nonzero(as_tuple=True)
+        if page.numel():
+            self._fold(page, self._read(page, slot)[0])
+
+    def _fold(self, page: torch.Tensor, keys: torch.Tensor) -> None:
+        """Reduce ``keys [n, D]`` (as stored) into the summaries of their pages ``page [n]``."""
+        if self.kmin is None or self.kmax is None:
+            return
+        index = page.long()[:, None].expand(-1, keys.shape[-1])
+        self.kmin.scatter_reduce_(0, index, keys.float(), "amin", include_self=True)
+        self.kmax.scatter_reduce_(0, index, keys.float(), "amax", include_self=True)
 
     # ------------------------------------------------------------------ entries
     def append(self, seqs: list[PagedSequence], keys: torch.Tensor, values: torch.Tensor,
@@ -242,6 +294,7 @@ class PagePool:
         pages of our own."""
         page, slot = flat // self.page_size, flat % self.page_size
         self._write_entries(flat, page, slot, keys, values)
+        self._fold(page, keys.to(self.k_pages.dtype))
         self.positions[page, slot] = positions.to(torch.int32)
         if scores is not None:
             self.scores[page, slot] = scores.float()
@@ -273,6 +326,9 @@ class PagePool:
         return storage.layout is None
 
     def nbytes(self, seqs: list[PagedSequence]) -> int:
-        """Bytes of keys and values the pages of ``seqs`` hold (whole pages: what they keep others from)."""
+        """Bytes of keys and values the pages of ``seqs`` hold (whole pages: what they keep others from), with their
+        summaries while the pool keeps them."""
         per_page = self.page_size * self.k_pages.shape[-1] * (self.k_pages.element_size() + self.v_pages.element_size())
+        if self.kmin is not None and self.kmax is not None:  # the page's summaries
+            per_page += self.kmin[0].nbytes + self.kmax[0].nbytes
         return sum(seq.pages_held for seq in seqs) * per_page

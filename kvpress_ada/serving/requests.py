@@ -23,14 +23,16 @@ the true length while a row holds fewer entries.
 from __future__ import annotations
 
 import itertools
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from ..observation import Budget, LayerView
+from ..readers import select_pages
 from ..runtime import EndOfStep, FixedInputs, HeldEntries, LayerClock, Schedule, Trigger, layer_view, window_of
-from .pages import PagedSequence, PagePool
+from .pages import PagedSequence, PagePool, selected_table
 
 if TYPE_CHECKING:
     from ..pipeline import Pipeline
@@ -55,10 +57,29 @@ def check_servable(press: Pipeline) -> None:
     if press.evictor.rerotate:
         raise ValueError("the evictor re-rotates the keys it keeps (rerotate=True), which a serving engine's pages "
                          "do not: serve with rerotate=False, or run the press through the transformers host")
-    if press.reader is not None:
-        raise ValueError(f"reader {type(press.reader).__name__} reads selected pages at each decode step, which a "
-                         "serving engine does not yet: serve without a reader, or run the press through the "
-                         "transformers host")
+    if press.reader is not None and press.storage.quantized:
+        raise ValueError(f"reader {type(press.reader).__name__} reads selected pages of full-precision entries in a "
+                         f"serving engine, not of storage={press.storage.label!r} records: serve the reader with "
+                         "full-precision storage, or run the press through the transformers host")
+
+
+def reading_pages_of(press: Pipeline, page_size: int) -> Pipeline:
+    """``press`` with its reader reading pages of ``page_size`` entries (an engine's page: its kernel reads whole
+    pages), its budget in tokens unchanged; warns when that changes the reader's ``page_size``. A budget that
+    cannot hold a row's first and newest pages of that size is refused in one line."""
+    reader = press.reader
+    if reader is None or reader.page_size == page_size:
+        return press
+    try:
+        paged = type(reader).model_validate({**reader.model_dump(), "page_size": page_size})
+    except ValueError as err:
+        errors = getattr(err, "errors", None)
+        reason = errors()[0]["msg"] if callable(errors) else str(err).splitlines()[0]
+        raise ValueError(f"reader page_size={reader.page_size}: this engine reads whole pages of {page_size} "
+                         f"entries, and the reader at that page size is refused: {reason}") from None
+    warnings.warn(f"reader page_size={reader.page_size}: this engine reads whole pages of {page_size} entries; the "
+                  f"reader reads pages of {page_size} (its budget in tokens unchanged)", stacklevel=2)
+    return press.replace(reader=paged)
 
 
 @dataclass
@@ -122,6 +143,14 @@ class PagedServing:
         if not all(pool.stores(storage) for pool in self.pools):
             raise ValueError(f"storage={storage.label!r}: these pools keep entries as {self.pools[0].storage_label}; "
                              "a quantized storage needs QuantizedPagePool pools of its bits, group and residual")
+        reader = self.press.reader
+        if reader is not None:
+            sizes = sorted({pool.page_size for pool in self.pools})
+            if sizes != [reader.page_size]:
+                raise ValueError(f"reader page_size={reader.page_size} differs from these pools' pages of {sizes} "
+                                 "entries: give the reader the pools' page size (reading_pages_of)")
+            for pool in {id(p): p for p in self.pools}.values():
+                pool.summarise()
 
     # ------------------------------------------------------------------ requests
     def add(self, request_id: str, prompt_len: int) -> None:
@@ -178,7 +207,7 @@ class PagedServing:
         layers still evicts once, at the end of the step) and a quantized storage (each row's newest entries read
         from its residual ring, older ones from records)."""
         requests = [self.requests[i] for i in request_ids]
-        replay = self.press.compresses_decode or self.press.storage.quantized
+        replay = self.press.compresses_decode or self.press.storage.quantized or self.press.reader is not None
 
         def first_part(request: ServedRequest, c: int) -> int:
             written, prompt = request.clocks[layer_idx].written, request.prompt_len
@@ -225,6 +254,9 @@ class PagedServing:
         seqs = [r.seqs[layer_idx] for r in requests]
         table, lengths = pool.append(seqs, key, value, positions, counts, scores)
         start = torch.tensor([0] + counts, device=query.device).cumsum(0).to(torch.int32)
+        if self.press.reader is not None:
+            table, lengths = self._read_table(layer_idx, request_ids, requests, query, table, lengths, counts, start,
+                                              scaling)
         out = pool.attend(query, table, lengths, start, scaling)
         due = self._advance(layer_idx, request_ids, requests, query, counts)
         with torch.no_grad():
@@ -251,6 +283,40 @@ class PagedServing:
                     masks = self.press.keep(views, parts[0].budget)
                     for i, keep in enumerate(masks):
                         self._keep(i, parts[i], keep)
+
+    # ------------------------------------------------------------------ sparse reads
+    def _read_table(self, layer_idx: int, ids: list[str], requests: list[ServedRequest], query: torch.Tensor,
+                    table: torch.Tensor, lengths: torch.Tensor, counts: list[int], start: torch.Tensor,
+                    scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(table, lengths)`` with the rows of each request that decodes one token over what the press kept (as the
+        transformers host's compressed layer reads a single-query step) cut to the pages the reader selects for it;
+        a request whose longest row the reader reads whole keeps its rows (dense reads: the same entries)."""
+        reader = self.press.reader
+        assert reader is not None
+        reads = [n for n, (r, c) in enumerate(zip(requests, counts))
+                 if c == 1 and r.evicted and not reader.reads_every_page(max(r.seqs[layer_idx].lengths))]
+        if not reads:
+            return table, lengths
+        N, H = len(ids), self.n_kv_heads
+        M = table.shape[1]
+        at = torch.tensor(reads, device=table.device)
+        rows_t, rows_l = table.view(N, H, M)[at].reshape(-1, M), lengths.view(N, H)[at].reshape(-1)
+        q = query[start[at].long()][:, :, None]  # [n, H_q, 1, D]
+        selected = self._pages_read(layer_idx, [ids[n] for n in reads], q, rows_t, rows_l, scaling)
+        cut_t, cut_l = selected_table(rows_t, rows_l, selected.reshape(-1, M), self.pools[layer_idx].page_size)
+        table, lengths = table.clone(), lengths.clone()
+        table.view(N, H, M)[at] = cut_t.view(-1, H, M)
+        lengths.view(N, H)[at] = cut_l.view(-1, H)
+        return table, lengths
+
+    def _pages_read(self, layer_idx: int, ids: list[str], query: torch.Tensor, table: torch.Tensor,
+                    lengths: torch.Tensor, scaling: float) -> torch.Tensor:
+        """``[n, H_kv, M]`` bool: the pages the reader reads for requests ``ids`` (their single queries ``[n, H_q, 1,
+        D]``, their rows' ``table [n * H_kv, M]`` and ``lengths``), from the pool's page summaries (``ids``: for a
+        caller that records what each request reads)."""
+        pool, reader = self.pools[layer_idx], self.press.reader
+        assert pool.kmin is not None and pool.kmax is not None and reader is not None
+        return select_pages(reader, query, pool.kmin, pool.kmax, table.long(), lengths, scaling, layer_idx)
 
     # ------------------------------------------------------------------ internals
     def _advance(self, layer_idx: int, ids: list[str], requests: list[ServedRequest], query: torch.Tensor,

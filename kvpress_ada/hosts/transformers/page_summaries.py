@@ -19,13 +19,8 @@ from typing import Any
 import torch
 
 from ...kernels.ragged.reference import CHUNK
-from ...kernels.ragged.sparse import (
-    append_summaries,
-    page_bounds,
-    page_summaries,
-    page_table,
-    sparse_ragged_attention,
-)
+from ...kernels.ragged.sparse import append_summaries, page_summaries, page_table, sparse_ragged_attention
+from ...readers import select_pages
 
 
 def check_page_size(reader: Any) -> None:
@@ -73,10 +68,8 @@ class PageSummaries:
     def select(self, query: torch.Tensor, row_lengths: torch.Tensor, scaling: float, layer_idx: int,
                softcap: float | None = None) -> torch.Tensor:
         """``[R, W]`` bool: the pages of each row the reader reads for ``query [B, H_q, 1, D]``."""
-        B = query.shape[0]
-        R, W = self.table.shape
-        bounds = page_bounds(query, self.kmin, self.kmax, self.table, scaling, softcap)
-        return self.reader.select(bounds, row_lengths.view(B, R // B), layer_idx).reshape(R, W)
+        return select_pages(self.reader, query, self.kmin, self.kmax, self.table, row_lengths, scaling, layer_idx,
+                            softcap).reshape(self.table.shape)
 
     def attention(self, query: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, row_offsets: torch.Tensor,
                   row_lengths: torch.Tensor, scaling: float, layer_idx: int, softcap: float | None = None,

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the policy is imported when a function needs it: `kvpress-a
 CONFIG_KEY = "kvpress_ada"
 WORKER = "kvpress_ada.hosts.vllm.worker.PressWorker"
 SCHEDULER = "kvpress_ada.hosts.vllm.scheduler.PressScheduler"
+BLOCK_SIZE = 32  # entries per page (vLLM's CPU kernel takes multiples of 32)
 #: engine settings the host cannot serve, with what to use instead
 _REFUSED = {
     "enable_prefix_caching": "prefix caching shares blocks by position, which eviction breaks: "
@@ -50,10 +51,12 @@ def engine_kwargs(press: Pipeline | str | dict, model: str, ratio: float | None 
     """The ``vllm.LLM(**kwargs)`` (or engine) arguments serving ``model`` with ``press``. Raises a one-line
     ``ValueError`` for a press, model or engine setting the host cannot serve, before any engine starts."""
     from ...families import family_for
-    from ...serving.requests import check_servable
+    from ...serving.requests import check_servable, reading_pages_of
 
     pipeline = press_from(press, ratio)
     check_servable(pipeline)
+    # vLLM's CPU kernel reads whole blocks: a reader reads pages of the engine's block size
+    pipeline = reading_pages_of(pipeline, int(engine.get("block_size") or BLOCK_SIZE))
     for key, reason in _REFUSED.items():
         if engine.get(key):
             raise ValueError(f"{key}={engine[key]!r}: {reason}")
@@ -73,7 +76,7 @@ def engine_kwargs(press: Pipeline | str | dict, model: str, ratio: float | None 
         pipeline.check_config(AutoConfig.from_pretrained(model))  # a surrogate or calibration made for another model
     extra = dict(engine.pop("additional_config", None) or {})
     extra[CONFIG_KEY] = {"press": pipeline.model_dump(mode="json")}
-    return {"model": model, "block_size": 32, **engine, "enable_prefix_caching": False, "worker_cls": WORKER,
+    return {"model": model, "block_size": BLOCK_SIZE, **engine, "enable_prefix_caching": False, "worker_cls": WORKER,
             "scheduler_cls": SCHEDULER, "additional_config": extra}
 
 

@@ -26,15 +26,17 @@ def test_kernel_builds_where_a_compiler_is():
 @given(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.sampled_from(["int4", "int8", "e4m3"]),
        st.sampled_from([(32, 16), (64, 32), (64, 64), (128, 32), (48, 24), (64, 0), (128, 0)]), st.integers(1, 2),
        st.sampled_from([1, 3]), st.integers(1, quantized_cpu.MAX_QUERIES),
-       st.lists(st.integers(0, 70), min_size=4, max_size=4), st.sampled_from([0, 1, 5, 32]), st.integers(0, 999))
-def test_kernel_equals_reference(dtype, encoding, dims, B, G, Q, lens, residual, seed):
+       st.lists(st.integers(0, 70), min_size=4, max_size=4), st.sampled_from([0, 1, 5, 32]), st.integers(0, 999),
+       st.sampled_from([0, 16]))
+def test_kernel_equals_reference(dtype, encoding, dims, B, G, Q, lens, residual, seed, scale_bits):
     """Specialised (head dim 64 / 128, groups of 32 / 64, e4m3 with one scale per head) and generic shapes, every
-    scale dtype, rows empty, shorter than the queries, shorter and longer than the ring."""
+    scale dtype (float16 scales of float32 entries too), rows empty, shorter than the queries, shorter and longer
+    than the ring."""
     D, group = dims
     if encoding == "e4m3":
         layout = qz.RecordLayout("e4m3", 8, group, rotate_keys=False)
     else:
-        layout = int_layout(int(encoding[3:]), group or D)
+        layout = qz.RecordLayout("int", int(encoding[3:]), group or D, scale_bits=scale_bits)
     H_kv = 2
     k, v, offs, lens_t = _cache(lens[:B * H_kv], D, dtype, seed=seed)
     k = k + torch.linspace(-3, 5, D).to(dtype)

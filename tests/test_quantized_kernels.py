@@ -607,20 +607,21 @@ needs_interpreter = pytest.mark.skipif(not torch.cuda.is_available() and not ker
 @given(st.sampled_from([torch.float32, torch.float16]), st.sampled_from([4, 8]), st.sampled_from([16, 32]),
        st.sampled_from([16, 64]), st.sampled_from([1, 3]),
        st.lists(st.integers(0, 60), min_size=4, max_size=4), st.sampled_from([16, 32]), st.integers(0, 999),
-       st.sampled_from([0, 3, 32]))
-def test_triton_matches_reference(dtype, bits, group, D, Q, lens, split, seed, residual):
-    """Interpreted on CPU (float32 / float16 only: the interpreter's bfloat16 ``tl.dot`` is wrong)."""
+       st.sampled_from([0, 3, 32]), st.sampled_from([0, 16]))
+def test_triton_matches_reference(dtype, bits, group, D, Q, lens, split, seed, residual, scale_bits):
+    """Interpreted on CPU (float32 / float16 only: the interpreter's bfloat16 ``tl.dot`` is wrong); float16
+    scales of float32 entries too."""
     from kvpress_ada.kernels.quantized.triton_kernel import quantized_attention_triton
 
     if D % group:
         group = D
+    layout = qz.RecordLayout("int", bits, group, scale_bits=scale_bits)
     k, v, offs, lens_t = _cache(lens, D, dtype, seed=seed)
     k = k + torch.linspace(-3, 5, D).to(dtype)
-    k_rec, v_rec, side, _ = _records(k, v, offs, lens_t, int_layout(bits, group), residual)
+    k_rec, v_rec, side, _ = _records(k, v, offs, lens_t, layout, residual)
     q = torch.randn(2, 6, Q, D, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    got = quantized_attention_triton(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, int_layout(bits, group),
-                                     split_size=split)
-    ref = qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, int_layout(bits, group))
+    got = quantized_attention_triton(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, layout, split_size=split)
+    ref = qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, layout)
     assert torch.isfinite(got).all()
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)

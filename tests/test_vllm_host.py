@@ -591,3 +591,76 @@ def test_each_family_keeps_the_positions_and_tokens_and_reads_the_tensors_of_the
     for layer, states in hidden.items():
         assert states.shape == (last, hf_model.config.hidden_size), (arch, layer, tuple(states.shape))
         torch.testing.assert_close(states, entering[layer][-last:], rtol=1e-4, atol=1e-4)
+
+
+def _pages_per_head(selected, lengths, page_size):
+    """Per kv head of one request: the indices of the pages it reads among those it holds."""
+    held = (lengths.long() + page_size - 1) // page_size
+    return tuple(tuple(j for j in range(int(n)) if selected[h, j]) for h, n in enumerate(held))
+
+
+def test_a_reader_reads_the_pages_the_transformers_host_reads_and_generates_its_tokens(model_dir, hf_model,
+                                                                                       monkeypatch):
+    """Ada-SnapKV at r = 0.5, then Ada's read budget of 2 pages of 32 per kv head over Quest's page bounds, with
+    vLLM's chunked prefill in mixed batches: each request keeps the transformers host's positions, reads at every
+    decode step per (layer, kv head) the pages it reads there (vLLM's kernel given each row's page table cut to
+    them) and generates its fp32 tokens; the summaries of every page a step reads are the min / max of the keys
+    vLLM's layout holds there (current through appends and the compaction)."""
+    from kvpress_ada import AdaHead
+    from kvpress_ada.hosts.transformers.page_summaries import PageSummaries
+    from kvpress_ada.readers import TopPages
+    from kvpress_ada.serving.requests import PagedServing
+
+    S = 32
+    press = Pipeline(scorer=SnapKV(window=16), allocator=AdaHead(alpha=0.2), compression_ratio=0.5,
+                     reader=TopPages(budget=2 * S, page_size=S, allocator=AdaHead(alpha=0.2)))
+    prompts = [[5 + (i * 11 + j * 5 + (j * j) % 17) % 90 for j in range(n)] for i, n in enumerate((300, 236, 331))]
+    served: dict[str, dict[int, list]] = {}
+    checked = []
+    pages_read = PagedServing._pages_read
+
+    def record_served(self, layer_idx, ids, query, table, lengths, scaling):
+        pool = self.pools[layer_idx]
+        page = table.long().clamp(min=0)[:, :, None].expand(-1, -1, S)
+        slot = torch.arange(S).expand_as(page)
+        present = torch.arange(table.shape[1])[:, None] * S + slot < lengths[:, None, None]  # [rows, pages, S]
+        keys = pool._read(page[present], slot[present])[0]  # what vLLM's layout holds, through the probed offsets
+        full = torch.full((*page.shape, keys.shape[-1]), float("inf"))
+        full[present] = keys.float()
+        lo = full.amin(2)
+        full[~present] = float("-inf")
+        hi = full.amax(2)
+        held = table >= 0
+        assert torch.equal(pool.kmin[table.long()[held]], lo[held]) and torch.equal(pool.kmax[table.long()[held]],
+                                                                                    hi[held])
+        checked.append(int(held.sum()))
+        selected = pages_read(self, layer_idx, ids, query, table, lengths, scaling)
+        H = selected.shape[1]
+        for n, rid in enumerate(ids):
+            served.setdefault(rid.split("-")[0], {}).setdefault(layer_idx, []).append(
+                _pages_per_head(selected[n], lengths[n * H:(n + 1) * H], S))
+        return selected
+
+    alone: dict[int, list] = {}
+    select = PageSummaries.select
+
+    def record_alone(self, query, row_lengths, scaling, layer_idx, softcap=None):
+        selected = select(self, query, row_lengths, scaling, layer_idx, softcap)
+        alone.setdefault(layer_idx, []).append(_pages_per_head(selected, row_lengths, S))
+        return selected
+
+    monkeypatch.setattr(PagedServing, "_pages_read", record_served)
+    monkeypatch.setattr(PageSummaries, "select", record_alone)
+    new = 8
+    llm, tokens, kept = _serve(model_dir, press, prompts=prompts, max_tokens=new, max_num_batched_tokens=64)
+    assert checked and len(served) == len(prompts)
+    fewer = 0
+    for i, prompt in enumerate(prompts):
+        alone.clear()
+        alone_tokens, alone_kept = _alone(hf_model, press, prompt, new)
+        assert kept[i] == alone_kept and tokens[i] == alone_tokens, i
+        rid = sorted(served)[i]
+        assert served[rid] == alone and len(alone) == 3 and all(len(s) == new - 1 for s in alone.values()), i
+        fewer += sum(len(js) < -(-len(head) // S) for layer, steps in alone.items() for per_head in steps
+                     for js, head in zip(per_head, kept[i][layer]))
+    assert fewer > 0  # heads read fewer pages than they hold

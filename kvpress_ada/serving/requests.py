@@ -18,6 +18,11 @@ evicts every layer of the due requests at once. Pages freed by an eviction retur
 at once (what lets an engine admit more requests); :meth:`PagedServing.release` returns a finished or
 aborted request's pages. Positions are the engine's (true sequence positions), so RoPE continues from
 the true length while a row holds fewer entries.
+
+Under a press with a ``reader``, the pools keep their pages' summaries and a request decoding one token over
+what the press kept attends over its rows' page tables cut to the pages the reader selects (the transformers
+host's compressed layer reads a single-query step so); the reader's ``page_size`` must be the pools' page size
+(:func:`reading_pages_of` makes it so).
 """
 
 from __future__ import annotations

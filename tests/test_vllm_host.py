@@ -665,3 +665,5 @@ def test_a_reader_reads_the_pages_the_transformers_host_reads_and_generates_its_
         fewer += sum(len(js) < -(-len(head) // S) for layer, steps in alone.items() for per_head in steps
                      for js, head in zip(per_head, kept[i][layer]))
     assert fewer > 0  # heads read fewer pages than they hold
+    dense = [_alone(hf_model, press.replace(reader=None), prompt, new)[0] for prompt in prompts]
+    assert dense != tokens  # reading every kept page gives other tokens: the cut tables are what decides

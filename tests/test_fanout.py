@@ -102,3 +102,19 @@ def test_captured_hidden_states_are_each_attention_input(llama):
         assert c.hidden is not None and c.hidden.shape == (2, 12, llama.config.hidden_size)
         torch.testing.assert_close(c.hidden, layer.input_layernorm(residual[i]))
     assert all(c.hidden is None for c in capture_prefill(llama, ids, mask).layers)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_the_full_caches_bytes_are_what_the_models_own_cache_holds(arch):
+    """The full-cache row's bytes: every token of every layer for Llama; for a hybrid model the sliding-window
+    layers hold their window (as the model's own cache does), the global layers every token."""
+    model = build_model(arch)
+    ids = torch.randint(5, 100, (1, 80), generator=torch.Generator().manual_seed(0))
+    prefill = capture_prefill(model, ids)
+    layers = model.config.num_hidden_layers
+    per_token = 2 * model.config.num_key_value_heads * prefill.layers[0].keys.shape[-1] * 4  # keys + values, fp32
+    window = getattr(model.config, "sliding_window", None)
+    held = [80 if arch == "llama" or kind == "full_attention" else window - 1
+            for kind in getattr(model.config, "layer_types", None) or ["full_attention"] * layers]
+    assert prefill.nbytes == sum(held) * per_token
+    assert (prefill.nbytes < layers * 80 * per_token) == (arch == "gemma3_text")

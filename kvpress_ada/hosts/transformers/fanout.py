@@ -98,8 +98,8 @@ class Prefill:
     def nbytes(self) -> int:
         """Bytes of keys and values of the full (uncompressed) cache of this prefill: what the model's own cache
         holds (a hybrid model's sliding-window layers: their window, not every token)."""
-        held = [(layer.keys, layer.values) for layer in self.full_cache.layers]
-        return sum(t.numel() * t.element_size() for pair in held for t in pair if t is not None)
+        held = [getattr(layer, name, None) for layer in self.full_cache.layers for name in ("keys", "values")]
+        return sum(t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor))
 
     def view(self, scorer, layer_idx: int, pass_scores: torch.Tensor | None = None):
         """The :class:`~kvpress_ada.observation.LayerView` of layer ``layer_idx``'s dense prefill."""

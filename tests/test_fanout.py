@@ -89,6 +89,23 @@ def test_batched_entries_equal_one_at_a_time(tokenizer, question_aware):
         assert len({r.kv_bytes for r in many}) > 3  # the ratios really hold different bytes
 
 
+def test_batched_entries_of_one_storage_kind_with_other_settings_are_not_batched_together(tokenizer):
+    """Two int4 entries whose storage settings differ (ring size, scale width) hold the bytes and give the answers
+    each gives alone: a batch cache holds one storage, settings included (it once grouped by the kind's name)."""
+    from kvpress_ada import preset
+    from kvpress_ada.harness.eval.runner import Entry, evaluate_sample
+    from kvpress_ada.storage import Int4
+
+    model = build_model("llama", seed=5)
+    storages = [Int4(group_size=16), Int4(group_size=16, residual=32, half_scales=False)]
+    entries = [Entry(f"int4_{i}", 0.5, preset("snapkv", compression_ratio=0.5, storage=s))
+               for i, s in enumerate(storages)]
+    one = evaluate_sample(model, tokenizer, SAMPLES[0], entries, max_new_tokens=6, batch_entries=1)
+    many = evaluate_sample(model, tokenizer, SAMPLES[0], entries, max_new_tokens=6, batch_entries=2)
+    assert [(r.answer, r.kv_bytes) for r in many] == [(r.answer, r.kv_bytes) for r in one]
+    assert one[1].kv_bytes != one[2].kv_bytes  # the settings really hold different bytes
+
+
 def test_captured_hidden_states_are_each_attention_input(llama):
     """capture_prefill(hidden_states=True) records what enters every attention module: the layer's
     input norm applied to the residual stream before the layer."""

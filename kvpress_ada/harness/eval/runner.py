@@ -210,13 +210,13 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
 
 def _batches(entries: list[Entry], batched: list[int], size: int) -> list[list[int]]:
     """``batched`` (indices into ``entries``) in groups of at most ``size`` of one storage and one reader each (a
-    batch cache holds one storage kind and every row reads alike)."""
+    batch cache holds one storage, settings included, and every row reads alike)."""
     by_storage: dict[str, list[int]] = {}
     for i in batched:
         press = entries[i].press
         assert press is not None
         reader = "" if press.reader is None else press.reader.model_dump_json()
-        by_storage.setdefault(f"{press.storage.label}|{reader}", []).append(i)
+        by_storage.setdefault(f"{press.storage.label}|{press.storage.model_dump_json()}|{reader}", []).append(i)
     return [members[s:s + size] for members in by_storage.values() for s in range(0, len(members), size)]
 
 

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ragged.triton_kernel import LOG2E, default_config, merge_splits, soft_cap
+from ..ragged.triton_kernel import LOG2E, default_config, merge_splits, row_split, soft_cap
 from ..support import check_head_dim
 from .scheme import RecordLayout, attention_operands, centre_logits, check_record, residual_of, residual_operands
 
@@ -86,15 +86,8 @@ def _quantized_split_kernel(
 ):
     pid = tl.program_id(0)
     mt = tl.program_id(1)
-    ridx = tl.arange(0, R_PAD)
-    lens = tl.load(LEN_ptr + ridx, mask=ridx < R, other=0).to(tl.int32)
-    nsp = (lens + SPLIT - 1) // SPLIT
-    cum = tl.cumsum(nsp, axis=0)
-    total = tl.sum(nsp, axis=0)
+    total, row, local = row_split(pid, LEN_ptr, R, SPLIT, R_PAD)  # which (row, split) is this program?
     if pid < total:
-        row = tl.sum((cum <= pid).to(tl.int32), axis=0)
-        first = tl.sum(tl.where(ridx == row, cum - nsp, 0), axis=0)
-        local = pid - first
         n = tl.load(LEN_ptr + row).to(tl.int32)
         base = tl.load(OFF_ptr + row).to(tl.int64)
         lo = local * SPLIT

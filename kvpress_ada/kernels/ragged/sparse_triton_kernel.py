@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..support import check_head_dim
-from .triton_kernel import LOG2E, default_config, dot, merge_splits, online_softmax, soft_cap
+from .triton_kernel import LOG2E, default_config, dot, merge_splits, online_softmax, row_split, soft_cap
 
 __all__ = ["selected_pages", "sparse_attention_triton"]
 
@@ -45,16 +45,9 @@ def _sparse_split_kernel(
     pid = tl.program_id(0)
     mt = tl.program_id(1)
 
-    # ---- which (row, split) is this program? in-kernel prefix sum over the rows' counts of selected pages
-    ridx = tl.arange(0, R_PAD)
-    cnts = tl.load(CNT_ptr + ridx, mask=ridx < R, other=0).to(tl.int32)
-    nsp = (cnts + SPLIT - 1) // SPLIT
-    cum = tl.cumsum(nsp, axis=0)
-    total = tl.sum(nsp, axis=0)
+    # which (row, split) is this program? splits of SPLIT selected pages, row after row
+    total, row, local = row_split(pid, CNT_ptr, R, SPLIT, R_PAD)
     if pid < total:
-        row = tl.sum((cum <= pid).to(tl.int32), axis=0)
-        first = tl.sum(tl.where(ridx == row, cum - nsp, 0), axis=0)
-        local = pid - first
         count = tl.load(CNT_ptr + row).to(tl.int32)
         n = tl.load(LEN_ptr + row).to(tl.int32)
         lo = local * SPLIT * PAGE  # slots of the row's selected-page sequence this split reads

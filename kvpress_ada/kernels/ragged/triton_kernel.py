@@ -77,6 +77,20 @@ def soft_cap(x, cap_log2):
 
 
 @triton.jit
+def row_split(pid, LEN_ptr, R, SPLIT, R_PAD: tl.constexpr):
+    """Which work program ``pid`` runs when row ``r`` of ``R`` (``LEN_ptr[r]`` items) is cut into splits of
+    ``SPLIT`` items, numbered row after row (an in-kernel prefix sum): ``(total, row, split)``, ``total`` the
+    number of programs with work (``pid >= total``: none; ``row`` and ``split`` are then meaningless)."""
+    ridx = tl.arange(0, R_PAD)
+    lens = tl.load(LEN_ptr + ridx, mask=ridx < R, other=0).to(tl.int32)
+    nsp = (lens + SPLIT - 1) // SPLIT
+    cum = tl.cumsum(nsp, axis=0)  # inclusive
+    row = tl.sum((cum <= pid).to(tl.int32), axis=0)
+    first = tl.sum(tl.where(ridx == row, cum - nsp, 0), axis=0)
+    return tl.sum(nsp, axis=0), row, pid - first
+
+
+@triton.jit
 def online_softmax(s, m_i, l_i):
     """One tile ``s [M, N]`` (base-2 logits, ``-inf`` where hidden) of an online softmax with running maxima
     ``m_i`` and sums ``l_i [M]``: returns the new maxima, the factor ``alpha`` that rescales the partials so far,
@@ -124,16 +138,8 @@ def _ragged_attn_split_kernel(
     pid = tl.program_id(0)
     mt = tl.program_id(1)
 
-    # ---- which (row, split) is this program? in-kernel prefix sum over row lengths
-    ridx = tl.arange(0, R_PAD)
-    lens = tl.load(LEN_ptr + ridx, mask=ridx < R, other=0).to(tl.int32)
-    nsp = (lens + SPLIT - 1) // SPLIT
-    cum = tl.cumsum(nsp, axis=0)  # inclusive
-    total = tl.sum(nsp, axis=0)
+    total, row, local = row_split(pid, LEN_ptr, R, SPLIT, R_PAD)  # which (row, split) is this program?
     if pid < total:
-        row = tl.sum((cum <= pid).to(tl.int32), axis=0)
-        first = tl.sum(tl.where(ridx == row, cum - nsp, 0), axis=0)
-        local = pid - first
         n = tl.load(LEN_ptr + row).to(tl.int32)
         base = tl.load(OFF_ptr + row).to(tl.int64)
         lo = local * SPLIT

@@ -538,9 +538,9 @@ def test_sparse_attention_over_records_is_attention_over_the_selected_entries(ki
 
 
 def _op_layout(layout):
-    from kvpress_ada.kernels.quantized.ops import _fields
+    from kvpress_ada.kernels.quantized.ops import op_fields
 
-    encoding, *fields = _fields(layout)
+    encoding, *fields = op_fields(layout)
     return encoding, [int(f) for f in fields]
 
 

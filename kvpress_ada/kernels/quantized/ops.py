@@ -89,13 +89,14 @@ def _same_entries(k_new: Tensor, v_new: Tensor) -> None:
 # ----------------------------------------------------------------------------- custom ops
 
 
-def _fields(layout: RecordLayout) -> tuple[str, int, int, bool, int]:
+def op_fields(layout: RecordLayout) -> tuple[str, int, int, bool, int]:
     """What a custom op receives of ``layout`` (its record fields; the residual is read from ``side``)."""
     return (str(layout.encoding), int(layout.bits), int(layout.group), bool(layout.rotate_keys),
             int(layout.scale_bits))
 
 
-def _layout(encoding: str, bits: int, group: int, rotate_keys: bool, scale_bits: int) -> RecordLayout:
+def op_layout(encoding: str, bits: int, group: int, rotate_keys: bool, scale_bits: int) -> RecordLayout:
+    """The :class:`RecordLayout` of a custom op's record fields (:func:`op_fields`; residual 0: read from ``side``)."""
     return RecordLayout(encoding, bits, group, 0, rotate_keys, scale_bits)
 
 
@@ -107,7 +108,7 @@ def _quantized_attention_op(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets
                             sinks: Tensor | None = None) -> Tensor:
     """Raw op behind :func:`quantized_attention` (no validation): backend dispatch."""
     return _attention_impl(q, k_rec, v_rec, row_offsets, row_lengths, side, scale,
-                           _layout(encoding, bits, group, rotate_keys, scale_bits), split_size, softcap, sinks)
+                           op_layout(encoding, bits, group, rotate_keys, scale_bits), split_size, softcap, sinks)
 
 
 def _attention_impl(q, k_rec, v_rec, row_offsets, row_lengths, side, scale, layout, split_size, softcap=0.0,
@@ -138,7 +139,7 @@ def _quantized_append_op(k_new: Tensor, v_new: Tensor, k_rec: Tensor, v_rec: Ten
     """Raw op behind :func:`quantized_append` (no validation); torch ops on every backend."""
     if k_new.numel():
         quantized_append_ref(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side,
-                             _layout(encoding, bits, group, rotate_keys, scale_bits))
+                             op_layout(encoding, bits, group, rotate_keys, scale_bits))
 
 
 @_quantized_append_op.register_fake
@@ -165,7 +166,7 @@ def _quantized_compact_op(keys: Tensor, values: Tensor, keep: Tensor, row_offset
     """Raw op behind :func:`quantized_compact` (no validation); torch ops on every backend."""
     if keys.numel():
         quantized_compact_ref(keys, values, keep, row_offsets, k_rec, v_rec, side,
-                              _layout(encoding, bits, group, rotate_keys, scale_bits))
+                              op_layout(encoding, bits, group, rotate_keys, scale_bits))
 
 
 @_quantized_compact_op.register_fake
@@ -200,7 +201,7 @@ def quantized_attention(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Te
     args = (q, k_rec, v_rec, row_offsets, row_lengths, side, float(scale))
     if _direct(q, k_rec, v_rec, row_offsets, row_lengths, side) and (sinks is None or type(sinks) is Tensor):
         return _attention_impl(*args, layout.records(), int(split_size), cap, sinks)
-    return _quantized_attention_op(*args, *_fields(layout), int(split_size), cap, sinks)
+    return _quantized_attention_op(*args, *op_fields(layout), int(split_size), cap, sinks)
 
 
 def quantized_append(k_new: Tensor, v_new: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: Tensor,
@@ -215,7 +216,7 @@ def quantized_append(k_new: Tensor, v_new: Tensor, k_rec: Tensor, v_rec: Tensor,
         if k_new.numel():
             quantized_append_ref(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side, layout)
         return
-    _quantized_append_op(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side, *_fields(layout))
+    _quantized_append_op(k_new, v_new, k_rec, v_rec, row_offsets, row_lengths, side, *op_fields(layout))
 
 
 def quantized_append_side(k_new: Tensor, v_new: Tensor, row_lengths: Tensor, side: Tensor) -> None:
@@ -251,4 +252,4 @@ def quantized_compact(keys: Tensor, values: Tensor, keep: Tensor, row_offsets: T
         if keys.numel():
             quantized_compact_ref(keys, values, keep, row_offsets, k_rec, v_rec, side, layout)
         return
-    _quantized_compact_op(keys, values, keep, row_offsets, k_rec, v_rec, side, *_fields(layout))
+    _quantized_compact_op(keys, values, keep, row_offsets, k_rec, v_rec, side, *op_fields(layout))

@@ -25,7 +25,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from ..quantized.ops import _fields, _layout
+from ..quantized.ops import op_fields, op_layout
 from ..quantized.scheme import RecordLayout, check_side, dequantize, key_rotation, residual_of, side_operands
 from ..support import check_logit_extras, resolve_backend, triton_module
 from .reference import capped
@@ -306,7 +306,7 @@ def _sparse_quantized_op(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets: T
                          fields: list[int], softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
     """Raw op behind :func:`sparse_quantized_attention` (no validation): ``encoding`` and ``fields`` (the other record
     fields a quantized op receives, as integers) rebuild the layout."""
-    layout = _layout(encoding, *cast(list[Any], fields))  # bits, group, rotate_keys (0 / 1), ...
+    layout = op_layout(encoding, *cast(list[Any], fields))  # bits, group, rotate_keys (0 / 1), ...
     return _sparse_quantized_impl(q, k_rec, v_rec, row_offsets, row_lengths, side, table, selected, page_size, scale,
                                   layout, softcap, sinks)
 
@@ -334,5 +334,5 @@ def sparse_quantized_attention(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offs
     if not torch.compiler.is_compiling() and all(type(t) is Tensor for t in args) and (
             sinks is None or type(sinks) is Tensor):
         return _sparse_quantized_impl(*args, int(page_size), float(scale), layout.records(), cap, sinks)
-    encoding, *fields = _fields(layout)
+    encoding, *fields = op_fields(layout)
     return _sparse_quantized_op(*args, int(page_size), float(scale), encoding, [int(f) for f in fields], cap, sinks)

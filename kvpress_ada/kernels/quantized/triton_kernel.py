@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ragged.triton_kernel import LOG2E, default_config, merge_splits, row_split, soft_cap
+from ..ragged.triton_kernel import LOG2E, default_config, merge_splits, query_tile, row_split, soft_cap
 from ..support import check_head_dim
 from .scheme import RecordLayout, attention_operands, centre_logits, check_record, residual_of, residual_operands
 
@@ -95,14 +95,8 @@ def _quantized_split_kernel(
         b = row // H_kv
         h = row % H_kv
 
-        offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
-        m_valid = offs_m < M_TOTAL
-        g = offs_m // NQ
-        qi = offs_m % NQ
-        q_ptrs = (Q_ptr + b.to(tl.int64) * stride_qb + (h * G + g).to(tl.int64)[:, None] * stride_qh
-                  + qi[:, None] * stride_qq + offs_d[None, :])
-        q = tl.load(q_ptrs, mask=m_valid[:, None], other=0.0)
+        q, offs_m, offs_d, m_valid, qi = query_tile(Q_ptr, b, h, mt, G, NQ, M_TOTAL, stride_qb, stride_qh, stride_qq,
+                                                    HEAD_DIM, BLOCK_M)
         limit = n - (NQ - 1 - qi)  # bottom-right causal: query i sees the first n - (Q - 1 - i) entries
         if SHIFT:
             bias = tl.load(BIAS_ptr + row.to(tl.int64) * M_TOTAL + offs_m, mask=m_valid, other=0.0)

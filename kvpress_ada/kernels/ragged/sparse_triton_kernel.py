@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..support import check_head_dim
-from .triton_kernel import LOG2E, default_config, dot, merge_splits, online_softmax, row_split, soft_cap
+from .triton_kernel import LOG2E, default_config, dot, merge_splits, online_softmax, query_tile, row_split, soft_cap
 
 __all__ = ["selected_pages", "sparse_attention_triton"]
 
@@ -55,13 +55,8 @@ def _sparse_split_kernel(
         b = row // H_kv
         h = row % H_kv
 
-        offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
-        m_valid = offs_m < M_TOTAL
-        g = offs_m // NQ
-        qi = offs_m % NQ
-        q = tl.load(Q_ptr + b.to(tl.int64) * stride_qb + (h * G + g).to(tl.int64)[:, None] * stride_qh
-                    + qi[:, None] * stride_qq + offs_d[None, :], mask=m_valid[:, None], other=0.0)
+        q, offs_m, offs_d, m_valid, qi = query_tile(Q_ptr, b, h, mt, G, NQ, M_TOTAL, stride_qb, stride_qh, stride_qq,
+                                                    HEAD_DIM, BLOCK_M)
         limit = n - (NQ - 1 - qi)  # bottom-right causal: query i sees the row's first n - (Q - 1 - i) entries
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)

@@ -91,6 +91,22 @@ def row_split(pid, LEN_ptr, R, SPLIT, R_PAD: tl.constexpr):
 
 
 @triton.jit
+def query_tile(Q_ptr, b, h, mt, G, NQ, M_TOTAL, stride_qb, stride_qh, stride_qq, HEAD_DIM: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """Tile ``mt`` of the ``M_TOTAL = G * NQ`` (query head of the group, query) pairs of kv head ``h`` of batch
+    row ``b``: ``(q [BLOCK_M, HEAD_DIM], offs_m, offs_d, m_valid, qi)``, ``q`` zero past ``M_TOTAL``, ``qi`` each
+    pair's query index (for the bottom-right causal limit)."""
+    offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_valid = offs_m < M_TOTAL
+    g = offs_m // NQ
+    qi = offs_m % NQ
+    q = tl.load(Q_ptr + b.to(tl.int64) * stride_qb + (h * G + g).to(tl.int64)[:, None] * stride_qh
+                + qi[:, None] * stride_qq + offs_d[None, :], mask=m_valid[:, None], other=0.0)
+    return q, offs_m, offs_d, m_valid, qi
+
+
+@triton.jit
 def online_softmax(s, m_i, l_i):
     """One tile ``s [M, N]`` (base-2 logits, ``-inf`` where hidden) of an online softmax with running maxima
     ``m_i`` and sums ``l_i [M]``: returns the new maxima, the factor ``alpha`` that rescales the partials so far,
@@ -147,19 +163,8 @@ def _ragged_attn_split_kernel(
         b = row // H_kv
         h = row % H_kv
 
-        offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
-        m_valid = offs_m < M_TOTAL
-        g = offs_m // NQ
-        qi = offs_m % NQ
-        q_ptrs = (
-            Q_ptr
-            + b.to(tl.int64) * stride_qb
-            + (h * G + g).to(tl.int64)[:, None] * stride_qh
-            + qi[:, None] * stride_qq
-            + offs_d[None, :]
-        )
-        q = tl.load(q_ptrs, mask=m_valid[:, None], other=0.0)
+        q, offs_m, offs_d, m_valid, qi = query_tile(Q_ptr, b, h, mt, G, NQ, M_TOTAL, stride_qb, stride_qh, stride_qq,
+                                                    HEAD_DIM, BLOCK_M)
         # bottom-right aligned causal limit: query i sees the first n - (Q - 1 - i) entries
         limit = n - (NQ - 1 - qi)
 

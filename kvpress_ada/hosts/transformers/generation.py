@@ -42,7 +42,7 @@ def continue_rows(model, input_ids: torch.Tensor, cache, max_new_tokens: int, eo
     if mask is not None:
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
         extra = {"attention_mask": mask, "position_ids": positions}
-    out = model(input_ids=input_ids, use_cache=True, **{cache_kwarg(model): cache}, **extra)
+    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache}, **extra)
     return decode_rows(model, out.logits[:, -1], output_cache(out), max_new_tokens, eos, mask=mask)
 
 
@@ -131,7 +131,7 @@ def generate(model, tokenizer, context: str | list[str], questions: list[str] | 
             context_mask = context_mask.long()
             positions = (context_mask.cumsum(-1) - 1).clamp(min=0)
             out = model(input_ids=ids, attention_mask=context_mask, position_ids=positions, use_cache=True,
-                        **{cache_kwarg(model): None})
+                        logits_to_keep=1, **{cache_kwarg(model): None})
             cache = output_cache(out)
             context_length = cache.get_seq_length()
             # each question continues a copy when cropping its tokens off cannot restore the context's cache (decode

@@ -1,5 +1,6 @@
 """Grid report: accuracy per preset and ratio (question-agnostic or question-aware, as the inputs
-were run), paired comparisons and KV bytes.
+were run), paired comparisons, KV bytes held and KV bytes read per decode step (``read MB``, the
+records' ``read_bytes_per_step``: ``-`` for records that did not measure it, e.g. older files).
 
 Reads one or more ``quality_<setting>.json`` files written by ``benchmarks/quality.py``, or
 ``results.json`` / ``partial.json`` (a checkpoint) of ``kvpress-ada eval`` (runs over the same samples,
@@ -79,6 +80,7 @@ def main(argv=None) -> int:
         top = max(rows, key=lambda s: (s["accuracy"], -s["kv_fraction"]))
         best.append({"ratio": ratio, "label": top["label"], "accuracy": top["accuracy"],
                      "kv_fraction": top["kv_fraction"], "bytes_bound": (1 - ratio) + 0.03,
+                     "read_bytes_per_step": top.get("read_bytes_per_step"),
                      "vs_streamingllm": paired_difference(records, top["label"], "streamingllm", ratio),
                      "vs_full": paired_difference(records, top["label"], "full", ratio)})
     args.out.mkdir(parents=True, exist_ok=True)
@@ -96,8 +98,9 @@ def main(argv=None) -> int:
         print(f"  {p['a']:>24} - {p['b']:<24} {at} n={p['n']:>3} {p['delta']:+.3f} ± {p['ci95']:.3f}"
               f"  {p['verdict']}")
     for b in best:
+        read = "-" if b["read_bytes_per_step"] is None else f"{b['read_bytes_per_step'] / 2**20:.3f}"
         print(f"best at r={b['ratio']:.2f}: {b['label']} {b['accuracy']:.3f}, KV {b['kv_fraction']:.3f} of full "
-              f"(bound {b['bytes_bound']:.2f})")
+              f"(bound {b['bytes_bound']:.2f}), read {read} MB per step")
     return 0
 
 

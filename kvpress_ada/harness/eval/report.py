@@ -6,16 +6,17 @@ from pathlib import Path
 
 
 def format_table(summary: list[dict]) -> str:
-    """A plain-text table: accuracy (95% CI), KL, top-1, eviction loss, KV bytes, the achieved ratio
-    (fraction of entries evicted) per label x ratio."""
+    """A plain-text table: accuracy (95% CI), KL, top-1, eviction loss, KV bytes held, KV bytes read per decode step
+    (``-`` where not measured, e.g. records written before it was), the achieved ratio (fraction of entries evicted)
+    per label x ratio."""
     header = (f"{'press':<24}{'ratio':>6}{'n':>5}{'accuracy':>17}{'KL':>9}{'top1':>7}{'evict L1':>10}{'KV MB':>9}"
-              f"{'KV frac':>9}{'achieved':>9}")
+              f"{'read MB':>9}{'KV frac':>9}{'achieved':>9}")
     lines = [header, "-" * len(header)]
     for row in sorted(summary, key=lambda r: (r["label"] != "full", r["label"], r["ratio"])):
         acc = f"{row['accuracy']:.3f} ± {row['ci95']:.3f}" if row["ci95"] == row["ci95"] else f"{row['accuracy']:.3f}"
         lines.append(f"{row['label']:<24}{row['ratio']:>6.2f}{row['n']:>5}{acc:>17}{row['kl']:>9.4f}{row['top1']:>7.3f}"
-                     f"{row['eviction_loss']:>10.4f}{row['kv_bytes'] / 2**20:>9.2f}{row['kv_fraction']:>9.3f}"
-                     f"{_number(row.get('achieved_ratio')):>9}")
+                     f"{row['eviction_loss']:>10.4f}{row['kv_bytes'] / 2**20:>9.2f}{_megabytes(row):>9}"
+                     f"{row['kv_fraction']:>9.3f}{_number(row.get('achieved_ratio')):>9}")
     return "\n".join(lines)
 
 
@@ -36,6 +37,12 @@ def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
 
 def _number(value) -> str:
     return "-" if value is None else f"{value:.3f}"
+
+
+def _megabytes(row: dict) -> str:
+    """A summary row's KV bytes read per decode step in MiB (``-``: not measured)."""
+    read = row.get("read_bytes_per_step")
+    return _number(None if read is None else read / 2**20)
 
 
 def plot_accuracy(summary: list[dict], path: str | Path, title: str = "") -> Path:

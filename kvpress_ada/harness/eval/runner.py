@@ -75,6 +75,10 @@ class Record:
     hidden_error: list[float] = field(default_factory=list)
     eviction_loss: list[float] = field(default_factory=list)
     achieved_ratio: float | None = None  # fraction of the context's entries evicted (all layers and kv heads)
+    # bytes of KV the answer's decode steps read, mean per step, as measured by the cache (RaggedCache.bytes_read:
+    # every kept entry read densely, or the pages a reader selects, with their summaries); None: not measured (a
+    # cache that counts no reads, e.g. the full cache, or no decode step)
+    read_bytes_per_step: float | None = None
 
 
 def _routed(press, model):
@@ -131,24 +135,28 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
         e.press is not None and e.press.scorer.reads_hidden_states for e in entries))
     length = prefill.seq_len
 
-    def answer(press, cache, logits=None, rows: int = 1) -> list[list[int]]:
-        """Greedy answer tokens of each of the cache's ``rows`` batch rows; the cache is left as it was."""
+    def answer(press, cache, logits=None, rows: int = 1) -> tuple[list[list[int]], list[float | None]]:
+        """Greedy answer tokens of each of the cache's ``rows`` batch rows and the bytes each row's decode steps
+        read, mean per step (:func:`_read_per_step`); the cache is left as it was."""
         copied = _decoding(press, cache)
         if copied:
             cache = copy.deepcopy(cache)
+        if hasattr(cache, "reset_reads"):
+            cache.reset_reads()
         with _routed(press, model):
             if question_aware:
                 first = prefill.logits if logits is None else logits
                 tokens, cache = decode_rows(model, first.expand(rows, -1), cache, max_new_tokens, eos)
             else:
                 tokens, cache = continue_rows(model, tail_ids.expand(rows, -1), cache, max_new_tokens, eos)
+        reads = _read_per_step(cache, rows)
         if not copied:
             _crop_to(cache, length)
-        return tokens
+        return tokens, reads
 
     full_cache = prefill.full_cache
     full_bytes = prefill.nbytes
-    full_tokens = answer(None, full_cache)[0]
+    full_tokens = answer(None, full_cache)[0][0]
     first = [int(prefill.logits.argmax(-1))]
     continuation = (full_tokens or first) if question_aware else full_tokens
     forced = torch.tensor([continuation], device=device, dtype=torch.long)
@@ -161,7 +169,7 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
     results: dict[int, Record] = {}
     entries_in_context = float(prefill.key_mask.sum()) * sum(c.keys.shape[1] for c in prefill.layers)
 
-    def record(i: int, text: str, kv_bytes: int, logits, hidden, keep, kept: int) -> None:
+    def record(i: int, text: str, kv_bytes: int, logits, hidden, keep, kept: int, read: float | None) -> None:
         entry = entries[i]
         signal = fidelity(full_logits, logits, full_hidden, hidden)
         # eviction loss compares keep masks over the dense prefill: not defined for chunked prefill
@@ -169,7 +177,7 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
             prefill.layers)
         results[i] = Record(index, sample.task, entry.label, entry.ratio, text, score_sample(sample, text),
                             kv_bytes, full_bytes, signal["kl"], signal["top1"], signal["hidden_error"], loss,
-                            1.0 - kept / entries_in_context)
+                            1.0 - kept / entries_in_context, read)
         if on_entry is not None:
             on_entry()
 
@@ -180,12 +188,13 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
         cache = prefill.compressed_batch(presses, keeps)
         row_bytes = cache.batch_nbytes()
         # decode routing is the same for every press of the group: any of them routes the batch
-        rows = answer(presses[0], cache, rows=len(group))
+        rows, reads = answer(presses[0], cache, rows=len(group))
         logits, hidden = _teacher_forced(model, presses[0], cache, forced.expand(len(group), -1))
         for e, i in enumerate(group):
             text = tokenizer.decode(rows[e], skip_special_tokens=True).strip()
             row_logits, row_hidden = _row(logits, hidden, e)
-            record(i, text, row_bytes[e], row_logits, row_hidden, keeps[e], sum(int(k.sum()) for k in keeps[e]))
+            record(i, text, row_bytes[e], row_logits, row_hidden, keeps[e], sum(int(k.sum()) for k in keeps[e]),
+                   reads[e])
         del cache, logits, hidden
     for i, entry in enumerate(entries):
         if i in results:
@@ -200,12 +209,24 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
         kv_bytes = cache.nbytes() if hasattr(cache, "nbytes") else full_bytes
         kept = (sum(int(k.sum()) for k in keep) if keep is not None
                 else sum(int(cache.head_lengths(j).sum()) for j in range(len(prefill.layers))))
-        text = tokenizer.decode(answer(entry.press, cache, next_logits)[0], skip_special_tokens=True).strip()
+        tokens, reads = answer(entry.press, cache, next_logits)
+        text = tokenizer.decode(tokens[0], skip_special_tokens=True).strip()
         logits, hidden = _row(*_teacher_forced(model, entry.press, cache, forced))
-        record(i, text, kv_bytes, logits, hidden, keep, kept)
+        record(i, text, kv_bytes, logits, hidden, keep, kept, reads[0])
         del cache
     records += [results[i] for i in range(len(entries))]
     return records
+
+
+def _read_per_step(cache, rows: int) -> list[float | None]:
+    """Bytes of KV each of the cache's ``rows`` batch rows read per decode step since its counters were reset, as
+    the cache measured them (:meth:`~kvpress_ada.hosts.transformers.ragged_cache.RaggedCache.bytes_read`); ``None``
+    for a cache that counts no reads or when no decode step ran. A batch decodes until its last row is done: a row
+    that finished earlier is counted over the batch's steps (its mean per step is what it read per step)."""
+    per_row, steps = cache.bytes_read() if hasattr(cache, "bytes_read") else ([], 0)
+    if not steps or len(per_row) != rows:
+        return [None] * rows
+    return [b / steps for b in per_row]
 
 
 def _batches(entries: list[Entry], batched: list[int], size: int) -> list[list[int]]:
@@ -286,7 +307,8 @@ class EvalResult:
 
     def summary(self) -> list[dict]:
         """Per (label, ratio): accuracy with a 95% CI, fidelity, eviction loss, KV bytes, the fraction of
-        entries evicted (``achieved_ratio``: what a threshold press reached; a fixed ratio's own)."""
+        entries evicted (``achieved_ratio``: what a threshold press reached; a fixed ratio's own), the KV bytes
+        read per decode step (``read_bytes_per_step``; ``None`` where no record measured them)."""
         cells: dict[tuple[str, float], list[Record]] = {}
         for r in self.records:
             cells.setdefault((r.label, r.ratio), []).append(r)
@@ -307,6 +329,7 @@ class EvalResult:
                 "kv_bytes": _mean([r.kv_bytes for r in recs]),
                 "kv_fraction": _mean([r.kv_bytes / r.full_kv_bytes for r in recs]),
                 "achieved_ratio": _mean([r.achieved_ratio for r in recs]),
+                "read_bytes_per_step": _mean([r.read_bytes_per_step for r in recs]),
             })
         return rows
 

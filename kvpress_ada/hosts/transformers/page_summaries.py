@@ -71,13 +71,25 @@ class PageSummaries:
         return select_pages(self.reader, query, self.kmin, self.kmax, self.table, row_lengths, scaling, layer_idx,
                             softcap).reshape(self.table.shape)
 
-    def attention(self, query: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, row_offsets: torch.Tensor,
-                  row_lengths: torch.Tensor, scaling: float, layer_idx: int, softcap: float | None = None,
+    def attention(self, query: torch.Tensor, selected: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                  row_offsets: torch.Tensor, row_lengths: torch.Tensor, scaling: float, softcap: float | None = None,
                   sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """``[B, H_q, Q, D]`` attention of ``query`` over the pages the reader selects."""
-        selected = self.select(query, row_lengths, scaling, layer_idx, softcap)
+        """``[B, H_q, Q, D]`` attention of ``query`` over the ``selected`` pages (:meth:`select`)."""
         return sparse_ragged_attention(query, k_flat, v_flat, row_offsets, row_lengths, self.table, selected,
                                        self.size, scaling, softcap=softcap, sinks=sinks)
+
+    def read(self, selected: torch.Tensor, row_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(entries, summary_bytes)`` int64 ``[R]``: what a step that selected ``selected [R, W]`` reads of each row,
+        the entries its selected pages hold (a partial page: its entries; a page past them: none), and the bytes
+        of the summaries it scored: ``kmin, kmax`` of every page holding an entry (a free page of the row's reserve
+        bounds at ``-inf`` and is not counted). Device ops, no host sync."""
+        P = self.size
+        lengths = row_lengths.long()
+        start = torch.arange(selected.shape[-1], device=lengths.device) * P
+        held = (lengths[:, None] - start).clamp(min=0, max=P)  # entries page j of each row holds
+        entries = (held * selected).sum(-1)
+        per_page = self.kmin.shape[-1] * (self.kmin.element_size() + self.kmax.element_size())
+        return entries, (lengths + P - 1) // P * per_page
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.kmin, self.kmax, self.table))

@@ -175,11 +175,18 @@ class QuantizedRaggedLayer(RaggedLayer):
                    sinks: torch.Tensor | None = None) -> torch.Tensor:
         if self.pages is not None and self._reads_pages(query):
             selected = self.pages.select(query, self.row_lengths, scaling, self.layer_idx, softcap)
+            self._count_read(query, selected)
             return sparse_quantized_attention(query, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths,
                                               self.side, self.pages.table, selected, self.pages.size, scaling,
                                               self.layout, softcap=softcap, sinks=sinks)
+        self._count_read(query)
         return kernels.quantized_attention(query, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths,
                                            self.side, scaling, self.layout, softcap=softcap, sinks=sinks)
+
+    def _row_bytes(self) -> int:
+        """Each row's side tensors, which attention reads whole: its anchor key and value, key centre and residual
+        ring (an entry's record is read too, :meth:`_entry_bytes`: scales and zero points included)."""
+        return self.side.shape[0] * self.side.shape[2] * self.side.element_size()
 
     def retain(self, keep: torch.Tensor, held: HeldEntries, spare: int | None = None) -> None:
         """As :meth:`RaggedLayer.retain`; on a compressed layer the kept entries' records move unchanged

@@ -62,6 +62,7 @@ class RaggedLayer(DenseUntilKept):
         self.shape = (0, 0, 0)  # (B, H_kv, D)
         self.head_dim = 0  # D of the entries (set by the first update)
         self.pages: PageSummaries | None = None  # page summaries while compressed under a reader
+        self.reads = torch.zeros(0, dtype=torch.int64)  # [B + 1]: bytes each batch row's decode steps read, then steps
 
     # ------------------------------------------------------------------ HF API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -124,6 +125,8 @@ class RaggedLayer(DenseUntilKept):
         self._compressed_at = self.seen
         self._layout(self.decode_reserve if spare is None else spare, counts)
         self._compact_entries(keys, values, keep)
+        if self.reads.shape[0] != B + 1:  # kept through decode compactions (retain): they count on
+            self._new_reads(B)
         self.keys = self.values = None
         self.compressed = True
         self._rebuild_pages()
@@ -148,6 +151,37 @@ class RaggedLayer(DenseUntilKept):
         self.row_lengths.copy_(lengths.reshape(-1))
         self._spare = min((c - n for c, n in zip(caps, host)), default=spare)
         _mark_for_compile(self.k_flat, self.v_flat, self.row_offsets, self.row_lengths)
+
+    def _new_reads(self, batch: int) -> None:
+        """Zeroed read counters for ``batch`` rows (normal tensors, a static address on CUDA: see :meth:`_layout`)."""
+        with torch.inference_mode(False):
+            self.reads = torch.zeros(batch + 1, dtype=torch.int64, device=self.device)
+        if self.reads.device.type == "cuda" and not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(self.reads)
+
+    def _count_read(self, query: torch.Tensor, selected: torch.Tensor | None = None) -> None:
+        """Add what this decode step's attention call reads (a single query per row; other calls are not decode
+        steps) to :attr:`reads`: per batch row, the entries it attends over (every kept entry, or those of the
+        ``selected [R, W]`` pages) times :meth:`_entry_bytes`, each row's :meth:`_row_bytes`, and the page summaries
+        scored; then one step. Device ops, no host sync (a compiled step runs it)."""
+        if query.shape[2] != 1:
+            return
+        B, H, _ = self.shape
+        if selected is None or self.pages is None:
+            entries, summaries = self.row_lengths.long(), torch.zeros((), dtype=torch.int64, device=self.reads.device)
+        else:
+            entries, summaries = self.pages.read(selected, self.row_lengths)
+        per_row = entries * self._entry_bytes() + summaries + self._row_bytes()
+        step = torch.ones(1, dtype=torch.int64, device=self.reads.device)
+        self.reads.add_(torch.cat([per_row.view(B, H).sum(-1), step]))
+
+    def _entry_bytes(self) -> int:
+        """Bytes attention reads per entry: its key and its value as stored."""
+        return self.k_flat.shape[1] * self.k_flat.element_size() + self.v_flat.shape[1] * self.v_flat.element_size()
+
+    def _row_bytes(self) -> int:
+        """Bytes attention reads per row besides its entries (none here; a quantized layer's side tensors)."""
+        return 0
 
     def _grow(self, needed: int) -> None:
         """Re-lay the layer out with a geometric spare (amortised O(1) appends)."""
@@ -263,8 +297,11 @@ class RaggedLayer(DenseUntilKept):
         """``[B, H_q, Q, D]`` attention of ``query`` over the rows (with the family's ``softcap`` and ``sinks``);
         a decode step under a reader attends over the pages it selects."""
         if self.pages is not None and self._reads_pages(query):
-            return self.pages.attention(query, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths, scaling,
-                                        self.layer_idx, softcap, sinks)
+            selected = self.pages.select(query, self.row_lengths, scaling, self.layer_idx, softcap)
+            self._count_read(query, selected)
+            return self.pages.attention(query, selected, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths,
+                                        scaling, softcap, sinks)
+        self._count_read(query)
         return kernels.ragged_attention(query, self.k_flat, self.v_flat, self.row_offsets, self.row_lengths, scaling,
                                         softcap=softcap, sinks=sinks)
 
@@ -307,6 +344,10 @@ class RaggedLayer(DenseUntilKept):
             return self._dense_head_lengths()
         B, H, _ = self.shape
         return self.row_lengths.view(B, H).long()
+
+    def reset_reads(self) -> None:
+        """Zero :attr:`reads` (in place: a compiled step may hold its address)."""
+        self.reads.zero_()
 
 
 def _mark_for_compile(k_flat: torch.Tensor, v_flat: torch.Tensor, *index: torch.Tensor) -> None:
@@ -407,6 +448,27 @@ class RaggedCache(PressCache):
         for i, layer in enumerate(self.layers):
             if isinstance(layer, RaggedLayer):
                 layer.read_with(reader, i)
+
+    def bytes_read(self) -> tuple[list[int], int]:
+        """``(bytes per batch row, decode steps)`` read by the decode steps since the cache was compressed or
+        :meth:`reset_reads`: what each step's attention call over a ragged layer read (measured where it attends
+        or where the reader selects, :attr:`RaggedLayer.reads`), summed over the layers, and the most steps a
+        layer counted. A step reads the keys and values of the entries it attends over as stored (under a reader:
+        those of the selected pages; records with their scales and zero points, and a quantized layer's side
+        tensors: anchor, key centre, residual ring) and the summaries of the pages it scores. A hybrid model's
+        sliding-window layers are not counted. One host sync."""
+        counts = [layer.reads for layer in self.layers if isinstance(layer, RaggedLayer) and layer.reads.numel()]
+        if not counts or any(c.shape != counts[0].shape for c in counts):
+            return [], 0
+        totals = torch.stack(counts).cpu()  # [layers, B + 1]
+        per_row, steps = totals[:, :-1].sum(0).tolist(), int(totals[:, -1].max())
+        return per_row, steps
+
+    def reset_reads(self) -> None:
+        """Zero every ragged layer's read counters (:meth:`bytes_read` counts from here)."""
+        for layer in self.layers:
+            if isinstance(layer, RaggedLayer):
+                layer.reset_reads()
 
     def reserve(self, q: int) -> None:
         """Room for ``q`` more tokens per row in every compressed layer, counted now (see

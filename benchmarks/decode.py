@@ -10,7 +10,14 @@ expensive prefill runs once. Configs:
 * ``dense_snapkv`` at each ratio (reference row): SnapKV's kept tokens (uniform per head) gathered
   into a plain dense ``DynamicCache`` and decoded with the stock ``sdpa`` path, RoPE positions
   continuing from the context length. Same tokens as ``snapkv``, stock code: it shows what a dense
-  shrink achieves on this machine.
+  shrink achieves on this machine;
+* ``--config FILE`` (repeatable): a pipeline file (YAML or JSON, as ``kvpress-ada eval --config``; e.g. an
+  eviction with a ``reader`` that reads selected pages at each step), at the file's own ``compression_ratio``,
+  labelled by the file's name.
+
+``--batch B`` decodes B rows at once: the prefill of the one context is repeated B times (its captured keys,
+values and queries; the same prompt in every row, so every row keeps and reads what row 0 does), so a batch of
+long contexts costs one prefill; tokens/s counts every row's tokens.
 
 Each timed run is ``--steps`` decode forwards (one token each) from the same first token.
 Repeats are interleaved (rep -> thread setting -> config, config order rotated every repeat) and
@@ -132,10 +139,40 @@ def dense_from_keep(prefill, masks: list[torch.Tensor]):
     return cache
 
 
-def build_configs(prefill, methods, ratios, dense: bool, row_loop_rows: bool = False) -> list[Config]:
+def repeated_prefill(prefill, batch: int):
+    """``prefill`` (batch 1) as ``batch`` identical rows: views of its tensors, no copy (``--batch``)."""
+    from dataclasses import replace
+
+    from transformers import DynamicCache
+
+    if batch == 1:
+        return prefill
+    if prefill.key_mask.shape[0] != 1:
+        raise ValueError(f"--batch repeats a batch-1 prefill, got batch {prefill.key_mask.shape[0]}")
+
+    def rows(t):
+        return None if t is None else t.expand(batch, *t.shape[1:])
+
+    layers = [replace(c, keys=rows(c.keys), values=rows(c.values), queries=rows(c.queries), hidden=rows(c.hidden))
+              for c in prefill.layers]
+    full = DynamicCache(config=prefill.model.config)
+    for i, c in enumerate(layers):
+        full.update(c.keys, c.values, i)
+    return replace(prefill, layers=layers, key_mask=rows(prefill.key_mask), full_cache=full,
+                   logits=rows(prefill.logits), input_ids=rows(prefill.input_ids), pass_cache={}, entry_cache={})
+
+
+def build_configs(prefill, methods, ratios, dense: bool, row_loop_rows: bool = False,
+                  files: dict | None = None) -> list[Config]:
     from kvpress_ada import preset
 
     configs = [Config("full", 0.0, lambda: prefill.compressed_cache(None))]
+    for label, press in (files or {}).items():  # pipeline files, at their own ratio
+        t0 = time.perf_counter()
+        masks = prefill.keep_masks(press)
+        configs.append(Config(label, float(press.compression_ratio or 0.0),
+                              (lambda p=press, m=masks: prefill.compressed_cache(p, m)), press,
+                              setup_s=time.perf_counter() - t0))
     for method in methods:
         name, _, storage = method.partition(":")  # "ada_snapkv:int4": the preset storing int4 records
         for r in ratios:
@@ -160,7 +197,7 @@ def time_config(model, cfg: Config, first_id, steps: int) -> tuple[float, float,
     times: list[float] = []
     with forward_of(model, cfg.forward), row_loop(cfg.row_loop):
         tokens = common.decode(model, cache, first_id, steps, press_of(cfg), cfg.position_start, times)
-    return steps / sum(times), 1000 * statistics.median(times), tokens
+    return first_id.shape[0] * steps / sum(times), 1000 * statistics.median(times), tokens
 
 
 def profile_config(model, cfg: Config, first_id, steps: int, top: int) -> list[dict]:
@@ -273,6 +310,11 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="+", default=["snapkv", "ada_snapkv"],
                         help="presets to compare, each optionally with a storage: PRESET[:int8|:int4] "
                         "(default: snapkv ada_snapkv)")
+    parser.add_argument("--config", action="append", default=[], metavar="FILE",
+                        help="a pipeline file (YAML or JSON, as `kvpress-ada eval --config`) timed at its own "
+                             "compression_ratio, labelled by its file name; repeatable")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="rows decoded at once: the one context's prefill repeated (default: 1)")
     parser.add_argument("--ratios", type=float, nargs="+", default=None,
                         help="compression ratios (default: 0.5 0.75 0.9; 0.75 with --quick)")
     parser.add_argument("--steps", type=int, default=None, help="decode steps per timed run (default: 32; 4 with "
@@ -293,6 +335,14 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="JSON output path (default: benchmarks/results/decode.json, "
                         "PNG next to it; with --quick a temporary folder)")
     args = parser.parse_args(argv)
+    if args.batch < 1:
+        parser.error(f"--batch must be >= 1, got {args.batch}")
+    from kvpress_ada.harness.cli import UsageError, _config_label, _load_config
+
+    try:  # pipeline files are checked before the model loads
+        files = {_config_label(path, args.methods): _load_config(path) for path in args.config}
+    except UsageError as err:
+        parser.error(str(err))
 
     q = args.quick
     args.model = args.model or ("tiny" if q else "default")
@@ -305,6 +355,7 @@ def main(argv=None) -> int:
 
     from tqdm import tqdm
 
+    from kvpress_ada import preset
     from kvpress_ada.hosts.transformers.fanout import capture_prefill
 
     info = common.machine_info()
@@ -316,10 +367,12 @@ def main(argv=None) -> int:
         ids = common.context_ids(tok, L, model.config.vocab_size)
         common.set_threads(max(args.threads))
         t0 = time.perf_counter()
-        prefill = capture_prefill(model, ids)
+        needs_hidden = any(p.scorer.reads_hidden_states for p in files.values()) or any(
+            preset(m.partition(":")[0], compression_ratio=0.5).scorer.reads_hidden_states for m in args.methods)
+        prefill = repeated_prefill(capture_prefill(model, ids, hidden_states=needs_hidden), args.batch)
         prefill_s = time.perf_counter() - t0
         first = prefill.logits.argmax(-1, keepdim=True)
-        configs = build_configs(prefill, args.methods, args.ratios, not args.no_dense, args.row_loop)
+        configs = build_configs(prefill, args.methods, args.ratios, not args.no_dense, args.row_loop, files)
         if args.compile:
             configs += compiled_variants(model, configs)
         for cfg in configs:  # warm-up: first-call costs (and compilation) do not land in a timed run
@@ -367,7 +420,8 @@ def main(argv=None) -> int:
             if a and b:
                 agreement[f"{L}@{r:g}"] = sum(x == y for x, y in zip(a["tokens"], b["tokens"])) / len(a["tokens"])
 
-    print(f"\nDecode tokens/s, median of {args.reps} ({args.model} model, {args.steps} steps, "
+    print(f"\nDecode tokens/s (all rows), median of {args.reps} ({args.model} model, batch {args.batch}, "
+          f"{args.steps} steps, "
           f"{info['cpu_count']} CPUs, torch {info['torch']}, load avg at start {info['loadavg_at_start']})")
     headers = (["ctx", "config", "KV frac"] + [f"tok/s {t}T" for t in args.threads]
                + [f"x full (same mode) {t}T" for t in args.threads])

@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     for b in best:
         read = "-" if b["read_bytes_per_step"] is None else f"{b['read_bytes_per_step'] / 2**20:.3f}"
         print(f"best at r={b['ratio']:.2f}: {b['label']} {b['accuracy']:.3f}, KV {b['kv_fraction']:.3f} of full "
-              f"(bound {b['bytes_bound']:.2f}), read {read} MB per step")
+              f"(bound {b['bytes_bound']:.2f}), read {read} MiB per step")
     return 0
 
 

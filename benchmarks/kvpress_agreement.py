@@ -49,7 +49,8 @@ SEED = 1  # the tiny model's seed (conftest.build_model)
 RECORD = "python benchmarks/kvpress_agreement.py --record"
 DUO_SINKS, DUO_RECENT = 8, 24  # what a streaming head of the random DuoAttention patterns keeps
 
-# kvpress press -> why a case of it with kvpress's default settings is not exact (the exact cases turn that off)
+# kvpress press -> how its semantics differ from our preset's (a case that is not exact shows it; the exact cases
+# take settings where they coincide, or assert only what coincides)
 DIFFERENCES = {
     "SnapKVPress": "pooling: kvpress pools the scores after dropping the window's columns (the last context entries "
                    "average in zero padding); ours pools every column over valid entries only, then protects the "
@@ -92,7 +93,8 @@ DIFFERENCES = {
                 "one-shot prefill or decode compaction, per kv head, with the expected weight: no prefill case",
     "RandomPress": "another random generator (ours hashes (seed, layer, head, index)): no case",
 }
-# kvpress 0.5.5 presses compared by other scripts (kvpress_compare.py's replicas and paired runs)
+# kvpress 0.5.5 presses compared by other scripts (kvpress_compare.py's replicas and paired runs), or whose counterpart
+# here is not compared with them
 ELSEWHERE = {
     "AdaKVPress": "ada_snapkv, ada_expected_attention: benchmarks/kvpress_compare.py (~kvpress replicas; kvpress's "
                   "safeguard rule differs from ours)",
@@ -103,9 +105,11 @@ ELSEWHERE = {
     "KVzapPress": "kvzap: benchmarks/kvpress_compare.py (DMSPress(KVzapPress) on our surrogate's weights)",
     "DMSPress": "kvzap_threshold is DMSPress's threshold rule (benchmarks/kvpress_compare.py); DMS's own trained "
                 "decisions are refused (kvpress_ada/refusals.py)",
-    "DecodingPress": "decode_budget / decode_interval (tests/test_decode_compression.py)",
-    "PrefillDecodingPress": "a press with decode_budget (tests/test_decode_compression.py)",
-    "CompressionRatioDecodingPress": "decode_ratio (tests/test_decode_compression.py)",
+    "DecodingPress": "our counterpart: decode_budget / decode_interval (tests/test_decode_compression.py checks our "
+                     "rule); kept positions not compared with kvpress's",
+    "PrefillDecodingPress": "our counterpart: a press with decode_budget; not compared with kvpress's",
+    "CompressionRatioDecodingPress": "our counterpart: decode_ratio (tests/test_decode_compression.py); not compared "
+                                     "with kvpress's",
     "ScorerPress": "a base class: every Scorer",
     "BasePress": "a base class: Pipeline",
 }
@@ -698,7 +702,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\nintended differences (kvpress press: reason):")
     for press, reason in DIFFERENCES.items():
         print(f"  {press}: {reason}")
-    print("\nkvpress presses compared elsewhere:")
+    print("\nkvpress presses compared elsewhere, or not compared:")
     for press, reason in ELSEWHERE.items():
         print(f"  {press}: {reason}")
     print("\nkvpress presses with no preset here:")

@@ -26,6 +26,7 @@ from kvpress_ada.kernels.ragged.ops import ragged_attention
 from kvpress_ada.kernels.ragged.sparse import (
     page_bounds,
     page_summaries,
+    round_outward,
     sparse_quantized_attention,
     sparse_ragged_attention,
 )
@@ -36,19 +37,33 @@ torch.set_num_threads(1)
 ALLOCATORS = [("uniform", {}), ("ada", {"alpha": 0.0}), ("ada", {"alpha": 0.2}), ("ada", {"alpha": 0.7})]
 
 
-def _layer(B, H, D, keep, page_size, seed=0, appends=(), scale=1.0):
-    """A compressed ragged layer under a reader of ``page_size`` pages: random keys (``scale``) kept where ``keep``,
-    then ``appends`` tokens appended (each an eager append of that many tokens per row)."""
+def _layer(B, H, D, keep, page_size, seed=0, appends=(), scale=1.0, dtype=torch.float32):
+    """A compressed ragged layer of ``dtype`` under a reader of ``page_size`` pages: random keys (``scale``) kept
+    where ``keep``, then ``appends`` tokens appended (each an eager append of that many tokens per row)."""
     g = torch.Generator().manual_seed(seed)
     L = keep.shape[-1]
     layer = RaggedLayer(decode_reserve=3)
     k = torch.randn(B, H, L, D, generator=g) * scale
-    layer.update(k, torch.randn(B, H, L, D, generator=g))
+    layer.update(k.to(dtype), torch.randn(B, H, L, D, generator=g).to(dtype))
     layer.read_with(TopPages(budget=2 * page_size, page_size=page_size))
     layer.compress(keep)
     for q in appends:
-        layer.update(torch.randn(B, H, q, D, generator=g) * scale, torch.randn(B, H, q, D, generator=g))
+        layer.update((torch.randn(B, H, q, D, generator=g) * scale).to(dtype),
+                     torch.randn(B, H, q, D, generator=g).to(dtype))
     return layer
+
+
+def _assert_outward(lo, hi, true_lo, true_hi):
+    """``lo, hi`` (16-bit) are ``true_lo`` rounded down and ``true_hi`` rounded up to their dtype: on the outer side,
+    and the nearest such values (one step inward crosses the true value)."""
+    assert lo.dtype == hi.dtype and lo.dtype.itemsize == 2
+    lo32, hi32, true_lo, true_hi = lo.float(), hi.float(), true_lo.float(), true_hi.float()
+    assert bool((lo32 <= true_lo).all()) and bool((hi32 >= true_hi).all())
+    finite_lo, finite_hi = true_lo.isfinite(), true_hi.isfinite()  # an empty page: +inf / -inf, exactly
+    inward_lo = torch.nextafter(lo, torch.full_like(lo, float("inf"))).float()
+    inward_hi = torch.nextafter(hi, torch.full_like(hi, float("-inf"))).float()
+    assert bool((inward_lo > true_lo)[finite_lo].all()) and bool((inward_hi < true_hi)[finite_hi].all())
+    assert torch.equal(lo32[~finite_lo], true_lo[~finite_lo]) and torch.equal(hi32[~finite_hi], true_hi[~finite_hi])
 
 
 def _entries(layer):
@@ -70,20 +85,24 @@ def _assert_summaries_current(layer):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), page_size=st.sampled_from([1, 2, 4, 8, 16, 32]),
-       appends=st.lists(st.integers(1, 5), max_size=6), scale=st.sampled_from([1e-3, 1.0, 30.0]),
-       softcap=st.sampled_from([None, 5.0]))
-def test_page_bound_is_an_upper_bound_of_every_logit(seed, page_size, appends, scale, softcap):
+       appends=st.lists(st.integers(1, 5), max_size=6), scale=st.sampled_from([1e-6, 1e-3, 1.0, 30.0, 3e4, 1e5]),
+       softcap=st.sampled_from([None, 5.0]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_page_bound_is_an_upper_bound_of_every_logit(seed, page_size, appends, scale, softcap, dtype):
     """Every query head's logit (scaled, soft-capped) over every entry of a page is at most the page's bound, after
-    compression and appends (some of which re-lay the layer out); empty pages bound nothing (-inf)."""
+    compression and appends (some of which re-lay the layer out), with 16-bit summaries: float32 keys rounded
+    outward to float16 (keys of 1e5 past its range, keys of 1e-6 in its subnormals), bfloat16 keys exactly; empty
+    pages bound nothing (-inf)."""
     g = torch.Generator().manual_seed(seed)
     B, H, G, L, D = 2, 3, 2, 70, 8
     keep = torch.rand(B, H, L, generator=g) < torch.rand(B, H, 1, generator=g)
-    layer = _layer(B, H, D, keep, page_size, seed, appends, scale)
+    layer = _layer(B, H, D, keep, page_size, seed, appends, scale, dtype)
     _assert_summaries_current(layer)
+    assert layer.pages.kmin.dtype == (torch.float16 if dtype == torch.float32 else dtype)
     q = torch.randn(B, H * G, 1, D, generator=g) * scale
     bounds = page_bounds(q, layer.pages.kmin, layer.pages.kmax, layer.pages.table, 0.3, softcap)
     for r, (keys, _) in enumerate(_entries(layer)):
         b, h = divmod(r, H)
+        keys = keys.float()
         logits = 0.3 * q[b, h * G:(h + 1) * G, 0] @ keys.T  # [G, n]
         if softcap:
             logits = softcap * torch.tanh(logits / softcap)
@@ -95,15 +114,85 @@ def test_page_bound_is_an_upper_bound_of_every_logit(seed, page_size, appends, s
         assert bool(torch.isneginf(bounds[b, h][:, n_pages:]).all())
 
 
-def test_bound_is_tight_on_one_entry_pages():
-    """With pages of one entry the bound is the logit itself (Quest's bound is exact on a single key)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_bound_is_tight_on_one_entry_pages(dtype):
+    """With pages of one entry the bound is the logit itself (Quest's bound is exact on a single key): to float32
+    rounding over 16-bit keys (their summaries are exact), and above it by at most the outward rounding of each
+    channel to float16 (one float16 step, ``2^-10`` relative for normal numbers) over float32 keys."""
     B, H, L, D = 1, 2, 40, 16
-    layer = _layer(B, H, D, torch.ones(B, H, L, dtype=torch.bool), page_size=1, appends=(1,))
+    layer = _layer(B, H, D, torch.ones(B, H, L, dtype=torch.bool), page_size=1, appends=(1,), dtype=dtype)
     q = torch.randn(B, 2 * H, 1, D)
     bounds = page_bounds(q, layer.pages.kmin, layer.pages.kmax, layer.pages.table, 0.25)
     for r, (keys, _) in enumerate(_entries(layer)):
-        logits = 0.25 * q[0, 2 * r:2 * r + 2, 0] @ keys.T
-        torch.testing.assert_close(bounds[0, r][:, :keys.shape[0]], logits, atol=1e-5, rtol=1e-5)
+        qr, keys = 0.25 * q[0, 2 * r:2 * r + 2, 0], keys.float()
+        logits = qr @ keys.T
+        top = bounds[0, r][:, :keys.shape[0]]
+        if dtype != torch.float32:
+            torch.testing.assert_close(top, logits, atol=1e-5, rtol=1e-5)
+            continue
+        slack = 2.0 ** -10 * (qr.abs() @ keys.abs().T) + 2.0 ** -24 * qr.abs().sum(-1, keepdim=True)
+        fp32 = 1e-5 * (qr.abs() @ keys.abs().T) + 1e-6
+        assert bool((top >= logits - fp32).all()) and bool((top <= logits + slack + fp32).all())
+        assert bool((top > logits).float().mean() > 0.5)  # rounded outward: mostly strictly above
+
+
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
+def test_round_outward_to_float16(source):
+    """Rounding to float16 outward: each value rounded down is at or below it and one float16 step up is above it
+    (the greatest such value), rounded up likewise; representable values are unchanged, values past float16's range
+    go to -inf (down) / +inf (up) on their side and to +-65504 on the other, NaN stays NaN."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(2000, generator=g) * s for s in (1e-7, 1e-5, 1e-2, 1.0, 3e3, 6e4, 1e5, 1e30)])
+    special = [0.0, -0.0, 1 + 2 ** -13, -(1 + 2 ** -13), 65504.0, 65519.0, 65520.0, 1e5, -1e5, 3e38, 1e-30, -1e-30,
+               2 ** -24, 2 ** -25, float("inf"), float("-inf")]
+    x = torch.cat([x, torch.tensor(special)]).to(source)
+    down, up = round_outward(x, torch.float16, up=False), round_outward(x, torch.float16, up=True)
+    _assert_outward(down, up, x, x)
+    exact = x.half().float() == x.float()
+    assert torch.equal(down[exact], x[exact].half()) and torch.equal(up[exact], x[exact].half())
+    big, finite = x.float().abs() > 65504, x.float().isfinite()
+    high, low = big & finite & (x.float() > 0), big & finite & (x.float() < 0)
+    assert bool((down[high] == 65504).all()) and bool(torch.isposinf(up[high]).all()) and bool(high.any())
+    assert bool(torch.isneginf(down[low]).all()) and bool((up[low] == -65504).all()) and bool(low.any())
+    nan = round_outward(torch.tensor([float("nan")], dtype=source), torch.float16, up=True)
+    assert bool(torch.isnan(nan).all())
+
+
+def test_summaries_round_outward_and_bound_keys_past_float16():
+    """float32 keys far past float16's range (1e5, -1e5) and between its values: each page's float16 summaries are
+    its keys' min rounded down and max rounded up (infinite where the keys leave float16's range), appends fold in
+    alike, and the bound still covers every logit (at least the query channel times float32's largest value where
+    an infinite summary meets a query channel of its sign; ``-inf`` only for empty pages)."""
+    g = torch.Generator().manual_seed(5)
+    B, H, G, L, D, P = 1, 2, 2, 48, 8, 4
+    keep = torch.rand(B, H, L, generator=g) < 0.8
+    layer = _layer(B, H, D, keep, P, seed=5, appends=(1, 3), scale=1.0)
+    k = torch.randn(B, H, 2, D, generator=g) * (1 + 2 ** -13)
+    k[..., 0, 0], k[..., 1, 1] = 1e5, -1e5  # past float16's range, each in its own channel
+    layer.update(k, torch.randn(B, H, 2, D, generator=g))
+    for r, (keys, _) in enumerate(_entries(layer)):
+        pages = layer.pages.table[r][:-(-keys.shape[0] // P)]
+        lo = torch.stack([keys[j * P:(j + 1) * P].amin(0) for j in range(len(pages))])
+        hi = torch.stack([keys[j * P:(j + 1) * P].amax(0) for j in range(len(pages))])
+        _assert_outward(layer.pages.kmin[pages], layer.pages.kmax[pages], lo, hi)
+        assert bool(torch.isposinf(layer.pages.kmax[pages, 0]).any())
+        assert bool(torch.isneginf(layer.pages.kmin[pages, 1]).any())
+    _assert_summaries_current(layer)
+    q = torch.randn(B, H * G, 1, D, generator=g)
+    q[..., 0], q[..., 1] = q[..., 0].abs(), -q[..., 1].abs()  # every query meets both infinite summaries
+    bounds = page_bounds(q, layer.pages.kmin, layer.pages.kmax, layer.pages.table, 0.3)
+    for r, (keys, _) in enumerate(_entries(layer)):
+        logits = 0.3 * q[0, r * G:(r + 1) * G, 0] @ keys.T
+        top = bounds[0, r][:, torch.arange(keys.shape[0]) // P]
+        assert bool((logits <= top + 1e-5 * (0.3 * q[0, r * G:(r + 1) * G, 0].abs() @ keys.abs().T) + 1e-6).all())
+        assert not bool(torch.isnan(bounds[0, r]).any())
+        n = keys.shape[0]  # entry n - 2 holds 1e5 in channel 0, entry n - 1 holds -1e5 in channel 1
+        qg = q[0, r * G:(r + 1) * G, 0]
+        huge = 0.3 * qg.abs() * torch.finfo(torch.float32).max * 0.99  # [G, D]: a channel's term at +-inf
+        assert bool((bounds[0, r][:, (n - 2) // P] >= huge[:, 0]).all())
+        assert bool((bounds[0, r][:, (n - 1) // P] >= huge[:, 1]).all())
+        assert bool(torch.isfinite(bounds[0, r][:, :(n - 2) // P]).all())
+        assert bool(torch.isneginf(bounds[0, r][:, (n - 1) // P + 1:]).all())
 
 
 def test_summaries_follow_crop_retain_and_relayout():
@@ -116,8 +205,9 @@ def test_summaries_follow_crop_retain_and_relayout():
     held = layer.view()
     layer.retain(held.valid & (torch.rand(held.valid.shape) < 0.6), held)
     _assert_summaries_current(layer)
+    summary_bytes = torch.finfo(torch.float16).bits // 8  # float32 keys: float16 summaries, rounded outward
     assert layer.nbytes() - layer.k_flat.nbytes - layer.v_flat.nbytes == (
-        2 * layer.k_flat.shape[0] // 8 * D * 4 + layer.pages.table.nbytes)
+        2 * layer.k_flat.shape[0] // 8 * D * summary_bytes + layer.pages.table.nbytes)
 
 
 # ----------------------------------------------------------------------------- the read allocation
@@ -473,9 +563,10 @@ def _assert_summaries_cover(layer):
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), kind=st.sampled_from(sorted(RECORDS)), residual=st.sampled_from([0, 2, 5]),
        page_size=st.sampled_from([1, 4, 8, 16]), appends=st.lists(st.integers(1, 7), max_size=6),
-       scale=st.sampled_from([1e-2, 1.0, 20.0]), softcap=st.sampled_from([None, 5.0]))
+       scale=st.sampled_from([1e-2, 1.0, 20.0, 1e4]), softcap=st.sampled_from([None, 5.0]))
 def test_page_bound_covers_every_logit_over_records(seed, kind, residual, page_size, appends, scale, softcap):
-    """Over int4 / int8 / fp8 records the bound covers every logit over the keys as attention reads them (the
+    """Over int4 / int8 / fp8 records the bound (float16 summaries, rounded outward; keys of scale 1e4 reach near
+    float16's limit, where its steps are 32 wide) covers every logit over the keys as attention reads them (the
     anchor, the records, the residual ring), after compression, after every append (deferred into the ring or
     quantized at once, some re-laying the layer out), after the ring's records are written, a crop and a retain."""
     g = torch.Generator().manual_seed(seed)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..kernels.paged.ops import paged_attention
+from ..kernels.ragged.sparse import round_outward, summary_dtype
 
 
 class PoolExhausted(RuntimeError):
@@ -68,7 +69,7 @@ class PagePool:
     """One layer's pages (see the module docstring): ``k_pages, v_pages [P, S, D]``, the position of the
     entry in each slot (``-1``: none), and the ids of the free pages."""
 
-    kmin: torch.Tensor | None = None  # [P, D] float32 page summaries, while summarised (summarise)
+    kmin: torch.Tensor | None = None  # [P, D] 16-bit page summaries, while summarised (summarise)
     kmax: torch.Tensor | None = None
 
     def __init__(self, k_pages: torch.Tensor, v_pages: torch.Tensor):
@@ -142,27 +143,30 @@ class PagePool:
 
     # ------------------------------------------------------------------ page summaries
     def summarise(self) -> None:
-        """Keep each page's Quest summaries from now on (Tang et al., ICML 2024): ``kmin, kmax [P, D]`` float32, the
-        channel-wise min and max of the keys the page holds as stored (``+inf`` / ``-inf`` for a page holding none),
-        so ``sum_d max(q_d kmin_d, q_d kmax_d)`` bounds ``q . k`` over the page. Built from what the pages hold now,
-        then folded in by every write and reset when a page returns (appends and compactions keep them current)."""
+        """Keep each page's Quest summaries from now on (Tang et al., ICML 2024): ``kmin, kmax [P, D]`` in 16 bits
+        (:func:`~kvpress_ada.kernels.ragged.sparse.summary_dtype`: the pages' dtype when 16-bit, float16 rounded
+        outward for float32 pages), the channel-wise min (rounded down) and max (rounded up) of the keys the page
+        holds as stored (``+inf`` / ``-inf`` for a page holding none), so ``sum_d max(q_d kmin_d, q_d kmax_d)``
+        bounds ``q . k`` over the page. Built from what the pages hold now, then folded in by every write and reset
+        when a page returns (appends and compactions keep them current)."""
         if self.kmin is not None:
             return
         P, _, D = self.k_pages.shape
         device = self.k_pages.device
-        self.kmin = torch.full((P, D), float("inf"), dtype=torch.float32, device=device)
-        self.kmax = torch.full((P, D), float("-inf"), dtype=torch.float32, device=device)
+        dtype = summary_dtype(self.k_pages.dtype)
+        self.kmin = torch.full((P, D), float("inf"), dtype=dtype, device=device)
+        self.kmax = torch.full((P, D), float("-inf"), dtype=dtype, device=device)
         page, slot = (self.positions >= 0).nonzero(as_tuple=True)
         if page.numel():
             self._fold(page, self._read(page, slot)[0])
 
     def _fold(self, page: torch.Tensor, keys: torch.Tensor) -> None:
-        """Reduce ``keys [n, D]`` (as stored) into the summaries of their pages ``page [n]``."""
+        """Reduce ``keys [n, D]`` (as stored) into the summaries of their pages ``page [n]``, rounded outward."""
         if self.kmin is None or self.kmax is None:
             return
         index = page.long()[:, None].expand(-1, keys.shape[-1])
-        self.kmin.scatter_reduce_(0, index, keys.float(), "amin", include_self=True)
-        self.kmax.scatter_reduce_(0, index, keys.float(), "amax", include_self=True)
+        self.kmin.scatter_reduce_(0, index, round_outward(keys, self.kmin.dtype, up=False), "amin", include_self=True)
+        self.kmax.scatter_reduce_(0, index, round_outward(keys, self.kmax.dtype, up=True), "amax", include_self=True)
 
     # ------------------------------------------------------------------ entries
     def append(self, seqs: list[PagedSequence], keys: torch.Tensor, values: torch.Tensor,

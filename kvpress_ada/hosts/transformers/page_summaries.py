@@ -5,11 +5,13 @@ key ``kmin, kmax`` (:mod:`kvpress_ada.kernels.ragged.sparse`) and the page table
 whenever the layer is laid out (compression, decode compaction, re-layout, crop) and updated in place by every
 append (one custom op, no host sync, so the compiled decode step keeps them current). A decode step (one query
 per row) scores every page with its bound, asks the reader which pages each kv head reads, and attends over
-those (:func:`~kvpress_ada.kernels.ragged.sparse.sparse_ragged_attention`). ``nbytes`` counts the summaries and
-the table: ``2 * D * itemsize / page_size`` bytes per slot, plus 8 bytes per page of the table. Over quantized
-storage (int8, int4, fp8) the summaries cover what each key reads back as (its record, and while it is among its
-row's newest the residual ring's full-precision copy; the anchor), in float32, so the bound holds for the logits
-attention computes; records written after the append that put a key in the ring are folded in when written.
+those (:func:`~kvpress_ada.kernels.ragged.sparse.sparse_ragged_attention`). The summaries are 16-bit
+(:func:`~kvpress_ada.kernels.ragged.sparse.summary_dtype`: a 16-bit cache's dtype, float16 rounded outward for
+float32 keys), so ``nbytes`` counts ``2 * D * 2 / page_size`` bytes per slot, plus 8 bytes per page of the table.
+Over quantized storage (int8, int4, fp8) the summaries cover what each key reads back as (its record, and while it
+is among its row's newest the residual ring's full-precision copy; the anchor): float32 read-backs rounded outward
+to float16, so the bound holds for the logits attention computes; records written after the append that put a key
+in the ring are folded in when written.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class PageSummaries:
         check_page_size(reader)
         self.reader = reader
         self.size = int(reader.page_size)
-        self.kmin = self.kmax = torch.empty(0)
+        self.kmin = self.kmax = torch.empty(0, dtype=torch.float16)  # 16-bit: see summary_dtype
         self.table = torch.empty(0, 0, dtype=torch.long)
 
     def rebuild(self, keys: tuple[torch.Tensor, ...], row_offsets: torch.Tensor, row_lengths: torch.Tensor) -> None:
@@ -81,8 +83,8 @@ class PageSummaries:
     def read(self, selected: torch.Tensor, row_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(entries, summary_bytes)`` int64 ``[R]``: what a step that selected ``selected [R, W]`` reads of each row,
         the entries its selected pages hold (a partial page: its entries; a page past them: none), and the bytes
-        of the summaries it scored: ``kmin, kmax`` of every page holding an entry (a free page of the row's reserve
-        bounds at ``-inf`` and is not counted). Device ops, no host sync."""
+        of the summaries it scored: ``kmin, kmax`` (16-bit) of every page holding an entry (a free page of the row's
+        reserve bounds at ``-inf`` and is not counted). Device ops, no host sync."""
         P = self.size
         lengths = row_lengths.long()
         start = torch.arange(selected.shape[-1], device=lengths.device) * P

@@ -4,9 +4,12 @@ Pages: the ragged layout (``k_flat [N, D]``, row ``r`` at ``row_offsets[r]``) cu
 slots, page ``g`` holding slots ``g * P .. g * P + P - 1``: with every row offset and ``N`` multiples of ``P``,
 page ``j`` of row ``r`` is flat page ``row_offsets[r] / P + j`` and holds the row's entries ``j * P ..``.
 A page's summary is the channel-wise ``kmin, kmax [N / P, D]`` of the keys it holds (``+inf`` / ``-inf`` where
-it holds none: the identities of ``min`` / ``max``, so an append only reduces into them). Its bound on a query's
-logit, ``q . c + |q| . r`` with ``c = (kmax + kmin) / 2``, ``r = (kmax - kmin) / 2``, equals
-``sum_d max(q_d kmin_d, q_d kmax_d) >= q . k`` for every key ``k`` of the page (Quest's bound, in two matmuls).
+it holds none: the identities of ``min`` / ``max``, so an append only reduces into them), in 16 bits
+(:func:`summary_dtype`): a 16-bit key's own dtype (exact), float16 for float32 keys with ``kmin`` rounded down and
+``kmax`` rounded up (:func:`round_outward`), so they still contain every key (``2 * D * 2 / P`` bytes per slot).
+Its bound on a query's logit, ``q+ . kmax + q- . kmin`` (``q+ = max(q, 0)``, ``q- = min(q, 0)``), equals
+``sum_d max(q_d kmin_d, q_d kmax_d) >= q . k`` for every key ``k`` of the page (Quest's bound, in two matmuls,
+in float32).
 
 * :func:`page_summaries`, :func:`page_table` - built from the layout (eager, at each re-layout);
 * :func:`append_summaries` - an in-place custom op: the appended keys reduced into their pages' summaries;
@@ -30,8 +33,9 @@ from ..quantized.scheme import RecordLayout, check_side, dequantize, key_rotatio
 from ..support import check_logit_extras, resolve_backend, triton_module
 from .reference import capped
 
-__all__ = ["page_summaries", "page_table", "append_summaries", "page_bounds", "sparse_ragged_attention",
-           "sparse_attention_ref", "sparse_quantized_attention", "sparse_quantized_attention_ref"]
+__all__ = ["summary_dtype", "round_outward", "page_summaries", "page_table", "append_summaries", "page_bounds",
+           "sparse_ragged_attention", "sparse_attention_ref", "sparse_quantized_attention",
+           "sparse_quantized_attention_ref"]
 
 
 def _slot_rows(n_slots: int, row_offsets: Tensor, row_lengths: Tensor) -> Tensor:
@@ -42,15 +46,40 @@ def _slot_rows(n_slots: int, row_offsets: Tensor, row_lengths: Tensor) -> Tensor
     return (slots >= offs[row]) & (slots - offs[row] < row_lengths.long()[row])
 
 
+def summary_dtype(key_dtype: torch.dtype) -> torch.dtype:
+    """The 16-bit dtype page summaries of keys of ``key_dtype`` are kept in: a 16-bit float key's own (float16,
+    bfloat16: exact), float16 otherwise (float32 keys, or keys read back from records in float32: rounded
+    outward, :func:`round_outward`)."""
+    return key_dtype if key_dtype in (torch.float16, torch.bfloat16) else torch.float16
+
+
+def round_outward(x: Tensor, dtype: torch.dtype, up: bool) -> Tensor:
+    """``x`` in ``dtype`` (a 16-bit float), rounded up (``up``: the least value of ``dtype`` at or above each element)
+    or down (the greatest at or below): a ``kmax`` rounded up and a ``kmin`` rounded down still bound every key. A
+    value past ``dtype``'s range rounds out to ``+inf`` (up) or ``-inf`` (down): a page holding such a key then
+    bounds, for a query whose channel has the key's sign, at that channel times float32's largest value (``+inf``
+    once it overflows; :func:`page_bounds`): still an upper bound, the page is simply always competitive. Exact
+    where ``x`` is representable (always when ``x`` is of ``dtype``); NaN stays NaN. No host sync."""
+    y = x.to(dtype)
+    if x.dtype == dtype:
+        return y
+    wide = torch.promote_types(x.dtype, torch.float32)  # holds x and every 16-bit value exactly
+    xw, yw = x.to(wide), y.to(wide)
+    off = yw < xw if up else yw > xw  # rounded to nearest, to the wrong side
+    return torch.where(off, torch.nextafter(y, torch.full_like(y, float("inf") if up else float("-inf"))), y)
+
+
 def page_summaries(k_flat: Tensor, row_offsets: Tensor, row_lengths: Tensor, page_size: int) -> tuple[Tensor, Tensor]:
-    """``(kmin, kmax) [N / P, D]`` in the cache's dtype: each page's channel-wise min and max over the keys it holds
-    (``+inf`` / ``-inf`` where it holds none). ``N`` and every offset must be multiples of ``page_size``."""
+    """``(kmin, kmax) [N / P, D]`` in :func:`summary_dtype` of the cache's: each page's channel-wise min (rounded
+    down) and max (rounded up) over the keys it holds (``+inf`` / ``-inf`` where it holds none). ``N`` and every
+    offset must be multiples of ``page_size``."""
     N, D = k_flat.shape
     held = _slot_rows(N, row_offsets, row_lengths)[:, None]
     inf = torch.tensor(float("inf"), dtype=k_flat.dtype, device=k_flat.device)
     kmin = torch.where(held, k_flat, inf).view(N // page_size, page_size, D).amin(1)
     kmax = torch.where(held, k_flat, -inf).view(N // page_size, page_size, D).amax(1)
-    return kmin, kmax
+    dtype = summary_dtype(k_flat.dtype)  # rounding is monotone: the rounded min is the min of the rounded keys
+    return round_outward(kmin, dtype, up=False), round_outward(kmax, dtype, up=True)
 
 
 def page_table(row_offsets: Tensor, n_slots: int, page_size: int) -> Tensor:
@@ -67,19 +96,25 @@ def page_table(row_offsets: Tensor, n_slots: int, page_size: int) -> Tensor:
 def page_bounds(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, scale: float,
                 softcap: float | None = None) -> Tensor:
     """``[B, H_kv, G * Q, W]`` fp32: an upper bound of each query's logit (``scale * q . k``, soft-capped when
-    ``softcap``: a monotone map) over every entry of page ``j`` of its kv row, for ``q [B, H_q, Q, D]``; ``-inf``
-    for a page past the row's capacity or that holds nothing. No host sync."""
+    ``softcap``: a monotone map) over every entry of page ``j`` of its kv row, for ``q [B, H_q, Q, D]``, computed in
+    float32 from the summaries (any float dtype); ``-inf`` for a page past the row's capacity or that holds
+    nothing. A summary rounded out to ``+-inf`` (a key past its 16-bit range) counts as float32's extreme: the
+    bound is then at least ``|q_d| * 3.4e38`` (``+inf`` once that overflows) for a query channel of its sign, and
+    ``+inf`` where overflowing terms of both signs meet. No host sync."""
     B, Hq, Q, D = q.shape
     R, W = table.shape
     page = table.clamp(min=0)
     lo, hi = kmin[page].float(), kmax[page].float()  # [R, W, D]
-    centre, radius = (hi + lo) * 0.5, (hi - lo) * 0.5
+    empty = (table < 0) | (lo[..., 0] > hi[..., 0])  # [R, W]: a page holding nothing (+inf / -inf)
+    top = torch.finfo(torch.float32).max  # a summary rounded out to +-inf: the float32 extreme (0 * inf is NaN)
+    lo, hi = lo.clamp(min=-top), hi.clamp(max=top)
     qs = q.float().reshape(R, (Hq // (R // B)) * Q, D) * scale
-    bound = torch.bmm(qs, centre.transpose(1, 2)) + torch.bmm(qs.abs(), radius.transpose(1, 2))  # [R, GQ, W]
+    bound = (torch.bmm(qs.clamp(min=0), hi.transpose(1, 2))
+             + torch.bmm(qs.clamp(max=0), lo.transpose(1, 2)))  # [R, GQ, W]
+    bound = torch.where(torch.isnan(bound), float("inf"), bound)  # overflowing terms of both signs: no bound
     if softcap:
         bound = softcap * torch.tanh(bound / softcap)
-    empty = (table < 0)[:, None, :] | torch.isnan(bound)  # an empty page: inf - inf
-    return bound.masked_fill(empty, float("-inf")).view(B, R // B, -1, W)
+    return bound.masked_fill(empty[:, None, :], float("-inf")).view(B, R // B, -1, W)
 
 
 # ----------------------------------------------------------------------------- append (custom op)
@@ -88,9 +123,9 @@ def _append_impl(k_new: Tensor, kmin: Tensor, kmax: Tensor, row_offsets: Tensor,
     B, H, Q, D = k_new.shape
     first = row_offsets.long() + row_lengths.long() - Q  # the new entries' first slot in each row
     pages = ((first[:, None] + torch.arange(Q, device=first.device)) // page_size).reshape(-1, 1).expand(-1, D)
-    keys = k_new.reshape(-1, D).to(kmin.dtype)
-    kmin.scatter_reduce_(0, pages, keys, "amin", include_self=True)
-    kmax.scatter_reduce_(0, pages, keys, "amax", include_self=True)
+    keys = k_new.reshape(-1, D)
+    kmin.scatter_reduce_(0, pages, round_outward(keys, kmin.dtype, up=False), "amin", include_self=True)
+    kmax.scatter_reduce_(0, pages, round_outward(keys, kmax.dtype, up=True), "amax", include_self=True)
 
 
 _append_op = torch.library.custom_op("kvpress_ada::append_page_summaries", _append_impl,
@@ -116,7 +151,8 @@ def _check_append(k_new: Tensor, kmin: Tensor, kmax: Tensor, row_offsets: Tensor
 def append_summaries(k_new: Tensor, kmin: Tensor, kmax: Tensor, row_offsets: Tensor, row_lengths: Tensor,
                      page_size: int) -> None:
     """Reduce ``k_new [B, H_kv, Q, D]``, just appended (``row_lengths`` counts them already), into the summaries
-    of their pages, in place. Device-side index ops (no host sync)."""
+    of their pages, in place: each key rounded down into ``kmin`` and up into ``kmax`` (:func:`round_outward`, to
+    the summaries' dtype). Device-side index ops (no host sync)."""
     _check_append(k_new, kmin, kmax, row_offsets, row_lengths)
     if not torch.compiler.is_compiling() and all(type(t) is Tensor for t in (k_new, kmin, kmax)):
         _append_impl(k_new, kmin, kmax, row_offsets, row_lengths, int(page_size))

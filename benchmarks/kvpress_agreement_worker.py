@@ -3,7 +3,8 @@
 Never imports ``kvpress_ada``. Reads one JSON request on stdin: ``model`` (a saved tiny model's folder) and
 ``cases``, each with ``label``, ``press`` (a kvpress class name), ``kwargs`` (a value ``{"press": name, "kwargs":
 {...}}`` is a nested press, e.g. ChunkKVPress's, and so is each item of a list of them, ComposedPress's), ``ids``,
-and what is handed to kvpress instead of what it would draw or download:
+and what is handed to kvpress instead of what it would draw or download (the presses are built and handed it by
+``benchmarks/kvpress_presses.py``, shared with ``benchmarks/kvpress_worker.py``):
 
 - ``sketch``: a ``[D, k]`` Gaussian sketch, the matrix ``LeverageScorePress`` draws at random;
 - ``q_filters``: ``[layers, kv heads, D]``, set on every ``QFilterPress``;
@@ -42,9 +43,9 @@ sys.stdout = sys.stderr  # library prints must never corrupt the reply
 import kvpress  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from kvpress.presses.fastkvzip_press import FastKVzipGate  # noqa: E402
 from kvpress.presses.leverage_press import LeverageScorePress  # noqa: E402
 from kvpress.utils import compute_n_kept  # noqa: E402
+from kvpress_presses import build, hand_over  # noqa: E402
 from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 
 
@@ -77,62 +78,6 @@ def fixed_sketch(sketch: list | None):
         yield
     finally:
         LeverageScorePress.compute_leverage_scores = staticmethod(original)
-
-
-def build(name: str, kwargs: dict):
-    """kvpress's ``name(**kwargs)``, nested press specs built first."""
-
-    def value(v):
-        if isinstance(v, dict) and set(v) == {"press", "kwargs"}:
-            return build(v["press"], v["kwargs"])
-        if isinstance(v, list):
-            return [value(x) for x in v]
-        return v
-
-    return getattr(kvpress, name)(**{k: value(v) for k, v in kwargs.items()})
-
-
-def presses(press) -> list:
-    """``press`` and every press nested in it."""
-    found = [press]
-    for name in ("press", "base_press"):
-        if isinstance(getattr(press, name, None), kvpress.BasePress):
-            found += presses(getattr(press, name))
-    for inner in getattr(press, "presses", None) or []:
-        found += presses(inner)
-    return found
-
-
-def hand_over(press, case: dict, model) -> None:
-    """Set what the case hands kvpress (filters, gates, head patterns, attributes) instead of downloads."""
-    for p in presses(press):
-        if isinstance(p, kvpress.QFilterPress) and case.get("q_filters") is not None:
-            p.q_filters = torch.tensor(case["q_filters"], dtype=model.dtype)
-            p.post_init_from_model = lambda model: None  # the filters are given, not downloaded
-        if isinstance(p, kvpress.FastKVzipPress) and case.get("gates") is not None:
-            p.gates = [gate(i, layer, model) for i, layer in enumerate(case["gates"])]
-        if isinstance(p, kvpress.DuoAttentionPress) and case.get("duo") is not None:
-            duo = case["duo"]
-            import numpy as np
-
-            pattern = (duo["sink"], duo["recent"], np.array(duo["scores"], dtype=float))
-            p.load_attention_pattern = lambda model, pattern=pattern: pattern  # kvpress's rule picks the heads
-        if isinstance(p, kvpress.LUKVPress) and case.get("curve") is not None:
-            import numpy as np
-
-            p._budget_curves = np.array(case["curve"], dtype=float)  # prune ratios [99, layers, kv heads]
-    for name, v in (case.get("attrs") or {}).items():
-        setattr(press, name, v)
-
-
-def gate(index: int, weights: dict, model) -> FastKVzipGate:
-    """kvpress's gate module holding ``weights`` (its own state-dict names and shapes)."""
-    w = {k: torch.tensor(v, dtype=torch.float32) for k, v in weights.items()}
-    nhead, _, sink, dim = w["k_base"].shape
-    ngroup = w["b"].shape[-1]
-    module = FastKVzipGate(index, model.config.hidden_size, nhead, ngroup, torch.float32, dim, sink)
-    module.load_state_dict(w)
-    return module.eval()
 
 
 def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

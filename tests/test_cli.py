@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import build_model, build_tokenizer
+from conftest import ARCHITECTURES, build_model, build_tokenizer
 
 from kvpress_ada.harness.cli import main
 
@@ -123,3 +123,20 @@ def test_resume_refuses_a_checkpoint_of_the_task_by_task_order(tiny_model_dir, t
     (out / "partial.json").write_text(json.dumps({"settings": settings, "seconds": 1.0, "records": []}))
     assert main(args) == 2
     assert "was written with another sample_order;" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_eval_runs_every_family_from_a_local_directory(arch, tmp_path):
+    """`kvpress-ada eval --model DIR` loads a saved tiny model of each family and evaluates a press on it (a hybrid
+    family: the press compresses its global layers and the records count every layer's bytes)."""
+    path = tmp_path / arch
+    build_model(arch, max_position_embeddings=4096).save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    out = tmp_path / "run"
+    code = main(["eval", "--model", str(path), "--presets", "snapkv", "--ratios", "0.75", "--tasks", "passkey",
+                 "--n", "1", "--context", "300", "--max-new-tokens", "2", "--out", str(out), "--no-progress"])
+    assert code == 0
+    records = json.loads((out / "results.json").read_text())["records"]
+    by = {r["label"]: r for r in records}
+    assert set(by) == {"full", "snapkv"}
+    assert 0 < by["snapkv"]["kv_bytes"] < by["full"]["kv_bytes"]

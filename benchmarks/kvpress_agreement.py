@@ -343,12 +343,16 @@ def gate_weights(model: Any, width: int = 8, sinks: int = 4) -> list[dict[str, t
             for _ in range(model.config.num_hidden_layers)]
 
 
+def kvpress_gate_layout(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One layer of a Fast KVzip gate in our surrogate's layout, in kvpress's ``FastKVzipGate`` state-dict layout."""
+    return {"q_proj.weight": w["q_w"].T.contiguous(), "q_proj.bias": w["q_b"], "k_proj.weight": w["k_w"].T.contiguous(),
+            "q_norm.weight": w["q_norm"], "k_norm.weight": w["k_norm"], "k_base": w["k_base"][:, None].contiguous(),
+            "b": w["b"][:, None].contiguous()}
+
+
 def kvpress_gates(model: Any) -> list[dict[str, list]]:
     """:func:`gate_weights` in kvpress's ``FastKVzipGate`` state-dict layout."""
-    return [{"q_proj.weight": w["q_w"].T.tolist(), "q_proj.bias": w["q_b"].tolist(),
-             "k_proj.weight": w["k_w"].T.tolist(), "q_norm.weight": w["q_norm"].tolist(),
-             "k_norm.weight": w["k_norm"].tolist(), "k_base": w["k_base"][:, None].tolist(),
-             "b": w["b"][:, None].tolist()} for w in gate_weights(model)]
+    return [{k: v.tolist() for k, v in kvpress_gate_layout(w).items()} for w in gate_weights(model)]
 
 
 def random_gate(model: Any) -> str:

@@ -34,6 +34,13 @@ streamingllm on our side)::
         --tasks passkey,multikey,multivalue,multiquery --n 16 --ratios 0.25,0.5,0.75,0.9 --settings agnostic \
         --no-decode --no-diagnostics --no-kept-sets --out benchmarks/results/kvpress_compare_agnostic.json --resume
 
+Every preset with a kvpress press at r = 0.75 (``--methods new_presets``), our answers read from the quality grid's
+files (``benchmarks/quality.py``, one per setting; see benchmarks/README.md for the full command)::
+
+    python benchmarks/kvpress_compare.py --methods new_presets --ratios 0.75 \
+        --tasks passkey,multikey,multivalue,multiquery --n 16 --settings agnostic,aware \
+        --ours-records quality_agnostic.json quality_aware.json --no-decode --resume
+
 kvpress on transformers' ``QuantizedCache`` (``--kvpress-cache quanto-int4``; ``hqq-int4``/``hqq-int8`` take HQQ; the
 driver installs the backend into the kvpress venv only): the full DynamicCache (bytes and accuracy reference), the
 QuantizedCache alone and every kvpress press prefilled into it, our side skipped with ``--kvpress-only``::
@@ -73,8 +80,20 @@ AGNOSTIC_METHODS = ("kvzip", "kvzip_layerwise", "ada_kvzip", "lagkv", "ada_lagkv
 SURROGATE_METHODS = ("kvzap", "kvzap_linear", "kvzap_threshold")
 # key statistics (question-agnostic scorers of the keys' and values' geometry; CAP reads every prefill query)
 KEY_STATISTICS_METHODS = ("leverage", "ada_leverage", "cur", "ada_cur", "non_causal_attention", "compactor", "cap")
+# the presets kvpress ships that were added with the key statistics ones (benchmarks/quality.py's new-presets grid);
+# the Ada variants and CaM run on our side and pair with the uniform kvpress press (NEW_COUNTERPART) or nothing
+NEW_PRESET_METHODS = ("qfilter", "chunkkv", "ada_chunkkv", "kvcompose", "ada_kvcompose", "block_keydiff", "lukv",
+                      "finch", "ada_finch", "rerotated_streamingllm", "fastkvzip", "ada_fastkvzip", "think",
+                      "ada_think", "merging", "ada_merging", "cam", "ada_cam", "simlayerkv", "duo_attention",
+                      "composed")
+TOKEN_METHODS = ("knorm", "tova", "h2o", "criticalkv")  # token scorers with a kvpress press (streamingllm above)
 RATIO_FREE = ("kvzap_threshold",)  # set their own budget (a threshold): run once, at ratio 0 (no cap)
-ALL_METHODS = METHODS + AGNOSTIC_METHODS + SURROGATE_METHODS + KEY_STATISTICS_METHODS
+ALL_METHODS = (METHODS + AGNOSTIC_METHODS + SURROGATE_METHODS + KEY_STATISTICS_METHODS + NEW_PRESET_METHODS
+               + TOKEN_METHODS)
+METHOD_GROUPS = {"question_agnostic": AGNOSTIC_METHODS, "new_presets": KEY_STATISTICS_METHODS + NEW_PRESET_METHODS}
+# presets whose kvpress press needs something kvpress downloads for the models it knows: handed ours instead
+# (benchmarks/kvpress_presses.py hand_over), for the default model only (each artefact refuses another)
+HANDED = {"qfilter": "q_filters", "fastkvzip": "gates", "duo_attention": "duo", "lukv": "curve"}
 # --kvpress-cache: transformers' QuantizedCache backends, what each needs in the kvpress venv, and the bit widths
 # transformers 5.2 accepts for it (QuantoQuantizedLayer: 2 and 4 only; HQQQuantizedLayer: 1, 2, 3, 4, 8)
 QUANTIZED_BACKENDS = {"quanto": ("optimum-quanto==0.2.7",), "hqq": ("hqq==0.2.8.post1",)}
@@ -99,10 +118,37 @@ KVPRESS_NAMES = {
     "non_causal_attention": "NonCausalAttnPress",
     "compactor": "CompactorPress",
     "cap": "CapPress",
+    "streamingllm": "StreamingLLMPress",
+    "knorm": "KnormPress",
+    "tova": "TOVAPress",
+    "h2o": "ObservedAttentionPress, eager attention",
+    "criticalkv": "CriticalKVPress(SnapKVPress)",
+    "qfilter": "QFilterPress, our Q-filters",
+    "chunkkv": "ChunkKVPress(SnapKVPress)",
+    "block_keydiff": "BlockPress(KeyDiffPress)",
+    "finch": "FinchPress",
+    "rerotated_streamingllm": "KeyRerotationPress(StreamingLLMPress)",
+    "merging": "MergingPress(SnapKVPress)",
+    "think": "ComposedPress(SnapKVPress, ThinKPress)",
+    "composed": "ComposedPress(KnormPress, SnapKVPress)",
+    "simlayerkv": "SimLayerKVPress",
+    "duo_attention": "DuoAttentionPress, our head patterns",
+    "kvcompose": "KVComposePress",
+    "fastkvzip": "FastKVzipPress, our gates",
+    "lukv": "LUKVPress(ExpectedAttentionPress), our keep curve",
 }
 # presets with no kvpress press of their own, compared (paired) with this kvpress press; presets in neither
-# table (streamingllm here) run on our side only, as a baseline
-KVPRESS_COUNTERPART = {"ada_kvzip": "kvzip", "ada_lagkv": "lagkv", "kvzap": "kvzip", "kvzap_linear": "kvzip"}
+# table run on our side only, as a baseline (NO_KVPRESS_ROW says why)
+NEW_COUNTERPART = {"ada_chunkkv": "chunkkv", "ada_kvcompose": "kvcompose", "ada_finch": "finch",
+                   "ada_fastkvzip": "fastkvzip", "ada_think": "think", "ada_merging": "merging"}
+KVPRESS_COUNTERPART = {"ada_kvzip": "kvzip", "ada_lagkv": "lagkv", "kvzap": "kvzip", "kvzap_linear": "kvzip",
+                       **NEW_COUNTERPART}
+NO_KVPRESS_ROW = {
+    "cam": "kvpress's CAMPress is a DecodingPress: it compresses every compression_interval (512) decoding steps "
+           "down to target_size (2048) entries, so on a 1k-token prompt answered in 24 tokens it never compresses "
+           "(ours merges at the prefill's one-shot eviction)",
+    "ada_cam": "see cam; and kvpress's AdaKVPress wraps a ScorerPress, not a DecodingPress",
+}
 # kvpress 0.5.5's defaults for the presses run (read from its source; every run also records each press's repr)
 KVPRESS_DEFAULTS = {
     "KVzipPress": "layerwise=False (one top-k over all layers and kv heads; True: per layer, across its heads), "
@@ -126,6 +172,60 @@ KVPRESS_DEFAULTS = {
     "CompactorPress": "sink_size_start=8, sink_size_end=4, chunk_size=256, sketch_dimension=48, blending=None (the "
                       "compression ratio); gathers the kept tokens",
     "CapPress": "tau=5.0, n_future_positions=512, n_sink=4, epsilon=1e-6; gathers the kept tokens",
+    "SnapKVPress": "window_size=64, kernel_size=5; gathers the kept tokens",
+    "StreamingLLMPress": "n_sink=4; gathers the kept tokens",
+    "KnormPress": "no parameters besides compression_ratio; gathers the kept tokens",
+    "TOVAPress": "no parameters besides compression_ratio (the last query's attention averaged over every query "
+                 "head of the layer); gathers the kept tokens",
+    "ObservedAttentionPress": "no parameters besides compression_ratio; reads the prefill's attention weights, so "
+                              "the prefill and the answer run in eager attention (kvpress asks for a model loaded so); "
+                              "gathers the kept tokens",
+    "CriticalKVPress": "epsilon=1e-4, first_stage_ratio=0.5 (half the budget by the wrapped press's score, the rest "
+                       "by that score times mean ||W_o v||_1); gathers the kept tokens",
+    "QFilterPress": "its filters downloaded for the models it knows: handed ours (kvpress_ada/qfilters/, the default "
+                    "model) instead; gathers the kept tokens",
+    "ChunkKVPress": "chunk_length=20 (whole chunks from the first token, int(chunks (1 - r)) kept); gathers",
+    "BlockPress": "block_size=128 (blocks scored after one full forward); gathers the kept tokens",
+    "FinchPress": "normalize_scores=True, rerotate_keys=True, chunk_length=None; the window is the question, found by "
+                  "a delimiter token after the context: question-aware, the question's tokens (set directly, no token "
+                  "added); question-agnostic there is no question, so our preset's 64 trailing queries; the answer "
+                  "continues at the kept count (KVPressTextGenerationPipeline's rule for re-rotated keys)",
+    "KeyRerotationPress": "kept keys re-rotated to 0 .. n-1; the answer continues at n (KVPressTextGenerationPipeline)",
+    "MergingPress": "similarity_threshold=0.0, merge_fraction=1.0; gathers the kept tokens",
+    "ThinKPress": "window_size=32; key_channel_compression_ratio=0.0 turns it off: ours (0.5) is used",
+    "ComposedPress": "its presses in order, each on the cache the previous left (think: SnapKVPress then ThinKPress; "
+                     "composed: KnormPress(1 - our first keep, 0.25) then SnapKVPress(1 - (1 - r) / 0.75), r in all)",
+    "SimLayerKVPress": "n_recent=1024, n_initial=4, n_last=1; lazy_threshold=1.0 turns it off: ours (0.9, kvpress's "
+                       "value for Llama 3) is used; a prompt of at most n_initial + n_recent + n_last = 1029 tokens is "
+                       "never compressed; sets its own budget (achieved_ratio)",
+    "DuoAttentionPress": "head patterns downloaded for the models it knows: handed ours (sinks 128, recent 256, "
+                         "kvpress_ada/calibration/smollm2_135m_duo.json); head_compression_ratio=0.0 turns it off: "
+                         "ours (0.5) is used; masks (masked_key_indices), sets its own budget (achieved_ratio)",
+    "KVComposePress": "structured=True, agg_task='max', agg_group='mean', agg_head='mean', add_v_norm=False, "
+                      "add_mean_across_heads=True, keep_token_lower_bound=0; a second reading of the context in "
+                      "eager attention; gathers per layer",
+    "FastKVzipPress": "layerwise=False, n_sink=4, window_ratio=0.02; its gates downloaded for the models it knows: "
+                      "handed ours (kvpress_ada/surrogates/smollm2_135m_kvzip_gate.safetensors); masks",
+    "LUKVPress": "press=ExpectedAttentionPress(epsilon=0.02), sink=4, window=1; its keep curve downloaded for "
+                 "Llama-3.1-8B only: handed ours (kvpress_ada/calibration/smollm2_135m_lukv.json, rows at r = 0.05 "
+                 ".. 0.95 interpolated to kvpress's 0.01 .. 0.99, prune = 1 - keep); masks",
+}
+# settings of our presets that differ from kvpress's defaults (the kvpress row keeps kvpress's, except where kvpress's
+# default turns the press off: then ours, as said): preset -> what differs
+SETTINGS_DIFFER = {
+    "criticalkv": "kvpress first_stage_ratio=0.5 and epsilon=1e-4 (two stages); ours one stage (each query head's "
+                  "attention times its own ||W_o v||_1)",
+    "finch": "window: ours the last 64 queries; kvpress the question after a delimiter (question-aware: the question's "
+             "tokens; question-agnostic: ours, 64, as there is no question)",
+    "simlayerkv": "n_recent: ours 128, kvpress 1024 (kvpress's row then compresses nothing at ~1k tokens); "
+                  "lazy_threshold: kvpress's default 1.0 is off, ours 0.9 used on both sides",
+    "duo_attention": "head_compression_ratio: kvpress's default 0.0 is off, ours 0.5 used on both sides (patterns, "
+                     "sinks 128 and recent 256: ours on both sides)",
+    "think": "key_channel_compression_ratio: kvpress's default 0.0 is off, ours 0.5 used on both sides",
+    "composed": "kvpress has no default composition: ours (KnormPress keeping 0.75, then SnapKVPress) on both sides",
+    "lukv": "scorer: ours ExpectedAttention (query statistics over the last 128 queries, epsilon 0) with 4 sinks kept; "
+            "kvpress ExpectedAttentionPress(epsilon=0.02) (statistics over all queries but the first 4) with sink=4 "
+            "and window=1 kept; keep curve: ours on both sides",
 }
 
 
@@ -195,7 +295,7 @@ def parse_args(argv=None):
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma-separated kvpress_ada presets from " + ",".join(ALL_METHODS) + "; kvpress runs its "
                         "press for each one it has (" + ",".join(m for m in KVPRESS_NAMES if m != "full") + "); "
-                        "'question_agnostic' stands for " + ",".join(AGNOSTIC_METHODS))
+                        + "; ".join(f"'{k}' stands for " + ",".join(v) for k, v in METHOD_GROUPS.items()))
     p.add_argument("--settings", default="agnostic,aware",
                    help="agnostic: compress the context, then ask (the question is unknown when compressing); "
                         "aware: compress context + question together")
@@ -220,11 +320,17 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true",
                    help="keep the samples already in an incomplete JSON at --out of the same configuration (the JSON "
                         "is rewritten after every sample, marked complete: false until the run ends)")
-    p.add_argument("--ours-records", type=Path, default=None,
-                   help="results.json (or partial.json) of a `kvpress-ada eval` run on the same samples (same model, "
-                        "tasks, --n, --context, --seed, question-agnostic): our answers are read from it instead of "
-                        "being recomputed, and only kvpress runs (pairs by sample; implies --no-kept-sets and "
-                        "--no-diagnostics; our labels kept: full and --methods)")
+    p.add_argument("--ours-records", type=Path, nargs="+", default=None,
+                   help="one file per --settings entry, each the records of a run on the same samples (same model, "
+                        "tasks, --n, --context, --seed, answer length; every sample's full-cache bytes checked "
+                        "against its token count here): benchmarks/quality.py's quality_<setting>.json, or a "
+                        "`kvpress-ada eval` run's results.json / partial.json; each pairs with the setting it was "
+                        "run in. Our answers are read from them instead of being recomputed, and only kvpress runs "
+                        "(pairs by (task, sample); implies --no-kept-sets and --no-diagnostics; our labels kept: "
+                        "full and --methods)")
+    p.add_argument("--max-samples", type=int, default=None,
+                   help="run only the first K samples of the round-robin order (a smoke run on the samples of a "
+                        "full configuration, e.g. against --ours-records)")
     p.add_argument("--surrogate", default=None,
                    help="surrogate file for the kvzap presets on both sides (default: each preset's own, made for the "
                         "default model; `kvpress-ada distill` makes one for another model)")
@@ -260,8 +366,7 @@ def parse_args(argv=None):
     args.settings = [x for x in args.settings.split(",") if x]
     if not args.settings or set(args.settings) - {"agnostic", "aware"}:
         p.error("--settings takes agnostic, aware or both (comma-separated)")
-    groups = {"question_agnostic": AGNOSTIC_METHODS}
-    args.methods = list(dict.fromkeys(m for x in args.methods for m in groups.get(x, [x])))
+    args.methods = list(dict.fromkeys(m for x in args.methods for m in METHOD_GROUPS.get(x, [x])))
     unknown = sorted(set(args.methods) - set(ALL_METHODS))
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
@@ -276,12 +381,16 @@ def parse_args(argv=None):
             p.error("--kvpress-only and --ours-records exclude each other")
         args.kept_sets, args.no_diagnostics = False, True
     if args.ours_records is not None:
-        if not args.ours_records.is_file():
-            p.error(f"--ours-records {args.ours_records} does not exist; pass the results.json or partial.json of a "
-                    "`kvpress-ada eval` run")
-        if args.settings != ["agnostic"]:
-            p.error("--ours-records reads a question-agnostic `kvpress-ada eval` run: use --settings agnostic")
+        for path in args.ours_records:
+            if not path.is_file():
+                p.error(f"--ours-records {path} does not exist; pass benchmarks/quality.py's quality_<setting>.json "
+                        "or a `kvpress-ada eval` run's results.json / partial.json")
+        if len(args.ours_records) != len(args.settings):
+            p.error(f"--ours-records takes one file per setting: {len(args.ours_records)} files for --settings "
+                    f"{','.join(args.settings)}")
         args.kept_sets, args.no_diagnostics = False, True
+    if args.max_samples is not None and args.max_samples < 1:
+        p.error(f"--max-samples {args.max_samples}: give at least 1")
     if args.quick:
         args.n = max(1, 2 // max(len(args.tasks), 1))
         args.ratios = args.ratios[-1:]
@@ -685,7 +794,7 @@ def main(argv=None):
     # ---- samples, rendered once; both libraries get these token ids. Round-robin over tasks, so a run
     # stopped early covers every task equally.
     per_task = [make_samples(task, tok, args.n, args.context, seed=args.seed) for task in args.tasks]
-    samples = [s for group in zip(*per_task) for s in group]
+    samples = [s for group in zip(*per_task) for s in group][: args.max_samples]
     payload = []
     for i, s in enumerate(samples):
         head, tail = split_prompt(tok, s.context, s.question)
@@ -704,7 +813,14 @@ def main(argv=None):
     supplied = supplied_scores(entries)
     diag_entries = [] if args.no_diagnostics else diagnostic_entries(args.ratios, args.methods, args.ea_ablation)
     answered = entries + [e for e in diag_entries if args.replica_accuracy or not e.label.endswith("~kvpress")]
-    ours_file = None if args.ours_records is None else read_ours_records(args, payload)
+    if args.ours_records is None:
+        ours_files = None
+    else:
+        from transformers import AutoConfig
+
+        ours_files = read_ours_records(args, payload, kv_bytes_per_token(AutoConfig.from_pretrained(model_dir)))
+    handed = handed_artefacts(kv_methods, model_dir, workdir / "handed.safetensors", preset)
+    ours = ours_settings(kv_methods, preset)
     state = load_checkpoint(args) if args.resume else None
     state = state or {"kv_records": [], "our_records": [], "overlap_samples": [], "done": {},
                       "seconds": {"kvpress": {}, "kvpress_ada": {}, "kept_sets": {}}, "presses": {},
@@ -732,10 +848,11 @@ def main(argv=None):
                                 "requirements": [*KVPRESS_REQUIREMENTS, *cache_requirements(args.kvpress_caches)]},
                 "kvpress_ada_version": kvpress_ada.__version__, "git": git_state(),
                 "model_dir": model_dir, "config": run_config(args),
-                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                "args": {k: (str(v) if isinstance(v, Path) else [str(x) for x in v]
+                             if isinstance(v, list) and v and isinstance(v[0], Path) else v)
+                         for k, v in vars(args).items()},
                 "prompt_check": prompt_check, "kvpress_presses": state["presses"],
-                "kvpress_defaults": {KVPRESS_NAMES[m]: KVPRESS_DEFAULTS.get(KVPRESS_NAMES[m].split("(")[0])
-                                     for m in kv_methods},
+                "kvpress_defaults": {KVPRESS_NAMES[m]: kvpress_defaults(m) for m in kv_methods},
                 "kvpress_counterparts": {e.label: kvpress_counterpart(e.label) for e in answered},
                 "kept_set_methods": state["kept_set_methods"],
                 "kvpress_question_token_by_token": state["question_token_by_token"],
@@ -746,7 +863,10 @@ def main(argv=None):
                             "decode": decode["seconds"] if decode else None},
                 "diagnostics": {k: v[1] for k, v in DIAGNOSTICS.items()},
                 "notes": NOTES,
-                "ours_records": None if ours_file is None else ours_file["source"],
+                "ours_records": None if ours_files is None else {k: v["source"] for k, v in ours_files.items()},
+                "settings_differ": {m: SETTINGS_DIFFER[m] for m in kv_methods if m in SETTINGS_DIFFER},
+                "no_kvpress_row": {m: NO_KVPRESS_ROW[m] for m in args.methods if m in NO_KVPRESS_ROW},
+                "kvpress_settings_from_ours": ours,
             }
             if kv_caches is not None:
                 report["meta"]["kvpress_caches"] = state["kvpress_caches"]
@@ -773,6 +893,7 @@ def main(argv=None):
                                  indices=[i], methods=kv_methods, ratios=args.ratios,
                                  ratio_free=[m for m in kv_methods if m in RATIO_FREE], supplied=supplied,
                                  max_new_tokens=args.max_new_tokens, question_aware=aware, kept_sets=args.kept_sets,
+                                 handed=handed, ours=ours,
                                  fanout=not args.kvpress_separate, quiet=True,
                                  **({} if kv_caches is None else {"caches": kv_caches}))
                 for rec in kv["records"]:
@@ -784,8 +905,9 @@ def main(argv=None):
                 state["question_token_by_token"][setting] = (state["question_token_by_token"].get(setting, 0)
                                                              + kv["question_token_by_token"])
                 _add(state["seconds"]["kvpress"], setting, kv["seconds"])
-                if ours_file is not None:  # read, not recomputed
-                    state["our_records"] += [{"setting": setting, **r} for r in ours_file["records"].get(i, [])]
+                if ours_files is not None:  # read, not recomputed
+                    state["our_records"] += [{"setting": setting, **r}
+                                             for r in ours_files[setting]["records"].get(i, [])]
                 elif not args.kvpress_only:
                     t0 = time.perf_counter()
                     recs = evaluate_sample(model, tok, samples[i], answered, i, question_aware=aware,
@@ -825,6 +947,13 @@ def main(argv=None):
         print(quantized_rows(report))
     print("\nREADME rows (question-agnostic, paired per sample):\n")
     print(readme_rows(report))
+    differ = report["meta"]["settings_differ"]
+    if differ:
+        print("\nour presets' settings that differ from kvpress's defaults (SETTINGS_DIFFER):")
+        print(json.dumps(differ, indent=1))
+    if report["meta"]["no_kvpress_row"]:
+        print("\nno kvpress row (NO_KVPRESS_ROW):")
+        print(json.dumps(report["meta"]["no_kvpress_row"], indent=1))
     if not args.no_plot:
         png = plot_report(report, args.out.with_suffix(".png"))
         if png:
@@ -844,7 +973,9 @@ def run_config(args) -> dict:
             "max_new_tokens": args.max_new_tokens, "no_diagnostics": args.no_diagnostics,
             "replica_accuracy": args.replica_accuracy, "ea_ablation": args.ea_ablation, "kept_sets": args.kept_sets,
             "kvpress_separate": args.kvpress_separate, "surrogate": args.surrogate,
-            "ours_records": None if args.ours_records is None else str(args.ours_records.resolve()),
+            "ours_records": (None if args.ours_records is None else str(args.ours_records[0].resolve())
+                             if len(args.ours_records) == 1 else [str(x.resolve()) for x in args.ours_records]),
+            **({} if args.max_samples is None else {"max_samples": args.max_samples}),
             # only when not the defaults, so that earlier checkpoints of default runs still resume
             **({} if args.kvpress_caches == ["dynamic"] else {"kvpress_caches": args.kvpress_caches}),
             **({"kvpress_only": True} if args.kvpress_only else {})}
@@ -985,6 +1116,94 @@ def supplied_scores(entries) -> dict | None:
             "sinks": e.press.scorer.sinks, "window": e.press.scorer.window}
 
 
+def kvpress_defaults(method: str) -> str | None:
+    """kvpress's defaults (KVPRESS_DEFAULTS) of every kvpress press named in ``method``'s row."""
+    found = [f"{name}: {KVPRESS_DEFAULTS[name]}" for name in dict.fromkeys(re.findall(r"[A-Z]\w*Press",
+                                                                                      KVPRESS_NAMES[method]))
+             if name in KVPRESS_DEFAULTS]
+    return "; ".join(found) or None
+
+
+def ours_settings(methods, preset) -> dict:
+    """Per kvpress method that reads one (the worker's SPECS), our preset's value of a setting whose kvpress default
+    turns the press off, that kvpress finds another way, or that kvpress has no default for (SETTINGS_DIFFER)."""
+    made = {m: preset(m, compression_ratio=0.5) for m in ("think", "simlayerkv", "duo_attention", "composed", "finch")
+            if m in methods}
+    out: dict[str, dict] = {}
+    if "think" in made:
+        out["think"] = {"key_channel_compression_ratio": made["think"].key_channels.ratio}
+    if "simlayerkv" in made:
+        out["simlayerkv"] = {"lazy_threshold": made["simlayerkv"].scorer.lazy_threshold}
+    if "duo_attention" in made:
+        out["duo_attention"] = {"head_compression_ratio": made["duo_attention"].scorer.head_ratio}
+    if "composed" in made:
+        scorer = made["composed"].scorer
+        if [type(x).__name__ for x in scorer.stages] != ["KNorm", "SnapKV"]:
+            raise SystemExit(f"kvpress_compare.py: the composed preset's stages changed ({scorer.stages}); kvpress's "
+                             "row composes KnormPress then SnapKVPress")
+        out["composed"] = {"first_keep": scorer.keep[0]}
+    if "finch" in made:
+        out["finch"] = {"window_size": made["finch"].scorer.window}
+    return out
+
+
+def handed_artefacts(methods, model_dir: str, path: Path, preset) -> str | None:
+    """Write, for the kvpress presses among ``methods`` that download something (HANDED), ours instead into
+    ``path`` (safetensors, read by the worker's ``read_handed``): Q-filters ``[layers, kv heads, D]``, Fast KVzip
+    gates in kvpress's layout, DuoAttention's head scores (sinks and recent in the metadata) and LU-KV's prune
+    ratios ``[99, layers, kv heads]`` at r = 0.01 .. 0.99 (our keep curve interpolated linearly in r between its
+    rows, held constant past its first and last, prune = 1 - keep). Each artefact refuses a model other than its
+    own in one line. None when no such preset is run."""
+    wanted = [m for m in methods if m in HANDED]
+    if not wanted:
+        return None
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from kvpress_ada import calibration, qfilters, surrogate
+    from kvpress_ada.components import ConfigError
+
+    config = AutoConfig.from_pretrained(model_dir)
+    tensors: dict[str, torch.Tensor] = {}
+    meta: dict[str, int] = {}
+    try:
+        for m in wanted:
+            press = preset(m, compression_ratio=0.5)
+            if m == "qfilter":
+                found = qfilters.load(press.scorer.path)
+                found.check_model(config, f"the qfilter preset's Q-filters ({press.scorer.path})")
+                tensors["q_filters"] = found.filters
+            elif m == "fastkvzip":
+                from kvpress_agreement import kvpress_gate_layout
+
+                gate = surrogate.load(press.scorer.path)
+                gate.check_model(config, f"the fastkvzip preset's gate ({press.scorer.path})")
+                for i in range(gate.n_layers):
+                    w = {k: v.float() for k, v in gate.weights(i).items()}
+                    tensors.update({f"gates.{i}.{k}": v for k, v in kvpress_gate_layout(w).items()})
+            elif m == "duo_attention":
+                cal = calibration.load(press.scorer.path)
+                cal.check_model(config, f"the duo_attention preset's head patterns ({press.scorer.path})")
+                tensors["duo.scores"] = torch.tensor(cal.shares, dtype=torch.float64)
+                meta["duo_sink"] = press.scorer.sinks if press.scorer.sinks is not None else cal.scorer["sinks"]
+                meta["duo_recent"] = press.scorer.recent if press.scorer.recent is not None else cal.scorer["recent"]
+            elif m == "lukv":
+                path_ = press.layers.path
+                calibration.load(path_).check_model(config, f"the lukv preset's keep curve ({path_})")
+                ratios, keep = calibration.keep_curve(path_)
+                r = torch.arange(1, 100, dtype=torch.float64) / 100
+                hi = torch.searchsorted(ratios, r).clamp(1, len(ratios) - 1)
+                lo = hi - 1
+                t = ((r - ratios[lo]) / (ratios[hi] - ratios[lo])).clamp(0, 1)[:, None, None]
+                tensors["curve"] = 1 - (keep[lo] * (1 - t) + keep[hi] * t)
+    except (ValueError, ConfigError) as err:
+        raise SystemExit(f"kvpress_compare.py: {' '.join(str(err).split())}") from None
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
+              metadata={"kvpress_compare.handed": json.dumps(meta)})
+    return str(path)
+
+
 def tokenizer_only(model_dir: str):
     """The tokenizer ``kvpress_ada.models.load`` returns for ``model_dir``, without loading the weights
     (enough to build the samples and decode kvpress's answers)."""
@@ -1005,42 +1224,107 @@ def _flag(argv: list[str], name: str, default):
     return default
 
 
-def read_ours_records(args, payload: list[dict]) -> dict:
-    """Our records from ``args.ours_records`` (``kvpress-ada eval``'s results.json or partial.json), checked
-    to come from the samples built here: same model, tasks, n, context, seed, answer length, question-agnostic,
-    and every record's task that of the sample with its index (the same round-robin order). Returns
-    ``{"records": {sample: [record, ...]}, "source": {...}}`` with the labels full and ``args.methods``."""
-    path = args.ours_records
-    data = json.loads(path.read_text())
+QUALITY_SEED = 0  # benchmarks/quality.py draws its samples with make_samples(..., seed=0)
+
+
+def kv_bytes_per_token(config) -> tuple[int, int]:
+    """Bytes one token's keys and values take in the full cache of a model with ``config`` (every layer, kv head and
+    channel), at 2 and at 4 bytes a value."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    values = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim
+    return 2 * values, 4 * values
+
+
+def ours_file_settings(data: dict) -> dict:
+    """What samples a records file was run on: ``format``, ``setting`` (agnostic / aware), model, tasks, n (per task),
+    context, seed and answer length, from benchmarks/quality.py's quality_<setting>.json (seed: quality.py's fixed
+    one), a `kvpress-ada eval` checkpoint (partial.json: its ``settings``) or results.json (its command line)."""
+    if "n_per_task" in data and "setting" in data:  # benchmarks/quality.py
+        return {"format": "benchmarks/quality.py", "setting": data["setting"], "model": data.get("model"),
+                "tasks": data.get("tasks"), "n": data.get("n_per_task"), "context": data.get("context"),
+                "seed": data.get("seed", QUALITY_SEED), "max_new_tokens": data.get("max_new_tokens"),
+                "complete": bool(data.get("complete"))}
     settings = data.get("settings")  # partial.json (a checkpoint) keeps them; results.json keeps its command
+    complete = settings is None
     if settings is None:
         argv = [str(a) for a in data.get("command", [])]
         settings = {"model": data.get("model"), "tasks": data.get("tasks"), "n": data.get("n"),
                     "context": data.get("context"), "seed": _flag(argv, "--seed", 0),
                     "question_aware": data.get("question_aware"), "max_new_tokens": _flag(argv, "--max-new-tokens", 24)}
-    want = {"model": args.model, "tasks": args.tasks, "n": args.n, "context": args.context, "seed": args.seed,
-            "question_aware": False, "max_new_tokens": args.max_new_tokens}
-    differ = [f"{k} {settings.get(k)!r} there, {v!r} here" for k, v in want.items() if settings.get(k) != v]
-    if differ:
-        raise SystemExit(f"kvpress_compare.py: --ours-records {path} was run on other samples: {'; '.join(differ)}")
-    labels = {"full", *args.methods}
-    by_sample: dict[int, list[dict]] = {}
-    for r in data["records"]:
-        i = r["sample"]
-        if not 0 <= i < len(payload) or payload[i]["task"] != r["task"]:
-            raise SystemExit(f"kvpress_compare.py: --ours-records {path}: record of sample {i} ({r['task']}) does "
-                             f"not match the samples built here ({len(payload)} samples, round-robin over "
-                             f"{','.join(args.tasks)})")
-        if r["label"] in labels:
-            by_sample.setdefault(i, []).append({k: r.get(k) for k in OUR_RECORD_FIELDS})
-    found = sorted({r["label"] for rs in by_sample.values() for r in rs})
-    missing = sorted(labels - set(found))
-    if missing:
-        print(f"[ours] {path} has no records for {', '.join(missing)}; they run on neither side", file=sys.stderr)
-    print(f"[ours] {len(by_sample)} samples x {', '.join(found)} read from {path}", file=sys.stderr)
-    return {"records": by_sample,
-            "source": {"path": str(path.resolve()), "samples": len(by_sample), "labels": found,
-                       "complete": "settings" not in data, "seconds": data.get("seconds")}}
+    aware = settings.get("question_aware")
+    return {"format": "kvpress-ada eval", "setting": None if aware is None else ("aware" if aware else "agnostic"),
+            **{k: settings.get(k) for k in ("model", "tasks", "n", "context", "seed", "max_new_tokens")},
+            "complete": complete}
+
+
+def read_ours_records(args, payload: list[dict], bytes_per_token: tuple[int, ...]) -> dict[str, dict]:
+    """Our records per setting from ``args.ours_records`` (one file per setting of ``args.settings``, each paired with
+    the setting it was run in), checked to come from the samples built here: same model, tasks, n, context, seed and
+    answer length, every record's task that of the sample with its index (the same round-robin order), and every
+    sample's full-cache bytes its prompt's token count here (context ids, plus the question's when question-aware)
+    times ``bytes_per_token`` (one of them): a prompt tokenised otherwise would hold another number of tokens.
+    Refuses in one line otherwise. Records of samples past ``payload`` (``--max-samples``) are left out. Returns
+    ``{setting: {"records": {sample: [record, ...]}, "source": {...}}}`` with the labels full and ``args.methods``."""
+    out: dict[str, dict] = {}
+    tasks = list(args.tasks)
+    for path in args.ours_records:
+        where = f"kvpress_compare.py: --ours-records {path}"
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise SystemExit(f"{where} is not whole JSON ({err.msg}; a run rewriting it? read it again)") from None
+        if not isinstance(data, dict) or not isinstance(data.get("records"), list):
+            raise SystemExit(f"{where} holds no records list: pass benchmarks/quality.py's quality_<setting>.json or "
+                             "a `kvpress-ada eval` run's results.json / partial.json")
+        info = ours_file_settings(data)
+        setting = info["setting"]
+        if setting not in args.settings:
+            raise SystemExit(f"{where} was run question-{setting}, not in --settings {','.join(args.settings)}")
+        if setting in out:
+            raise SystemExit(f"{where}: a second file for the question-{setting} setting (one file per setting)")
+        want = {"model": args.model, "tasks": tasks, "n": args.n, "context": args.context, "seed": args.seed,
+                "max_new_tokens": args.max_new_tokens}
+        differ = [f"{k} {info.get(k)!r} there, {v!r} here" for k, v in want.items() if info.get(k) != v]
+        if differ:
+            raise SystemExit(f"{where} was run on other samples: {'; '.join(differ)}")
+        aware = setting == "aware"
+        labels = {"full", *args.methods}
+        by_sample: dict[int, list[dict]] = {}
+        full: dict[int, int] = {}
+        for r in data["records"]:
+            i = r["sample"]
+            if not 0 <= i < args.n * len(tasks) or tasks[i % len(tasks)] != r["task"]:
+                raise SystemExit(f"{where}: record of sample {i} ({r['task']}) does not match the samples built here "
+                                 f"({args.n * len(tasks)} samples, round-robin over {','.join(tasks)})")
+            if i >= len(payload):
+                continue
+            if r["label"] == "full":
+                full[i] = r["kv_bytes"]
+            if r["label"] in labels:
+                by_sample.setdefault(i, []).append({k: r.get(k) for k in OUR_RECORD_FIELDS})
+        for i in sorted(by_sample):
+            p = payload[i]
+            tokens = len(p["head_ids"]) + (len(p["tail_ids"]) if aware else 0)
+            if i not in full:
+                raise SystemExit(f"{where}: sample {i} has no full-cache record, so its token ids cannot be checked")
+            if full[i] not in [tokens * b for b in bytes_per_token]:
+                raise SystemExit(f"{where}: sample {i}'s full cache holds {full[i]} bytes, not {tokens} tokens (its "
+                                 f"prompt here) x {' or '.join(map(str, bytes_per_token))} bytes: other token ids")
+        found = sorted({r["label"] for rs in by_sample.values() for r in rs})
+        missing = sorted(labels - set(found))
+        if missing:
+            print(f"[ours] {path} has no records for {', '.join(missing)}: no pair for them in question-{setting}",
+                  file=sys.stderr)
+        print(f"[ours] question-{setting}: {len(by_sample)} of {len(payload)} samples x {len(found)} labels read from "
+              f"{path} ({info['format']}; token counts checked)", file=sys.stderr)
+        out[setting] = {"records": by_sample,
+                        "source": {"path": str(path.resolve()), "format": info["format"], "samples": len(by_sample),
+                                   "labels": found, "complete": info["complete"], "seconds": data.get("seconds")}}
+    missing_settings = [x for x in args.settings if x not in out]
+    if missing_settings:
+        raise SystemExit(f"kvpress_compare.py: --ours-records has no file for question-{missing_settings[0]}")
+    return out
 
 
 def vs_kvpress_best(report, ours=("kvzip", "ada_kvzip", "kvzap", "kvzap_linear")) -> list[dict]:

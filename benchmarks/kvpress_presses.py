@@ -26,7 +26,7 @@ import torch
 from kvpress.presses.fastkvzip_press import FastKVzipGate
 
 
-def spec(press: str, **kwargs: Any) -> dict:
+def spec(press: str, /, **kwargs: Any) -> dict:
     """A press spec: kvpress's ``press(**kwargs)``."""
     return {"press": press, "kwargs": kwargs}
 

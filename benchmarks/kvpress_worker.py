@@ -24,7 +24,12 @@ out); everything else (warnings, progress bars) goes to stderr. Commands:
                   ``supplied`` (with the method ``kvzap_threshold``) is a kvpress_ada surrogate file with the
                   threshold and protection of the preset: kvpress's ``DMSPress`` around its ``KVzapPress``
                   carrying that file's weights (:class:`SuppliedKVzapPress`); ``ratio_free`` methods run once,
-                  at ratio 0 (they set their own budget), and report the achieved ratio.
+                  at ratio 0 (they set their own budget), and report the achieved ratio. ``handed`` (a safetensors
+                  file the driver writes from kvpress_ada's shipped artefacts, :func:`read_handed`) replaces what
+                  QFilterPress, FastKVzipPress, DuoAttentionPress and LUKVPress download; ``ours`` holds, per
+                  method, our preset's settings that ``SPECS`` reads. ObservedAttentionPress prefills and answers in
+                  eager attention; after a press that re-rotates its keys the question continues at the kept count
+                  (both as kvpress's pipeline).
 ``decode_setup``  prefill one long context once per configuration and keep every cache.
 ``decode``        time ``steps`` greedy single-token steps on one kept cache (after the question).
 ``quit``
@@ -39,7 +44,7 @@ import json
 import sys
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 
 PROTO = sys.stdout
@@ -55,24 +60,21 @@ transformers.utils.logging.set_verbosity_error()
 warnings.filterwarnings("ignore")
 
 import kvpress  # noqa: E402
+import kvpress_presses as kp  # noqa: E402
 from kvpress import (  # noqa: E402
     AdaKVPress,
     BasePress,
-    CapPress,
-    CompactorPress,
-    CURPress,
     DMSPress,
-    ExpectedAttentionPress,
-    KeyDiffPress,
+    DuoAttentionPress,
+    FinchPress,
+    KeyRerotationPress,
     KVPressTextGenerationPipeline,
     KVzapPress,
     KVzipPress,
-    LagKVPress,
-    LeverageScorePress,
-    NonCausalAttnPress,
+    ObservedAttentionPress,
     PyramidKVPress,
     ScorerPress,
-    SnapKVPress,
+    SimLayerKVPress,
 )
 from kvpress.presses.base_press import is_prefilling  # noqa: E402
 from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel  # noqa: E402
@@ -83,31 +85,77 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, Quan
 ADA_ALPHA = 0.2  # kvpress's default alpha_safeguard (and the paper's)
 
 
-# kvpress_ada preset name -> the kvpress press for it at a ratio; kvpress's defaults otherwise (the
-# driver records each press's repr, which lists every field)
-PRESSES = {
-    "snapkv": lambda r: SnapKVPress(compression_ratio=r),
-    "ada_snapkv": lambda r: AdaKVPress(SnapKVPress(compression_ratio=r), alpha_safeguard=ADA_ALPHA),
-    "pyramidkv": lambda r: PyramidKVPress(compression_ratio=r),
-    "expected_attention": lambda r: ExpectedAttentionPress(compression_ratio=r),
-    "ada_expected_attention": lambda r: AdaKVPress(ExpectedAttentionPress(compression_ratio=r),
-                                                   alpha_safeguard=ADA_ALPHA),
+def _ada(inner: dict) -> dict:
+    return kp.spec("AdaKVPress", press=inner, alpha_safeguard=ADA_ALPHA)
+
+
+def _composed_second(r: float, first_keep: float) -> float:
+    """The second press's ratio of ``ComposedPress([KnormPress(1 - first_keep), SnapKVPress(x)])`` removing ``r`` in
+    all: kvpress's total is ``1 - first_keep (1 - x)``."""
+    x = 1 - (1 - r) / first_keep
+    if x < 0:
+        raise ValueError(f"composed at ratio {r} keeps more than its first stage's {first_keep}: use a ratio >= "
+                         f"{1 - first_keep:g}")
+    return x
+
+
+# kvpress_ada preset name -> the kvpress press spec for it (benchmarks/kvpress_presses.py builds it) at a ratio ``r``,
+# with ``ours`` = the accuracy request's ``ours[method]``: our preset's value of a setting whose kvpress default
+# turns the press off (DuoAttention's head share, SimLayerKV's threshold, ThinK's channel share) or that kvpress
+# finds another way (FINCH's window: a delimiter token), and Composed's first stage; kvpress's defaults otherwise
+# (the driver records each press's repr, which lists every field)
+SPECS = {
+    "snapkv": lambda r, ours: kp.spec("SnapKVPress", compression_ratio=r),
+    "ada_snapkv": lambda r, ours: _ada(kp.spec("SnapKVPress", compression_ratio=r)),
+    "pyramidkv": lambda r, ours: kp.spec("PyramidKVPress", compression_ratio=r),
+    "expected_attention": lambda r, ours: kp.spec("ExpectedAttentionPress", compression_ratio=r),
+    "ada_expected_attention": lambda r, ours: _ada(kp.spec("ExpectedAttentionPress", compression_ratio=r)),
     # KVzipPress scores on leaving its `with` block (context reconstruction through the model) and masks
     # the evicted keys (masked_key_indices, like AdaKVPress): one top-k over all layers and heads
     # (layerwise=False, its default) or one per layer over its heads (layerwise=True)
-    "kvzip": lambda r: KVzipPress(compression_ratio=r),
-    "kvzip_layerwise": lambda r: KVzipPress(compression_ratio=r, layerwise=True),
-    "lagkv": lambda r: LagKVPress(compression_ratio=r),
-    "keydiff": lambda r: KeyDiffPress(compression_ratio=r),
+    "kvzip": lambda r, ours: kp.spec("KVzipPress", compression_ratio=r),
+    "kvzip_layerwise": lambda r, ours: kp.spec("KVzipPress", compression_ratio=r, layerwise=True),
+    "lagkv": lambda r, ours: kp.spec("LagKVPress", compression_ratio=r),
+    "keydiff": lambda r, ours: kp.spec("KeyDiffPress", compression_ratio=r),
     # key statistics (a fresh random leverage sketch per call, as kvpress draws it; Compactor's blending = r)
-    "leverage": lambda r: LeverageScorePress(compression_ratio=r),
-    "ada_leverage": lambda r: AdaKVPress(LeverageScorePress(compression_ratio=r), alpha_safeguard=ADA_ALPHA),
-    "cur": lambda r: CURPress(compression_ratio=r),
-    "ada_cur": lambda r: AdaKVPress(CURPress(compression_ratio=r), alpha_safeguard=ADA_ALPHA),
-    "non_causal_attention": lambda r: NonCausalAttnPress(compression_ratio=r),
-    "compactor": lambda r: CompactorPress(compression_ratio=r),
-    "cap": lambda r: CapPress(compression_ratio=r),
+    "leverage": lambda r, ours: kp.spec("LeverageScorePress", compression_ratio=r),
+    "ada_leverage": lambda r, ours: _ada(kp.spec("LeverageScorePress", compression_ratio=r)),
+    "cur": lambda r, ours: kp.spec("CURPress", compression_ratio=r),
+    "ada_cur": lambda r, ours: _ada(kp.spec("CURPress", compression_ratio=r)),
+    "non_causal_attention": lambda r, ours: kp.spec("NonCausalAttnPress", compression_ratio=r),
+    "compactor": lambda r, ours: kp.spec("CompactorPress", compression_ratio=r),
+    "cap": lambda r, ours: kp.spec("CapPress", compression_ratio=r),
+    # token scorers
+    "streamingllm": lambda r, ours: kp.spec("StreamingLLMPress", compression_ratio=r),
+    "knorm": lambda r, ours: kp.spec("KnormPress", compression_ratio=r),
+    "tova": lambda r, ours: kp.spec("TOVAPress", compression_ratio=r),
+    "h2o": lambda r, ours: kp.spec("ObservedAttentionPress", compression_ratio=r),  # eager attention (EAGER)
+    "criticalkv": lambda r, ours: kp.spec("CriticalKVPress", press=kp.spec("SnapKVPress", compression_ratio=r)),
+    "qfilter": lambda r, ours: kp.spec("QFilterPress", compression_ratio=r),  # our filters handed over
+    # structure around a scorer
+    "chunkkv": lambda r, ours: kp.spec("ChunkKVPress", press=kp.spec("SnapKVPress", compression_ratio=r)),
+    "block_keydiff": lambda r, ours: kp.spec("BlockPress", press=kp.spec("KeyDiffPress", compression_ratio=r)),
+    "finch": lambda r, ours: kp.spec("FinchPress", compression_ratio=r),  # window set per prompt (Worker._attrs)
+    "rerotated_streamingllm": lambda r, ours: kp.spec("KeyRerotationPress",
+                                                   press=kp.spec("StreamingLLMPress", compression_ratio=r)),
+    "merging": lambda r, ours: kp.spec("MergingPress", press=kp.spec("SnapKVPress", compression_ratio=r)),
+    "think": lambda r, ours: kp.spec("ComposedPress", presses=[
+        kp.spec("SnapKVPress", compression_ratio=r),
+        kp.spec("ThinKPress", key_channel_compression_ratio=ours["key_channel_compression_ratio"])]),
+    "composed": lambda r, ours: kp.spec("ComposedPress", presses=[
+        kp.spec("KnormPress", compression_ratio=1 - ours["first_keep"]),
+        kp.spec("SnapKVPress", compression_ratio=_composed_second(r, ours["first_keep"]))]),
+    # their own budget (the ratio is not theirs: the record carries the achieved one)
+    "simlayerkv": lambda r, ours: kp.spec("SimLayerKVPress", lazy_threshold=ours["lazy_threshold"]),
+    "duo_attention": lambda r, ours: kp.spec("DuoAttentionPress",
+                                          head_compression_ratio=ours["head_compression_ratio"]),  # our patterns
+    # model scope, calibrated heads
+    "kvcompose": lambda r, ours: kp.spec("KVComposePress", compression_ratio=r),
+    "fastkvzip": lambda r, ours: kp.spec("FastKVzipPress", compression_ratio=r),  # our gates handed over
+    "lukv": lambda r, ours: kp.spec("LUKVPress", compression_ratio=r),  # our keep curve handed over
 }
+EAGER = (ObservedAttentionPress,)  # presses reading the attention weights: prefill and answer in eager attention
+OWN_BUDGET = (SimLayerKVPress, DuoAttentionPress, DMSPress)  # their compression_ratio is what they achieved
 
 
 class SuppliedKVzapPress(KVzapPress):
@@ -151,10 +199,12 @@ class SuppliedKVzapPress(KVzapPress):
 
 
 SUPPLIED: dict = {}  # the accuracy request's ``supplied`` (surrogate file, tau, sinks, window)
+OURS: dict = {}  # the accuracy request's ``ours``: per method, our preset's settings that SPECS reads
 
 
 def build_press(method: str, ratio: float):
-    """The kvpress press matching one of kvpress_ada's preset names (kvpress defaults otherwise)."""
+    """The kvpress press matching one of kvpress_ada's preset names (kvpress defaults otherwise), not yet handed
+    what it would download (:meth:`Worker._hand_over`)."""
     if method == "full":
         return None
     if method == "kvzap_threshold":  # kvpress's threshold logic on the scores of our surrogate
@@ -162,9 +212,10 @@ def build_press(method: str, ratio: float):
             raise ValueError("kvzap_threshold needs the request's 'supplied' surrogate file and threshold")
         return DMSPress(SuppliedKVzapPress(SUPPLIED["path"], SUPPLIED["sinks"]), threshold=SUPPLIED["tau"],
                         sliding_window_size=SUPPLIED["window"])
-    if method not in PRESSES:
-        raise ValueError(f"unknown method {method!r}; known: {', '.join(PRESSES)}")
-    return PRESSES[method](ratio)
+    if method not in SPECS:
+        raise ValueError(f"unknown method {method!r}; known: {', '.join(SPECS)}")
+    made = SPECS[method](ratio, OURS.get(method) or {})
+    return kp.build(made["press"], made["kwargs"])
 
 
 class CapturePress(BasePress):
@@ -197,8 +248,46 @@ def derivable(press) -> bool:
     """Presses that act only through ``BasePress.forward_hook -> compress`` (ScorerPress subclasses,
     AdaKVPress, ...): a prefill is unchanged by them (each layer compresses after its own attention), so
     ``press.compress`` on the inputs captured from one uncompressed prefill gives what a prefill of their
-    own gives."""
-    return type(press).__call__ is BasePress.__call__ and type(press).forward_hook is BasePress.forward_hook
+    own gives. Not those reading the attention weights (:data:`EAGER`: the capture runs in SDPA, which returns
+    none)."""
+    return (type(press).__call__ is BasePress.__call__ and type(press).forward_hook is BasePress.forward_hook
+            and not any(isinstance(p, EAGER) for p in kp.presses(press)))
+
+
+def needs_eager(press) -> bool:
+    """A press reading the attention weights (kvpress asks for a model loaded with eager attention)."""
+    return press is not None and any(isinstance(p, EAGER) for p in kp.presses(press))
+
+
+def rerotates(press) -> bool:
+    """``KVPressTextGenerationPipeline``'s test for presses that re-rotate the keys they keep to ``0 .. n-1``."""
+    return isinstance(press, KeyRerotationPress) or (isinstance(press, FinchPress) and press.rerotate_keys)
+
+
+def read_handed(path: str) -> dict:
+    """What the driver hands kvpress instead of its downloads (a safetensors file it wrote from kvpress_ada's
+    shipped artefacts): ``q_filters``, ``gates`` (per layer, kvpress's FastKVzipGate layout), ``duo`` (sink, recent,
+    scores) and ``curve`` (LU-KV's prune ratios), each where the file has it."""
+    with safe_open(path, "pt") as f:
+        meta = json.loads((f.metadata() or {}).get("kvpress_compare.handed", "{}"))
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    out: dict = {}
+    if "q_filters" in tensors:
+        out["q_filters"] = tensors["q_filters"]
+    if "curve" in tensors:
+        out["curve"] = tensors["curve"].double().numpy()
+    if "duo.scores" in tensors:
+        out["duo"] = {"sink": meta["duo_sink"], "recent": meta["duo_recent"],
+                      "scores": tensors["duo.scores"].double().numpy()}
+    layers = sorted({int(k.split(".")[1]) for k in tensors if k.startswith("gates.")})
+    if layers:
+        out["gates"] = [{k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"gates.{i}.")}
+                        for i in layers]
+    return out
+
+
+# what each press needs handed over (else kvpress would download it for a model it knows)
+NEEDS = {"QFilterPress": "q_filters", "FastKVzipPress": "gates", "DuoAttentionPress": "duo", "LUKVPress": "curve"}
 
 
 class Worker:
@@ -260,6 +349,9 @@ class Worker:
         ratio_free = set(req.get("ratio_free") or [])
         SUPPLIED.clear()
         SUPPLIED.update(req.get("supplied") or {})
+        OURS.clear()
+        OURS.update(req.get("ours") or {})
+        handed = self._handed(req.get("handed"))
         caches = req.get("caches")  # None: DynamicCache only (the records carry no cache fields)
         pressed = [(m, r) for m in methods for r in ([0.0] if m in ratio_free else ratios)]
         configs = [("full", 0.0, "dynamic")]  # the full DynamicCache first: every cache's bytes reference
@@ -279,19 +371,24 @@ class Worker:
                 label = method if spec == "dynamic" else f"{method}+{spec}"
                 press = build_press(method, ratio)
                 presses[label if method == "full" else f"{label}@{ratio}"] = repr(press)
+                self._hand_over(press, handed, tail.shape[1], aware)
                 prompt = torch.cat([head, tail], dim=1) if aware else head
-                t0 = time.perf_counter()
-                cache, keep, logits = self._prefill(press, prompt, record=kept_sets, lm_head=aware, shared=shared,
-                                                    cache_spec=spec)
-                prefill_s = time.perf_counter() - t0
-                parts = _quantized_bytes(cache) if isinstance(cache, QuantizedCache) else None
-                kv_bytes = _cache_bytes(cache) if parts is None else parts["total"]
-                t0 = time.perf_counter()
-                if aware:  # the whole prompt was compressed; answer from the prefill's last logits
-                    tokens = self._greedy(cache, logits, prompt.shape[1], max_new)
-                else:
-                    tokens = self._answer(cache, head.shape[1], tail, max_new)
-                answer_s = time.perf_counter() - t0
+                with self._attention("eager" if needs_eager(press) else None):
+                    t0 = time.perf_counter()
+                    cache, keep, logits = self._prefill(press, prompt, record=kept_sets, lm_head=aware,
+                                                        shared=shared, cache_spec=spec)
+                    prefill_s = time.perf_counter() - t0
+                    parts = _quantized_bytes(cache) if isinstance(cache, QuantizedCache) else None
+                    kv_bytes = _cache_bytes(cache) if parts is None else parts["total"]
+                    # KVPressTextGenerationPipeline: after a press that re-rotates the keys it keeps to 0 .. n-1, the
+                    # question (or the answer) continues at n, layer 0's kept count
+                    start_at = cache.get_seq_length() if rerotates(press) else prompt.shape[1]
+                    t0 = time.perf_counter()
+                    if aware:  # the whole prompt was compressed; answer from the prefill's last logits
+                        tokens = self._greedy(cache, logits, start_at, max_new)
+                    else:
+                        tokens = self._answer(cache, start_at, tail, max_new)
+                    answer_s = time.perf_counter() - t0
                 rec = {"sample": s["index"], "task": s["task"], "label": label, "ratio": ratio, "tokens": tokens,
                        "kv_bytes": kv_bytes, "prefill_s": prefill_s, "answer_s": answer_s,
                        "context_len": int(prompt.shape[1]), "kvpress_run": self.last_run}
@@ -299,7 +396,7 @@ class Worker:
                     rec.update(method=method, cache=spec)
                 if parts is not None:  # bytes after compression, and after the question + answer (residual grown)
                     rec.update(kv_bytes_parts=parts, kv_bytes_end=_quantized_bytes(cache))
-                if isinstance(press, DMSPress):  # the fraction of entries it masked (all layers and heads)
+                if isinstance(press, OWN_BUDGET):  # the fraction of entries it masked or evicted (its own measure)
                     rec["achieved_ratio"] = float(press.compression_ratio)
                 if keep is not None:
                     rec["kept_per_head"] = keep.sum(-1).tolist()  # [layers][heads]
@@ -347,6 +444,7 @@ class Worker:
         for method, ratio in tqdm(configs, desc=f"kvpress prefill at {head.shape[1]} tokens", file=sys.stderr,
                                   dynamic_ncols=True):
             press = build_press(method, ratio)
+            self._hand_over(press, self._handed(req.get("handed")), len(req["tail_ids"]), False)
             t0 = time.perf_counter()
             cache, _, _ = self._prefill(press, head, record=False)
             prefill_s = time.perf_counter() - t0
@@ -379,6 +477,48 @@ class Worker:
         return {"seconds": seconds, "steps": steps}
 
     # ------------------------------------------------------------------ helpers
+    def _handed(self, path: str | None) -> dict:
+        """:func:`read_handed` of ``path`` (read once per path); ``{}`` for None."""
+        if path is None:
+            return {}
+        if getattr(self, "_handed_path", None) != path:
+            self._handed_cache, self._handed_path = read_handed(path), path
+        return self._handed_cache
+
+    def _hand_over(self, press, handed: dict, tail_len: int, aware: bool) -> None:
+        """Hand ``press`` what it would download (``handed``) and FinchPress its window: the question, as kvpress's
+        delimiter token would find it after the context (question-aware); without a question in the prompt
+        (question-agnostic), our preset's window (``ours['finch']['window_size']``). The delimiter id is set to
+        -1, which no prompt holds."""
+        if press is None:
+            return
+        for p in kp.presses(press):
+            need = NEEDS.get(type(p).__name__)
+            if need is not None and handed.get(need) is None:
+                raise ValueError(f"{type(p).__name__} needs the request's handed {need} (kvpress would download them "
+                                 "for the models it knows)")
+        attrs = {}
+        if isinstance(press, FinchPress):
+            window = tail_len if aware else (OURS.get("finch") or {}).get("window_size")
+            if window is None:
+                raise ValueError("finch question-agnostic needs the request's ours['finch']['window_size']")
+            attrs = {"window_size": int(window), "delimiter_token_id": -1}
+        kp.hand_over(press, {**handed, "attrs": attrs}, self.model)
+
+    @contextmanager
+    def _attention(self, implementation: str | None):
+        """The model's attention implementation set to ``implementation`` for the block (None: unchanged)."""
+        if implementation is None:
+            yield
+            return
+        config = self.model.config
+        before = config._attn_implementation
+        config._attn_implementation = implementation
+        try:
+            yield
+        finally:
+            config._attn_implementation = before
+
     @torch.inference_mode()
     def _prefill(self, press, head: torch.Tensor, record: bool = True, lm_head: bool = False, shared=None,
                  cache_spec: str = "dynamic"):

@@ -80,6 +80,12 @@ class TopPages(Reader):
                     layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scores [B, H, W], counts [B, H])``: what each page competes with (``+inf`` for the pages always read,
         ``-inf`` for those that hold nothing) and the pages each kv head reads."""
+        scores, counts, _ = self._counts(bounds, lengths, layer_idx)
+        return scores, counts
+
+    def _counts(self, bounds: torch.Tensor, lengths: torch.Tensor,
+                layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`page_counts` and the pages each row holds (``exists [B, H, W]``)."""
         B, H, _, W = bounds.shape
         exists, always = row_pages(lengths, self.page_size, W)
         # pages a row does not hold: the lowest finite logit (a row holding none gets finite shares, dropped below)
@@ -88,12 +94,14 @@ class TopPages(Reader):
         inf = torch.full_like(share, float("inf"))
         scores = torch.where(always, inf, torch.where(exists, share, -inf))
         per_head = torch.full((B,), self.pages_per_head, dtype=torch.long, device=bounds.device)
-        counts = self.allocator.allocate_layer(scores, per_head, layer_idx, comparable=True)
-        return scores, fit_to_valid(scores, counts, exists, _best)
+        counts = self.allocator.allocate_layer(scores, per_head, layer_idx, comparable=True).long()
+        if (counts.device.type == "cpu" and not torch.compiler.is_compiling()
+                and bool((counts <= exists.sum(-1)).all())):
+            return scores, counts, exists  # they fit: fit_to_valid returns them unchanged (a free check on CPU)
+        return scores, fit_to_valid(scores, counts, exists, _best), exists
 
     def select(self, bounds: torch.Tensor, lengths: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        scores, counts = self.page_counts(bounds, lengths, layer_idx)
-        exists, _ = row_pages(lengths, self.page_size, bounds.shape[-1])
+        scores, counts, exists = self._counts(bounds, lengths, layer_idx)
         return _best(scores, counts) & exists
 
 

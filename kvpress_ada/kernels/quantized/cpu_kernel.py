@@ -34,7 +34,8 @@ from torch import Tensor
 
 from .scheme import RecordLayout, centre_logits, key_rotation, residual_of, side_operands
 
-__all__ = ["MAX_QUERIES", "ENV_VAR", "cpu_kernel", "use_cpu_kernel", "quantized_attention_cpu"]
+__all__ = ["MAX_QUERIES", "ENV_VAR", "cpu_kernel", "use_cpu_kernel", "quantized_attention_cpu", "build_kernel",
+           "kernel_wanted"]
 
 MAX_QUERIES = 4
 """Most queries per head (``Q``) the fused kernel takes; longer calls (prefill chunks) go to the torch reference."""
@@ -65,21 +66,28 @@ def _cache_dir() -> Path:
 
 def _build() -> Path:
     """Compile the kernel (or find it built) and return the shared library's path; raises on failure."""
+    return build_kernel(_SOURCE, "quantized_cpu")
+
+
+def build_kernel(path: Path, stem: str) -> Path:
+    """Compile the C source ``path`` with the system compiler (or find it built) into the cache directory as
+    ``<stem>-<hash of source, flags, compiler, CPU>.so`` and return the shared library's path; raises on failure.
+    This kernel's build and any other fused CPU kernel's (:mod:`..ragged.sparse_cpu_kernel`)."""
     compiler = shutil.which(os.environ.get("CC") or "cc")
     if compiler is None:
         raise RuntimeError(f"no C compiler ({os.environ.get('CC') or 'cc'}) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    source = _SOURCE.read_bytes()
+    source = path.read_bytes()
     key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
                                      _cpu_signature().encode(), platform.machine().encode()])).hexdigest()[:16]
-    target = _cache_dir() / f"quantized_cpu-{key}.so"
+    target = _cache_dir() / f"{stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+        done = subprocess.run([compiler, *_FLAGS, str(path), "-o", tmp, "-lm"], capture_output=True, text=True,
                               timeout=300)
         if done.returncode:
             last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -105,7 +113,9 @@ def use_cpu_kernel(enabled: bool) -> Iterator[None]:
         _enabled.pop()
 
 
-def _wanted() -> bool:
+def kernel_wanted() -> bool:
+    """Whether the fused CPU kernels are wanted (``$KVPRESS_ADA_CPU_KERNEL``, overridden by :func:`use_cpu_kernel`
+    blocks); whether they are built is another matter."""
     if _enabled:
         return _enabled[-1]
     return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
@@ -128,7 +138,7 @@ def _library() -> ctypes.CDLL | None:
 
 def cpu_kernel() -> bool:
     """Whether the fused CPU kernel is enabled and built (builds it on the first call)."""
-    return _wanted() and _library() is not None
+    return kernel_wanted() and _library() is not None
 
 
 _ENCODINGS = {"int": 0, "e4m3": 1}
@@ -143,7 +153,7 @@ def quantized_attention_cpu(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets
     ``softcap`` (0: off) and ``sinks [H_q]`` (None: off): the logit terms of the reference."""
     B, H_q, Q, D = q.shape
     rows = row_offsets.shape[0]
-    if q.device.type != "cpu" or Q > MAX_QUERIES or q.dtype not in _SCALE_DTYPES or not _wanted() \
+    if q.device.type != "cpu" or Q > MAX_QUERIES or q.dtype not in _SCALE_DTYPES or not kernel_wanted() \
             or layout.encoding not in _ENCODINGS:
         return None
     lib = _library()

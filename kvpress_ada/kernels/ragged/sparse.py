@@ -18,7 +18,8 @@ in float32).
   the selected pages' records dequantized (torch, every backend);
 * :func:`sparse_ragged_attention` - a custom op: attention over the entries of the selected pages only, dispatched
   as the ragged ops are (:mod:`..support`): the Triton kernel (:mod:`.sparse_triton_kernel`, split-K over each
-  row's selected pages) on CUDA, the torch reference here (each row's pages gathered, one batched ``bmm``) on CPU.
+  row's selected pages) on CUDA, on CPU the fused C kernel (:mod:`.sparse_cpu_kernel`: each selected page read where
+  it lies) for decode-shaped calls, else the torch reference here (each row's pages gathered, one batched ``bmm``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..quantized.ops import op_fields, op_layout
 from ..quantized.scheme import RecordLayout, check_side, dequantize, key_rotation, residual_of, side_operands
 from ..support import check_logit_extras, resolve_backend, triton_module
 from .reference import capped
+from .sparse_cpu_kernel import page_bounds_cpu, sparse_attention_cpu
 
 __all__ = ["summary_dtype", "round_outward", "page_summaries", "page_table", "append_summaries", "page_bounds",
            "sparse_ragged_attention", "sparse_attention_ref", "sparse_quantized_attention",
@@ -100,7 +102,11 @@ def page_bounds(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, scale: flo
     float32 from the summaries (any float dtype); ``-inf`` for a page past the row's capacity or that holds
     nothing. A summary rounded out to ``+-inf`` (a key past its 16-bit range) counts as float32's extreme: the
     bound is then at least ``|q_d| * 3.4e38`` (``+inf`` once that overflows) for a query channel of its sign, and
-    ``+inf`` where overflowing terms of both signs meet. No host sync."""
+    ``+inf`` where overflowing terms of both signs meet. No host sync. Eager CPU calls run the fused kernel
+    (:mod:`.sparse_cpu_kernel`: the summaries read where they lie), traced and other calls this torch code."""
+    fused = page_bounds_cpu(q, kmin, kmax, table, scale, softcap)
+    if fused is not None:
+        return fused
     B, Hq, Q, D = q.shape
     R, W = table.shape
     page = table.clamp(min=0)
@@ -232,6 +238,9 @@ def _sparse_impl(q: Tensor, k_flat: Tensor, v_flat: Tensor, row_offsets: Tensor,
     if resolve_backend(q.device, q.shape[-1]) == "triton":
         return triton_module("ragged.sparse_triton_kernel").sparse_attention_triton(
             q, k_flat, v_flat, row_lengths, table, selected, page_size, scale, softcap=softcap, sinks=sinks)
+    fused = sparse_attention_cpu(q, k_flat, v_flat, row_lengths, table, selected, page_size, scale, softcap, sinks)
+    if fused is not None:
+        return fused
     return sparse_attention_ref(q, k_flat, v_flat, row_offsets, row_lengths, table, selected, page_size, scale,
                                 softcap, sinks)
 

@@ -121,12 +121,45 @@ INLINE float dot2(const float *restrict a, const float *restrict b, const float 
 #endif
 
 /* ------------------------------------------------------------------------------------------ page bounds */
+/* element 0 of row i (the empty-page test reads only it) */
+static inline float first_of(const void *base, int64_t i, int dtype, int64_t D) {
+    if (dtype == 0) return ((const float *)base)[i * D];
+    const uint16_t h = ((const uint16_t *)base)[i * D];
+    return dtype == 2 ? from_bits((uint32_t)h << 16) : half_to_float(h);
+}
+
+/* row i as float32 into dst, +-inf clamped to float32's extreme on one side (up: +inf to FLT_MAX, else -inf to
+ * -FLT_MAX; 0 * inf would be NaN); NaN stays NaN */
+INLINE void clamped_row(const void *base, int64_t i, int dtype, const int64_t D, int up, float *restrict dst) {
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {
+        const __m512 edge = _mm512_set1_ps(up ? FLT_MAX : -FLT_MAX);
+        for (int64_t c = 0; c < D; c += 16) {
+            __m512 x;
+            if (dtype == 0) {
+                x = _mm512_loadu_ps((const float *)base + i * D + c);
+            } else {
+                const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i * D + c));
+                x = dtype == 1 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            }
+            /* min / max return their second operand when one is NaN: x, so NaN stays */
+            _mm512_storeu_ps(dst + c, up ? _mm512_min_ps(edge, x) : _mm512_max_ps(edge, x));
+        }
+        return;
+    }
+#endif
+    const float *x = row_of(base, i, dtype, D, dst);
+    for (int64_t c = 0; c < D; c++) {
+        const float e = x[c];
+        dst[c] = up ? (e > FLT_MAX ? FLT_MAX : e) : (e < -FLT_MAX ? -FLT_MAX : e);
+    }
+}
+
 INLINE int bounds(const float *qs, const void *kmin, const void *kmax, int dtype, const int64_t *table, int64_t R,
                   int64_t W, int64_t GQ, const int64_t D, float softcap, float *out) {
-    const float top = FLT_MAX;
     float *buf = malloc(sizeof(float) * (size_t)(2 * GQ * D + 2 * D));
     if (!buf) return 1;
-    float *qp = buf, *qn = buf + GQ * D, *lo_buf = buf + 2 * GQ * D, *hi_buf = lo_buf + D;
+    float *qp = buf, *qn = buf + GQ * D, *lo = buf + 2 * GQ * D, *hi = lo + D;
     for (int64_t r = 0; r < R; r++) {
         const float *q = qs + r * GQ * D;
         for (int64_t i = 0; i < GQ * D; i++) {
@@ -136,25 +169,14 @@ INLINE int bounds(const float *qs, const void *kmin, const void *kmax, int dtype
         float *o = out + r * GQ * W;
         for (int64_t j = 0; j < W; j++) {
             const int64_t page = table[r * W + j];
-            if (page < 0) {
-                for (int64_t m = 0; m < GQ; m++) o[m * W + j] = -INFINITY;
+            if (page < 0 || first_of(kmin, page, dtype, D) > first_of(kmax, page, dtype, D)) {
+                for (int64_t m = 0; m < GQ; m++) o[m * W + j] = -INFINITY; /* none, or holding nothing */
                 continue;
             }
-            const float *lo = row_of(kmin, page, dtype, D, lo_buf), *hi = row_of(kmax, page, dtype, D, hi_buf);
-            if (lo[0] > hi[0]) { /* a page holding nothing (+inf / -inf) */
-                for (int64_t m = 0; m < GQ; m++) o[m * W + j] = -INFINITY;
-                continue;
-            }
-            if (lo != lo_buf) { /* float32 summaries: clamp a copy */
-                memcpy(lo_buf, lo, sizeof(float) * (size_t)D);
-                memcpy(hi_buf, hi, sizeof(float) * (size_t)D);
-            }
-            for (int64_t c = 0; c < D; c++) { /* +-inf: float32's extreme (0 * inf is NaN); NaN stays NaN */
-                lo_buf[c] = lo_buf[c] < -top ? -top : lo_buf[c];
-                hi_buf[c] = hi_buf[c] > top ? top : hi_buf[c];
-            }
+            clamped_row(kmin, page, dtype, D, 0, lo);
+            clamped_row(kmax, page, dtype, D, 1, hi);
             for (int64_t m = 0; m < GQ; m++) {
-                float b = dot2(qp + m * D, hi_buf, qn + m * D, lo_buf, D);
+                float b = dot2(qp + m * D, hi, qn + m * D, lo, D);
                 if (isnan(b)) b = INFINITY; /* overflowing terms of both signs: no bound */
                 if (softcap > 0.0f) b = softcap * tanhf(b / softcap);
                 o[m * W + j] = b;

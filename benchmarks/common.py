@@ -239,6 +239,18 @@ def dumps_json(payload: object, indent: int = 1, _level: int = 0) -> str:
     return json.dumps(payload)
 
 
+def rounded(payload: object, digits: int = 5) -> object:
+    """``payload`` with every float rounded to ``digits`` significant digits (summaries in git: per-layer and
+    per-task means need no more)."""
+    if isinstance(payload, float):
+        return float(f"{payload:.{digits}g}")
+    if isinstance(payload, dict):
+        return {k: rounded(v, digits) for k, v in payload.items()}
+    if isinstance(payload, (list, tuple)):
+        return [rounded(v, digits) for v in payload]
+    return payload
+
+
 def write_json(path: str | os.PathLike, payload: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -84,8 +84,9 @@ def main(argv=None) -> int:
                      "vs_streamingllm": paired_difference(records, top["label"], "streamingllm", ratio),
                      "vs_full": paired_difference(records, top["label"], "full", ratio)})
     args.out.mkdir(parents=True, exist_ok=True)
-    common.write_json(args.out / "report.json", {"date": common.now_iso(), "sources": sources, "summary": summary,
-                                                 "summary_by_task": by_task, "paired": pairs, "best": best})
+    common.write_json(args.out / "report.json", common.rounded({  # 5 significant digits: a summary, not records
+        "date": common.now_iso(), "sources": sources, "summary": summary, "summary_by_task": by_task, "paired": pairs,
+        "best": best}))
     plot_accuracy(summary, args.out / "report.png",
                   title=f"question-{sources[0].get('setting') or 'agnostic'}, {', '.join(sources[0]['tasks'] or [])},\n"
                         f"{sources[0]['context']} tokens (merged: {len(sources)} runs)")

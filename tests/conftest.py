@@ -220,3 +220,26 @@ def qwen_coder_0_5b_config():
     return Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
                        rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"}, tie_word_embeddings=False)
+
+
+def two_ranks(worker: str, args: list[str], report, timeout: int = 300):
+    """``(returncode, stderr, report data or None)`` of ``torchrun --nproc-per-node 2 tests/<worker> ARGS`` (gloo,
+    one thread per rank); the worker writes ``report``. A run whose ranks exit non-zero is run once more: gloo's
+    teardown has aborted a rank (SIGABRT after ``destroy_process_group``) under load, after every check passed; a
+    real failure fails both runs."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(root / "tests" / worker), *args]
+    for _ in range(2):
+        Path(report).unlink(missing_ok=True)
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode == 0:
+            break
+    data = json.loads(Path(report).read_text()) if Path(report).exists() else None
+    return proc.returncode, proc.stderr, data

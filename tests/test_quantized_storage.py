@@ -9,7 +9,7 @@ values."""
 
 import pytest
 import torch
-from conftest import build_model, build_tokenizer, left_padded_batch
+from conftest import build_model, build_tokenizer, left_padded_batch, two_ranks
 from torch._dynamo.utils import counters
 
 from kvpress_ada import Fp8, Int4, Int8, Mask, Pipeline, RaggedCache, generate, preset
@@ -600,29 +600,18 @@ def test_cli_storage(head_dim_32_model_dir, tmp_path, capsys):
 def test_tensor_parallel_two_ranks_equal_one_process(tmp_path):
     """int4 storage under ``torchrun --nproc-per-node 2`` (gloo): each rank keeps its kv heads' rows as records;
     tokens, kept positions and bytes match the single process (tests/tp_quantized_worker.py)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("torch.distributed with gloo is not available")
-    root = Path(__file__).resolve().parents[1]
     model_dir = tmp_path / "llama4kv"
     build_model("llama", num_attention_heads=8, num_key_value_heads=4, hidden_size=128).save_pretrained(model_dir)
     build_tokenizer().save_pretrained(model_dir)
     report = tmp_path / "report.json"
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(root / "tests" / "tp_quantized_worker.py"), str(model_dir), str(report)]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert report.exists(), proc.stderr[-4000:]
-    data = json.loads(report.read_text())
+    code, stderr, data = two_ranks("tp_quantized_worker.py", [str(model_dir), str(report)], report)
+    assert data is not None, stderr[-4000:]
     failed = {name: r["problems"] for ranked in data["ranks"] for name, r in ranked.items() if not r["ok"]}
-    assert data["world_size"] == 2 and not failed and proc.returncode == 0, (failed, proc.stderr[-2000:])
+    assert data["world_size"] == 2 and not failed and code == 0, (failed, stderr[-2000:])
 
 
 def test_fanout_evaluation_mixes_storages():

@@ -6,17 +6,13 @@ checks the pieces in one process: the head block of a rank, the refusal of unsup
 of a rank (its heads' counts of the global decision) and the random scorer's global head index.
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import build_model, build_tokenizer, random_surrogate
+from conftest import build_model, build_tokenizer, random_surrogate, two_ranks
 
 from kvpress_ada import preset
 from kvpress_ada import surrogate as sur
@@ -141,14 +137,10 @@ def test_two_ranks_equal_one_process(tmp_path):
     surrogate = tmp_path / "surrogate.safetensors"  # KVzap: each rank keeps its heads' entry scores
     sur.save(random_surrogate(model.config, kind="mlp", seed=2), surrogate)
     report = tmp_path / "report.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tests" / "tp_worker.py"), str(model_dir), str(report), "", str(surrogate)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    data = json.loads(report.read_text()) if report.exists() else None
-    assert data is not None, proc.stderr[-4000:]
+    code, stderr, data = two_ranks("tp_worker.py", [str(model_dir), str(report), "", str(surrogate)], report)
+    assert data is not None, stderr[-4000:]
     failed = {name: r["problems"] for ranked in data["ranks"] for name, r in ranked.items() if not r["ok"]}
-    assert not failed and proc.returncode == 0, (failed, proc.stderr[-2000:])
+    assert not failed and code == 0, (failed, stderr[-2000:])
     assert data["world_size"] == 2
     presses = {n: preset(n, compression_ratio=0.5) for n in portable_preset_names()}
     served = {n for n, p in presses.items() if p.reader is None and p.prefill_chunk is None}  # TP refuses them
@@ -170,15 +162,11 @@ def test_two_ranks_equal_one_process_on_a_hybrid_family(tmp_path, arch):
     build_model(arch, num_attention_heads=8, num_key_value_heads=4).save_pretrained(model_dir)
     build_tokenizer().save_pretrained(model_dir)
     report = tmp_path / "report.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     names = ["ada_snapkv", "kvzip", "criticalkv"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tests" / "tp_worker.py"), str(model_dir), str(report), ",".join(names)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    data = json.loads(report.read_text()) if report.exists() else None
-    assert data is not None, proc.stderr[-4000:]
+    code, stderr, data = two_ranks("tp_worker.py", [str(model_dir), str(report), ",".join(names)], report)
+    assert data is not None, stderr[-4000:]
     failed = {name: r["problems"] for ranked in data["ranks"] for name, r in ranked.items() if not r["ok"]}
-    assert not failed and proc.returncode == 0, (failed, proc.stderr[-2000:])
+    assert not failed and code == 0, (failed, stderr[-2000:])
     assert all(set(ranked) == set(names) for ranked in data["ranks"])
     heads = [len(ranked["ada_snapkv"]["layer0_lengths"][0]) for ranked in data["ranks"]]
     assert heads == ([4, 4] if arch == "gpt_oss" else [2, 2])  # whole attention on every rank, or its block

@@ -38,7 +38,7 @@ def top_k(scores: torch.Tensor, k: torch.Tensor, recent_first: bool) -> torch.Te
     kth = ranked.gather(-1, (k - 1).clamp(min=0))
     tol = torch.where(torch.isfinite(kth), kth.abs() * TIE_RTOL, torch.zeros_like(kth))
     tied = (scores == kth) | ((scores - kth).abs() <= tol)  # inf - inf is NaN: == covers the infinities
-    above = (scores > kth + tol) & ~tied
+    above = (scores > kth) & ~tied  # not kth + tol: that sum may round past a score more than tol above kth
     want = k - above.sum(-1, keepdim=True)  # entries still to take from the ties
     order = tied.long()
     before = (order.flip(-1).cumsum(-1).flip(-1) if recent_first else order.cumsum(-1)) - order

@@ -114,7 +114,19 @@ def test_top_k_kernel_selects_what_the_torch_top_k_selects(dtype, rows, n, kind,
     with use_cpu_kernel(False):
         want = ranking.top_k(x, k, recent_first)
     assert got is not None and torch.equal(got, want)
-    assert bool((got.sum(-1) <= k.clamp(0, n)).all())  # k entries, fewer where kth + tol rounds past a score
+    assert torch.equal(got.sum(-1), k.clamp(0, n))  # exactly k entries
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_top_k_keeps_a_score_just_beyond_the_tie_tolerance(kernel):
+    """kth + tol may round past a score more than tol above kth (float32: 4.003499 + 4.0e-5 rounds up to
+    4.003539): that score is above the k-th best, not tied with it, and is kept (both paths keep exactly k)."""
+    s = torch.tensor([[4.003539085388184, 4.0034990310668945, 0.0]], dtype=torch.float32)
+    kth, tol = s[0, 1], s[0, 1].abs() * ranking.TIE_RTOL
+    assert (s[0, 0] - kth) > tol and not (s[0, 0] > kth + tol)  # the rounding this case is made of
+    with use_cpu_kernel(kernel):
+        got = ranking.top_k(s, torch.tensor([2]), recent_first=True)
+    assert got.tolist() == [[True, True, False]]
 
 
 def test_top_k_leaves_nan_and_other_dtypes_to_torch():

@@ -338,11 +338,11 @@ int kvs_sparse_attention(const float *qs, const void *k, const void *v, int64_t 
             const int64_t kk = k[r] < 0 ? 0 : (k[r] > n ? n : k[r]);                                           \
             memcpy(buf, x, sizeof(T) * (size_t)n);                                                             \
             const T kth = NAME##_kth(buf, n, kk > 0 ? kk - 1 : 0);                                             \
-            const T tol = isfinite(kth) ? FABS(kth) * rtol : (T)0, high = kth + tol;                          \
+            const T tol = isfinite(kth) ? FABS(kth) * rtol : (T)0;                                            \
             int64_t above = 0;                                                                                 \
             for (int64_t i = 0; i < n; i++) {                                                                  \
                 const int tied = x[i] == kth || FABS(x[i] - kth) <= tol;                                       \
-                o[i] = !tied && x[i] > high;                                                                   \
+                o[i] = !tied && x[i] > kth;                                                                    \
                 above += o[i];                                                                                 \
             }                                                                                                  \
             const int64_t want = kk - above;                                                                   \

@@ -1,6 +1,7 @@
 """The fused CPU kernel of quantized attention (kvpress_ada/kernels/quantized/cpu_kernel.c) against the torch reference,
 and its build: cached per source and machine, refused in one warning when no compiler works, off by variable."""
 
+import ctypes
 import shutil
 import warnings
 
@@ -118,6 +119,36 @@ def test_build_is_cached_by_source_and_machine(fresh_library):
     stamp = first.stat().st_mtime_ns
     assert quantized_cpu._build() == first and first.stat().st_mtime_ns == stamp  # found, not rebuilt
     assert [p.name for p in fresh_library.iterdir()] == [first.name]  # no temporary file left
+
+
+_PROBE = """#include "kvpress_half.h"
+void halves(float *out, int dtype) { for (uint32_t h = 0; h < 65536; h++) out[h] = sixteen_to_float(h, dtype); }
+"""
+
+
+def test_shared_header_is_found_and_keys_the_build(fresh_library, tmp_path_factory):
+    """A source including the shared header builds against it (every float16 and bfloat16 bit pattern converts as
+    torch converts it, signed zeros, subnormals, infinities and NaN included), and an edit of the header alone gives
+    another library (the cache key hashes it)."""
+    include = tmp_path_factory.mktemp("include")
+    shutil.copy(quantized_cpu.INCLUDE / "kvpress_half.h", include)
+    source = tmp_path_factory.mktemp("src") / "probe.c"
+    source.write_text(_PROBE)
+    first = quantized_cpu.build_kernel(source, "probe", include)
+    lib = ctypes.CDLL(str(first))
+    bits = torch.arange(65536, dtype=torch.int32)
+    bits = (bits - 65536 * (bits >= 32768)).to(torch.int16)
+    for dtype, code in ((torch.float16, 1), (torch.bfloat16, 2)):
+        got = torch.empty(65536, dtype=torch.float32)
+        lib.halves(ctypes.c_void_p(got.data_ptr()), code)
+        want = bits.view(dtype).float()
+        assert torch.equal(got.isnan(), want.isnan())
+        number = ~want.isnan()
+        assert torch.equal(got[number], want[number]) and torch.equal(got[number].signbit(), want[number].signbit())
+    assert quantized_cpu.build_kernel(source, "probe", include) == first  # found, not rebuilt
+    (include / "kvpress_half.h").write_text((include / "kvpress_half.h").read_text() + "/* edited */\n")
+    second = quantized_cpu.build_kernel(source, "probe", include)
+    assert second != first and first.exists() and second.exists()
 
 
 def test_no_compiler_is_one_warning_and_the_reference(fresh_library, monkeypatch):

@@ -22,20 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float from_bits(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    if (exp == 0x1f) return from_bits(sign | 0x7f800000u | (man << 13));       /* inf, nan */
-    if (exp) return from_bits(sign | ((exp + 112u) << 23) | (man << 13));      /* normal */
-    if (!man) return from_bits(sign);                                          /* zero */
-    float f = (float)man * 5.9604644775390625e-08f;                            /* subnormal: man * 2^-24 */
-    return sign ? -f : f;
-}
+#include "kvpress_half.h" /* from_bits, half_to_float, sixteen_to_float, INLINE */
 
 /* sdtype: 0 float32, 1 float16, 2 bfloat16 */
 static inline float read_scale(const uint8_t *p, int sdtype) {
@@ -46,10 +33,8 @@ static inline float read_scale(const uint8_t *p, int sdtype) {
     }
     uint16_t h;
     memcpy(&h, p, sizeof h);
-    return sdtype == 2 ? from_bits((uint32_t)h << 16) : half_to_float(h);
+    return sixteen_to_float(h, sdtype);
 }
-
-#define INLINE static inline __attribute__((always_inline))
 
 /* the 256 values of a float8 e4m3 (fn) byte: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is
  * subnormal (m * 2^-9); 0x7f / 0xff (NaN) are never stored */

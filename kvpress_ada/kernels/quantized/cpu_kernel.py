@@ -35,12 +35,15 @@ from torch import Tensor
 from .scheme import RecordLayout, centre_logits, key_rotation, residual_of, side_operands
 
 __all__ = ["MAX_QUERIES", "ENV_VAR", "cpu_kernel", "use_cpu_kernel", "quantized_attention_cpu", "build_kernel",
-           "kernel_wanted"]
+           "kernel_wanted", "INCLUDE"]
 
 MAX_QUERIES = 4
 """Most queries per head (``Q``) the fused kernel takes; longer calls (prefill chunks) go to the torch reference."""
 ENV_VAR = "KVPRESS_ADA_CPU_KERNEL"
 _SOURCE = Path(__file__).with_name("cpu_kernel.c")
+INCLUDE = Path(__file__).parent.parent / "include"
+"""The headers the fused CPU kernels share (``kvpress_half.h``), on the compiler's include path; shipped as package
+data beside the sources."""
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c11", "-shared", "-fPIC")
 _SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _P = ctypes.c_void_p
@@ -69,16 +72,23 @@ def _build() -> Path:
     return build_kernel(_SOURCE, "quantized_cpu")
 
 
-def build_kernel(path: Path, stem: str) -> Path:
+def _headers(include: Path) -> list[bytes]:
+    """Each header of ``include`` (sorted by name) as its name and content: what a source including them depends on."""
+    return [h.name.encode() + b"\0" + h.read_bytes() for h in sorted(include.glob("*.h"))]
+
+
+def build_kernel(path: Path, stem: str, include: Path | None = None) -> Path:
     """Compile the C source ``path`` with the system compiler (or find it built) into the cache directory as
-    ``<stem>-<hash of source, flags, compiler, CPU>.so`` and return the shared library's path; raises on failure.
-    This kernel's build and any other fused CPU kernel's (:mod:`..ragged.sparse_cpu_kernel`)."""
+    ``<stem>-<hash of source, shared headers, flags, compiler, CPU>.so`` and return the shared library's path;
+    raises on failure. The headers are those of ``include`` (default :data:`INCLUDE`), on the include path. This
+    kernel's build and any other fused CPU kernel's (:mod:`..ragged.sparse_cpu_kernel`)."""
+    include = INCLUDE if include is None else include
     compiler = shutil.which(os.environ.get("CC") or "cc")
     if compiler is None:
         raise RuntimeError(f"no C compiler ({os.environ.get('CC') or 'cc'}) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     source = path.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([source, *_headers(include), " ".join(_FLAGS).encode(), version.encode(),
                                      _cpu_signature().encode(), platform.machine().encode()])).hexdigest()[:16]
     target = _cache_dir() / f"{stem}-{key}.so"
     if target.exists():
@@ -87,8 +97,8 @@ def build_kernel(path: Path, stem: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *_FLAGS, str(path), "-o", tmp, "-lm"], capture_output=True, text=True,
-                              timeout=300)
+        done = subprocess.run([compiler, *_FLAGS, f"-I{include}", str(path), "-o", tmp, "-lm"], capture_output=True,
+                              text=True, timeout=300)
         if done.returncode:
             last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise RuntimeError(f"{compiler} failed: {last}")

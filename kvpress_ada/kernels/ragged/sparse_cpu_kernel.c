@@ -26,22 +26,7 @@
 #include <immintrin.h>
 #endif
 
-#define INLINE static inline __attribute__((always_inline))
-
-static inline float from_bits(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    if (exp == 0x1f) return from_bits(sign | 0x7f800000u | (man << 13));       /* inf, nan */
-    if (exp) return from_bits(sign | ((exp + 112u) << 23) | (man << 13));      /* normal */
-    if (!man) return from_bits(sign);                                          /* zero */
-    float f = (float)man * 5.9604644775390625e-08f;                            /* subnormal: man * 2^-24 */
-    return sign ? -f : f;
-}
+#include "kvpress_half.h" /* from_bits, half_to_float, sixteen_to_float, INLINE */
 
 /* row i of a [*, D] tensor of dtype, as float32: the row itself (float32), or converted into buf */
 INLINE const float *row_of(const void *base, int64_t i, int dtype, int64_t D, float *restrict buf) {
@@ -68,64 +53,61 @@ INLINE float dot_any(const float *restrict a, const float *restrict b, const int
 }
 
 /* a . b and a . b + c . d: lane-wise partial sums summed as a tree (a vectorised reduction of a sum of D terms
- * otherwise ends in D / lanes sequential scalar adds, the bottleneck of both kernels) */
+ * otherwise ends in D / lanes sequential scalar adds, the bottleneck of both kernels); one body over the widest
+ * vector unit there is (VEC lanes of float32), the scalar loop where D is not a multiple of VEC */
 #if defined(__AVX512F__)
-INLINE float dot(const float *restrict a, const float *restrict b, const int64_t D) {
-    if (D % 16) return dot_any(a, b, D);
-    __m512 s = _mm512_setzero_ps();
-    for (int64_t c = 0; c < D; c += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + c), _mm512_loadu_ps(b + c), s);
-    return _mm512_reduce_add_ps(s);
-}
-
-INLINE float dot2(const float *restrict a, const float *restrict b, const float *restrict c_,
-                  const float *restrict d, const int64_t D) {
-    if (D % 16) return dot_any(a, b, D) + dot_any(c_, d, D);
-    __m512 s = _mm512_setzero_ps(), t = _mm512_setzero_ps();
-    for (int64_t c = 0; c < D; c += 16) {
-        s = _mm512_fmadd_ps(_mm512_loadu_ps(a + c), _mm512_loadu_ps(b + c), s);
-        t = _mm512_fmadd_ps(_mm512_loadu_ps(c_ + c), _mm512_loadu_ps(d + c), t);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(s, t));
-}
+#define VEC 16
+typedef __m512 vec_t;
+#define VZERO _mm512_setzero_ps
+#define VLOAD _mm512_loadu_ps
+#define VFMA _mm512_fmadd_ps
+#define VADD _mm512_add_ps
+#define VSUM _mm512_reduce_add_ps
 #elif defined(__AVX2__) && defined(__FMA__)
-static inline float hsum8(__m256 v) {
+#define VEC 8
+typedef __m256 vec_t;
+#define VZERO _mm256_setzero_ps
+#define VLOAD _mm256_loadu_ps
+#define VFMA _mm256_fmadd_ps
+#define VADD _mm256_add_ps
+static inline float VSUM(__m256 v) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
+#endif
 
 INLINE float dot(const float *restrict a, const float *restrict b, const int64_t D) {
-    if (D % 8) return dot_any(a, b, D);
-    __m256 s = _mm256_setzero_ps();
-    for (int64_t c = 0; c < D; c += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), s);
-    return hsum8(s);
-}
-
-INLINE float dot2(const float *restrict a, const float *restrict b, const float *restrict c_,
-                  const float *restrict d, const int64_t D) {
-    if (D % 8) return dot_any(a, b, D) + dot_any(c_, d, D);
-    __m256 s = _mm256_setzero_ps(), t = _mm256_setzero_ps();
-    for (int64_t c = 0; c < D; c += 8) {
-        s = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), s);
-        t = _mm256_fmadd_ps(_mm256_loadu_ps(c_ + c), _mm256_loadu_ps(d + c), t);
+#ifdef VEC
+    if (D % VEC == 0) {
+        vec_t s = VZERO();
+        for (int64_t c = 0; c < D; c += VEC) s = VFMA(VLOAD(a + c), VLOAD(b + c), s);
+        return VSUM(s);
     }
-    return hsum8(_mm256_add_ps(s, t));
+#endif
+    return dot_any(a, b, D);
 }
-#else
-INLINE float dot(const float *restrict a, const float *restrict b, const int64_t D) { return dot_any(a, b, D); }
 
 INLINE float dot2(const float *restrict a, const float *restrict b, const float *restrict c_,
                   const float *restrict d, const int64_t D) {
+#ifdef VEC
+    if (D % VEC == 0) {
+        vec_t s = VZERO(), t = VZERO();
+        for (int64_t c = 0; c < D; c += VEC) {
+            s = VFMA(VLOAD(a + c), VLOAD(b + c), s);
+            t = VFMA(VLOAD(c_ + c), VLOAD(d + c), t);
+        }
+        return VSUM(VADD(s, t));
+    }
+#endif
     return dot_any(a, b, D) + dot_any(c_, d, D);
 }
-#endif
 
 /* ------------------------------------------------------------------------------------------ page bounds */
 /* element 0 of row i (the empty-page test reads only it) */
 static inline float first_of(const void *base, int64_t i, int dtype, int64_t D) {
     if (dtype == 0) return ((const float *)base)[i * D];
-    const uint16_t h = ((const uint16_t *)base)[i * D];
-    return dtype == 2 ? from_bits((uint32_t)h << 16) : half_to_float(h);
+    return sixteen_to_float(((const uint16_t *)base)[i * D], dtype);
 }
 
 /* row i as float32 into dst, +-inf clamped to float32's extreme on one side (up: +inf to FLT_MAX, else -inf to
@@ -284,15 +266,13 @@ INLINE int attend(const float *qs, const void *k, const void *v, int dtype, cons
 int kvs_sparse_attention(const float *qs, const void *k, const void *v, int64_t dtype, const int64_t *table,
                          const uint8_t *selected, const int64_t *lens, int64_t R, int64_t W, int64_t H_kv, int64_t G,
                          int64_t Q, int64_t P, int64_t D, float softcap, const float *sinks, float *out) {
-    if (Q == 1 && D == 64) /* decode */
-        return attend(qs, k, v, (int)dtype, table, selected, lens, R, W, H_kv, G, 1, P, 64, softcap, sinks, out);
-    if (Q == 1 && D == 128)
-        return attend(qs, k, v, (int)dtype, table, selected, lens, R, W, H_kv, G, 1, P, 128, softcap, sinks, out);
-    if (D == 64)
-        return attend(qs, k, v, (int)dtype, table, selected, lens, R, W, H_kv, G, Q, P, 64, softcap, sinks, out);
-    if (D == 128)
-        return attend(qs, k, v, (int)dtype, table, selected, lens, R, W, H_kv, G, Q, P, 128, softcap, sinks, out);
-    return attend(qs, k, v, (int)dtype, table, selected, lens, R, W, H_kv, G, Q, P, D, softcap, sinks, out);
+#define ATTEND(Q_, D_) attend(qs, k, v, (int)dtype, table, selected, lens, R, W, H_kv, G, Q_, P, D_, softcap, sinks, out)
+    if (Q == 1 && D == 64) return ATTEND(1, 64); /* decode */
+    if (Q == 1 && D == 128) return ATTEND(1, 128);
+    if (D == 64) return ATTEND(Q, 64);
+    if (D == 128) return ATTEND(Q, 128);
+    return ATTEND(Q, D);
+#undef ATTEND
 }
 
 /* ------------------------------------------------------------------------------------ top-k with position ties */

@@ -13,6 +13,11 @@ top-1 token equals the full-cache one, plus the forward times (tokens/s):
   same bases, in its own virtualenv (``benchmarks/decode_compression_worker.py``), true RoPE
   positions passed explicitly as kvpress's pipeline does.
 
+``--config FILE`` (repeatable; ``FILE@R`` sets its compression ratio, e.g. ``kvzap.yaml@0.9375``): a pipeline file
+(YAML or JSON, as ``kvpress-ada eval --config``) teacher-forced like the others, its prompt compressed at the prefill
+by its own ratio and its reader (sparse page reads, if any) used at every step; the row label is the file name (with
+``@R``). With ``--config`` the built-in decode-compression configs run only when ``--only`` names them.
+
 ``--prompt-tokens N`` replaces the short prompt by ~N tokens of real text (the Python manual, as the
 task suite's haystack) followed by a request to summarise it, so decoding starts over a long prompt
 that the decode-only pipelines then compact too. The JSON at ``--out`` is rewritten after the full-cache
@@ -23,6 +28,9 @@ the configurations already there (the full-cache generation is rerun and must gi
     python benchmarks/decode_compression.py --kvpress          # + kvpress DecodingPress side by side
     python benchmarks/decode_compression.py --quick            # tiny random model, 96 tokens
     python benchmarks/decode_compression.py --model qwen2.5-coder-0.5b --prompt-tokens 4000 --kvpress --resume
+    python benchmarks/decode_compression.py --model qwen2.5-coder-0.5b --prompt-tokens 4000 --steps 1024 \
+        --config benchmarks/configs/qwen2.5-coder-0.5b/kvzap.yaml@0.9375 \
+        --config benchmarks/configs/qwen2.5-coder-0.5b/kvzap_ada_read256.yaml --resume
 """
 
 from __future__ import annotations
@@ -56,6 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--only", default="", help="comma-separated configurations of ours to run (default: all); "
                                               "kvzap and kvzap_layerwise need the default model's surrogate")
+    p.add_argument("--config", action="append", default=[], metavar="FILE[@R]",
+                   help="a pipeline file (YAML or JSON, as `kvpress-ada eval --config`), its prompt compressed at "
+                        "the prefill; FILE@R sets its compression ratio R; repeatable")
     p.add_argument("--kvpress", action="store_true", help="also run kvpress's DecodingPress (its own venv)")
     p.add_argument("--venv", type=Path, default=None, help="kvpress virtualenv (see benchmarks/kvpress_compare.py)")
     p.add_argument("--quick", action="store_true", help="tiny random model, 96 steps, budget 16, interval 8")
@@ -71,7 +82,39 @@ def parse_args(argv=None):
                 "model (no --quick)")
     if args.prompt_tokens < 0:
         p.error(f"--prompt-tokens must be >= 0, got {args.prompt_tokens}")
+    try:  # pipeline files are checked before the model loads
+        args.pipelines = config_pipelines(args.config)
+    except ValueError as err:
+        p.error(str(err))
     return args
+
+
+def config_pipelines(specs: list[str]) -> dict:
+    """``{label: Pipeline}`` of ``--config FILE[@R]`` (label: the file name, with ``@R`` when a ratio is given);
+    ValueError naming the bad spec otherwise."""
+    from kvpress_ada.harness.cli import UsageError, _load_config
+
+    out: dict = {}
+    for spec in specs:
+        path, sep, ratio = spec.rpartition("@") if "@" in spec else (spec, "", "")
+        try:
+            pipeline = _load_config(path)
+        except UsageError as err:
+            raise ValueError(str(err)) from None
+        label = Path(path).stem
+        if sep:
+            try:
+                r = float(ratio)
+            except ValueError:
+                r = -1.0
+            if not 0 <= r < 1:
+                raise ValueError(f"--config {spec}: the ratio after @ must be a number in [0, 1), got {ratio!r}")
+            pipeline = pipeline.model_copy(update={"compression_ratio": r})
+            label = f"{label}@{ratio}"
+        if label in out or label == "full":
+            raise ValueError(f"--config {spec}: its label {label!r} is taken; every config needs its own label")
+        out[label] = pipeline
+    return out
 
 
 SUMMARY_REQUEST = "\n\nSummarise the text above in detail, section by section."
@@ -116,7 +159,12 @@ def presses(args):
     unknown = sorted(set(only) - set(configs))
     if unknown:
         raise SystemExit(f"--only: unknown configuration(s) {', '.join(unknown)}; known: {', '.join(configs)}")
-    return {k: v for k, v in configs.items() if not only or k in only}
+    if args.pipelines and not only:  # with --config, a built-in runs only when --only names it
+        only = ["-"]
+    clash = sorted(set(args.pipelines) & set(configs))
+    if clash:
+        raise SystemExit(f"--config: label(s) {', '.join(clash)} are built-in configurations; rename the file(s)")
+    return {**{k: v for k, v in configs.items() if not only or k in only}, **args.pipelines}
 
 
 def progress(steps, desc: str):
@@ -207,10 +255,11 @@ def run_kvpress(args, prompt, tokens, full_logp, method: str) -> dict:
         return json.loads(out.read_text())
 
 
-def previous_series(out: Path, args, prompt: torch.Tensor, tokens: torch.Tensor) -> tuple[dict, dict | None]:
+def previous_series(out: Path, args, prompt: torch.Tensor, tokens: torch.Tensor,
+                    current: dict | None = None) -> tuple[dict, dict | None]:
     """The series of an earlier run in ``out`` that can be kept (same settings and prompt, the same
-    full-cache continuation, checked when the file records it, and a KL without NaN), and the kvpress
-    versions that run recorded."""
+    full-cache continuation, checked when the file records it, a KL without NaN, and for a config of ours
+    in ``current`` ({label: pipeline dump}) the same pipeline), and the kvpress versions that run recorded."""
     import json
     import math
 
@@ -231,8 +280,14 @@ def previous_series(out: Path, args, prompt: torch.Tensor, tokens: torch.Tensor)
     if "tokens" not in old:
         print(f"[resume] {out} does not record its continuation (older file); keeping its configs on the "
               "settings match (greedy decoding of the same model and prompt)", file=sys.stderr)
+    old_presses = old.get("presses")
+    now = json.loads(json.dumps(current or {}))
+
+    def same_press(label: str) -> bool:
+        return old_presses is None or label not in now or old_presses.get(label) == now[label]
+
     kept = {label: run for label, run in old.get("series", {}).items()
-            if label != "full" and run.get("kl") and not any(math.isnan(x) for x in run["kl"])}
+            if label != "full" and run.get("kl") and not any(math.isnan(x) for x in run["kl"]) and same_press(label)}
     return kept, old.get("kvpress")
 
 
@@ -288,10 +343,11 @@ def main(argv=None):
     tokens, full_logp, full_kv, full_s = full_generation(model, prompt, args.steps, suppress)
     full_seconds = time.perf_counter() - t0
     warm = min(8, len(full_s) // 4)
-    kept, kept_versions = previous_series(out, args, prompt, tokens) if args.resume else ({}, None)
+    ours = presses(args)
+    dumps = {k: v.model_dump(mode="json") for k, v in ours.items()}
+    kept, kept_versions = previous_series(out, args, prompt, tokens, dumps) if args.resume else ({}, None)
     series = {"full": {"kv_bytes": full_kv, "step_s": full_s, "kl": [], "top1": []}}
     series.update(kept)
-    ours = presses(args)
     todo = [label for label in ours if label not in series]
     if args.kvpress:
         todo += [f"kvpress_{m}" for m in KVPRESS_METHODS if f"kvpress_{m}" not in series]
@@ -313,7 +369,7 @@ def main(argv=None):
                          "prompt_tokens": int(prompt.shape[1]), "prompt_request_tokens": args.prompt_tokens,
                          "eos_suppressed": suppress},
             "bound_bytes": bound, "geometry": geom, "full_generation_s": full_seconds,
-            "presses": {k: v.model_dump(mode="json") for k, v in ours.items()},
+            "presses": dumps,
             "summary": {label: summarize(run, warm) for label, run in series.items()},
             "tokens": tokens.tolist(),
             "series": series,

@@ -1,7 +1,7 @@
-"""Bytes of KV read per decode step (``RaggedCache.bytes_read``): measured where a step attends or where its reader
-selects pages, checked against independent counts from the rows' kept lengths (dense reads, a covering read budget,
-a small one over full precision and int4 records), batch rows against the row alone, a compiled step against the
-eager ones, and the eval record's ``read_bytes_per_step``."""
+"""Bytes of KV read per decode step (``RaggedCache.bytes_read``, counted after ``count_reads()``; off by default):
+measured where a step attends or where its reader selects pages, checked against independent counts from the rows'
+kept lengths (dense reads, a covering read budget, a small one over full precision and int4 records), batch rows
+against the row alone, a compiled step against the eager ones, and the eval record's ``read_bytes_per_step``."""
 
 import pytest
 import torch
@@ -13,9 +13,10 @@ from kvpress_ada.harness.eval import Sample
 from kvpress_ada.harness.eval.report import format_table
 from kvpress_ada.harness.eval.runner import Entry, EvalResult, Record, evaluate_sample
 from kvpress_ada.hosts.transformers import compiled
+from kvpress_ada.hosts.transformers.caches import new_cache
 from kvpress_ada.hosts.transformers.fanout import capture_prefill
 from kvpress_ada.hosts.transformers.generation import split_prompt
-from kvpress_ada.hosts.transformers.hf import output_cache
+from kvpress_ada.hosts.transformers.hf import cache_kwarg, output_cache
 from kvpress_ada.kernels.quantized.scheme import record_width
 from kvpress_ada.readers import TopPages
 from kvpress_ada.tokens import encode
@@ -25,12 +26,17 @@ STEPS = 6  # decode forwards per generation (the first token comes from the pref
 INT4 = {"name": "int4", "group_size": 16, "residual": 4}
 
 
-def _generate(model, press, ids, mask=None, compile=False):
-    """The cache after ``STEPS`` decode steps of greedy generation (every step runs: no early stop)."""
+def _generate(model, press, ids, mask=None, compile=False, count=True, tokens=False):
+    """The cache after ``STEPS`` decode steps of greedy generation (every step runs: no early stop), counting what
+    they read when ``count`` (and the tokens generated, when ``tokens``)."""
+    cache, key = new_cache(press, model.config), cache_kwarg(model)  # before the press wraps the forward
+    if count:
+        cache.count_reads()
     with torch.inference_mode(), press(model, compile=compile):
         out = model.generate(ids, attention_mask=mask, max_new_tokens=STEPS + 1, min_new_tokens=STEPS + 1,
-                             do_sample=False, return_dict_in_generate=True, pad_token_id=0)
-    return output_cache(out)
+                             do_sample=False, return_dict_in_generate=True, pad_token_id=0, **{key: cache})
+    assert output_cache(out) is cache
+    return (cache, out.sequences) if tokens else cache
 
 
 def _ids(L=120, seed=0):
@@ -94,6 +100,24 @@ def test_dense_reads_count_every_held_entry(llama, storage):
     assert per_row == _expected(llama, cache)
     cache.reset_reads()
     assert cache.bytes_read() == ([0, 0], 0)
+
+
+@pytest.mark.parametrize("storage", ["full", INT4])
+def test_reads_are_not_counted_by_default_and_counting_changes_nothing_else(llama, storage):
+    """A cache counts nothing unless asked (no counter moves, ``bytes_read`` says not measured); counting on gives the
+    independent count and the same tokens; turned off, it stops (and reads as not measured)."""
+    ids, mask = left_padded_batch(lengths=(150, 110))
+    press = Pipeline(scorer=SnapKV(window=8), compression_ratio=0.4, storage=storage,
+                     reader=TopPages(budget=32, page_size=8, allocator=AdaHead(alpha=0.2)))
+    quiet, quiet_tokens = _generate(llama, press, ids, mask, count=False, tokens=True)
+    assert quiet.bytes_read() == ([], 0)
+    assert all(not layer.counts_reads and not bool(layer.reads.any()) for layer in quiet.layers)
+    counted, tokens = _generate(llama, press, ids, mask, tokens=True)
+    assert torch.equal(tokens, quiet_tokens)
+    per_row, steps = counted.bytes_read()
+    assert steps == STEPS and per_row == _expected(llama, counted, press.reader)
+    counted.count_reads(False)
+    assert counted.bytes_read() == ([], 0)
 
 
 @pytest.mark.parametrize("storage", ["full", INT4])

@@ -141,8 +141,8 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
         copied = _decoding(press, cache)
         if copied:
             cache = copy.deepcopy(cache)
-        if hasattr(cache, "reset_reads"):
-            cache.reset_reads()
+        if hasattr(cache, "count_reads"):
+            cache.count_reads()  # from zero: this answer's decode steps
         with _routed(press, model):
             if question_aware:
                 first = prefill.logits if logits is None else logits

@@ -47,6 +47,7 @@ class RaggedLayer(DenseUntilKept):
         self.growth = growth
         self.reader: Any = None  # a press's read policy (kvpress_ada.readers): decode steps read selected pages
         self.layer_idx = 0  # the reader's layer index
+        self.counts_reads = False  # whether decode steps add what they read to :attr:`reads` (RaggedCache.count_reads)
         self._clear()
 
     def _clear(self) -> None:
@@ -62,7 +63,8 @@ class RaggedLayer(DenseUntilKept):
         self.shape = (0, 0, 0)  # (B, H_kv, D)
         self.head_dim = 0  # D of the entries (set by the first update)
         self.pages: PageSummaries | None = None  # page summaries while compressed under a reader
-        self.reads = torch.zeros(0, dtype=torch.int64)  # [B + 1]: bytes each batch row's decode steps read, then steps
+        # [B + 1]: bytes each batch row's decode steps read, then steps (counted only while counts_reads)
+        self.reads = torch.zeros(0, dtype=torch.int64)
 
     # ------------------------------------------------------------------ HF API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -161,10 +163,11 @@ class RaggedLayer(DenseUntilKept):
 
     def _count_read(self, query: torch.Tensor, selected: torch.Tensor | None = None) -> None:
         """Add what this decode step's attention call reads (a single query per row; other calls are not decode
-        steps) to :attr:`reads`: per batch row, the entries it attends over (every kept entry, or those of the
-        ``selected [R, W]`` pages) times :meth:`_entry_bytes`, each row's :meth:`_row_bytes`, and the page summaries
-        scored; then one step. Device ops, no host sync (a compiled step runs it)."""
-        if query.shape[2] != 1:
+        steps) to :attr:`reads`, while :attr:`counts_reads` (off by default: a measurement, not free): per batch
+        row, the entries it attends over (every kept entry, or those of the ``selected [R, W]`` pages) times
+        :meth:`_entry_bytes`, each row's :meth:`_row_bytes`, and the page summaries scored; then one step. Device
+        ops, no host sync (a compiled step runs it)."""
+        if not self.counts_reads or query.shape[2] != 1:
             return
         B, H, _ = self.shape
         if selected is None or self.pages is None:
@@ -449,15 +452,26 @@ class RaggedCache(PressCache):
             if isinstance(layer, RaggedLayer):
                 layer.read_with(reader, i)
 
+    def count_reads(self, enabled: bool = True) -> None:
+        """Count (``enabled``) or stop counting what each decode step reads (:meth:`bytes_read`), from zero. Off by
+        default: the count is a few device ops per layer and step that only a measurement needs (``kvpress-ada
+        eval`` turns it on for its records' ``read_bytes_per_step``). Eager, before the decode steps it counts (a
+        compiled step guards on it)."""
+        for layer in self.layers:
+            if isinstance(layer, RaggedLayer):
+                layer.counts_reads = bool(enabled)
+        self.reset_reads()
+
     def bytes_read(self) -> tuple[list[int], int]:
-        """``(bytes per batch row, decode steps)`` read by the decode steps since the cache was compressed or
-        :meth:`reset_reads`: what each step's attention call over a ragged layer read (measured where it attends
-        or where the reader selects, :attr:`RaggedLayer.reads`), summed over the layers, and the most steps a
-        layer counted. A step reads the keys and values of the entries it attends over as stored (under a reader:
-        those of the selected pages; records with their scales and zero points, and a quantized layer's side
-        tensors: anchor, key centre, residual ring) and the summaries of the pages it scores. A hybrid model's
-        sliding-window layers are not counted. One host sync."""
-        counts = [layer.reads for layer in self.layers if isinstance(layer, RaggedLayer) and layer.reads.numel()]
+        """``(bytes per batch row, decode steps)`` read by the decode steps since :meth:`count_reads` or
+        :meth:`reset_reads` (``([], 0)``: not counted, the default): what each step's attention call over a ragged
+        layer read (measured where it attends or where the reader selects, :attr:`RaggedLayer.reads`), summed over
+        the layers, and the most steps a layer counted. A step reads the keys and values of the entries it attends
+        over as stored (under a reader: those of the selected pages; records with their scales and zero points, and
+        a quantized layer's side tensors: anchor, key centre, residual ring) and the summaries of the pages it
+        scores. A hybrid model's sliding-window layers are not counted. One host sync."""
+        counts = [layer.reads for layer in self.layers
+                  if isinstance(layer, RaggedLayer) and layer.counts_reads and layer.reads.numel()]
         if not counts or any(c.shape != counts[0].shape for c in counts):
             return [], 0
         totals = torch.stack(counts).cpu()  # [layers, B + 1]

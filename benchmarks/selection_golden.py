@@ -1,7 +1,7 @@
 """Golden kept sets: what every registered preset keeps, in every mode, on fixed inputs.
 
-Two kinds of records (``benchmarks/README.md``, "Golden kept sets"), both compared exactly by ``--check`` and
-``tests/test_selection_golden.py``:
+Two kinds of records (``benchmarks/README.md``, "Golden kept sets") in ``tests/fixtures/selection_golden.json``,
+both compared exactly by ``--check`` and ``tests/test_selection_golden.py``:
 
 - policy: ``Pipeline.keep`` on fixed random tensors (:func:`policy_records`; no model, no transformers);
 - end to end: for each preset x tiny model x mode (one-shot, chunked prefill, decode compression after a
@@ -52,7 +52,7 @@ from kvpress_ada.hosts.transformers.fanout import capture_prefill  # noqa: E402
 from kvpress_ada.hosts.transformers.window_layer import WindowLayer  # noqa: E402
 from kvpress_ada.storage import Int4  # noqa: E402
 
-GOLDEN = ROOT / "benchmarks" / "results" / "selection_golden.json"
+GOLDEN = ROOT / "tests" / "fixtures" / "selection_golden.json"  # a test fixture, not a result
 MODES = ("one_shot", "chunked", "decode", "decode_only", "fanout")
 DECODE = dict(decode_budget=72, decode_interval=4)  # above SnapKV's 64-query window: the scores choose
 TINY_LENGTHS = (160, 121)  # the two rows of the tiny models' batch (left-padded to 160)

@@ -1,4 +1,4 @@
-"""The golden kept sets (``benchmarks/results/selection_golden.json``, written by ``benchmarks/selection_golden.py``).
+"""The golden kept sets (``tests/fixtures/selection_golden.json``, written by ``benchmarks/selection_golden.py``).
 
 Two comparisons, both exact:
 

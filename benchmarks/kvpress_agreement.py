@@ -68,6 +68,12 @@ DIFFERENCES = {
     "ChunkKVPress": "kvpress counts chunks from the first token and keeps int(chunks (1 - r)) whole chunks, the "
                     "window averaged into its chunks; ours counts from the last, protects the window one by one and "
                     "keeps exactly the budget",
+    "EntropyGatedChunkKVPress": "as ChunkKVPress (chunks from the first token, the window averaged into its chunks); "
+                                "ours counts chunks from the last entry, protects the window one by one and scores "
+                                "it as the ranking's best score in its chunk's statistics (kvpress's SnapKV: the "
+                                "best plus one): the same walk where the window is whole chunks at the end; with "
+                                "SnapKV on the tiny model the chunks' entropies lie within 1e-6 (near-uniform "
+                                "attention), so float rounding of either side's scores decides the median gate",
     "BlockPress": "layers after the first: ours is a real chunked prefill (later blocks attend to the compressed "
                   "cache, so deeper keys differ); kvpress scores its blocks after one full forward (the first layer's "
                   "keys are the same: exact there)",
@@ -118,7 +124,6 @@ NOT_HERE = {
     "RestoreKVPress": "refused (kvpress_ada/refusals.py): needs restore embeddings and a LoRA adapter trained by its "
                       "authors",
     "KVgradPress": "not implemented",
-    "EntropyGatedChunkKVPress": "not implemented",
     "ExpectedAttentionStatsPress": "not implemented (Expected Attention with query statistics downloaded per model)",
     "PerLayerCompressionPress": "no preset: a per-layer ratio is a LayerSchedule (e.g. CalibratedLayer)",
     "ChunkPress": "no preset: prefill_chunk is a real chunked prefill (kvpress's ChunkPress scores chunks of one "
@@ -173,6 +178,7 @@ def _cases() -> dict[str, Case]:
         Composed,
         CriticalKV,
         DuoAttention,
+        EntropyGatedChunkKV,
         ExpectedAttention,
         FastKVzip,
         Finch,
@@ -240,6 +246,24 @@ def _cases() -> dict[str, Case]:
             lambda m: ChunkKV(scorer=SnapKV(window=20, kernel=1), length=10)),
         "chunkkv/window16": Case("llama", 100, "ChunkKVPress", {"press": kv("SnapKVPress", **r, window_size=16)},
                                  lambda m: ChunkKV(scorer=SnapKV(window=16)), exact=False),
+        "entropy_gated_chunkkv/knorm": Case(
+            "llama", 100, "EntropyGatedChunkKVPress", {"press": kv("KnormPress", **r)},
+            lambda m: EntropyGatedChunkKV(scorer=KNorm())),
+        "entropy_gated_chunkkv/qwen3_knorm_chunk6": Case(
+            "qwen3", 96, "EntropyGatedChunkKVPress",
+            {"press": kv("KnormPress", **r), "chunk_length": 6, "low_entropy_chunk_length": 2},
+            lambda m: EntropyGatedChunkKV(scorer=KNorm(), length=6, low_entropy_length=2)),
+        # the tiny model's attention is near uniform: its chunks' entropies lie within 1e-6, so float rounding decides
+        # the median gate (DIFFERENCES): reported
+        "entropy_gated_chunkkv/window20_kernel1": Case(
+            "llama", 100, "EntropyGatedChunkKVPress",
+            {"press": kv("SnapKVPress", **{**snap16, "window_size": 20}), "chunk_length": 10,
+             "low_entropy_chunk_length": 4},
+            lambda m: EntropyGatedChunkKV(scorer=SnapKV(window=20, kernel=1), length=10, low_entropy_length=4),
+            exact=False),
+        "entropy_gated_chunkkv/window16": Case(
+            "llama", 100, "EntropyGatedChunkKVPress", {"press": kv("SnapKVPress", **r, window_size=16)},
+            lambda m: EntropyGatedChunkKV(scorer=SnapKV(window=16)), exact=False),
         "block_keydiff/block25": Case("llama", 100, "BlockPress", {"press": kv("KeyDiffPress", **r), "block_size": 25},
                                       lambda m: preset("block_keydiff", compression_ratio=RATIO, prefill_chunk=25),
                                       layers=(0,), ties=False),

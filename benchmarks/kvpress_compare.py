@@ -87,9 +87,11 @@ NEW_PRESET_METHODS = ("qfilter", "chunkkv", "ada_chunkkv", "kvcompose", "ada_kvc
                       "ada_think", "merging", "ada_merging", "cam", "ada_cam", "simlayerkv", "duo_attention",
                       "composed")
 TOKEN_METHODS = ("knorm", "tova", "h2o", "criticalkv")  # token scorers with a kvpress press (streamingllm above)
+# presets of kvpress 0.5.5's later presses (not in the new-presets grid's records): run by name
+LATER_METHODS = ("entropy_gated_chunkkv", "ada_entropy_gated_chunkkv")
 RATIO_FREE = ("kvzap_threshold",)  # set their own budget (a threshold): run once, at ratio 0 (no cap)
 ALL_METHODS = (METHODS + AGNOSTIC_METHODS + SURROGATE_METHODS + KEY_STATISTICS_METHODS + NEW_PRESET_METHODS
-               + TOKEN_METHODS)
+               + TOKEN_METHODS + LATER_METHODS)
 METHOD_GROUPS = {"question_agnostic": AGNOSTIC_METHODS, "new_presets": KEY_STATISTICS_METHODS + NEW_PRESET_METHODS}
 # presets whose kvpress press needs something kvpress downloads for the models it knows: handed ours instead
 # (benchmarks/kvpress_presses.py hand_over), for the default model only (each artefact refuses another)
@@ -125,6 +127,7 @@ KVPRESS_NAMES = {
     "criticalkv": "CriticalKVPress(SnapKVPress)",
     "qfilter": "QFilterPress, our Q-filters",
     "chunkkv": "ChunkKVPress(SnapKVPress)",
+    "entropy_gated_chunkkv": "EntropyGatedChunkKVPress(SnapKVPress)",
     "block_keydiff": "BlockPress(KeyDiffPress)",
     "finch": "FinchPress",
     "rerotated_streamingllm": "KeyRerotationPress(StreamingLLMPress)",
@@ -139,7 +142,8 @@ KVPRESS_NAMES = {
 }
 # presets with no kvpress press of their own, compared (paired) with this kvpress press; presets in neither
 # table run on our side only, as a baseline (NO_KVPRESS_ROW says why)
-NEW_COUNTERPART = {"ada_chunkkv": "chunkkv", "ada_kvcompose": "kvcompose", "ada_finch": "finch",
+NEW_COUNTERPART = {"ada_chunkkv": "chunkkv", "ada_entropy_gated_chunkkv": "entropy_gated_chunkkv",
+                   "ada_kvcompose": "kvcompose", "ada_finch": "finch",
                    "ada_fastkvzip": "fastkvzip", "ada_think": "think", "ada_merging": "merging"}
 KVPRESS_COUNTERPART = {"ada_kvzip": "kvzip", "ada_lagkv": "lagkv", "kvzap": "kvzip", "kvzap_linear": "kvzip",
                        **NEW_COUNTERPART}
@@ -185,6 +189,9 @@ KVPRESS_DEFAULTS = {
     "QFilterPress": "its filters downloaded for the models it knows: handed ours (kvpress_ada/qfilters/, the default "
                     "model) instead; gathers the kept tokens",
     "ChunkKVPress": "chunk_length=20 (whole chunks from the first token, int(chunks (1 - r)) kept); gathers",
+    "EntropyGatedChunkKVPress": "chunk_length=10, low_entropy_chunk_length=4 (chunks from the first token in "
+                                "decreasing mean; one at or above the median mean and below the median entropy keeps "
+                                "its 4 best, the rest topped up to int(L (1 - r)) by score); gathers the kept tokens",
     "BlockPress": "block_size=128 (blocks scored after one full forward); gathers the kept tokens",
     "FinchPress": "normalize_scores=True, rerotate_keys=True, chunk_length=None; the window is the question, found by "
                   "a delimiter token after the context: question-aware, the question's tokens (set directly, no token "

@@ -134,6 +134,8 @@ SPECS = {
     "qfilter": lambda r, ours: kp.spec("QFilterPress", compression_ratio=r),  # our filters handed over
     # structure around a scorer
     "chunkkv": lambda r, ours: kp.spec("ChunkKVPress", press=kp.spec("SnapKVPress", compression_ratio=r)),
+    "entropy_gated_chunkkv": lambda r, ours: kp.spec("EntropyGatedChunkKVPress",
+                                                  press=kp.spec("SnapKVPress", compression_ratio=r)),
     "block_keydiff": lambda r, ours: kp.spec("BlockPress", press=kp.spec("KeyDiffPress", compression_ratio=r)),
     "finch": lambda r, ours: kp.spec("FinchPress", compression_ratio=r),  # window set per prompt (Worker._attrs)
     "rerotated_streamingllm": lambda r, ours: kp.spec("KeyRerotationPress",

@@ -30,6 +30,7 @@ from .scorers import (
     Composed,
     CriticalKV,
     DuoAttention,
+    EntropyGatedChunkKV,
     ExpectedAttention,
     FastKVzip,
     Finch,
@@ -117,6 +118,12 @@ _PRESETS: dict[str, Callable[[], dict]] = {
     # kvpress); the Ada variant ranks each head's chunks and splits the budget across heads on them
     "chunkkv": lambda: dict(scorer=ChunkKV()),
     "ada_chunkkv": lambda: dict(scorer=ChunkKV(shared=False), allocator=AdaHead(alpha=ADA_ALPHA)),
+    # entropy-gated ChunkKV (kvpress's EntropyGatedChunkKVPress): SnapKV's chunks of 10 in decreasing mean, an
+    # important chunk whose scores sit on few tokens (entropy below the median) keeps only its 4 best, the budget
+    # freed going to further chunks; the Ada variant splits the budget across heads as ada_chunkkv's scores would
+    "entropy_gated_chunkkv": lambda: dict(scorer=EntropyGatedChunkKV()),
+    "ada_entropy_gated_chunkkv": lambda: dict(scorer=EntropyGatedChunkKV(shared=False),
+                                              allocator=AdaHead(alpha=ADA_ALPHA)),
     # KVCompose: attention received from a second reading of the context; composite tokens give every kv head of
     # a layer the same count (one top-k over the layers' composite scores); Ada splits each layer's count by heads
     "kvcompose": lambda: dict(scorer=KVCompose(), layers=CompositeLayer()),

@@ -73,7 +73,18 @@ def scorer_strategy(cls: type[Scorer]) -> st.SearchStrategy[Scorer]:
         strategy = _field_strategy(field.annotation, field)
         if strategy is not None:
             fields[fname] = strategy
-    return st.fixed_dictionaries(fields).map(lambda kw: cls(**kw))
+    drawn = st.fixed_dictionaries(fields)
+    if cls.__pydantic_decorators__.model_validators:  # a rule across fields (e.g. length > low_entropy_length)
+        return drawn.map(lambda kw: _valid(cls, kw)).filter(lambda s: s is not None)
+    return drawn.map(lambda kw: cls(**kw))
+
+
+def _valid(cls: type[Scorer], kw: dict) -> Scorer | None:
+    """``cls(**kw)``, or ``None`` where a rule across its fields refuses the draw."""
+    try:
+        return cls(**kw)
+    except ValueError:
+        return None
 
 
 def any_scorer() -> st.SearchStrategy[Scorer]:

@@ -11,6 +11,7 @@ from .composed import Composed
 from .criticalkv import CriticalKV
 from .cur import CUR
 from .duo_attention import DuoAttention
+from .entropy_gated_chunkkv import EntropyGatedChunkKV
 from .expected_attention import ExpectedAttention
 from .fastkvzip import FastKVzip
 from .finch import Finch
@@ -31,6 +32,6 @@ from .streamingllm import StreamingLLM
 from .tova import TOVA
 
 __all__ = ["SCORERS", "PassChunk", "PassScorer", "Scorer", "register_scorer", "CAP", "ChunkKV", "Compactor", "Composed",
-           "CriticalKV", "DuoAttention", "CUR", "ExpectedAttention", "FastKVzip", "Finch", "H2O", "KeyDiff", "KNorm",
-           "KVCompose", "KVzap", "KVzip", "LagKV", "Leverage", "NonCausalAttention", "ObservedAttention", "QFilter",
-           "RandomScorer", "SimLayerKV", "SnapKV", "StreamingLLM", "TOVA"]
+           "CriticalKV", "DuoAttention", "CUR", "EntropyGatedChunkKV", "ExpectedAttention", "FastKVzip", "Finch", "H2O",
+           "KeyDiff", "KNorm", "KVCompose", "KVzap", "KVzip", "LagKV", "Leverage", "NonCausalAttention",
+           "ObservedAttention", "QFilter", "RandomScorer", "SimLayerKV", "SnapKV", "StreamingLLM", "TOVA"]

@@ -91,6 +91,9 @@ DIFFERENCES = {
                  "Expected Attention differs (above: the exact case sets its statistics alike); ours rescales the "
                  "curve's row to the ratio and gives each layer a whole per-head budget (kvpress rounds each "
                  "head's keep rate alone)",
+    "KVgradPress": "one top-k over every layer and head: ours gives each layer a whole per-head budget (the layer's "
+                   "total a multiple of its kv heads, AdaLayer), so fewer than H_kv entries per layer move to another "
+                   "layer's next best; within a layer one side's kept set holds the other's (asserted)",
     "FastKVzipPress": "one top-k over every layer and head: ours gives each layer a whole per-head budget (the "
                       "layer's total a multiple of its kv heads, AdaLayer), so fewer than H_kv entries per layer move "
                       "to another layer's next best; within a layer one side's kept set holds the other's (asserted)",
@@ -123,7 +126,6 @@ ELSEWHERE = {
 NOT_HERE = {
     "RestoreKVPress": "refused (kvpress_ada/refusals.py): needs restore embeddings and a LoRA adapter trained by its "
                       "authors",
-    "KVgradPress": "not implemented",
     "ExpectedAttentionStatsPress": "not implemented (Expected Attention with query statistics downloaded per model)",
     "PerLayerCompressionPress": "no preset: a per-layer ratio is a LayerSchedule (e.g. CalibratedLayer)",
     "ChunkPress": "no preset: prefill_chunk is a real chunked prefill (kvpress's ChunkPress scores chunks of one "
@@ -160,6 +162,7 @@ class Case:
     layer_rounding: bool = False  # one top-k over every layer: ours gives each layer a whole per-head budget
     curve: bool = False  # both sides read the keep curve of lukv_curve(model)
     ties: bool = True  # a kept set may differ at a float tie of our scorer's scores
+    tokenizer: bool = False  # both sides prompt the model with text: plain_tokenizer(), saved with kvpress's model
     exact: bool = True  # False: reported only, DIFFERENCES[press] says why
 
 
@@ -184,6 +187,7 @@ def _cases() -> dict[str, Case]:
         Finch,
         KeyDiff,
         KNorm,
+        KVgrad,
         LagKV,
         Leverage,
         NonCausalAttention,
@@ -305,6 +309,16 @@ def _cases() -> dict[str, Case]:
             "llama", 100, "ComposedPress", {"presses": [kv("KnormPress", compression_ratio=0.25),
                                                         kv("SnapKVPress", compression_ratio=1 / 3, window_size=16)]},
             lambda m: Composed(stages=[KNorm(), SnapKV(window=16)], keep=[0.75]), exact=False),
+        # context reconstruction with a backward pass: one chunk (512), then chunks of 40 (three passes, the later
+        # ones quoting the previous chunk and seeing the sinks); kept sets identical where kvpress's global top-k puts
+        # a multiple of H_kv entries in every layer (at 100 tokens, one entry moves: DIFFERENCES)
+        "kvgrad": Case("llama", 120, "KVgradPress", r, lambda m: preset("kvgrad", compression_ratio=RATIO),
+                       tokenizer=True, ties=False, layer_rounding=True),
+        "kvgrad/chunk40": Case("llama", 100, "KVgradPress", {**r, "chunk_size": 40},
+                               lambda m: preset("kvgrad", compression_ratio=RATIO, scorer=KVgrad(chunk=40)),
+                               tokenizer=True, ties=False, layer_rounding=True),
+        "kvgrad/qwen3": Case("qwen3", 96, "KVgradPress", r, lambda m: preset("kvgrad", compression_ratio=RATIO),
+                             tokenizer=True, ties=False, layer_rounding=True),
         # model scope, calibrated heads
         "kvcompose": Case("llama", 100, "KVComposePress", r, lambda m: preset("kvcompose", compression_ratio=RATIO),
                           ties=False),
@@ -453,6 +467,16 @@ def lukv_curve(model: Any) -> str:
     return str(path)
 
 
+def plain_tokenizer() -> Any:
+    """The test suite's tokenizer without its chat template: kvpress's KVzip-style presses then score the whole
+    context with the suffix ``"\\n"``, as ours does with it (``tokenizer`` cases)."""
+    from conftest import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = None
+    return tokenizer
+
+
 def _model(arch: str):
     from conftest import build_model
 
@@ -495,11 +519,19 @@ def ours(case: Case, model: Any) -> Held:
     """What our press holds after prefilling the case's ids through the model (the transformers host)."""
     from kvpress_ada.hosts.transformers.fanout import capture_prefill
     from kvpress_ada.hosts.transformers.hf import output_cache
+    from kvpress_ada.hosts.transformers.model_pass import tokenizer_for, use_tokenizer
 
     press = pipeline(case, model)
     ids = token_ids(case.length)
-    with torch.no_grad(), press(model):
-        cache = output_cache(model(ids, use_cache=True))
+    before = tokenizer_for(model) if case.tokenizer else None
+    try:
+        if case.tokenizer:
+            use_tokenizer(model, plain_tokenizer())
+        with torch.no_grad(), press(model):
+            cache = output_cache(model(ids, use_cache=True))
+    finally:
+        if before is not None:
+            use_tokenizer(model, before)
     n_layers = model.config.num_hidden_layers
     kept = torch.zeros(n_layers, model.config.num_key_value_heads, case.length, dtype=torch.bool)
     tensors: dict[str, list[list[torch.Tensor]]] = {name: [] for name in case.tensors}
@@ -644,6 +676,8 @@ def record(only: list[str] | None = None) -> dict:
             continue
         with tempfile.TemporaryDirectory() as folder:
             model.save_pretrained(folder)
+            if any(c.tokenizer for c in mine.values()):  # kvpress loads it from the model's folder
+                plain_tokenizer().save_pretrained(folder)
             payload = {"model": folder, "cases": [request(c, label, model) for label, c in mine.items()]}
             env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
             res = subprocess.run([str(python), str(ROOT / "benchmarks" / "kvpress_agreement_worker.py")],

@@ -88,7 +88,7 @@ NEW_PRESET_METHODS = ("qfilter", "chunkkv", "ada_chunkkv", "kvcompose", "ada_kvc
                       "composed")
 TOKEN_METHODS = ("knorm", "tova", "h2o", "criticalkv")  # token scorers with a kvpress press (streamingllm above)
 # presets of kvpress 0.5.5's later presses (not in the new-presets grid's records): run by name
-LATER_METHODS = ("entropy_gated_chunkkv", "ada_entropy_gated_chunkkv")
+LATER_METHODS = ("entropy_gated_chunkkv", "ada_entropy_gated_chunkkv", "kvgrad", "ada_kvgrad")
 RATIO_FREE = ("kvzap_threshold",)  # set their own budget (a threshold): run once, at ratio 0 (no cap)
 ALL_METHODS = (METHODS + AGNOSTIC_METHODS + SURROGATE_METHODS + KEY_STATISTICS_METHODS + NEW_PRESET_METHODS
                + TOKEN_METHODS + LATER_METHODS)
@@ -110,6 +110,7 @@ KVPRESS_NAMES = {
     "ada_expected_attention": "AdaKVPress(ExpectedAttentionPress)",
     "kvzip": "KVzipPress(layerwise=False)",
     "kvzip_layerwise": "KVzipPress(layerwise=True)",
+    "kvgrad": "KVgradPress(layerwise=False)",
     "lagkv": "LagKVPress",
     "keydiff": "KeyDiffPress",
     "kvzap_threshold": "DMSPress(KVzapPress(our surrogate))",
@@ -145,8 +146,8 @@ KVPRESS_NAMES = {
 NEW_COUNTERPART = {"ada_chunkkv": "chunkkv", "ada_entropy_gated_chunkkv": "entropy_gated_chunkkv",
                    "ada_kvcompose": "kvcompose", "ada_finch": "finch",
                    "ada_fastkvzip": "fastkvzip", "ada_think": "think", "ada_merging": "merging"}
-KVPRESS_COUNTERPART = {"ada_kvzip": "kvzip", "ada_lagkv": "lagkv", "kvzap": "kvzip", "kvzap_linear": "kvzip",
-                       **NEW_COUNTERPART}
+KVPRESS_COUNTERPART = {"ada_kvzip": "kvzip", "ada_kvgrad": "kvgrad", "ada_lagkv": "lagkv", "kvzap": "kvzip",
+                       "kvzap_linear": "kvzip", **NEW_COUNTERPART}
 NO_KVPRESS_ROW = {
     "cam": "kvpress's CAMPress is a DecodingPress: it compresses every compression_interval (512) decoding steps "
            "down to target_size (2048) entries, so on a 1k-token prompt answered in 24 tokens it never compresses "
@@ -161,6 +162,9 @@ KVPRESS_DEFAULTS = {
                   "exactly.' + the template's assistant suffix + the context); the chat prefix tokens after the "
                   "sinks are never scored (score 0, evicted first); evicted keys are masked "
                   "(masked_key_indices), the full cache stays",
+    "KVgradPress": "layerwise=False, n_sink=4, chunk_size=512: KVzipPress's reconstruction, each chunk's forward "
+                   "and backward outside inference mode (weights frozen), score max over the pass of attention x "
+                   "||v W_O|| x ||grad of sum ||h^L||^2 w.r.t. the attention output||; masks",
     "LagKVPress": "n_sink=4, lag_size=128, cross_scoring=False (ranks within each partition); gathers the kept "
                   "tokens (real eviction)",
     "DMSPress": "threshold = our preset's tau, sliding_window_size = our scorer's window (kvpress's default is 128), "

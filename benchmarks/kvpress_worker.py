@@ -115,6 +115,8 @@ SPECS = {
     # (layerwise=False, its default) or one per layer over its heads (layerwise=True)
     "kvzip": lambda r, ours: kp.spec("KVzipPress", compression_ratio=r),
     "kvzip_layerwise": lambda r, ours: kp.spec("KVzipPress", compression_ratio=r, layerwise=True),
+    # KVgradPress: KVzipPress's reconstruction (chunks of 512) with a backward pass per chunk, masks alike
+    "kvgrad": lambda r, ours: kp.spec("KVgradPress", compression_ratio=r),
     "lagkv": lambda r, ours: kp.spec("LagKVPress", compression_ratio=r),
     "keydiff": lambda r, ours: kp.spec("KeyDiffPress", compression_ratio=r),
     # key statistics (a fresh random leverage sketch per call, as kvpress draws it; Compactor's blending = r)
@@ -158,6 +160,14 @@ SPECS = {
 }
 EAGER = (ObservedAttentionPress,)  # presses reading the attention weights: prefill and answer in eager attention
 OWN_BUDGET = (SimLayerKVPress, DuoAttentionPress, DMSPress)  # their compression_ratio is what they achieved
+
+
+def replay_key(press) -> str | None:
+    """Which reconstruction a KVzipPress (or a subclass: KVgradPress) scores with, the key its scores are shared
+    under within a sample (other ratios and ``layerwise`` reuse them); ``None`` for other presses."""
+    if not isinstance(press, KVzipPress):
+        return None
+    return f"replay:{type(press).__name__}:{press.chunk_size}:{press.kvzip_plus_normalization}"
 
 
 class SuppliedKVzapPress(KVzapPress):
@@ -563,12 +573,13 @@ class Worker:
             for i, (module, hidden, keys, values, attn, kwargs) in sorted(shared["layers"].items()):
                 keys, values = press.compress(module, hidden, keys.clone(), values.clone(), attn, kwargs)
                 cache.update(keys, values, i)
-        elif shared is not None and "kvzip" in shared and isinstance(press, KVzipPress) and not quantized:
-            logits = shared["kvzip"]["logits"]
-            for i, layer in enumerate(shared["kvzip"]["cache"].layers):
+        elif shared is not None and replay_key(press) in shared and not quantized:
+            reused = shared[replay_key(press)]
+            logits = reused["logits"]
+            for i, layer in enumerate(reused["cache"].layers):
                 cache.update(layer.keys.clone(), layer.values.clone(), i)
             self._reset_masks()
-            press.score_val = shared["kvzip"]["scores"].clone()  # compress_post overwrites the sinks' scores
+            press.score_val = reused["scores"].clone()  # compress_post overwrites the sinks' scores
             press.compress_post(self.model)
         else:
             self.last_run = "prefill"
@@ -595,7 +606,8 @@ class Worker:
                 pristine = DynamicCache()
                 for i, layer in enumerate(cache.layers):
                     pristine.update(layer.keys.clone(), layer.values.clone(), i)
-                shared["kvzip"] = {"cache": pristine, "scores": shared.pop("kvzip_scores"), "logits": logits}
+                shared[replay_key(press)] = {"cache": pristine, "scores": shared.pop("kvzip_scores"),
+                                             "logits": logits}
         if not record or press is None:
             return cache, None, logits
         return cache, self._kept(press, scores, cache, head.shape[1]), logits

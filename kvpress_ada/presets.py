@@ -37,6 +37,7 @@ from .scorers import (
     KeyDiff,
     KNorm,
     KVCompose,
+    KVgrad,
     KVzip,
     LagKV,
     Leverage,
@@ -89,6 +90,11 @@ _PRESETS: dict[str, Callable[[], dict]] = {
     "kvzip_plus": lambda: dict(scorer=KVzip(plus=True), layers=AdaLayer(alpha=0.0), allocator=AdaHead(alpha=0.0)),
     "kvzip_layerwise": lambda: dict(scorer=KVzip(), allocator=AdaHead(alpha=0.0)),
     "ada_kvzip": lambda: dict(scorer=KVzip(), layers=AdaLayer(alpha=ADA_ALPHA), allocator=AdaHead(alpha=ADA_ALPHA)),
+    # KVgrad: KVzip's reconstruction (chunks of 512) with each attention weighted by ||W_O v|| and by the gradient
+    # norm of the last hidden states' energy w.r.t. the attention output (one backward per pass); one top-k over all
+    # layers and heads (kvpress's KVgradPress), or Ada at model scope
+    "kvgrad": lambda: dict(scorer=KVgrad(), layers=AdaLayer(alpha=0.0), allocator=AdaHead(alpha=0.0)),
+    "ada_kvgrad": lambda: dict(scorer=KVgrad(), layers=AdaLayer(alpha=ADA_ALPHA), allocator=AdaHead(alpha=ADA_ALPHA)),
     # KVzap: KVzip's scores predicted from each token's hidden state by the default model's shipped surrogate
     # (kvpress_ada/surrogates/; refused for another model: `kvpress-ada distill`), same global top-k as kvzip,
     # the last KVZAP_WINDOW prompt tokens kept (a question there is scored by a surrogate trained without one)

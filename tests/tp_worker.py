@@ -42,8 +42,9 @@ def near_tie_swaps(keep, ref_keep, ref_scores, rtol=1e-5):
 
 
 def _served(press) -> bool:
-    """Whether a tensor-parallel model runs ``press`` (no reader, no chunked prefill)."""
-    return press.reader is None and press.prefill_chunk is None
+    """Whether a tensor-parallel model runs ``press`` (no reader, no chunked prefill, no backward pass: KVgrad)."""
+    return (press.reader is None and press.prefill_chunk is None
+            and not getattr(press.scorer, "pass_needs_gradients", False))
 
 
 def main() -> int:
@@ -113,8 +114,8 @@ def main() -> int:
     results = {}
     failures = []
     surrogate = sys.argv[4] if len(sys.argv) > 4 else None  # a surrogate file for this model: KVzap runs too
-    # refused under tensor parallelism: a reader (its read split compares every kv head of a layer) and a
-    # chunked prefill (block_keydiff)
+    # refused under tensor parallelism: a reader (its read split compares every kv head of a layer), a chunked
+    # prefill (block_keydiff) and a backward pass through the model (kvgrad)
     names = (presets or [n for n in portable_preset_names() if _served(preset(n, compression_ratio=0.5))]) + (
         ["kvzap"] if surrogate else [])
     for name in names:

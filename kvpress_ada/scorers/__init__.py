@@ -19,6 +19,7 @@ from .h2o import H2O, ObservedAttention
 from .keydiff import KeyDiff
 from .knorm import KNorm
 from .kvcompose import KVCompose
+from .kvgrad import KVgrad
 from .kvzap import KVzap
 from .kvzip import KVzip
 from .lagkv import LagKV
@@ -33,5 +34,5 @@ from .tova import TOVA
 
 __all__ = ["SCORERS", "PassChunk", "PassScorer", "Scorer", "register_scorer", "CAP", "ChunkKV", "Compactor", "Composed",
            "CriticalKV", "DuoAttention", "CUR", "EntropyGatedChunkKV", "ExpectedAttention", "FastKVzip", "Finch", "H2O",
-           "KeyDiff", "KNorm", "KVCompose", "KVzap", "KVzip", "LagKV", "Leverage", "NonCausalAttention",
+           "KeyDiff", "KNorm", "KVCompose", "KVgrad", "KVzap", "KVzip", "LagKV", "Leverage", "NonCausalAttention",
            "ObservedAttention", "QFilter", "RandomScorer", "SimLayerKV", "SnapKV", "StreamingLLM", "TOVA"]

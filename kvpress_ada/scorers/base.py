@@ -127,6 +127,10 @@ class PassScorer(Scorer):
     #: the passes add text to the context (a prompt): the integration needs the model's tokenizer; False: the
     #: passes re-read the context's own ids and ``pass_chunks`` is handed ``tokenizer=None``
     pass_reads_text: ClassVar[bool] = True
+    #: the scores need the gradient of an objective w.r.t. each layer's attention output at the pass's tokens
+    #: (KVgrad): the integration back-propagates through each pass (the model's weights frozen for it) and hands
+    #: ``pass_scores`` the gradient's norm per pass token as ``output_grad_norm``
+    pass_needs_gradients: ClassVar[bool] = False
 
     def query_window(self) -> int:
         return 0
@@ -155,12 +159,15 @@ class PassScorer(Scorer):
     def pass_scores(self, query: torch.Tensor, key: torch.Tensor, chunk: PassChunk, scaling: float,
                     value: torch.Tensor | None = None, output_weight: torch.Tensor | None = None,
                     hidden_norm: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                    lse_own: torch.Tensor | None = None) -> torch.Tensor:  # pragma: no cover - abstract
+                    lse_own: torch.Tensor | None = None,
+                    output_grad_norm: torch.Tensor | None = None) -> torch.Tensor:  # pragma: no cover - abstract
         """``[B, H_kv, L]`` scores of one layer from one pass: ``query [B, H_q, T, D]`` the pass's
         queries, ``key``/``value`` ``[B, H_kv, L + T, D]`` (context then the pass's tokens),
         ``output_weight`` the layer's output projection weight, ``hidden_norm [B, T]``, ``lse [B, H_q, T]`` the
         pass attention's log-sum-exp when it spans exactly ``chunk.visible`` (else None), ``lse_own``
-        the log-sum-exp over the pass's own tokens when the caller has it."""
+        the log-sum-exp over the pass's own tokens when the caller has it, ``output_grad_norm [B, T]`` the norm of
+        the objective's gradient w.r.t. the layer's attention output at each pass token (scorers that declare
+        ``pass_needs_gradients``)."""
         raise NotImplementedError(f"{type(self).__name__} must implement pass_scores")
 
 

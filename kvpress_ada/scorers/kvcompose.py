@@ -54,7 +54,7 @@ class KVCompose(PassScorer):
     def pass_scores(self, query: torch.Tensor, key: torch.Tensor, chunk: PassChunk, scaling: float,
                     value: torch.Tensor | None = None, output_weight: torch.Tensor | None = None,
                     hidden_norm: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                    lse_own: torch.Tensor | None = None) -> torch.Tensor:
+                    lse_own: torch.Tensor | None = None, output_grad_norm: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, H_kv, L]``: ``agg_group`` over the query group of ``agg_task`` over the pass's valid tokens of the
         attention each context entry receives (0 on padding)."""
         L = key.shape[2] - query.shape[2]

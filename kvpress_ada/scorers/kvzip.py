@@ -41,16 +41,14 @@ NEXT_PROMPT = "\n\nRepeat the part of the previous context exactly, starting wit
 _SEPARATOR = "\n####kvpress_ada####"
 
 
-@register_scorer("kvzip")
-class KVzip(PassScorer):
-    """Max attention received while the model reconstructs the context (see the module docstring);
-    ``plus=True`` is KVzip+ (attention times ``||W_O v|| / ||h||``)."""
+class ContextReplay(PassScorer):
+    """The context reconstruction KVzip's pass runs (module docstring), shared by the scorers that read it: its
+    chunks, prompts and protected sinks; a subclass says what it measures in each pass (:meth:`pass_scores`)."""
 
-    name: Literal["kvzip"] = "kvzip"
+    name: str
     chunk: int = Field(2048, ge=1, description="context tokens reconstructed per pass")
     sinks: int = Field(4, ge=0, description="initial tokens always kept")
     overlap: int = Field(8, ge=0, description="tokens of the previous chunk quoted in a later pass's prompt")
-    plus: bool = Field(False, description="KVzip+: weigh each attention by ||W_O v|| / ||h|| (module docstring)")
 
     def protected(self, lengths: torch.Tensor) -> torch.Tensor:
         return lengths.long().clamp(max=self.sinks)
@@ -91,34 +89,6 @@ class KVzip(PassScorer):
                                     whole_context=bool(torch.equal(visible, key_mask))))
         return chunks
 
-    def pass_reads_hidden_states(self) -> bool:
-        """Whether :meth:`pass_scores` needs ``hidden_norm`` (KVzip+ does)."""
-        return self.plus
-
-    def pass_scores(self, query: torch.Tensor, key: torch.Tensor, chunk: PassChunk, scaling: float,
-                    value: torch.Tensor | None = None, output_weight: torch.Tensor | None = None,
-                    hidden_norm: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                    lse_own: torch.Tensor | None = None) -> torch.Tensor:
-        """``[B, H_kv, L]``: the largest attention each scored context entry gets from this pass
-        (:func:`~kvpress_ada.kernels.model_pass.pass_attention.max_received_attention` over the pass's queries and
-        the query heads of the kv group; KVzip+ weighs it by ``||W_O^g v_i|| / ||h_j||``)."""
-        L = key.shape[2] - query.shape[2]
-        if self.plus and (value is None or output_weight is None or hidden_norm is None):
-            raise ValueError("KVzip+ (plus=True) needs the pass's values, the layer's output projection weight and the "
-                             "hidden-state norms of the pass's tokens")
-        log_weight = hidden_norm.float().log() if self.plus and hidden_norm is not None else None  # dividing by ||h_j||
-        best, columns = max_received_attention(query, key, chunk.mask, chunk.visible, scaling, lse=lse,
-                                               lse_own=lse_own, log_weight=log_weight)
-        whole = columns.numel() == L
-        if self.plus:
-            assert value is not None and output_weight is not None
-            values = value[:, :, :L] if whole else value[:, :, columns]
-            best = best * output_norms(values, output_weight)  # ||W_O^g v_i|| does not depend on j
-        scores = best.amax(dim=2)
-        if not whole:
-            scores = torch.zeros(*scores.shape[:2], L, device=key.device).index_copy_(2, columns, scores)
-        return scores.masked_fill(~chunk.scored[:, None, :], 0.0)
-
     @staticmethod
     def pass_mask(chunk: PassChunk) -> torch.Tensor:
         """``[B, 1, T, L + T]``: what a pass query's scoring softmax spans: the chunk's visible context
@@ -127,6 +97,55 @@ class KVzip(PassScorer):
         own = torch.ones(T, T, dtype=torch.bool, device=chunk.mask.device).tril()[None] & chunk.mask[:, None, :]
         context = chunk.visible[:, None, :].expand(-1, T, -1)
         return torch.cat([context, own], dim=-1)[:, None]
+
+
+@register_scorer("kvzip")
+class KVzip(ContextReplay):
+    """Max attention received while the model reconstructs the context (see the module docstring);
+    ``plus=True`` is KVzip+ (attention times ``||W_O v|| / ||h||``)."""
+
+    name: Literal["kvzip"] = "kvzip"
+    plus: bool = Field(False, description="KVzip+: weigh each attention by ||W_O v|| / ||h|| (module docstring)")
+
+    def pass_reads_hidden_states(self) -> bool:
+        """Whether :meth:`pass_scores` needs ``hidden_norm`` (KVzip+ does)."""
+        return self.plus
+
+    def pass_scores(self, query: torch.Tensor, key: torch.Tensor, chunk: PassChunk, scaling: float,
+                    value: torch.Tensor | None = None, output_weight: torch.Tensor | None = None,
+                    hidden_norm: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                    lse_own: torch.Tensor | None = None, output_grad_norm: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, H_kv, L]``: the largest attention each scored context entry gets from this pass
+        (:func:`~kvpress_ada.kernels.model_pass.pass_attention.max_received_attention` over the pass's queries and
+        the query heads of the kv group; KVzip+ weighs it by ``||W_O^g v_i|| / ||h_j||``)."""
+        if self.plus and (value is None or output_weight is None or hidden_norm is None):
+            raise ValueError("KVzip+ (plus=True) needs the pass's values, the layer's output projection weight and the "
+                             "hidden-state norms of the pass's tokens")
+        log_weight = hidden_norm.float().log() if self.plus and hidden_norm is not None else None  # dividing by ||h_j||
+        return replay_scores(query, key, chunk, scaling, log_weight=log_weight, value=value if self.plus else None,
+                             output_weight=output_weight, lse=lse, lse_own=lse_own)
+
+
+def replay_scores(query: torch.Tensor, key: torch.Tensor, chunk: PassChunk, scaling: float,
+                  log_weight: torch.Tensor | None = None, value: torch.Tensor | None = None,
+                  output_weight: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                  lse_own: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, H_kv, L]`` of one layer from one pass (0 on the entries it does not score): for each scored context
+    entry ``i``, the largest over the pass's queries ``j`` and the query heads ``g`` of its kv group of
+    ``a_g(j, i) / exp(log_weight_j)``, times ``||W_O^g v_i||`` when ``value`` is given (:func:`output_norms`);
+    ``a``: KVzip's attention (:meth:`ContextReplay.pass_mask`)."""
+    L = key.shape[2] - query.shape[2]
+    best, columns = max_received_attention(query, key, chunk.mask, chunk.visible, scaling, lse=lse,
+                                           lse_own=lse_own, log_weight=log_weight)
+    whole = columns.numel() == L
+    if value is not None:
+        assert output_weight is not None
+        values = value[:, :, :L] if whole else value[:, :, columns]
+        best = best * output_norms(values, output_weight)  # ||W_O^g v_i|| does not depend on j
+    scores = best.amax(dim=2)
+    if not whole:
+        scores = torch.zeros(*scores.shape[:2], L, device=key.device).index_copy_(2, columns, scores)
+    return scores.masked_fill(~chunk.scored[:, None, :], 0.0)
 
 
 def output_norms(values: torch.Tensor, output_weight: torch.Tensor) -> torch.Tensor:

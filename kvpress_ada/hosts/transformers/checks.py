@@ -11,7 +11,7 @@ import torch
 from ...scorers.base import PassScorer
 from ...storage import model_head_dim
 from .hf import check_supported
-from .model_pass import check_pass_inputs
+from .model_pass import check_gradient_pass, check_pass_inputs
 from .tensor_parallel import head_shard
 
 if TYPE_CHECKING:
@@ -24,8 +24,9 @@ def check_press(press: Pipeline, model: Any) -> None:
     that cannot hold this model's entries, a tensor-parallel layout it cannot follow."""
     check_supported(model)
     press.check_config(model.config)
-    if isinstance(press.scorer, PassScorer):  # its tokenizer, before any prefill
+    if isinstance(press.scorer, PassScorer):  # its tokenizer (and a backward pass it needs), before any prefill
         check_pass_inputs(model, press.scorer)
+        check_gradient_pass(model, press.scorer)
     head_dim = model_head_dim(model.config)
     param = next(iter(model.parameters()), None)
     if head_dim is not None:

@@ -11,6 +11,12 @@ pass token's hidden state entering the attention module, recorded by a forward p
 module for the pass only) and the pass's own tokens are cropped off the cache again. The result
 is one ``[B, H_kv, L]`` map per layer, handed back to the scorer as ``Observation.pass_scores``.
 
+A scorer that declares ``pass_needs_gradients`` (KVgrad) gets each pass run by :func:`gradient_pass` instead:
+autograd on (outside ``torch.inference_mode``, the model's weights frozen for the pass), the model's own attention,
+each layer's queries, keys and values recorded, then the gradient of ``Phi = sum_p ||h_p||^2`` (the last decoder
+layer's output at the pass's real tokens) w.r.t. each attention module's output; the scores read its norm per pass
+token. The cache's tensors are only read (a layer that stored the pass's keys gets its own tensors back).
+
 The pass needs the model's tokenizer (its prompt is text): :func:`use_tokenizer` registers one for
 a model (``kvpress_ada.models.load`` and ``generate`` do it), otherwise it is loaded from the
 model's ``name_or_path`` when that is a local directory or a cached hub id. Both the tokenizer and
@@ -20,8 +26,9 @@ model (:func:`check_pass_inputs`), so a missing or foreign tokenizer is one line
 
 from __future__ import annotations
 
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 from weakref import WeakKeyDictionary
 
 import torch
@@ -31,6 +38,7 @@ from ...scorers.base import PassChunk, PassScorer
 from .attention import (
     RUN_KWARG,
     Handler,
+    attention_modules,
     attention_routed,
     dense_attention,
     logit_extras,
@@ -153,6 +161,126 @@ class PassRun(RecordingRun):
         return out.transpose(1, 2).contiguous(), None
 
 
+@dataclass
+class GradientPassRun(RecordingRun):
+    """The handler of one pass that back-propagates (:func:`gradient_pass`): every layer attends with the model's
+    own (differentiable) attention, and each scored layer's queries, keys and values are recorded for the scores."""
+
+    scope: tuple[int, ...] | None = None  # the layers scored (None: all)
+    inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor]] = field(
+        default_factory=dict)
+
+    def handles_prefill(self, layer_idx: int) -> bool:
+        return False
+
+    def after_prefill(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scaling: float) -> None:
+        raise RuntimeError("GradientPassRun runs every layer's attention itself")  # pragma: no cover
+
+    def record_hidden(self, layer_idx: int, hidden: torch.Tensor) -> None:
+        pass
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
+        if self.scope is None or layer_idx in self.scope:
+            self.inputs[layer_idx] = (query.detach(), key.detach(), value.detach(), scaling,
+                                      output_weight(module).detach())
+        return dense_attention(module, query, key, value, attention_mask, scaling, **kwargs)
+
+
+def check_gradient_pass(model: Any, scorer: PassScorer) -> None:
+    """Raise a one-line ``ValueError`` when ``scorer``'s passes cannot back-propagate through ``model``: its weights
+    were made under ``torch.inference_mode`` (never usable by autograd), or it is split by tensor parallelism."""
+    if not scorer.pass_needs_gradients:
+        return
+    name = type(scorer).__name__
+    if any(p.is_inference() for p in model.parameters()):
+        raise ValueError(f"{name} back-propagates through the model, whose weights were made under "
+                         "torch.inference_mode (autograd cannot use them): load the model outside inference mode")
+    if (getattr(model, "tp_size", None) or getattr(model, "_tp_size", None) or 1) > 1:
+        raise ValueError(f"{name} back-propagates through the model, which a tensor-parallel model (tp_plan) does not "
+                         "support here: run it on one process, or use a scorer without gradients (kvzip)")
+
+
+@contextmanager
+def _frozen(model: Any) -> Iterator[None]:
+    """The model's weights do not require gradients inside (only the activations' are computed)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
+@contextmanager
+def _kept_tensors(cache: Any) -> Iterator[None]:
+    """Every cache layer holds, after the block, the very key and value tensors it held before (a layer that stored
+    the pass's keys, part of the autograd graph, gets its own back once the pass is cropped off)."""
+    held = [(layer, layer.keys, layer.values) for layer in getattr(cache, "layers", ())
+            if isinstance(getattr(layer, "keys", None), torch.Tensor)
+            and isinstance(getattr(layer, "values", None), torch.Tensor)]
+    try:
+        yield
+    finally:
+        for layer, keys, values in held:
+            now = getattr(layer, "keys", None)
+            if isinstance(now, torch.Tensor) and now is not keys and now.shape == keys.shape:
+                layer.keys, layer.values = keys, values
+
+
+def _output(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+def gradient_pass(model: Any, scorer: PassScorer, cache: Any, chunk: PassChunk, mask: torch.Tensor,
+                  positions: torch.Tensor, scope: tuple[int, ...] | None) -> dict[int, torch.Tensor]:
+    """One pass of a scorer that declares ``pass_needs_gradients`` (module docstring): ``{layer: [B, H_kv, L]}`` for
+    the layers of ``scope``; ``mask``/``positions`` as the plain pass's. The pass is cropped off the cache."""
+    check_gradient_pass(model, scorer)
+    run = GradientPassRun(scope=scope)
+    outputs: dict[int, torch.Tensor] = {}
+    last: list[torch.Tensor] = []
+    T = chunk.ids.shape[1]
+
+    def record_output(module: torch.nn.Module, args: tuple, output: Any) -> None:
+        outputs[int(module.layer_idx)] = _output(output)  # type: ignore[arg-type]
+
+    with ExitStack() as stack:
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(_frozen(model))
+        stack.enter_context(_kept_tensors(cache))
+        hooks = [m.register_forward_hook(record_output) for m in attention_modules(model)]
+        hooks.append(model.get_decoder().layers[-1].register_forward_hook(
+            lambda module, args, output: last.append(_output(output))))
+        # the embeddings start the graph (the weights are frozen): a leaf that requires its gradient
+        hooks.append(model.get_input_embeddings().register_forward_hook(
+            lambda module, args, output: output.detach().requires_grad_(True)))
+        for hook in hooks:
+            stack.callback(hook.remove)
+        ids, own, attention_mask, position_ids = (t.clone() for t in (chunk.ids, chunk.mask, mask, positions))
+        stack.enter_context(attention_routed(model))
+        model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+              logits_to_keep=1, **{cache_kwarg(model): cache, RUN_KWARG: run})
+        cache.crop(-T)
+        layers = sorted(run.inputs)
+        energy = torch.where(own[..., None], last[-1].float().square(), torch.zeros((), device=own.device)).sum()
+        grads = torch.autograd.grad(energy, [outputs[i] for i in layers], allow_unused=True)
+    scores = {}
+    with torch.no_grad():
+        for i, grad in zip(layers, grads):
+            query, key, value, scaling, weight = run.inputs.pop(i)
+            norm = (torch.zeros(own.shape, device=key.device) if grad is None
+                    else torch.linalg.vector_norm(grad.float(), dim=-1))
+            scores[i] = scorer.pass_scores(query, key, chunk, scaling, value=value, output_weight=weight,
+                                           output_grad_norm=norm)
+    return scores
+
+
 def _allowed(attention_mask: Any, T: int, S: int) -> torch.Tensor:
     """The model's attention mask as ``[B | 1, 1, T, S]`` booleans (``None``: causal, end-aligned)."""
     if attention_mask is None:
@@ -188,13 +316,17 @@ def _passes(model: Any, scorer: PassScorer, cache: Any, context_ids: torch.Tenso
         T = chunk.ids.shape[1]
         positions = next_position[:, None] + (chunk.mask.long().cumsum(-1) - 1).clamp(min=0)
         mask = torch.cat([key_mask, chunk.mask], dim=1).long()
-        run = PassRun(scorer=scorer, chunk=chunk, scope=scope)
-        recording = recording_attention_inputs(model, run.record_hidden, scorer.pass_reads_hidden_states())
-        with attention_routed(model), recording:
-            model(input_ids=chunk.ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                  logits_to_keep=1, **{cache_kwarg(model): cache, RUN_KWARG: run})
-        cache.crop(-T)
-        layers = [run.scores[i] for i in (range(len(run.scores)) if scope is None else scope)]
+        if scorer.pass_needs_gradients:
+            measured = gradient_pass(model, scorer, cache, chunk, mask, positions, scope)
+        else:
+            run = PassRun(scorer=scorer, chunk=chunk, scope=scope)
+            recording = recording_attention_inputs(model, run.record_hidden, scorer.pass_reads_hidden_states())
+            with attention_routed(model), recording:
+                model(input_ids=chunk.ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                      logits_to_keep=1, **{cache_kwarg(model): cache, RUN_KWARG: run})
+            cache.crop(-T)
+            measured = run.scores
+        layers = [measured[i] for i in (range(len(measured)) if scope is None else scope)]
         total = layers if total is None else [torch.maximum(a, b) for a, b in zip(total, layers)]
     assert total is not None
     return total

@@ -126,7 +126,6 @@ ELSEWHERE = {
 NOT_HERE = {
     "RestoreKVPress": "refused (kvpress_ada/refusals.py): needs restore embeddings and a LoRA adapter trained by its "
                       "authors",
-    "ExpectedAttentionStatsPress": "not implemented (Expected Attention with query statistics downloaded per model)",
     "PerLayerCompressionPress": "no preset: a per-layer ratio is a LayerSchedule (e.g. CalibratedLayer)",
     "ChunkPress": "no preset: prefill_chunk is a real chunked prefill (kvpress's ChunkPress scores chunks of one "
                   "full forward)",
@@ -163,6 +162,7 @@ class Case:
     curve: bool = False  # both sides read the keep curve of lukv_curve(model)
     ties: bool = True  # a kept set may differ at a float tie of our scorer's scores
     tokenizer: bool = False  # both sides prompt the model with text: plain_tokenizer(), saved with kvpress's model
+    query_stats: bool = False  # both sides score with the statistics of random_query_stats(model)
     exact: bool = True  # False: reported only, DIFFERENCES[press] says why
 
 
@@ -183,6 +183,7 @@ def _cases() -> dict[str, Case]:
         DuoAttention,
         EntropyGatedChunkKV,
         ExpectedAttention,
+        ExpectedAttentionStats,
         FastKVzip,
         Finch,
         KeyDiff,
@@ -240,6 +241,14 @@ def _cases() -> dict[str, Case]:
             lambda m: ExpectedAttention(window=None, sinks=0)),
         "expected_attention": Case("llama", 200, "ExpectedAttentionPress", r, lambda m: ExpectedAttention(),
                                    exact=False),
+        # calibrated query statistics (kvpress downloads them per model): both sides read random_query_stats(model)
+        "expected_attention_stats": Case("llama", 100, "ExpectedAttentionStatsPress", r,
+                                         lambda m: ExpectedAttentionStats(path=random_query_stats(m)),
+                                         query_stats=True),
+        "expected_attention_stats/qwen3_no_covariance_sinks2": Case(
+            "qwen3", 96, "ExpectedAttentionStatsPress", {**r, "use_covariance": False, "n_sink": 2},
+            lambda m: ExpectedAttentionStats(path=random_query_stats(m), use_covariance=False, sinks=2),
+            query_stats=True),
         "criticalkv/window16": Case("llama", 100, "CriticalKVPress",
                                     {"press": kv("SnapKVPress", **r, window_size=16)},
                                     lambda m: CriticalKV(window=16), exact=False),
@@ -365,6 +374,26 @@ def random_qfilters(model: Any) -> str:
                  ".safetensors")
     if not path.exists():
         save(QFilters(qfilter_tensor(model), meta), path)
+    return str(path)
+
+
+def random_query_stats(model: Any) -> str:
+    """A query statistics file of seeded random means and covariances (``A A^T / D``) for ``model`` (written once per
+    process, in the temp folder); both sides read what it holds (the covariance's float16 triangle)."""
+    from kvpress_ada.calibration import model_identity
+    from kvpress_ada.query_stats import QueryStats, QueryStatsMeta, save
+
+    attn = model.model.layers[0].self_attn
+    n, hq, d = model.config.num_hidden_layers, model.config.num_attention_heads, attn.head_dim
+    g = torch.Generator().manual_seed(0)
+    mean = torch.randn(n, hq, d, generator=g)
+    a = torch.randn(n, hq, d, d, generator=g)
+    cov = a @ a.transpose(-1, -2) / d
+    meta = QueryStatsMeta(model=model_identity(model.config), data={"source": "seeded random (agreement test)"},
+                          library_version="test", created="test")
+    path = _temp(f"kvpress_ada_agreement_query_stats_{meta.model.fingerprint}", [mean, cov], ".safetensors")
+    if not path.exists():
+        save(QueryStats(mean, cov, meta), path)
     return str(path)
 
 
@@ -587,7 +616,9 @@ def compare(mine: torch.Tensor, theirs: torch.Tensor, scores: torch.Tensor | Non
         untied = int(differ.sum())
     else:
         finite = torch.where(torch.isfinite(scores), scores, torch.zeros_like(scores))
-        boundary = finite.masked_fill(~mine, float("inf")).amin(-1, keepdim=True)
+        # the lowest kept score, protected (+inf) entries aside (they are kept whatever the others score)
+        boundary = finite.masked_fill(~mine | ~torch.isfinite(scores), float("inf")).amin(-1, keepdim=True)
+        boundary = torch.where(torch.isfinite(boundary), boundary, torch.zeros_like(boundary))
         near = (finite - boundary).abs() <= rtol * boundary.abs().clamp(min=1.0)
         untied = int((differ & ~near).sum())
     return {"jaccard": float((inter / union).mean()), "differing_heads": int(differ.any(-1).sum()),
@@ -644,6 +675,15 @@ def load() -> dict:
     return json.loads(FIXTURE.read_text())
 
 
+def query_stats_payload(model: Any) -> dict:
+    """What :func:`random_query_stats` holds, as kvpress's ExpectedAttentionStatsPress reads it: ``mu [layers, H_q,
+    D]`` and ``cov [layers, H_q, D, D]``."""
+    from kvpress_ada.query_stats import load as load_stats
+
+    stats = load_stats(random_query_stats(model))
+    return {"mean": stats.mean.tolist(), "cov": stats.cov.tolist()}
+
+
 def request(case: Case, label: str, model: Any) -> dict:
     from kvpress_ada.scorers.statistics import gaussian_sketch
 
@@ -655,7 +695,8 @@ def request(case: Case, label: str, model: Any) -> dict:
             "gates": kvpress_gates(model) if case.gate else None,
             "duo": ({"sink": DUO_SINKS, "recent": DUO_RECENT, "scores": duo_scores(model).tolist()} if case.duo
                     else None),
-            "curve": (1 - curve_keep(model)).tolist() if case.curve else None, "attrs": case.attrs,
+            "curve": (1 - curve_keep(model)).tolist() if case.curve else None,
+            "query_stats": query_stats_payload(model) if case.query_stats else None, "attrs": case.attrs,
             "eager": case.eager, "hook": case.hook, "rerotated": case.rerotated, "tensors": list(case.tensors)}
 
 

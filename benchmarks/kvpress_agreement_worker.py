@@ -11,6 +11,7 @@ and what is handed to kvpress instead of what it would draw or download (the pre
 - ``gates``: per layer ``{name: nested list}``, Fast KVzip gate weights in kvpress's ``FastKVzipGate`` layout;
 - ``duo``: ``sink``, ``recent``, ``scores [layers, kv heads]``: DuoAttention's head patterns;
 - ``curve``: LU-KV's prune ratios ``[99, layers, kv heads]``;
+- ``query_stats``: ``mean`` and ``cov``, ExpectedAttentionStatsPress's query statistics;
 - ``attrs``: attributes set on the top press once built (FinchPress's ``window_size``, a ``delimiter_token_id``
   absent from the ids);
 

@@ -88,14 +88,16 @@ NEW_PRESET_METHODS = ("qfilter", "chunkkv", "ada_chunkkv", "kvcompose", "ada_kvc
                       "composed")
 TOKEN_METHODS = ("knorm", "tova", "h2o", "criticalkv")  # token scorers with a kvpress press (streamingllm above)
 # presets of kvpress 0.5.5's later presses (not in the new-presets grid's records): run by name
-LATER_METHODS = ("entropy_gated_chunkkv", "ada_entropy_gated_chunkkv", "kvgrad", "ada_kvgrad")
+LATER_METHODS = ("entropy_gated_chunkkv", "ada_entropy_gated_chunkkv", "kvgrad", "ada_kvgrad",
+                 "expected_attention_stats")
 RATIO_FREE = ("kvzap_threshold",)  # set their own budget (a threshold): run once, at ratio 0 (no cap)
 ALL_METHODS = (METHODS + AGNOSTIC_METHODS + SURROGATE_METHODS + KEY_STATISTICS_METHODS + NEW_PRESET_METHODS
                + TOKEN_METHODS + LATER_METHODS)
 METHOD_GROUPS = {"question_agnostic": AGNOSTIC_METHODS, "new_presets": KEY_STATISTICS_METHODS + NEW_PRESET_METHODS}
 # presets whose kvpress press needs something kvpress downloads for the models it knows: handed ours instead
 # (benchmarks/kvpress_presses.py hand_over), for the default model only (each artefact refuses another)
-HANDED = {"qfilter": "q_filters", "fastkvzip": "gates", "duo_attention": "duo", "lukv": "curve"}
+HANDED = {"qfilter": "q_filters", "fastkvzip": "gates", "duo_attention": "duo", "lukv": "curve",
+          "expected_attention_stats": "query_stats"}
 # --kvpress-cache: transformers' QuantizedCache backends, what each needs in the kvpress venv, and the bit widths
 # transformers 5.2 accepts for it (QuantoQuantizedLayer: 2 and 4 only; HQQQuantizedLayer: 1, 2, 3, 4, 8)
 QUANTIZED_BACKENDS = {"quanto": ("optimum-quanto==0.2.7",), "hqq": ("hqq==0.2.8.post1",)}
@@ -140,6 +142,7 @@ KVPRESS_NAMES = {
     "kvcompose": "KVComposePress",
     "fastkvzip": "FastKVzipPress, our gates",
     "lukv": "LUKVPress(ExpectedAttentionPress), our keep curve",
+    "expected_attention_stats": "ExpectedAttentionStatsPress, our query statistics",
 }
 # presets with no kvpress press of their own, compared (paired) with this kvpress press; presets in neither
 # table run on our side only, as a baseline (NO_KVPRESS_ROW says why)
@@ -217,6 +220,10 @@ KVPRESS_DEFAULTS = {
                       "eager attention; gathers per layer",
     "FastKVzipPress": "layerwise=False, n_sink=4, window_ratio=0.02; its gates downloaded for the models it knows: "
                       "handed ours (kvpress_ada/surrogates/smollm2_135m_kvzip_gate.safetensors); masks",
+    "ExpectedAttentionStatsPress": "n_future_positions=512, n_sink=4, use_covariance=True, use_vnorm=True; its query "
+                                   "statistics downloaded for the models it knows (BookSum, 100 samples): handed ours "
+                                   "(kvpress_ada/query_stats/smollm2_135m.safetensors, documentation text); gathers "
+                                   "the kept tokens",
     "LUKVPress": "press=ExpectedAttentionPress(epsilon=0.02), sink=4, window=1; its keep curve downloaded for "
                  "Llama-3.1-8B only: handed ours (kvpress_ada/calibration/smollm2_135m_lukv.json, rows at r = 0.05 "
                  ".. 0.95 interpolated to kvpress's 0.01 .. 0.99, prune = 1 - keep); masks",
@@ -1161,7 +1168,8 @@ def ours_settings(methods, preset) -> dict:
 def handed_artefacts(methods, model_dir: str, path: Path, preset) -> str | None:
     """Write, for the kvpress presses among ``methods`` that download something (HANDED), ours instead into
     ``path`` (safetensors, read by the worker's ``read_handed``): Q-filters ``[layers, kv heads, D]``, Fast KVzip
-    gates in kvpress's layout, DuoAttention's head scores (sinks and recent in the metadata) and LU-KV's prune
+    gates in kvpress's layout, DuoAttention's head scores (sinks and recent in the metadata), query statistics
+    (``mean [layers, H_q, D]``, ``cov [layers, H_q, D, D]``) and LU-KV's prune
     ratios ``[99, layers, kv heads]`` at r = 0.01 .. 0.99 (our keep curve interpolated linearly in r between its
     rows, held constant past its first and last, prune = 1 - keep). Each artefact refuses a model other than its
     own in one line. None when no such preset is run."""
@@ -1172,7 +1180,7 @@ def handed_artefacts(methods, model_dir: str, path: Path, preset) -> str | None:
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
-    from kvpress_ada import calibration, qfilters, surrogate
+    from kvpress_ada import calibration, qfilters, query_stats, surrogate
     from kvpress_ada.components import ConfigError
 
     config = AutoConfig.from_pretrained(model_dir)
@@ -1199,6 +1207,11 @@ def handed_artefacts(methods, model_dir: str, path: Path, preset) -> str | None:
                 tensors["duo.scores"] = torch.tensor(cal.shares, dtype=torch.float64)
                 meta["duo_sink"] = press.scorer.sinks if press.scorer.sinks is not None else cal.scorer["sinks"]
                 meta["duo_recent"] = press.scorer.recent if press.scorer.recent is not None else cal.scorer["recent"]
+            elif m == "expected_attention_stats":
+                found_stats = query_stats.load(press.scorer.path)
+                found_stats.check_model(config, f"the expected_attention_stats preset's statistics "
+                                                f"({press.scorer.path})")
+                tensors["query_stats.mean"], tensors["query_stats.cov"] = found_stats.mean, found_stats.cov
             elif m == "lukv":
                 path_ = press.layers.path
                 calibration.load(path_).check_model(config, f"the lukv preset's keep curve ({path_})")

@@ -12,6 +12,8 @@ downloads (keys as in the requests; values nested lists or tensors):
 - ``duo``: ``sink``, ``recent``, ``scores [layers, kv heads]``: DuoAttention's head patterns (kvpress's own rule
   then picks the streaming heads);
 - ``curve``: LU-KV's prune ratios ``[99, layers, kv heads]`` (row ``round(100 r) - 1`` is read at ratio ``r``);
+- ``query_stats``: ``mean [layers, H_q, D]`` and ``cov [layers, H_q, D, D]``, the pre-RoPE query statistics set on every
+  ``ExpectedAttentionStatsPress`` (its ``mu`` and ``cov``);
 - ``attrs``: attributes set on the top press once built (FinchPress's ``window_size``, a ``delimiter_token_id``
   absent from the ids).
 """
@@ -67,6 +69,10 @@ def hand_over(press, handed: dict, model) -> None:
             duo = handed["duo"]
             pattern = (int(duo["sink"]), int(duo["recent"]), np.asarray(duo["scores"], dtype=float))
             p.load_attention_pattern = lambda model, pattern=pattern: pattern  # kvpress's rule picks the heads
+        if isinstance(p, kvpress.ExpectedAttentionStatsPress) and handed.get("query_stats") is not None:
+            stats = handed["query_stats"]  # what post_init_from_model would download: set, so it is not
+            p.mu = torch.as_tensor(stats["mean"], dtype=model.dtype)
+            p.cov = torch.as_tensor(stats["cov"], dtype=model.dtype)
         if isinstance(p, kvpress.LUKVPress) and handed.get("curve") is not None:
             p._budget_curves = np.asarray(handed["curve"], dtype=float)  # prune ratios [99, layers, kv heads]
     for name, v in (handed.get("attrs") or {}).items():

@@ -157,6 +157,8 @@ SPECS = {
     "kvcompose": lambda r, ours: kp.spec("KVComposePress", compression_ratio=r),
     "fastkvzip": lambda r, ours: kp.spec("FastKVzipPress", compression_ratio=r),  # our gates handed over
     "lukv": lambda r, ours: kp.spec("LUKVPress", compression_ratio=r),  # our keep curve handed over
+    "expected_attention_stats": lambda r, ours: kp.spec("ExpectedAttentionStatsPress",
+                                                     compression_ratio=r),  # our query statistics handed over
 }
 EAGER = (ObservedAttentionPress,)  # presses reading the attention weights: prefill and answer in eager attention
 OWN_BUDGET = (SimLayerKVPress, DuoAttentionPress, DMSPress)  # their compression_ratio is what they achieved
@@ -279,7 +281,7 @@ def rerotates(press) -> bool:
 def read_handed(path: str) -> dict:
     """What the driver hands kvpress instead of its downloads (a safetensors file it wrote from kvpress_ada's
     shipped artefacts): ``q_filters``, ``gates`` (per layer, kvpress's FastKVzipGate layout), ``duo`` (sink, recent,
-    scores) and ``curve`` (LU-KV's prune ratios), each where the file has it."""
+    scores), ``curve`` (LU-KV's prune ratios) and ``query_stats`` (mean, cov), each where the file has it."""
     with safe_open(path, "pt") as f:
         meta = json.loads((f.metadata() or {}).get("kvpress_compare.handed", "{}"))
         tensors = {k: f.get_tensor(k) for k in f.keys()}
@@ -288,6 +290,8 @@ def read_handed(path: str) -> dict:
         out["q_filters"] = tensors["q_filters"]
     if "curve" in tensors:
         out["curve"] = tensors["curve"].double().numpy()
+    if "query_stats.mean" in tensors:
+        out["query_stats"] = {"mean": tensors["query_stats.mean"], "cov": tensors["query_stats.cov"]}
     if "duo.scores" in tensors:
         out["duo"] = {"sink": meta["duo_sink"], "recent": meta["duo_recent"],
                       "scores": tensors["duo.scores"].double().numpy()}
@@ -299,7 +303,8 @@ def read_handed(path: str) -> dict:
 
 
 # what each press needs handed over (else kvpress would download it for a model it knows)
-NEEDS = {"QFilterPress": "q_filters", "FastKVzipPress": "gates", "DuoAttentionPress": "duo", "LUKVPress": "curve"}
+NEEDS = {"QFilterPress": "q_filters", "FastKVzipPress": "gates", "DuoAttentionPress": "duo", "LUKVPress": "curve",
+         "ExpectedAttentionStatsPress": "query_stats"}
 
 
 class Worker:

@@ -32,6 +32,7 @@ from .scorers import (
     DuoAttention,
     EntropyGatedChunkKV,
     ExpectedAttention,
+    ExpectedAttentionStats,
     FastKVzip,
     Finch,
     KeyDiff,
@@ -77,6 +78,10 @@ _PRESETS: dict[str, Callable[[], dict]] = {
     "knorm": lambda: dict(scorer=KNorm()),
     "expected_attention": lambda: dict(scorer=ExpectedAttention()),
     "ada_expected_attention": lambda: dict(scorer=ExpectedAttention(), allocator=AdaHead(alpha=ADA_ALPHA)),
+    # Expected Attention whose query statistics were measured offline on the default model (kvpress's
+    # ExpectedAttentionStatsPress; kvpress_ada/query_stats/smollm2_135m.safetensors; refused for another model:
+    # `kvpress-ada query-stats`); no Ada variant: the scores are softmax shares of each head's own statistics
+    "expected_attention_stats": lambda: dict(scorer=ExpectedAttentionStats()),
     "criticalkv": lambda: dict(scorer=CriticalKV()),
     "ada_criticalkv": lambda: dict(scorer=CriticalKV(), allocator=AdaHead(alpha=ADA_ALPHA)),
     "random": lambda: dict(scorer=RandomScorer()),

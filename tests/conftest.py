@@ -199,6 +199,20 @@ def random_qfilters(config, seed: int = 0):
     return QFilters(torch.randn(shape, generator=torch.Generator().manual_seed(seed)), meta)
 
 
+def random_query_stats(config, seed: int = 0):
+    """Query statistics (:mod:`kvpress_ada.query_stats`) with random means and covariances made for ``config``'s
+    model."""
+    from kvpress_ada.calibration import model_identity
+    from kvpress_ada.query_stats import QueryStats, QueryStatsMeta
+
+    identity = model_identity(config)
+    g = torch.Generator().manual_seed(seed)
+    shape = (identity.num_layers, int(config.num_attention_heads), identity.head_dim)
+    a = torch.randn(*shape, shape[-1], generator=g)
+    meta = QueryStatsMeta(model=identity, data={}, library_version="0", created="now")
+    return QueryStats(torch.randn(shape, generator=g), a @ a.transpose(-1, -2) / shape[-1], meta)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return build_tokenizer()

@@ -9,13 +9,14 @@ bytes stay at ``n_layers * batch * H_kv * (B + K) * D * 2 * itemsize``.
 
 import pytest
 import torch
-from conftest import build_model, random_qfilters, random_surrogate
+from conftest import build_model, random_qfilters, random_query_stats, random_surrogate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from kvpress_ada import Pipeline, generate
 from kvpress_ada import qfilters as qf
+from kvpress_ada import query_stats as qs
 from kvpress_ada import surrogate as sur
 from kvpress_ada.allocators import AdaHead, UniformHead
 from kvpress_ada.evictors import Mask, TopK
@@ -76,10 +77,13 @@ def test_every_scorer_decodes_or_refuses(llama, name, tmp_path):
     scorer = SCORERS.build(name)
     if name == "duo_attention":
         pytest.skip("DuoAttention's head patterns are a calibration file of one model: tests/test_structure_presses.py")
-    if getattr(type(scorer), "model_specific", False):  # a file made for this model: Q-filters, KVzap's surrogate
+    if getattr(type(scorer), "model_specific", False):  # a file made for this model: Q-filters, query statistics,
+        # KVzap's surrogate
         path = tmp_path / "model.safetensors"
         if name == "qfilter":
             qf.save(random_qfilters(llama.config, seed=1), path)
+        elif name == "expected_attention_stats":
+            qs.save(random_query_stats(llama.config, seed=1), path)
         else:
             sur.save(random_surrogate(llama.config, seed=1), path)
         scorer = scorer.model_copy(update={"path": str(path)})

@@ -119,7 +119,7 @@ def test_register_preset_refuses_an_existing_name_unless_override():
 CANONICAL = {"snapkv", "streamingllm", "h2o", "tova", "knorm", "expected_attention", "criticalkv", "random", "lagkv",
              "keydiff", "kvzip", "kvzap", "kvcompose", "fastkvzip", "chunkkv", "finch", "simlayerkv", "duo_attention",
              "composed", "leverage", "cur", "non_causal_attention", "compactor", "qfilter", "cap",
-             "entropy_gated_chunkkv", "kvgrad"}
+             "entropy_gated_chunkkv", "kvgrad", "expected_attention_stats"}
 
 
 def test_file_registry_and_preset_names_agree():

@@ -9,17 +9,19 @@ import sys
 
 #: :func:`kvpress_ada.presets.preset_names`, in its order
 PRESETS = ("snapkv", "pyramidkv", "ada_snapkv", "ada_pyramidkv", "streamingllm", "h2o", "tova", "knorm",
-           "expected_attention", "ada_expected_attention", "criticalkv", "ada_criticalkv", "random", "lagkv",
-           "ada_lagkv", "keydiff", "kvzip", "kvzip_plus", "kvzip_layerwise", "ada_kvzip", "kvzap", "kvzap_linear",
-           "kvzap_threshold", "calibrated_streamingllm", "leverage", "ada_leverage", "cur", "ada_cur",
-           "non_causal_attention", "compactor", "qfilter", "cap", "chunkkv", "ada_chunkkv", "kvcompose",
-           "ada_kvcompose", "block_keydiff", "lukv", "finch", "ada_finch", "rerotated_streamingllm", "fastkvzip",
-           "ada_fastkvzip", "think", "ada_think", "merging", "ada_merging", "cam", "ada_cam", "simlayerkv", "quest",
-           "ada_snapkv_read", "duo_attention", "composed")
+           "expected_attention", "ada_expected_attention", "expected_attention_stats", "criticalkv", "ada_criticalkv",
+           "random", "lagkv", "ada_lagkv", "keydiff", "kvzip", "kvzip_plus", "kvzip_layerwise", "ada_kvzip", "kvgrad",
+           "ada_kvgrad", "kvzap", "kvzap_linear", "kvzap_threshold", "calibrated_streamingllm", "leverage",
+           "ada_leverage", "cur", "ada_cur", "non_causal_attention", "compactor", "qfilter", "cap", "chunkkv",
+           "ada_chunkkv", "entropy_gated_chunkkv", "ada_entropy_gated_chunkkv", "kvcompose", "ada_kvcompose",
+           "block_keydiff", "lukv", "finch", "ada_finch", "rerotated_streamingllm", "fastkvzip", "ada_fastkvzip",
+           "think", "ada_think", "merging", "ada_merging", "cam", "ada_cam", "simlayerkv", "quest", "ada_snapkv_read",
+           "duo_attention", "composed")
 #: :data:`kvpress_ada.scorers.SCORERS`: canonical names (sorted), then the old names still accepted
-SCORERS = ("cap", "chunkkv", "compactor", "composed", "criticalkv", "cur", "duo_attention", "expected_attention",
-           "fastkvzip", "finch", "h2o", "keydiff", "knorm", "kvcompose", "kvzap", "kvzip", "lagkv", "leverage",
-           "non_causal_attention", "qfilter", "random", "simlayerkv", "snapkv", "streamingllm", "tova")
+SCORERS = ("cap", "chunkkv", "compactor", "composed", "criticalkv", "cur", "duo_attention", "entropy_gated_chunkkv",
+           "expected_attention", "expected_attention_stats", "fastkvzip", "finch", "h2o", "keydiff", "knorm",
+           "kvcompose", "kvgrad", "kvzap", "kvzip", "lagkv", "leverage", "non_causal_attention", "qfilter", "random",
+           "simlayerkv", "snapkv", "streamingllm", "tova")
 SCORER_ALIASES = ("observed_attention", "streaming_llm")
 #: :data:`kvpress_ada.storage.STORAGES`: full precision first, then the others sorted
 STORAGES = ("full", "fp8", "int4", "int8")

@@ -1,6 +1,7 @@
 """``kvpress-ada``: the demo, the quality-vs-compression evaluation, the head-budget calibration
-(``calibrate``), score-surrogate training (``distill``) and Q-filters (``qfilters``) on the default model or another
-(``--model``: a named model, a path or a hub id), and vLLM's OpenAI-compatible server with a press (``serve``).
+(``calibrate``), score-surrogate training (``distill``), Q-filters (``qfilters``) and query statistics
+(``query-stats``) on the default model or another (``--model``: a named model, a path or a hub id), and vLLM's
+OpenAI-compatible server with a press (``serve``).
 
 Exit codes: 0 done; 2 bad input (an argument, a ``--model`` that names no model: a path that does
 not exist or a misspelled named model, a ``--config`` file, an ``--out`` directory that cannot be
@@ -701,6 +702,35 @@ def cmd_qfilters(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- query-stats
+def cmd_query_stats(args) -> int:
+    for option, value, least in (("--n", args.n, 1), ("--context", args.context, 64), ("--sinks", args.sinks, 0)):
+        if value < least:
+            raise UsageError(f"{option} must be >= {least}, got {value}")
+    if args.sinks >= args.context:
+        raise UsageError(f"--sinks must be below --context ({args.context}), got {args.sinks}")
+    if args.seed < choices.CALIBRATION_SEED:
+        raise UsageError(f"--seed must be >= {choices.CALIBRATION_SEED} (eval uses --seed 0), got {args.seed}")
+    out = Path(args.out)
+    if out.is_dir():
+        raise UsageError(f"--out {args.out} is a directory; give a file name such as query_stats.safetensors")
+    _prepare_out(str(out.parent if str(out.parent) else "."))
+    model, tok = _load_model(args.model)
+    _check_context(model, args.context)
+    from kvpress_ada.harness.query_stats import make_query_stats
+    from kvpress_ada.query_stats import save
+
+    made = make_query_stats(model, tok, n=args.n, context=args.context, sinks=args.sinks, seed=args.seed,
+                            progress=not args.no_progress)
+    made.meta = made.meta.model_copy(update={"command": ["kvpress-ada", *args.argv]})
+    save(made, out)
+    print(f"measured the query statistics of {made.meta.model.name} over {made.meta.data['positions']:,} positions "
+          f"({args.n} documentation texts of {args.context} tokens, the first {args.sinks} of each left out) in "
+          f"{made.meta.seconds:.1f}s")
+    print(f"wrote {out}; use it with ExpectedAttentionStats(path={str(out)!r})")
+    return 0
+
+
 def _tasks_epilog() -> str:
     from kvpress_ada.harness.eval.tasks import TASKS
 
@@ -746,7 +776,7 @@ def cmd_serve(args) -> int:
         except ValueError as err:
             raise UsageError(" ".join(str(err).split())) from None
         press, ratio = _with_storage(_with_decode(made, args), args), None
-    if args.prefill_chunk is not None:  # vLLM's chunks of long prompts, the press evicting after each
+    if args.prefill_chunk is not None:  # vLLM's steps of at most N prompt tokens; the press evicts at its own chunks
         engine.update(enable_chunked_prefill=True, long_prefill_token_threshold=args.prefill_chunk)
     model = str(_ensure_named(args.model)) if args.model in SOURCES and not args.dry_run else args.model
     from kvpress_ada.hosts.vllm import engine_kwargs, server_args
@@ -855,8 +885,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     srv.add_argument("--max-model-len", type=int, default=8192, help="longest prompt + answer, in tokens")
     srv.add_argument("--prefill-chunk", type=int, default=None,
-                     help="vLLM prefills long prompts in chunks of this many tokens and the press evicts after "
-                          "each: a request never holds its whole prompt (more requests admitted)")
+                     help="the press evicts after each chunk of this many tokens of a long prompt (the "
+                          "transformers host's chunks, whatever vLLM's) and vLLM prefills in steps of at most as "
+                          "many: a request never holds its whole prompt (more requests admitted)")
     _storage_argument(srv)
     _decode_arguments(srv)
     srv.add_argument("--dry-run", action="store_true", help="print the server's command line and stop")
@@ -917,6 +948,18 @@ def build_parser() -> argparse.ArgumentParser:
     qf.add_argument("--no-progress", action="store_true")
     qf.add_argument("--threads", type=int, help=threads_help)
     qf.set_defaults(func=cmd_qfilters)
+    qs = sub.add_parser("query-stats", help="measure the query statistics (the expected_attention_stats scorer): "
+                                            "each query head's pre-RoPE query mean and covariance over "
+                                            "documentation text")
+    qs.add_argument("--model", default="default", help=model_help)
+    qs.add_argument("--n", type=int, default=32, help="documentation texts prefilled")
+    qs.add_argument("--context", type=int, default=1024, help="tokens per text (>= 64)")
+    qs.add_argument("--sinks", type=int, default=4, help="first positions of each text left out (outlier queries)")
+    qs.add_argument("--seed", type=int, default=10_000, help="seed of the texts (>= 10000; eval uses 0)")
+    qs.add_argument("--out", default="query_stats.safetensors", help="the statistics file to write (safetensors)")
+    qs.add_argument("--no-progress", action="store_true")
+    qs.add_argument("--threads", type=int, help=threads_help)
+    qs.set_defaults(func=cmd_query_stats)
     return parser
 
 

@@ -13,6 +13,7 @@ from .cur import CUR
 from .duo_attention import DuoAttention
 from .entropy_gated_chunkkv import EntropyGatedChunkKV
 from .expected_attention import ExpectedAttention
+from .expected_attention_stats import ExpectedAttentionStats
 from .fastkvzip import FastKVzip
 from .finch import Finch
 from .h2o import H2O, ObservedAttention
@@ -33,6 +34,7 @@ from .streamingllm import StreamingLLM
 from .tova import TOVA
 
 __all__ = ["SCORERS", "PassChunk", "PassScorer", "Scorer", "register_scorer", "CAP", "ChunkKV", "Compactor", "Composed",
-           "CriticalKV", "DuoAttention", "CUR", "EntropyGatedChunkKV", "ExpectedAttention", "FastKVzip", "Finch", "H2O",
-           "KeyDiff", "KNorm", "KVCompose", "KVgrad", "KVzap", "KVzip", "LagKV", "Leverage", "NonCausalAttention",
-           "ObservedAttention", "QFilter", "RandomScorer", "SimLayerKV", "SnapKV", "StreamingLLM", "TOVA"]
+           "CriticalKV", "DuoAttention", "CUR", "EntropyGatedChunkKV", "ExpectedAttention", "ExpectedAttentionStats",
+           "FastKVzip", "Finch", "H2O", "KeyDiff", "KNorm", "KVCompose", "KVgrad", "KVzap", "KVzip", "LagKV",
+           "Leverage", "NonCausalAttention", "ObservedAttention", "QFilter", "RandomScorer", "SimLayerKV", "SnapKV",
+           "StreamingLLM", "TOVA"]

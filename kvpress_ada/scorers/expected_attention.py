@@ -53,18 +53,30 @@ class ExpectedAttention(Scorer):
         weight = obs.key_mask[:, -w:].to(q.dtype)[:, None, None, :, None]  # queries sit where the keys do
         count = weight.sum(dim=3).clamp(min=1.0)  # [B, 1, 1, 1]
         mean = (q * weight).sum(dim=3) / count  # [B, Hkv, G, D]
-        keys = obs.keys.float()
-        logits = torch.einsum("bhgd,bhld->bhgl", mean, keys) * obs.scaling
+        cov = None
         if self.use_covariance:
             centred = (q - mean.unsqueeze(3)) * weight
             cov = torch.einsum("bhgwd,bhgwe->bhgde", centred, centred) / (count - 1).clamp(min=1.0)[..., None]
-            quad = torch.einsum("bhld,bhgde,bhle->bhgl", keys, cov, keys)
-            logits = logits + 0.5 * obs.scaling**2 * quad
-        logits = logits.masked_fill(~obs.key_mask[:, None, None, :], float("-inf"))
-        scores = torch.softmax(logits, dim=-1).mean(dim=2)
-        if self.use_vnorm:
-            scores = scores * obs.values.float().norm(dim=-1)
+        scores = gaussian_scores(mean, cov, obs.keys.float(), obs.values, obs.key_mask[:, None, :], obs.scaling,
+                                 self.use_vnorm)
         return protect_first_valid(scores, obs.key_mask, self.sinks)
+
+
+def gaussian_scores(mean: torch.Tensor, cov: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
+                    softmax_mask: torch.Tensor, scaling: float, use_vnorm: bool) -> torch.Tensor:
+    """``[B, H_kv, L]``: Expected Attention's score of each key ``keys [B, H_kv, L, D]`` (float32) under future queries
+    ``N(mean, cov)`` (``[B, H_kv, G, D]`` and ``[B, H_kv, G, D, D]``, already rotated to the future positions; ``cov``
+    None: the mean alone): ``softmax(scaling mu.k + scaling^2 k^T Sigma k / 2)`` over the entries of ``softmax_mask
+    [B, H_kv | 1, L]``, averaged over the query group, times ``||v||`` with ``use_vnorm``."""
+    logits = torch.einsum("bhgd,bhld->bhgl", mean, keys) * scaling
+    if cov is not None:
+        quad = torch.einsum("bhld,bhgde,bhle->bhgl", keys, cov, keys)
+        logits = logits + 0.5 * scaling**2 * quad
+    logits = logits.masked_fill(~softmax_mask[:, :, None, :], float("-inf"))
+    scores = torch.softmax(logits, dim=-1).mean(dim=2)
+    if use_vnorm:
+        scores = scores * values.float().norm(dim=-1)
+    return scores
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ from kvpress_ada.hosts.transformers import hf
 from kvpress_ada.hosts.transformers.attention import attention_modules, output_weight, rope_inv_freq
 from kvpress_ada.hosts.transformers.fanout import capture_prefill
 from kvpress_ada.hosts.transformers.hf import output_cache
+from kvpress_ada.hosts.transformers.rotary import config_rope_inv_freq
 from kvpress_ada.runtime import compressed_layers, held_windows, window_limit
 from kvpress_ada.storage import Int8
 
@@ -94,6 +95,8 @@ def test_the_adapter_reaches_what_the_model_holds(arch):
             assert not module.use_rope and torch.equal(freq, torch.zeros_like(rotary.inv_freq))
         else:
             assert freq is getattr(rotary, f"{kind}_inv_freq", None) or freq is rotary.inv_freq
+        # ... and what a host without the transformers model (vLLM) computes from the config alone
+        assert torch.equal(config_rope_inv_freq(model.config, i), freq)
     assert rope_inv_freq(model) is family.rope_inv_freq(model, 0)
     assert family.logit_softcap == getattr(model.config, "attn_logit_softcapping", None)
     assert family.layers_without_rope == ((1,) if arch == "smollm3" else ())  # every second layer in the tiny one
@@ -114,6 +117,48 @@ def test_the_adapter_reaches_what_the_model_holds(arch):
     refusal = family.refuses("vllm")
     assert (refusal is None) == (arch in VLLM_CHECKED)
     assert refusal is None or ("\n" not in refusal and ("sliding-window" in refusal) == (arch in HYBRID))
+
+
+SCALED_ROPE = {
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    "longrope": {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 256,
+                 "short_factor": [1.0 + i / 4 for i in range(8)], "long_factor": [2.0 + i for i in range(8)]},
+}
+
+
+@pytest.mark.parametrize("rope", list(SCALED_ROPE))
+def test_rope_frequencies_from_the_config_are_the_transformers_models(rope):
+    """A scaled RoPE (llama3, yarn, linear, longrope): the frequencies computed from the config (a transformers config,
+    or its config.json mapping) are the transformers model's, and the scaling changes them (so the check could
+    fail); a layer without RoPE (SmolLM3) gets zeros of the same shape."""
+    config = LlamaConfig(**SMALL, rope_parameters=SCALED_ROPE[rope])
+    model = LlamaForCausalLM(config).eval()
+    want = model.model.rotary_emb.inv_freq
+    theta = SCALED_ROPE[rope]["rope_theta"]
+    plain = config_rope_inv_freq(LlamaConfig(**SMALL, rope_parameters={"rope_type": "default", "rope_theta": theta}))
+    assert not torch.allclose(want, plain)
+    for given in (config, config.to_dict()):
+        for i in range(config.num_hidden_layers):
+            assert torch.equal(config_rope_inv_freq(given, i), want), (rope, type(given).__name__, i)
+    smol = build_model("smollm3")
+    family = family_for(smol.config)
+    assert family.layers_without_rope == (1,)
+    for i in range(smol.config.num_hidden_layers):
+        freq = config_rope_inv_freq(smol.config, i)
+        assert torch.equal(freq, family.rope_inv_freq(smol, i))
+        assert freq.shape == smol.model.rotary_emb.inv_freq.shape and bool((freq == 0).all()) == (i == 1)
+
+
+def test_a_config_without_its_transformers_rotary_embedding_is_refused_in_one_line():
+    class Foreign:
+        model_type = "llama"
+
+    with pytest.raises(ValueError) as err:
+        config_rope_inv_freq(Foreign(), 0)
+    assert "\n" not in str(err.value) and "not a transformers config" in str(err.value)
 
 
 def test_a_model_without_rotary_frequencies_is_refused_in_one_line(llama):

@@ -48,6 +48,25 @@ def test_chunked_press_evicts_after_every_chunk_with_its_own_queries_and_a_cappe
     assert budget.cap is not None and int(budget.cap[0]) == 2 and int(budget.average[0]) == 8
 
 
+def test_a_chunked_press_evicts_at_its_own_chunks_ends_whatever_the_hosts_steps():
+    """Steps smaller than a chunk (an engine's): an eviction only in the step ending a chunk, scored with the chunk's
+    queries (kept across its steps); a step that would cross a chunk's end is refused (a host splits it there)."""
+    schedule = Schedule(preset("snapkv", budget=8, prefill_chunk=4))
+    assert [schedule.chunk_end(w, 10) for w in range(11)] == [2, 2, 6, 6, 6, 6, 10, 10, 10, 10, 10]
+    assert Schedule(preset("snapkv", budget=8)).chunk_end(3, 10) == 10
+    run = _run(schedule, 10, [1, 1, 2, 2, 3, 1, 1])
+    assert [(written, None if due is None else due.trigger) for written, due, _ in run] == [
+        (1, None), (2, Trigger.CHUNK), (4, None), (6, Trigger.CHUNK), (9, None), (10, Trigger.PROMPT_END), (11, None)]
+    assert all(keeps for _, _, keeps in run[:6]) and all(due.step_queries for _, due, _ in run if due is not None)
+    for steps in ([3], [2, 5], [2, 2, 3]):
+        try:
+            _run(schedule, 10, steps)
+        except RuntimeError as err:
+            assert "crosses the end of a prefill chunk" in str(err) and "\n" not in str(err)
+        else:
+            raise AssertionError(f"steps {steps} crossing a chunk's end were taken")
+
+
 @given(interval=st.integers(1, 9), window=st.integers(1, 12), prompt=st.integers(1, 30),
        steps=st.lists(st.integers(1, 4), min_size=1, max_size=30))
 @settings(max_examples=200, deadline=None)
@@ -111,10 +130,10 @@ def test_budgets_are_the_policy_s():
 def test_a_row_s_schedule_does_not_depend_on_its_partners():
     """Clocks are per sequence: interleaving another sequence's steps changes nothing of this one's evictions."""
     schedule = Schedule(preset("snapkv", compression_ratio=0.5, prefill_chunk=8, decode_budget=4, decode_interval=3))
-    alone = _run(schedule, 20, [8, 12, 1, 1, 1, 1])
+    alone = _run(schedule, 20, [4, 8, 8, 1, 1, 1, 1])  # the press's chunks of 20 tokens: 4 + 8 + 8
     x, partner = LayerClock(20), LayerClock(7)
     together = []
-    for cx, cp in zip([8, 12, 1, 1, 1, 1], [7, 1, 1, 1, 1, 1]):
+    for cx, cp in zip([4, 8, 8, 1, 1, 1, 1], [7, 1, 1, 1, 1, 1, 1]):
         schedule.advance(partner, cp)
         step = schedule.advance(x, cx)
         together.append((x.written, step.due, step.keeps_queries))

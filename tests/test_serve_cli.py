@@ -109,6 +109,27 @@ def test_what_cannot_be_served_is_refused_in_one_line(capsys, tmp_path, args, wo
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and words in err, err
 
 
+@pytest.mark.filterwarnings("ignore:reader page_size")
+def test_every_preset_the_host_refuses_is_refused_by_serve_in_one_line_before_vllm_starts(capsys, tmp_path):
+    """Each preset engine_kwargs refuses (a model pass, merging, re-rotation, zeroed key channels): serve exits 2
+    with that one line and prints no server command."""
+    from kvpress_ada.hosts.vllm import engine_kwargs
+    from kvpress_ada.presets import preset_names
+
+    refused = {}
+    for name in preset_names():
+        try:
+            engine_kwargs(name, str(tmp_path), ratio=0.5)
+        except ValueError as err:
+            refused[name] = str(err)
+    assert {"kvzip", "kvzip_plus", "kvcompose", "finch", "rerotated_streamingllm", "think", "merging",
+            "cam"} <= set(refused) and "snapkv" not in refused and "block_keydiff" not in refused
+    for name, reason in refused.items():
+        code, out, err = _dry_run(capsys, "--model", str(tmp_path), "--preset", name, "--ratio", "0.5")
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, (name, err)
+        assert " ".join(reason.split()) in err, (name, err)
+
+
 def test_a_press_made_for_another_model_is_refused_in_one_line(capsys, tmp_path):
     from conftest import build_model
 

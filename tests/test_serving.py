@@ -239,8 +239,10 @@ def test_a_request_keeps_and_generates_the_same_beside_any_partner(llama, mode, 
     new = 12
     alone, tokens, outputs = _serve_packed(llama, press, {"x": (x, 0, split)}, new)
     length, arrival = partner
+    # a layer schedule comparing layers evicts at the end of a step: a chunked prompt then comes in its chunks
+    theirs = split if press.prefill_chunk is not None and type(press.layers).needs_all_layers else _engine_chunks(40)
     beside, tokens2, outputs2 = _serve_packed(
-        llama, press, {"x": (x, 0, split), "p": (_prompt(length, 22), arrival, _engine_chunks(40))}, new)
+        llama, press, {"x": (x, 0, split), "p": (_prompt(length, 22), arrival, theirs)}, new)
     assert beside.kept("x") == alone.kept("x"), (mode, partner)
     assert len(outputs2["x"]) == len(outputs["x"])
     for mine, theirs in zip(outputs2["x"], outputs["x"]):  # packed matmuls of other sizes: rounding apart
@@ -248,6 +250,31 @@ def test_a_request_keeps_and_generates_the_same_beside_any_partner(llama, mode, 
     assert tokens2["x"] == tokens["x"]
     host_tokens, host_kept = _alone(llama, press, x, new)
     assert alone.kept("x") == host_kept and tokens["x"] == host_tokens, mode
+
+
+@pytest.mark.parametrize("steps", [7, 20, 40, 64, 100])
+def test_a_chunked_press_evicts_at_its_own_chunks_whatever_the_engines_steps(llama, steps):
+    """prefill_chunk=40 on a 100-token prompt (the transformers host's chunks 20 + 40 + 40): an engine bringing it in
+    steps of 7, 20, 40, 64 or 100 tokens (smaller than a chunk, crossing chunks' ends, the whole prompt at once) keeps
+    per (layer, kv head) the transformers host's positions and generates its tokens."""
+    press = _windowed("ada_snapkv", prefill_chunk=40)
+    x = _prompt(100, 21)
+    engine, tokens, _ = _serve_packed(llama, press, {"x": (x, 0, _engine_chunks(steps))}, 8)
+    host_tokens, host_kept = _alone(llama, press, x, 8)
+    assert engine.kept("x") == host_kept and tokens["x"] == host_tokens, steps
+
+
+def test_a_model_scope_chunked_press_takes_steps_that_end_at_its_chunks_and_refuses_others_in_one_line(llama):
+    """Under AdaLayer every layer evicts at the end of a step: steps of 20 (ending at the chunks' ends 20 and 60)
+    give the transformers host's kept positions and tokens; a step of 40 (crossing the end at 20) is refused."""
+    press = Pipeline(scorer=SnapKV(window=16), layers=AdaLayer(), compression_ratio=0.5, prefill_chunk=40)
+    x = _prompt(100, 21)
+    engine, tokens, _ = _serve_packed(llama, press, {"x": (x, 0, _engine_chunks(20))}, 6)
+    host_tokens, host_kept = _alone(llama, press, x, 6)
+    assert engine.kept("x") == host_kept and tokens["x"] == host_tokens
+    with pytest.raises(ValueError) as err:
+        _serve_packed(llama, press, {"x": (x, 0, _engine_chunks(40))}, 2)
+    assert "\n" not in str(err.value) and "crosses the end of a prefill chunk at 20" in str(err.value)
 
 
 def test_model_scope_schedule_evicts_every_layer_at_the_end_of_the_step(llama):

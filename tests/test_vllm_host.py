@@ -149,6 +149,58 @@ def test_kept_positions_and_tokens_equal_the_transformers_host(model_dir, hf_mod
         assert tokens[i] == alone_tokens, (name, i)
 
 
+#: prompts longer than a chunk of 128 (the transformers host's chunks: 44 + 128 + 128, 72 + 128, 22 + 128)
+LONG = [[5 + (i * 5 + j * 3 + (j * j) % 17) % 90 for j in range(n)] for i, n in enumerate((300, 200, 150))]
+#: presets whose code paths differ from those above (RoPE frequencies, output weights, chunked scoring, a reader,
+#: composed scorers, ...), each at one of vLLM's step budgets; a press with prefill_chunk on LONG at budgets whose
+#: steps hold several of its chunks (2048), cross their ends (48) and are smaller than them (48); under AdaLayer,
+#: whose evictions wait for the end of the step, vLLM's steps end at the chunks' ends (the host's scheduler)
+WIDER = [("expected_attention", 48, None), ("leverage", 2048, None), ("compactor", 48, None), ("cap", 2048, None),
+         ("chunkkv", 48, None), ("simlayerkv", 2048, None), ("composed", 48, None), ("quest", 2048, None),
+         ("tova", 48, None), ("h2o", 2048, None), ("criticalkv", 48, None), ("keydiff", 2048, None),
+         ("lagkv", 48, None), ("block_keydiff", 2048, None), ("block_keydiff", 48, None), ("ada_snapkv", 48, 128),
+         ("snapkv+ada_layer", 48, 128)]
+
+
+@pytest.mark.filterwarnings("ignore:reader page_size")
+@pytest.mark.parametrize("name, batched_tokens, chunk", WIDER,
+                         ids=[f"{n}-{b}" + (f"-chunk{c}" if c else "") for n, b, c in WIDER])
+def test_more_presets_keep_the_positions_and_generate_the_tokens_of_the_transformers_host(model_dir, hf_model, name,
+                                                                                          batched_tokens, chunk):
+    base, _, layers = name.partition("+")
+    options = {**({"prefill_chunk": chunk} if chunk else {}), **({"layers": layers} if layers else {})}
+    press = _small_window(preset(base, compression_ratio=0.6, **options))
+    prompts = LONG if press.prefill_chunk is not None else PROMPTS
+    _, tokens, kept = _serve(model_dir, press, prompts=prompts, max_num_batched_tokens=batched_tokens)
+    for i, prompt in enumerate(prompts):
+        alone_tokens, alone_kept = _alone(hf_model, press, prompt, 8)
+        assert kept[i] == alone_kept, (name, i)
+        assert tokens[i] == alone_tokens, (name, i)
+
+
+@pytest.mark.parametrize("rope", ["llama3", "yarn"])
+def test_the_rope_frequencies_from_vllms_config_are_the_transformers_models(tmp_path, rope):
+    """A scaled RoPE checkpoint: the config vLLM holds for it (its loader's rope patches included) gives, through the
+    family's rule, the transformers model's inverse frequencies (what the host hands RoPE-reading scorers)."""
+    from vllm.config import ModelConfig
+
+    from kvpress_ada.hosts.transformers.rotary import config_rope_inv_freq
+
+    scaling = {"llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 64},
+               "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}}[rope]
+    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                         rope_scaling={"rope_theta": 500000.0, **scaling})
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(tmp_path)
+    held = ModelConfig(model=str(tmp_path)).hf_config
+    default = 1.0 / 500000.0 ** (torch.arange(0, 32, 2).float() / 32)
+    assert not torch.allclose(model.model.rotary_emb.inv_freq, default)  # the scaling changes them
+    for i in range(config.num_hidden_layers):
+        assert torch.equal(config_rope_inv_freq(held, i), model.model.rotary_emb.inv_freq), (rope, i)
+
+
 def test_decode_compression_and_a_model_scope_schedule_run_as_on_the_transformers_host(model_dir, hf_model):
     for press in (Pipeline(scorer=SnapKV(window=8), compression_ratio=0.5, decode_budget=24, decode_interval=4),
                   _small_window(preset("snapkv", compression_ratio=0.6, layers="ada_layer"))):
@@ -158,10 +210,11 @@ def test_decode_compression_and_a_model_scope_schedule_run_as_on_the_transformer
             assert (kept[i], tokens[i]) == (alone_kept, alone_tokens), (press.layers, i)
 
 
-def test_a_chunked_request_keeps_and_generates_the_same_beside_a_partner_of_another_length(model_dir):
+def test_a_chunked_request_keeps_and_generates_the_same_beside_a_partner_of_another_length(model_dir, hf_model):
     """A 480-token request prefilled in vLLM's chunks of 256 + 224 beside a 480-token partner (chunks 256 + 224) and
     beside a 266-token one (256 + 10, whose last chunk brings 10 queries in the step that brings x's last 224): its
-    kept positions per (layer, kv head) and tokens depend on its own tokens and chunks only."""
+    kept positions per (layer, kv head) and tokens depend on its own tokens only, and are the transformers host's
+    (its chunks 224 + 256: vLLM's first step crosses the first chunk's end)."""
     press = _small_window(preset("ada_snapkv", compression_ratio=0.75, prefill_chunk=256))
     x = [5 + (j * 7 + (j * j) % 13) % 90 for j in range(480)]
     runs = []
@@ -172,6 +225,7 @@ def test_a_chunked_request_keeps_and_generates_the_same_beside_a_partner_of_anot
         runs.append((tokens[0], kept[0]))
     assert runs[0][1] == runs[1][1]
     assert runs[0][0] == runs[1][0]
+    assert runs[0] == _alone(hf_model, press, x, 16)
 
 
 def test_staggered_arrivals_and_an_abort(model_dir, hf_model):
@@ -226,6 +280,8 @@ def test_what_the_host_cannot_serve_is_refused_in_one_line(model_dir, tmp_path):
              (("snapkv", model_dir), {"enable_prefix_caching": True}, "prefix caching"),
              (("snapkv", str(gpt2)), {}, "gpt2"),
              (("snapkv", model_dir), {"tensor_parallel_size": 2}, "one worker"),
+             ((preset("snapkv", compression_ratio=0.5, layers="ada_layer", prefill_chunk=64), model_dir),
+              {"enable_chunked_prefill": False}, "enable_chunked_prefill=False"),
              (("nonexistent_preset", model_dir), {}, "nonexistent_preset")]
     for (press, model), engine, words in cases:
         with pytest.raises(ValueError) as err:

@@ -62,6 +62,12 @@ class Family:
         RoPE: a rotation by nothing); a one-line ``ValueError`` when the model exposes none."""
         raise NotImplementedError
 
+    def rotary_inv_freq(self, rotary: Any, layer_idx: int = 0, owner: str = "the model") -> torch.Tensor:
+        """What :meth:`rope_inv_freq` reads of the model's rotary embedding, read from ``rotary`` (a decoder's rotary
+        embedding: the model's, or one a host without the model built from its config,
+        :func:`kvpress_ada.hosts.transformers.rotary.config_rope_inv_freq`); ``owner`` names it in the refusal."""
+        raise NotImplementedError
+
     def qk_norms(self, module: Any) -> tuple[torch.nn.Module, torch.nn.Module] | None:
         """The query and key norms applied before RoPE, or ``None`` when the family has none."""
         return None
@@ -173,7 +179,9 @@ class LlamaLike(Family):
         return getattr(module, self.projection_names["o"]).weight
 
     def rope_inv_freq(self, model: Any, layer_idx: int = 0) -> torch.Tensor:
-        rotary = getattr(model.get_decoder(), self.rotary, None)
+        return self.rotary_inv_freq(getattr(model.get_decoder(), self.rotary, None), layer_idx, type(model).__name__)
+
+    def rotary_inv_freq(self, rotary: Any, layer_idx: int = 0, owner: str = "the model") -> torch.Tensor:
         # a family whose layer types rotate differently (Gemma-3's local and global bases) holds one per type
         types = setting(self.config, "layer_types")
         kind = types[layer_idx] if types is not None and 0 <= layer_idx < len(types) else None
@@ -181,7 +189,7 @@ class LlamaLike(Family):
         if inv_freq is None:
             inv_freq = getattr(rotary, "inv_freq", None)
         if inv_freq is None:
-            raise ValueError(f"{type(model).__name__} exposes no {self.rotary}.inv_freq, which this scorer needs")
+            raise ValueError(f"{owner} exposes no {self.rotary}.inv_freq, which this scorer needs")
         if layer_idx in self.layers_without_rope:
             import torch
 

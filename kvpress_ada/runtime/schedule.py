@@ -9,8 +9,10 @@ which queries it scores with, whether it waits for every layer of the step) or `
   in chunks): the
   one-shot budget of the prompt length, scored with the prompt's last ``query_window()`` queries (a press with
   ``prefill_chunk``: the step's own queries, as every chunk);
-* **chunk** (a press with ``prefill_chunk``, a step that writes part of a longer prompt): the one-shot budget
-  capped at the tokens seen, scored with the step's queries;
+* **chunk** (a press with ``prefill_chunk``, a step that ends one of the prompt's chunks before its last,
+  :meth:`Schedule.chunks`): the one-shot budget capped at the tokens seen, scored with the chunk's queries. A
+  host whose steps are not the press's chunks (a serving engine's) splits a step where it crosses a chunk's end
+  (:meth:`Schedule.chunk_end`) and scores with the queries of the steps since the last chunk's end;
 * **decode** (a press with ``decode_budget`` or ``decode_ratio``): every ``decode_interval`` generated tokens,
   the decode budget, scored with the last ``query_window()`` generated tokens' queries.
 
@@ -43,8 +45,9 @@ class Trigger(str, Enum):
 
 @dataclass(frozen=True)
 class Due:
-    """An eviction due after a step: its ``trigger``; ``step_queries``: scored with the step's own queries (else
-    with the recent queries the host kept, see :attr:`Step.keeps_queries`); ``waits``: evicted with every
+    """An eviction due after a step: its ``trigger``; ``step_queries``: scored with the step's own queries (a
+    prefill chunk's: those of every step since the chunk began, where a host's steps are smaller than the chunk;
+    else with the recent queries the host kept, see :attr:`Step.keeps_queries`); ``waits``: evicted with every
     layer at the end of the step; ``seen``: tokens the layer has been written after the step."""
 
     trigger: Trigger
@@ -91,6 +94,14 @@ class Schedule:
         bounds = list(range(length, 0, -n))[::-1]
         return list(zip([0] + bounds[:-1], bounds))
 
+    def chunk_end(self, written: int, length: int) -> int:
+        """The end of the chunk of a prompt of ``length`` tokens that holds token ``written`` (the next eviction of a
+        chunked prefill once ``written`` tokens are in; ``length`` without ``prefill_chunk``)."""
+        n = self.press.prefill_chunk
+        if n is None or written >= length:
+            return length
+        return length - (length - written - 1) // n * n
+
     def chunked(self, length: int) -> bool:
         """Whether a prompt of ``length`` tokens is prefilled in more than one chunk."""
         return len(self.chunks(length)) > 1
@@ -124,10 +135,14 @@ class Schedule:
         after = before + count
         trigger: Trigger | None = None
         chunked = press.prefill_chunk is not None
+        end = self.chunk_end(before, prompt)
+        if chunked and after > end and end < prompt:  # it would skip the chunk's eviction
+            raise RuntimeError(f"a step writing tokens {before}..{after} crosses the end of a prefill chunk at {end} "
+                               f"(prefill_chunk={press.prefill_chunk}): the host must split it there")
         if before < prompt <= after:
             trigger = Trigger.PROMPT_END if press.compresses_prefill or chunked else None
-        elif after < prompt:
-            trigger = Trigger.CHUNK if chunked else None
+        elif after < prompt:  # the end of a chunk before the last
+            trigger = Trigger.CHUNK if chunked and after == end else None
         elif press.compresses_decode:
             assert press.decode_interval is not None
             trigger = Trigger.DECODE if clock.since + count >= press.decode_interval else None

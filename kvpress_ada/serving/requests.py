@@ -9,8 +9,15 @@ transformers host's handlers do (through :meth:`Pipeline.keep <kvpress_ada.Pipel
 
 * end of a request's prefill (the step that brings its last prompt token): the one-shot budget of its
   prompt length, scored with its last ``query_window()`` queries;
-* a press with ``prefill_chunk``: after every step that brings part of a longer prompt (the engine's own
-  chunks), the one-shot budget capped at the tokens seen, scored with the step's queries;
+* a press with ``prefill_chunk=N``: at the end of each of the press's own chunks of a longer prompt, whatever the
+  engine's chunks (those of the transformers host: aligned on the prompt's end, every chunk but the first of
+  ``N`` tokens, :meth:`Schedule.chunks <kvpress_ada.runtime.Schedule.chunks>`), the one-shot budget capped at the
+  tokens seen, scored with the chunk's queries. Engine steps smaller than a chunk accumulate (the chunk's queries
+  are kept across them); a step that crosses a chunk's end runs in parts, one per chunk, in every layer, so each
+  part meets what the eviction before it kept: the kept positions and tokens are the transformers host's however
+  the engine chunks the prompt. A layer schedule comparing layers (``AdaLayer``) evicts every layer at the end of
+  the step, so there a step must not cross a chunk's end (refused in one line: the engine ends its steps there,
+  as the vLLM host's scheduler does);
 * a press with ``decode_budget``: every ``decode_interval`` generated tokens, its decode budget.
 
 A layer schedule that compares layers (``AdaLayer``) waits for :meth:`PagedServing.end_step`, which
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -42,7 +50,7 @@ from .pages import PagedSequence, PagePool, selected_table
 if TYPE_CHECKING:
     from ..pipeline import Pipeline
 
-LayerInfo = Callable[[int], dict[str, Any]]
+LayerInfo = Callable[[int], Mapping[str, Any]]
 
 
 def check_servable(press: Pipeline) -> None:
@@ -204,25 +212,31 @@ class PagedServing:
         scored once, as it arrives). Writes them, returns the attention output ``[T, H_q, D]`` and evicts what
         is due in this layer (see the module docstring).
 
-        A step that brings a prompt's end and tokens after it (a preempted request computed again with what it had
-        generated, in one step or in several of vLLM's chunks) runs in two parts, up to the prompt's end and then
-        the rest, so the rest meets the evicted layer as it did the first time (exact for a press that evicts
-        layer by layer); the rest goes one token at a time, as it was generated, where that changes what a token
-        meets: decode compression (an eviction every ``decode_interval`` tokens; a layer schedule comparing
-        layers still evicts once, at the end of the step) and a quantized storage (each row's newest entries read
-        from its residual ring, older ones from records)."""
+        Under ``prefill_chunk`` a step that crosses the end of one of the press's chunks of a prompt runs in parts,
+        each up to a chunk's end, the press evicting after each (see the module docstring). A step that brings a
+        prompt's end and tokens after it (a preempted request computed again with what it had generated, in one
+        step or in several of vLLM's chunks) runs in two parts, up to the prompt's end and then the rest, so the
+        rest meets the evicted layer as it did the first time (exact for a press that evicts layer by layer); the
+        rest goes one token at a time, as it was generated, where that changes what a token meets: decode
+        compression (an eviction every ``decode_interval`` tokens; a layer schedule comparing layers still evicts
+        once, at the end of the step) and a quantized storage (each row's newest entries read from its residual
+        ring, older ones from records)."""
         requests = [self.requests[i] for i in request_ids]
         replay = self.press.compresses_decode or self.press.storage.quantized or self.press.reader is not None
 
-        def first_part(request: ServedRequest, c: int) -> int:
+        def part(request: ServedRequest, left: int) -> int:
+            """The tokens of the request's next part, of the ``left`` it brings that no part has run yet."""
             written, prompt = request.clocks[layer_idx].written, request.prompt_len
-            if written + c <= prompt:
-                return c  # prompt tokens only
-            if written < prompt:
-                return prompt - written  # up to the prompt's end
-            return 1 if replay else c  # generated tokens only (a recompute split by vLLM's chunks)
+            if written < prompt:  # up to the end of the press's chunk of the prompt (without chunks: the prompt's)
+                end = prompt if request.whole else self.schedule.chunk_end(written, prompt)
+                if left > end - written and end < prompt and self.schedule.prompt_waits:
+                    raise ValueError(f"a step bringing prompt tokens {written}..{written + left} crosses the end of "
+                                     f"a prefill chunk at {end} (prefill_chunk={self.press.prefill_chunk}) under "
+                                     f"layers={type(self.press.layers).__name__}, which evicts every layer at the end "
+                                     "of a step: end the request's steps at its chunks' ends (Schedule.chunks)")
+                return min(left, end - written)
+            return 1 if replay else left  # generated tokens only (a recompute split by vLLM's chunks)
 
-        head = [first_part(r, c) for r, c in zip(requests, counts)]
         scores = None
         if self.press.scorer.reads_hidden_states:
             if hidden is None:
@@ -230,26 +244,22 @@ class PagedServing:
                                  "attention: pass them to attend(hidden=...)")
             with torch.no_grad():
                 scores = self.press.scorer.entry_scores(hidden[None], layer_idx)[0].float().transpose(0, 1)
-        if head == counts:
+        if all(part(r, c) == c for r, c in zip(requests, counts)):
             return self._attend(layer_idx, request_ids, query, key, value, positions, counts, scaling, scores)
-        starts = [0] + list(itertools.accumulate(counts))
-        first = torch.cat([torch.arange(a, a + h) for a, h in zip(starts, head)]).to(query.device)
-        rest = torch.cat([torch.arange(a + h, a + c) for a, h, c in zip(starts, head, counts)]).to(query.device)
+        starts = list(itertools.accumulate(counts, initial=0))
+        done = [0] * len(counts)
         out = torch.empty_like(query)
-        out[first] = self._attend(layer_idx, request_ids, query[first], key[first], value[first], positions[first],
-                                  head, scaling, None if scores is None else scores[first])
-        tail = [(i, a + h, c - h) for i, a, h, c in zip(request_ids, starts, head, counts) if c > h]
-        if not replay:
-            out[rest] = self._attend(layer_idx, [i for i, _, _ in tail], query[rest], key[rest], value[rest],
-                                     positions[rest], [n for _, _, n in tail], scaling,
-                                     None if scores is None else scores[rest])
-            return out
-        for k in range(max(n for _, _, n in tail)):  # one token of every request that has a k-th after its prompt
-            ids = [i for i, _, n in tail if n > k]
-            at = torch.tensor([a + k for _, a, n in tail if n > k], device=query.device)
-            out[at] = self._attend(layer_idx, ids, query[at], key[at], value[at], positions[at], [1] * len(ids),
-                                   scaling, None if scores is None else scores[at])
-        return out
+        while True:  # the next part of every request with tokens left, in one call
+            parts = [(n, part(requests[n], c - done[n])) for n, c in enumerate(counts) if c > done[n]]
+            if not parts:
+                return out
+            at = torch.cat([torch.arange(starts[n] + done[n], starts[n] + done[n] + p) for n, p in parts])
+            at = at.to(query.device)
+            part_scores = None if scores is None else scores[at]
+            out[at] = self._attend(layer_idx, [request_ids[n] for n, _ in parts], query[at], key[at], value[at],
+                                   positions[at], [p for _, p in parts], scaling, part_scores)
+            for n, p in parts:
+                done[n] += p
 
     def _attend(self, layer_idx: int, request_ids: list[str], query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, positions: torch.Tensor, counts: list[int], scaling: float,
@@ -345,13 +355,13 @@ class PagedServing:
                 request.queries[layer_idx] = recent if window is None else recent[:, max(0, recent.shape[1] - window):]
             if step.due is None:
                 continue
-            # the queries it scores with now (a decode compaction reads the recent ones when it is viewed); the
-            # prompt's queries are kept only for its end (the schedule keeps them exactly when that end is due)
+            # the queries it scores with now (a decode compaction reads the recent ones when it is viewed): the
+            # prompt's (kept exactly when its end is due) or, under prefill_chunk, the chunk's (kept since its start)
             ends_prompt = step.due.trigger is Trigger.PROMPT_END
-            now = q if step.due.step_queries else request.queries[layer_idx] if ends_prompt else None
+            now = request.queries[layer_idx] if ends_prompt or step.due.step_queries else None
             due.setdefault(step.due.trigger, []).append((rid, now))
-            if ends_prompt:
-                request.queries[layer_idx] = None  # decode compactions score with generated tokens' queries only
+            if ends_prompt or step.due.step_queries:
+                request.queries[layer_idx] = None  # the next chunk, or decode compactions, score with their own
         groups = []
         device = query.device
         for trigger, members in due.items():

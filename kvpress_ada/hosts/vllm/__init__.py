@@ -33,7 +33,8 @@ _REFUSED = {
 def press_from(press: Pipeline | str | dict, ratio: float | None = None,
                prefill_chunk: int | None = None) -> Pipeline:
     """A press from a :class:`Pipeline`, a preset name (with ``ratio``) or a Pipeline dict (a parsed YAML/JSON);
-    with ``prefill_chunk`` it evicts after every chunk of a long prompt (what vLLM's chunked prefill brings)."""
+    with ``prefill_chunk`` it evicts after every chunk of that many tokens of a long prompt (the transformers host's
+    chunks, whatever vLLM's: :mod:`kvpress_ada.serving.requests`)."""
     from ...pipeline import Pipeline
     from ...presets import preset
 
@@ -55,6 +56,12 @@ def engine_kwargs(press: Pipeline | str | dict, model: str, ratio: float | None 
 
     pipeline = press_from(press, ratio)
     check_servable(pipeline)
+    if pipeline.prefill_chunk is not None and type(pipeline.layers).needs_all_layers and \
+            engine.get("enable_chunked_prefill") is False:
+        raise ValueError(f"prefill_chunk={pipeline.prefill_chunk} with layers={type(pipeline.layers).__name__} and "
+                         "enable_chunked_prefill=False: that schedule evicts every layer at the end of a step, so "
+                         "vLLM's steps of a prompt must end at the press's chunks: serve with enable_chunked_prefill "
+                         "(vLLM's default)")
     # vLLM's CPU kernel reads whole blocks: a reader reads pages of the engine's block size
     pipeline = reading_pages_of(pipeline, int(engine.get("block_size") or BLOCK_SIZE))
     for key, reason in _REFUSED.items():

@@ -18,6 +18,7 @@ metadata builder adds each step's token counts and positions once per step (vLLM
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -31,7 +32,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     _get_attn_isa,
 )
 
-from ...families import family_for
+from ...families import Family, family_for
 from ...pipeline import Pipeline
 from ...serving.pages import PagePool
 from ...serving.pools import page_pool
@@ -121,20 +122,51 @@ def _build_serving(press: Pipeline, vllm_config: Any, runner: Any) -> PagedServi
         pools = [shared] * len(caches)
     else:
         pools = [_pool(press, kv.view(blocks * heads, 2, size, two_d // 2), isa) for kv in caches]
-    family = family_for(vllm_config.model_config.hf_config)
+    config = vllm_config.model_config.hf_config
+    family = family_for(config)
     modules = family.engine_attention_modules(runner.model) if runner is not None else []
+    cache: dict[tuple[int, str], torch.Tensor] = {}
+    return PagedServing(press, pools, int(heads), lambda i: LayerInfo(config, family, modules, i, cache))
 
-    weights: dict[int, torch.Tensor] = {}  # read back once per layer, when a scorer first asks (CriticalKV, ...)
 
-    def layer_info(i: int) -> dict[str, Any]:
-        if i not in weights:
-            proj = family.engine_output_projection(modules[i]) if i < len(modules) else None
-            if proj is None:
-                return {}
-            weights[i] = output_weight(proj)
-        return {"output_weight": weights[i]}
+class LayerInfo(Mapping[str, torch.Tensor]):
+    """What scorers read of layer ``layer_idx`` besides its tensors (:class:`PagedServing`'s ``layer_info``), each
+    computed when a scorer first asks and kept in ``cache`` (one per serving state): ``output_weight``, read back
+    from vLLM's output projection (:func:`output_weight`; CriticalKV, ...), and ``rope_inv_freq``, the frequencies
+    the transformers host reads, from the engine's HF config ``config`` through the family's rule
+    (:func:`~kvpress_ada.hosts.transformers.rotary.config_rope_inv_freq`; ExpectedAttention, leverage, CAP, ...). A
+    layer without an output projection has no ``output_weight``."""
 
-    return PagedServing(press, pools, int(heads), layer_info)
+    def __init__(self, config: Any, family: Family, modules: list[torch.nn.Module], layer_idx: int,
+                 cache: dict[Any, Any]):
+        self.config, self.family, self.modules, self.layer_idx, self.cache = config, family, modules, layer_idx, cache
+
+    def _read(self, name: str) -> torch.Tensor | None:
+        if name == "rope_inv_freq":
+            from ..transformers.rotary import config_rope_inv_freq, rotary_embedding
+
+            if "rotary" not in self.cache:  # built once, for every layer
+                self.cache["rotary"] = rotary_embedding(self.config)
+            return config_rope_inv_freq(self.config, self.layer_idx, self.cache["rotary"]).detach()
+        if name == "output_weight" and self.layer_idx < len(self.modules):
+            proj = self.family.engine_output_projection(self.modules[self.layer_idx])
+            return None if proj is None else output_weight(proj)
+        return None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        key = (self.layer_idx, name)
+        if key not in self.cache:
+            value = self._read(name)
+            if value is None:
+                raise KeyError(name)
+            self.cache[key] = value
+        return self.cache[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("output_weight", "rope_inv_freq"))
+
+    def __len__(self) -> int:
+        return 2
 
 
 def output_weight(proj: Any) -> torch.Tensor:

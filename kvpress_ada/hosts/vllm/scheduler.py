@@ -34,6 +34,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
+from ...runtime import Schedule
 from ...serving.pools import pool_reserve
 from . import press_of
 
@@ -155,18 +156,34 @@ def register_spec() -> None:
 
 
 class PressScheduler(Scheduler):
-    """vLLM's scheduler; the worker's page report shrinks evicted-from requests to the blocks they need."""
+    """vLLM's scheduler; the worker's page report shrinks evicted-from requests to the blocks they need. Under a
+    press with ``prefill_chunk`` whose layer schedule compares layers (``AdaLayer``: every layer evicts at the end
+    of a step), a step of a prompt ends at the end of the press's chunk it is in at the latest
+    (:meth:`Schedule.chunk_end <kvpress_ada.runtime.Schedule.chunk_end>`), so every chunk's eviction falls at the
+    end of a step, as on the transformers host (other presses split such a step instead: the serving layer)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         press = press_of(self.vllm_config.additional_config)
         self.interval = None if press is None else press.decode_interval
+        self.chunks: Schedule | None = None  # the schedule whose chunk ends cap a prompt's steps
         if press is None:
             return
+        if press.prefill_chunk is not None and Schedule(press).prompt_waits:
+            self.chunks = Schedule(press)
         for manager in self.kv_cache_manager.coordinator.single_type_managers:
             if isinstance(manager, PressBlockManager):
                 spec = manager.kv_cache_spec
                 manager.reserve = pool_reserve(press.storage, spec.block_size, spec.head_size, spec.dtype)
+
+    def _reserve_prefill_lookahead(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """vLLM's last cap on the tokens a request brings in a step (the running and the waiting requests' alike);
+        then, under :attr:`chunks`, at most up to the end of the press's chunk of its prompt it is in."""
+        n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        prompt = int(request.num_prompt_tokens)
+        if self.chunks is None or num_computed_tokens >= prompt:
+            return n
+        return min(n, self.chunks.chunk_end(num_computed_tokens, prompt) - num_computed_tokens)
 
     def _upcoming(self, request_id: str) -> int | None:
         """Under decode compression, the tokens request ``request_id`` writes at most before its next compaction

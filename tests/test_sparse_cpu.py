@@ -1,6 +1,7 @@
 """The fused CPU kernels of sparse reads (kvpress_ada/kernels/ragged/sparse_cpu_kernel.c) against the torch code:
-attention over the selected pages (and an fp64 oracle), the Quest page bounds, the top-k with position ties; the
-ops dispatch to them on CPU and turning them off gives the torch code exactly; no compiler is one warning."""
+attention over the selected pages (and an fp64 oracle), the Quest page bounds, the top-k with position ties, the pages
+TopPages selects (uniform and Ada read budgets) and the appends of page summaries; the ops dispatch to them on CPU and
+turning them off gives the torch code exactly; no compiler is one warning."""
 
 import shutil
 import warnings
@@ -11,10 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_sparse_kernels import oracle, ragged_pages
 
-from kvpress_ada import ranking
+from kvpress_ada import AdaHead, kernels, ranking
 from kvpress_ada.kernels.quantized.cpu_kernel import MAX_QUERIES, use_cpu_kernel
 from kvpress_ada.kernels.ragged import sparse
 from kvpress_ada.kernels.ragged import sparse_cpu_kernel as fused
+from kvpress_ada.readers import TopPages, select_pages
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the kernels cannot be built")
 
@@ -202,3 +204,200 @@ def test_no_compiler_is_one_warning_and_the_torch_code(fresh_library, monkeypatc
     assert torch.equal(got, sparse.sparse_attention_ref(q, k, v, offs, lens, table, selected, 16, 0.2))
     assert picked.tolist() == [[True, False, True]]
     assert not any(fresh_library.iterdir())  # nothing built
+
+
+# ----------------------------------------------------------------------------------------------- page selection
+def _selection_case(dtype, P, B, H, G, lengths, seed):
+    """A ragged layout of ``B * H`` rows of ``lengths`` (empty, within one page, ending mid-page), its summaries in
+    the cache's dtype (float16 rounded outward over float32 keys) and decode queries ``[B, H * G, 1, 32]``; keys and
+    queries drawn with a per-row, per-channel shift so that pages and heads differ."""
+    g = torch.Generator().manual_seed(seed)
+    k, v, offs, lens, table = ragged_pages(lengths, P, 32, torch.float32, seed=seed, spare=1 + seed % 2)
+    k = (k * torch.rand(k.shape[0], 1, generator=g) * 3).to(dtype)
+    kmin, kmax = sparse.page_summaries(k, offs, lens, P)
+    q = (torch.randn(B, H * G, 1, 32, generator=g) * 2).to(dtype)
+    return q, k, v.to(dtype), offs, lens, table, kmin, kmax
+
+
+def _torch_selection(reader, q, kmin, kmax, table, lens, scale, softcap):
+    """TopPages' torch code (shares, allocation, fit, top-k) over the kernel's bounds (equal to the torch bounds to
+    float rounding: test_bounds_kernel_equals_the_torch_bounds; near-tied pages are common, soft-capped bounds
+    saturate, so the oracle takes the same bounds)."""
+    bounds = fused.page_bounds_cpu(q, kmin, kmax, table, scale, softcap)
+    with use_cpu_kernel(False):
+        return reader.select(bounds, lens.view(q.shape[0], -1), 0)
+
+
+READ_ALLOCATORS = ["uniform", AdaHead(alpha=0.2), AdaHead(alpha=0.0), AdaHead(alpha=0.5), AdaHead(alpha=1.0)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.sampled_from([1, 4, 16]),
+       st.integers(1, 2), st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 3]), st.integers(2, 6),
+       st.lists(st.integers(0, 90), min_size=16, max_size=16), st.sampled_from(READ_ALLOCATORS),
+       st.sampled_from([None, 3.0]), st.integers(0, 9_999))
+def test_select_kernel_selects_what_the_torch_reader_selects(dtype, P, B, H, G, pages, lengths, allocator, softcap,
+                                                             seed):
+    """Every allocation path: uniform and Ada budgets (alpha 0, 0.2, 0.5: remainders tied, 1), heads holding fewer
+    pages than their count (their excess to the other heads' best pages), empty rows, first and newest pages forced,
+    GQA groups, soft-cap (bounds saturate: near ties); the C kernel's selection is the torch code's, page for page,
+    and each batch row reads its budget of held pages."""
+    q, _, _, offs, lens, table, kmin, kmax = _selection_case(dtype, P, B, H, G, lengths[:B * H], seed)
+    reader = TopPages(budget=pages * P, page_size=P, allocator=allocator)
+    got = reader.select_fused(q, kmin, kmax, table, lens, 0.3, 0, softcap)
+    want = _torch_selection(reader, q, kmin, kmax, table, lens, 0.3, softcap)
+    assert got is not None and got.dtype == torch.bool and got.shape == (B, H, table.shape[1])
+    assert torch.equal(got, want)
+    held = (lens.long() + P - 1) // P
+    read = got.view(B * H, -1)
+    assert bool((read.sum(-1) <= held).all())  # held pages only
+    first, newest = read[held > 0, 0], read[held > 0].gather(1, (held[held > 0] - 1)[:, None])
+    assert bool(first.all()) and bool(newest.all())  # the sinks' page and the newest, always
+    per_batch = torch.minimum(held.view(B, H).sum(-1), torch.tensor(H * reader.pages_per_head))
+    assert torch.equal(got.sum((-1, -2)), per_batch)  # each batch row reads its budget, or all it holds
+
+
+@pytest.mark.parametrize("allocator", READ_ALLOCATORS[:2])
+def test_select_kernel_batch_row_is_the_row_alone(allocator):
+    B, H, P = 3, 2, 4
+    q, _, _, offs, lens, table, kmin, kmax = _selection_case(torch.float32, P, B, H, 3, [70, 9, 0, 50, 33, 33], 7)
+    reader = TopPages(budget=3 * P, page_size=P, allocator=allocator)
+    batch = reader.select_fused(q, kmin, kmax, table, lens, 0.3, 0)
+    assert batch is not None
+    for b in range(B):
+        rows = slice(b * H, (b + 1) * H)
+        alone = reader.select_fused(q[b:b + 1], kmin, kmax, table[rows], lens[rows], 0.3, 0)
+        assert alone is not None and torch.equal(alone[0], batch[b])
+
+
+@pytest.mark.parametrize("allocator", READ_ALLOCATORS[:2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_select_kernel_with_a_covering_budget_reads_every_held_page_as_dense_attention(allocator, dtype):
+    """A budget at or above every row's pages selects exactly the pages holding entries; attention over them is
+    ragged attention over every kept entry (to float rounding: the same sums in another order)."""
+    B, H, G, P = 2, 2, 3, 4
+    q, k, v, offs, lens, table, kmin, kmax = _selection_case(dtype, P, B, H, G, [37, 0, 64, 5], 3)
+    reader = TopPages(budget=16 * P, page_size=P, allocator=allocator)
+    got = reader.select_fused(q, kmin, kmax, table, lens, 0.25, 0)
+    held = torch.arange(table.shape[1]) < ((lens.long() + P - 1) // P)[:, None]
+    assert got is not None and torch.equal(got.view(B * H, -1), held)
+    sparse_out = sparse.sparse_ragged_attention(q, k, v, offs, lens, table, got.view(B * H, -1), P, 0.25)
+    dense_out = kernels.ragged_attention(q, k, v, offs, lens, 0.25)
+    torch.testing.assert_close(sparse_out.float(), dense_out.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_select_kernel_leaves_nan_scores_and_other_allocators_to_torch(monkeypatch):
+    """Bounds of +inf (summaries past float16's range in channels of both signs) make torch's softmax shares NaN: the
+    kernel decides nothing and select_pages gives the torch selection; an allocator other than uniform / Ada (here a
+    subclass) is not served; the dispatch runs the kernel otherwise (the torch select is never called)."""
+    q, _, _, offs, lens, table, kmin, kmax = _selection_case(torch.float32, 4, 1, 2, 1, [40, 30], 2)
+    kmax[1, :] = float("inf")
+    kmin[1, :] = float("-inf")  # page 1 of row 0: +inf bounds for every query
+    reader = TopPages(budget=8, page_size=4, allocator="ada")
+    bounds = sparse.page_bounds(q, kmin, kmax, table, 0.3)
+    scores, _ = reader.page_counts(bounds, lens.view(1, -1), 0)
+    assert bool(scores.isnan().any())
+    assert reader.select_fused(q, kmin, kmax, table, lens, 0.3, 0) is None
+    assert torch.equal(select_pages(reader, q, kmin, kmax, table, lens, 0.3, 0),
+                       _torch_selection(reader, q, kmin, kmax, table, lens, 0.3, None))
+
+    class Halved(AdaHead):
+        pass
+
+    assert TopPages(budget=8, page_size=4, allocator=Halved()).select_fused(q, kmin, kmax, table, lens, 0.3, 0) is None
+    q, _, _, offs, lens, table, kmin, kmax = _selection_case(torch.float32, 4, 1, 2, 1, [40, 30], 3)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the torch selection ran")
+
+    monkeypatch.setattr(TopPages, "select", refused)
+    got = select_pages(reader, q, kmin, kmax, table, lens, 0.3, 0)
+    monkeypatch.undo()
+    assert torch.equal(got, _torch_selection(reader, q, kmin, kmax, table, lens, 0.3, None))
+
+
+# ---------------------------------------------------------------------------------------------- summary appends
+def _edge_floats():
+    """float32 values at float16's edges: zeros, subnormals of both, halfway points (ties to even), the largest
+    finite and the overflow threshold, infinities, NaN, and random bit patterns over the whole range."""
+    h = torch.arange(0, 0x7C01, 37, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    mids = (h[:-1].double() + h[1:].double()) / 2  # halfway between neighbours (ties), and just beside them
+    near = torch.cat([mids.float(), torch.nextafter(mids.float(), torch.tensor(0.0)),
+                      torch.nextafter(mids.float(), torch.tensor(float("inf")))])
+    special = torch.tensor([0.0, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-14, 65504.0, 65519.99, 65520.0, 1e-40,
+                            float("inf"), float("nan"), 1e30, 2.0**-150 * 3, 6.0e-8, 5.96e-8])
+    bits = torch.randint(-2**31, 2**31 - 1, (20_000,), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
+    randoms = bits.to(torch.int32).view(torch.float32)
+    x = torch.cat([h, near, special, randoms])
+    return torch.cat([x, -x])
+
+
+def _same_halves(got, want):
+    """Equal 16-bit summaries: the same NaN places, the same bits elsewhere."""
+    assert torch.equal(got.isnan(), want.isnan())
+    keep = ~want.isnan()
+    assert torch.equal(got[keep].view(torch.int16), want[keep].view(torch.int16))
+
+
+def test_append_kernel_rounds_float32_outward_as_torch_does():
+    """Each float32 key alone on its page: the page's kmin, kmax are the key rounded down and up to float16, bit for
+    bit as ``round_outward`` (ties to even, subnormals, overflow to inf, NaN kept)."""
+    x = _edge_floats()
+    D = 64
+    x = torch.cat([x, x.new_zeros(-x.numel() % D)]).view(-1, 1, 1, D)  # one key per row, one row per page
+    R = x.shape[0]
+    offs = torch.arange(R, dtype=torch.int32)
+    lens = torch.ones(R, dtype=torch.int32)
+    kmin = torch.full((R, D), float("inf"), dtype=torch.float16)
+    kmax = -kmin
+    assert fused.append_summaries_cpu(x.view(R, 1, 1, D), kmin, kmax, offs, lens, 1)
+    flat = x.view(R, D)
+    _same_halves(kmin, sparse.round_outward(flat, torch.float16, up=False))
+    _same_halves(kmax, sparse.round_outward(flat, torch.float16, up=True))
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.sampled_from([1, 4, 16]),
+       st.integers(1, 4), st.lists(st.integers(0, 60), min_size=6, max_size=6), st.booleans(), st.integers(0, 9_999))
+def test_append_kernel_equals_the_torch_append(dtype, P, Q, lengths, huge, seed):
+    """Q keys appended to every row (pages part-filled, new pages, rows that were empty) folded into summaries
+    holding earlier keys: the same bits as the two scatter_reduce of the torch code, keys past float16's range too."""
+    g = torch.Generator().manual_seed(seed)
+    total = [n + Q for n in lengths]
+    k, _, offs, lens, _ = ragged_pages(total, P, 24, torch.float32, seed=seed, spare=1)
+    if huge:
+        k[torch.rand(k.shape, generator=g) < 0.1] *= 1e5
+    k = k.to(dtype)
+    before = torch.tensor(lengths, dtype=torch.int32)
+    kmin, kmax = sparse.page_summaries(k, offs, before, P)  # the summaries before the append
+    slots = offs.long()[:, None] + before.long()[:, None] + torch.arange(Q)
+    new = k[slots].view(2, 3, Q, 24)
+    got_min, got_max, want_min, want_max = kmin.clone(), kmax.clone(), kmin.clone(), kmax.clone()
+    assert fused.append_summaries_cpu(new, got_min, got_max, offs, lens, P)
+    sparse._append_ref(new, want_min, want_max, offs, lens, P)
+    _same_halves(got_min, want_min)
+    _same_halves(got_max, want_max)
+    full_min, full_max = sparse.page_summaries(k, offs, lens, P)  # and they are the summaries of the whole rows
+    _same_halves(got_min, full_min)
+    _same_halves(got_max, full_max)
+
+
+def test_append_dispatches_to_the_kernel_on_cpu(monkeypatch):
+    k, _, offs, lens, _ = ragged_pages([9, 17], 4, 16, torch.float32, seed=1)
+    before = lens - 1
+    kmin, kmax = sparse.page_summaries(k, offs, before, 4)
+    new = k[(offs + before).long()].view(1, 2, 1, 16)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the torch append ran")
+
+    monkeypatch.setattr(sparse, "_append_ref", refused)
+    got = kmin.clone(), kmax.clone()
+    sparse.append_summaries(new, *got, offs, lens, 4)
+    torch.ops.kvpress_ada.append_page_summaries(new, kmin, kmax, offs, lens, 4)  # the raw op (compiled steps)
+    monkeypatch.undo()
+    assert torch.equal(got[0], kmin) and torch.equal(got[1], kmax)
+    with use_cpu_kernel(False):
+        assert not fused.append_summaries_cpu(new, kmin, kmax, offs, lens, 4)
+    assert not fused.append_summaries_cpu(new, kmin.float(), kmax.float(), offs, lens, 4)  # float32 summaries: torch
+    assert not fused.append_summaries_cpu(new, kmin, kmax, offs.long(), lens.long(), 4)  # int64 offsets: torch

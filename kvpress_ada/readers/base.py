@@ -36,6 +36,13 @@ class Reader(Component):
         """Whether every page of rows of at most ``longest`` entries is read (a host then reads them densely)."""
         return False
 
+    def select_fused(self, query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, table: torch.Tensor,
+                     lengths: torch.Tensor, scale: float, layer_idx: int,
+                     softcap: float | None = None) -> torch.Tensor | None:
+        """What :func:`select_pages` returns, computed in one fused kernel where the reader has one for the call
+        (bounds and selection together); ``None`` (the default): bounds, then :meth:`select`."""
+        return None
+
 
 READERS = Registry("reader", Reader)
 register_reader = READERS.decorator_function()
@@ -47,7 +54,11 @@ def select_pages(reader: Reader, query: torch.Tensor, kmin: torch.Tensor, kmax: 
     """``[B, H_kv, W]`` bool: the pages ``reader`` reads for ``query [B, H_q, 1, D]`` over rows whose page ``j`` is
     page ``table[r, j]`` (``[B * H_kv, W]``, ``-1``: none) of the summaries ``kmin, kmax [pages, D]`` and which hold
     ``lengths [B * H_kv]`` entries: each page's Quest bound (:func:`~kvpress_ada.kernels.ragged.sparse.page_bounds`),
-    then :meth:`Reader.select`. What every host that pages calls (the ragged cache's pages, an engine's pages)."""
+    then :meth:`Reader.select` (or both at once: :meth:`Reader.select_fused`). What every host that pages calls (the
+    ragged cache's pages, an engine's pages)."""
+    fused = reader.select_fused(query, kmin, kmax, table, lengths, scale, layer_idx, softcap)
+    if fused is not None:
+        return fused
     B = query.shape[0]
     bounds = page_bounds(query, kmin, kmax, table, scale, softcap)
     return reader.select(bounds, lengths.view(B, -1), layer_idx)

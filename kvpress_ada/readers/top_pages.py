@@ -8,8 +8,9 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, SerializeAsAny, field_validator, model_validator
 
-from ..allocators.heads import ALLOCATORS, HeadAllocator, UniformHead, fit_to_valid
-from ..ranking import top_k
+from ..allocators.heads import ALLOCATORS, AdaHead, HeadAllocator, UniformHead, fit_to_valid
+from ..kernels.ragged.sparse_cpu_kernel import select_pages_cpu
+from ..ranking import TIE_RTOL, top_k
 from .base import Reader, register_reader
 
 MAX_READ = 2**31 - 1  # tokens per kv head (the ragged cache's offsets are int32)
@@ -90,7 +91,9 @@ class TopPages(Reader):
         exists, always = row_pages(lengths, self.page_size, W)
         # pages a row does not hold: the lowest finite logit (a row holding none gets finite shares, dropped below)
         logits = bounds.float().masked_fill(~exists[:, :, None], torch.finfo(torch.float32).min)
-        share = torch.softmax(logits, dim=-1).amax(2)
+        # float64 shares rounded once: the order of the sums and exp's last bits decide no page (ties are near here:
+        # bounds soft-capped or of similar pages), and the fused CPU kernel computes the same bits
+        share = torch.softmax(logits.double(), dim=-1).amax(2).float()
         inf = torch.full_like(share, float("inf"))
         scores = torch.where(always, inf, torch.where(exists, share, -inf))
         per_head = torch.full((B,), self.pages_per_head, dtype=torch.long, device=bounds.device)
@@ -103,6 +106,19 @@ class TopPages(Reader):
     def select(self, bounds: torch.Tensor, lengths: torch.Tensor, layer_idx: int) -> torch.Tensor:
         scores, counts, exists = self._counts(bounds, lengths, layer_idx)
         return _best(scores, counts) & exists
+
+    def select_fused(self, query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, table: torch.Tensor,
+                     lengths: torch.Tensor, scale: float, layer_idx: int,
+                     softcap: float | None = None) -> torch.Tensor | None:
+        """Eager CPU calls with a uniform or Ada allocator: the bounds, shares, read budgets, fit and top-k of
+        :meth:`select` in one C call per layer (:func:`~kvpress_ada.kernels.ragged.sparse_cpu_kernel.select_pages_cpu`;
+        the same pages as :meth:`select` over the kernel's bounds); ``None`` otherwise (the torch code)."""
+        kind = type(self.allocator)
+        if kind is not UniformHead and kind is not AdaHead:  # a subclass may split otherwise
+            return None
+        alpha = self.allocator.alpha if isinstance(self.allocator, AdaHead) else None
+        return select_pages_cpu(query, kmin, kmax, table, lengths, scale, softcap, self.page_size, self.pages_per_head,
+                                alpha, TIE_RTOL)
 
 
 def _best(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

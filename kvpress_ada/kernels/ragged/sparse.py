@@ -33,7 +33,7 @@ from ..quantized.ops import op_fields, op_layout
 from ..quantized.scheme import RecordLayout, check_side, dequantize, key_rotation, residual_of, side_operands
 from ..support import check_logit_extras, resolve_backend, triton_module
 from .reference import capped
-from .sparse_cpu_kernel import page_bounds_cpu, sparse_attention_cpu
+from .sparse_cpu_kernel import append_summaries_cpu, page_bounds_cpu, sparse_attention_cpu
 
 __all__ = ["summary_dtype", "round_outward", "page_summaries", "page_table", "append_summaries", "page_bounds",
            "sparse_ragged_attention", "sparse_attention_ref", "sparse_quantized_attention",
@@ -126,6 +126,14 @@ def page_bounds(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, scale: flo
 # ----------------------------------------------------------------------------- append (custom op)
 def _append_impl(k_new: Tensor, kmin: Tensor, kmax: Tensor, row_offsets: Tensor, row_lengths: Tensor,
                  page_size: int) -> None:
+    if append_summaries_cpu(k_new, kmin, kmax, row_offsets, row_lengths, page_size):  # CPU: the fused kernel
+        return
+    _append_ref(k_new, kmin, kmax, row_offsets, row_lengths, page_size)
+
+
+def _append_ref(k_new: Tensor, kmin: Tensor, kmax: Tensor, row_offsets: Tensor, row_lengths: Tensor,
+                page_size: int) -> None:
+    """The torch code of :func:`append_summaries` (two ``scatter_reduce_``)."""
     B, H, Q, D = k_new.shape
     first = row_offsets.long() + row_lengths.long() - Q  # the new entries' first slot in each row
     pages = ((first[:, None] + torch.arange(Q, device=first.device)) // page_size).reshape(-1, 1).expand(-1, D)
@@ -158,7 +166,8 @@ def append_summaries(k_new: Tensor, kmin: Tensor, kmax: Tensor, row_offsets: Ten
                      page_size: int) -> None:
     """Reduce ``k_new [B, H_kv, Q, D]``, just appended (``row_lengths`` counts them already), into the summaries
     of their pages, in place: each key rounded down into ``kmin`` and up into ``kmax`` (:func:`round_outward`, to
-    the summaries' dtype). Device-side index ops (no host sync)."""
+    the summaries' dtype). Device-side index ops (no host sync); on CPU the fused kernel
+    (:func:`~.sparse_cpu_kernel.append_summaries_cpu`: the same bits), in a compiled step too."""
     _check_append(k_new, kmin, kmax, row_offsets, row_lengths)
     if not torch.compiler.is_compiling() and all(type(t) is Tensor for t in (k_new, kmin, kmax)):
         _append_impl(k_new, kmin, kmax, row_offsets, row_lengths, int(page_size))

@@ -137,34 +137,39 @@ INLINE void clamped_row(const void *base, int64_t i, int dtype, const int64_t D,
     }
 }
 
+/* row r's bounds o [GQ, W] for its queries q [GQ, D] (scratch: qp, qn [GQ, D], lo, hi [D]) */
+INLINE void row_bounds(const float *q, const void *kmin, const void *kmax, int dtype, const int64_t *tab, int64_t W,
+                       int64_t GQ, const int64_t D, float softcap, float *restrict qp, float *restrict qn,
+                       float *restrict lo, float *restrict hi, float *restrict o) {
+    for (int64_t i = 0; i < GQ * D; i++) {
+        qp[i] = q[i] > 0.0f ? q[i] : 0.0f;
+        qn[i] = q[i] < 0.0f ? q[i] : 0.0f;
+    }
+    for (int64_t j = 0; j < W; j++) {
+        const int64_t page = tab[j];
+        if (page < 0 || first_of(kmin, page, dtype, D) > first_of(kmax, page, dtype, D)) {
+            for (int64_t m = 0; m < GQ; m++) o[m * W + j] = -INFINITY; /* none, or holding nothing */
+            continue;
+        }
+        clamped_row(kmin, page, dtype, D, 0, lo);
+        clamped_row(kmax, page, dtype, D, 1, hi);
+        for (int64_t m = 0; m < GQ; m++) {
+            float b = dot2(qp + m * D, hi, qn + m * D, lo, D);
+            if (isnan(b)) b = INFINITY; /* overflowing terms of both signs: no bound */
+            if (softcap > 0.0f) b = softcap * tanhf(b / softcap);
+            o[m * W + j] = b;
+        }
+    }
+}
+
 INLINE int bounds(const float *qs, const void *kmin, const void *kmax, int dtype, const int64_t *table, int64_t R,
                   int64_t W, int64_t GQ, const int64_t D, float softcap, float *out) {
     float *buf = malloc(sizeof(float) * (size_t)(2 * GQ * D + 2 * D));
     if (!buf) return 1;
     float *qp = buf, *qn = buf + GQ * D, *lo = buf + 2 * GQ * D, *hi = lo + D;
-    for (int64_t r = 0; r < R; r++) {
-        const float *q = qs + r * GQ * D;
-        for (int64_t i = 0; i < GQ * D; i++) {
-            qp[i] = q[i] > 0.0f ? q[i] : 0.0f;
-            qn[i] = q[i] < 0.0f ? q[i] : 0.0f;
-        }
-        float *o = out + r * GQ * W;
-        for (int64_t j = 0; j < W; j++) {
-            const int64_t page = table[r * W + j];
-            if (page < 0 || first_of(kmin, page, dtype, D) > first_of(kmax, page, dtype, D)) {
-                for (int64_t m = 0; m < GQ; m++) o[m * W + j] = -INFINITY; /* none, or holding nothing */
-                continue;
-            }
-            clamped_row(kmin, page, dtype, D, 0, lo);
-            clamped_row(kmax, page, dtype, D, 1, hi);
-            for (int64_t m = 0; m < GQ; m++) {
-                float b = dot2(qp + m * D, hi, qn + m * D, lo, D);
-                if (isnan(b)) b = INFINITY; /* overflowing terms of both signs: no bound */
-                if (softcap > 0.0f) b = softcap * tanhf(b / softcap);
-                o[m * W + j] = b;
-            }
-        }
-    }
+    for (int64_t r = 0; r < R; r++)
+        row_bounds(qs + r * GQ * D, kmin, kmax, dtype, table + r * W, W, GQ, D, softcap, qp, qn, lo, hi,
+                   out + r * GQ * W);
     free(buf);
     return 0;
 }
@@ -299,41 +304,37 @@ int kvs_sparse_attention(const float *qs, const void *k, const void *v, int64_t 
         }                                                                                                      \
         return a[lo];                                                                                          \
     }                                                                                                          \
+    /* one row x [n > 0], no NaN: its kk best (kk in [0, n]) into o [n]; buf [n] scratch */                    \
+    static void NAME##_row(const T *x, int64_t n, int64_t kk, T rtol, int recent_first, T *buf, uint8_t *o) { \
+        memcpy(buf, x, sizeof(T) * (size_t)n);                                                                 \
+        const T kth = NAME##_kth(buf, n, kk > 0 ? kk - 1 : 0);                                                 \
+        const T tol = isfinite(kth) ? FABS(kth) * rtol : (T)0;                                                \
+        int64_t above = 0;                                                                                     \
+        for (int64_t i = 0; i < n; i++) {                                                                      \
+            const int tied = x[i] == kth || FABS(x[i] - kth) <= tol;                                           \
+            o[i] = !tied && x[i] > kth;                                                                        \
+            above += o[i];                                                                                     \
+        }                                                                                                      \
+        const int64_t want = kk - above;                                                                       \
+        int64_t taken = 0;                                                                                     \
+        for (int64_t s = 0; s < n && taken < want; s++) {                                                      \
+            const int64_t i = recent_first ? n - 1 - s : s;                                                    \
+            if (x[i] == kth || FABS(x[i] - kth) <= tol) {                                                      \
+                o[i] = 1;                                                                                      \
+                taken++;                                                                                       \
+            }                                                                                                  \
+        }                                                                                                      \
+    }                                                                                                          \
     int NAME(const T *scores, const int64_t *k, int64_t rows, int64_t n, T rtol, int64_t recent_first,        \
              uint8_t *out) {                                                                                   \
         if (n <= 0) return 0;                                                                                  \
+        for (int64_t i = 0; i < rows * n; i++)                                                                 \
+            if (scores[i] != scores[i]) return 1;                                                              \
         T *buf = malloc(sizeof(T) * (size_t)n);                                                                \
         if (!buf) return 2;                                                                                    \
         for (int64_t r = 0; r < rows; r++) {                                                                   \
-            const T *x = scores + r * n;                                                                       \
-            for (int64_t i = 0; i < n; i++)                                                                    \
-                if (x[i] != x[i]) {                                                                            \
-                    free(buf);                                                                                 \
-                    return 1;                                                                                  \
-                }                                                                                              \
-        }                                                                                                      \
-        for (int64_t r = 0; r < rows; r++) {                                                                   \
-            const T *x = scores + r * n;                                                                       \
-            uint8_t *o = out + r * n;                                                                          \
             const int64_t kk = k[r] < 0 ? 0 : (k[r] > n ? n : k[r]);                                           \
-            memcpy(buf, x, sizeof(T) * (size_t)n);                                                             \
-            const T kth = NAME##_kth(buf, n, kk > 0 ? kk - 1 : 0);                                             \
-            const T tol = isfinite(kth) ? FABS(kth) * rtol : (T)0;                                            \
-            int64_t above = 0;                                                                                 \
-            for (int64_t i = 0; i < n; i++) {                                                                  \
-                const int tied = x[i] == kth || FABS(x[i] - kth) <= tol;                                       \
-                o[i] = !tied && x[i] > kth;                                                                    \
-                above += o[i];                                                                                 \
-            }                                                                                                  \
-            const int64_t want = kk - above;                                                                   \
-            int64_t taken = 0;                                                                                 \
-            for (int64_t s = 0; s < n && taken < want; s++) {                                                  \
-                const int64_t i = recent_first ? n - 1 - s : s;                                                \
-                if (x[i] == kth || FABS(x[i] - kth) <= tol) {                                                  \
-                    o[i] = 1;                                                                                  \
-                    taken++;                                                                                   \
-                }                                                                                              \
-            }                                                                                                  \
+            NAME##_row(scores + r * n, n, kk, rtol, (int)recent_first, buf, out + r * n);                      \
         }                                                                                                      \
         free(buf);                                                                                             \
         return 0;                                                                                              \
@@ -341,3 +342,200 @@ int kvs_sparse_attention(const float *qs, const void *k, const void *v, int64_t 
 
 TOP_K(float, kvs_top_k_f32, fabsf)
 TOP_K(double, kvs_top_k_f64, fabs)
+
+/* ------------------------------------------------------------------------------ page selection (TopPages) */
+/* kvs_select_pages: what kvpress_ada.readers.TopPages selects over the Quest bounds of kvs_page_bounds (the same
+ * pages as its torch code given these bounds: its float64 shares rounded once, every other step exact), for rows
+ * r = b * H + h (H kv heads per batch row) holding lens[r] entries, in pages of P:
+ *  - the pages of a row that hold an entry (j < ceil(lens[r] / P)) compete with the largest over its GQ queries of
+ *    their softmax weight over the row's W pages (the others at float32's lowest logit), its first and newest page
+ *    always read (+inf), the others never (-inf);
+ *  - each kv head reads per_head pages (alpha < 0: uniform), or Ada-KV's split of its batch row's H * per_head:
+ *    the top-k over the scores flattened by (page, head), mixed with per_head by alpha, rounded by largest remainder
+ *    (ties: the larger adaptive count, then the lower head), at most W;
+ *  - counts over what a head holds go to the best unread pages of its batch row's other heads (fit_to_valid);
+ *  - each head reads its count of best pages, ties the newer first (top_k with rtol).
+ * out uint8 [R, W]. Returns 1 (nothing decided: the torch code decides) on a NaN score, 2 out of memory. */
+
+/* counts [H]: how many of the k best of sc [H, W], flattened by (page, head), ties the lower first, each head has
+ * (flat, buf [H * W], mask [H * W] scratch) */
+static void flat_counts(const float *sc, int64_t H, int64_t W, int64_t k, float rtol, float *flat, float *buf,
+                        uint8_t *mask, int64_t *counts) {
+    const int64_t n = H * W;
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t j = 0; j < W; j++) flat[j * H + h] = sc[h * W + j];
+    kvs_top_k_f32_row(flat, n, k < 0 ? 0 : (k > n ? n : k), rtol, 0, buf, mask);
+    for (int64_t h = 0; h < H; h++) {
+        counts[h] = 0;
+        for (int64_t j = 0; j < W; j++) counts[h] += mask[j * H + h];
+    }
+}
+
+/* out [H]: values v [H] (non-negative) rounded to integers summing to total (allocators.rounding: floors, the
+ * remaining units to the largest fractional parts, ties to the larger tie[h], then the lower h), each at most upper
+ * (frac [H], order [H] scratch) */
+static void round_to_total(const double *v, int64_t H, int64_t total, int64_t upper, const int64_t *tie,
+                           double *frac, int64_t *order, int64_t *out) {
+    double floors = 0.0;
+    for (int64_t h = 0; h < H; h++) {
+        const double near = nearbyint(v[h]), x = fabs(v[h] - near) < 1e-9 ? near : v[h]; /* snapped */
+        out[h] = (int64_t)floor(x);
+        frac[h] = x - floor(x);
+        floors += floor(x);
+    }
+    const double remaining = total - floors > 0.0 ? total - floors : 0.0;
+    for (int64_t i = 0; i < H; i++) { /* insertion sort: fraction down, tie down, head up */
+        int64_t a = i, j = i;
+        for (; j > 0; j--) {
+            const int64_t b = order[j - 1];
+            if (frac[b] > frac[a] || (frac[b] == frac[a] && (tie[b] > tie[a] || (tie[b] == tie[a] && b < a)))) break;
+            order[j] = b;
+        }
+        order[j] = a;
+    }
+    for (int64_t rank = 0; rank < H; rank++) {
+        const int64_t h = order[rank];
+        out[h] += (double)rank < remaining;
+        out[h] = out[h] < upper ? out[h] : upper;
+    }
+}
+
+/* sc [W]: a row's scores from its bounds b [GQ, W], pages (ceil(lens / P)) of its pages holding an entry; the
+ * softmax in float64 (dbuf [W] scratch), its largest over the queries rounded once to float32, as TopPages computes
+ * it (so the sums' order and exp's last bits do not decide); 1 when a score that decides is NaN (a bound of +inf:
+ * the softmax over it is NaN, as torch's) */
+static int row_scores(const float *b, int64_t GQ, int64_t W, int64_t pages, double *dbuf, float *sc) {
+    for (int64_t m = 0; m < GQ; m++) {
+        const float *l = b + m * W;
+        double top = -INFINITY, sum = 0.0;
+        for (int64_t j = 0; j < W; j++) {
+            dbuf[j] = j < pages ? (double)l[j] : (double)-FLT_MAX; /* never NaN (row_bounds) */
+            top = dbuf[j] > top ? dbuf[j] : top;
+        }
+        for (int64_t j = 0; j < W; j++) {
+            dbuf[j] = exp(dbuf[j] - top);
+            sum += dbuf[j];
+        }
+        const double inv = 1.0 / sum;
+        for (int64_t j = 0; j < W; j++) { /* the largest over the queries; NaN wins (torch's amax) */
+            const float s = (float)(dbuf[j] * inv);
+            if (m == 0 || (!isnan(sc[j]) && (isnan(s) || s > sc[j]))) sc[j] = s;
+        }
+    }
+    for (int64_t j = 0; j < W; j++) {
+        if (j >= pages) sc[j] = -INFINITY;
+        else if (j == 0 || j == pages - 1) sc[j] = INFINITY; /* the first (sinks) and newest pages */
+        else if (isnan(sc[j])) return 1;
+    }
+    return 0;
+}
+
+INLINE int select_pages(const float *qs, const void *kmin, const void *kmax, int dtype, const int64_t *table,
+                        const int64_t *lens, int64_t R, int64_t H, int64_t W, int64_t GQ, const int64_t D,
+                        float softcap, int64_t P, int64_t per_head, double alpha, float rtol, uint8_t *out) {
+    const int64_t HW = H * W;
+    /* floats: qp, qn [GQ, D], lo, hi [D], bounds [GQ, W], scores, rest, flat, buf [H, W]; double: mixed, frac [H],
+     * dbuf [W]; int64: pages, counts, adaptive, extra, order [H]; bytes: mask, chosen [H, W] */
+    const size_t floats = (size_t)(2 * GQ * D + 2 * D + GQ * W + 4 * HW);
+    char *mem = malloc(sizeof(float) * floats + 2 * (size_t)HW + sizeof(int64_t) * 5 * (size_t)H
+                       + sizeof(double) * (2 * (size_t)H + (size_t)W) + 16);
+    if (!mem) return 2;
+    float *qp = (float *)mem, *qn = qp + GQ * D, *lo = qn + GQ * D, *hi = lo + D, *bnd = hi + D, *sc = bnd + GQ * W;
+    float *rest = sc + HW, *flat = rest + HW, *buf = flat + HW;
+    double *mixed = (double *)(mem + (sizeof(float) * floats + 7) / 8 * 8), *frac = mixed + H, *dbuf = frac + H;
+    int64_t *pages = (int64_t *)(dbuf + W), *counts = pages + H, *adaptive = counts + H, *extra = adaptive + H;
+    int64_t *order = extra + H;
+    uint8_t *mask = (uint8_t *)(order + H), *chosen = mask + HW;
+    int status = 0;
+    for (int64_t b = 0; b < R / H && !status; b++) {
+        for (int64_t h = 0; h < H && !status; h++) {
+            const int64_t r = b * H + h, n = lens[r] > 0 ? lens[r] : 0, held = (n + P - 1) / P;
+            pages[h] = held < W ? held : W;
+            row_bounds(qs + r * GQ * D, kmin, kmax, dtype, table + r * W, W, GQ, D, softcap, qp, qn, lo, hi, bnd);
+            status = row_scores(bnd, GQ, W, held, dbuf, sc + h * W);
+        }
+        if (status) break;
+        if (alpha < 0.0) {
+            for (int64_t h = 0; h < H; h++) counts[h] = per_head;
+        } else { /* Ada-KV */
+            flat_counts(sc, H, W, H * per_head, rtol, flat, buf, mask, adaptive);
+            for (int64_t h = 0; h < H; h++) { /* two statements: no fused multiply-add (torch rounds each step) */
+                const double uniform = alpha * (double)per_head, own = (1.0 - alpha) * (double)adaptive[h];
+                mixed[h] = uniform + own;
+            }
+            round_to_total(mixed, H, H * per_head, W, adaptive, frac, order, counts);
+        }
+        int64_t over = 0, room = 0; /* fit_to_valid: counts a head cannot fill go to the others' best pages */
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t clipped = counts[h] < pages[h] ? counts[h] : pages[h];
+            over += counts[h] - clipped;
+            room += pages[h] - clipped;
+            counts[h] = clipped;
+        }
+        if (over > 0) {
+            for (int64_t h = 0; h < H; h++) {
+                kvs_top_k_f32_row(sc + h * W, W, counts[h] > 0 ? counts[h] : 0, rtol, 1, buf, chosen + h * W);
+                for (int64_t j = 0; j < W; j++)
+                    rest[h * W + j] = j < pages[h] && !chosen[h * W + j] ? sc[h * W + j] : -INFINITY;
+            }
+            flat_counts(rest, H, W, over < room ? over : room, rtol, flat, buf, mask, extra);
+            for (int64_t h = 0; h < H; h++) counts[h] += extra[h];
+        }
+        for (int64_t h = 0; h < H; h++) {
+            uint8_t *o = out + (b * H + h) * W;
+            const int64_t k = counts[h] < 0 ? 0 : (counts[h] > W ? W : counts[h]);
+            kvs_top_k_f32_row(sc + h * W, W, k, rtol, 1, buf, o);
+            for (int64_t j = pages[h]; j < W; j++) o[j] = 0;
+        }
+    }
+    free(mem);
+    return status;
+}
+
+int kvs_select_pages(const float *qs, const void *kmin, const void *kmax, int64_t dtype, const int64_t *table,
+                     const int64_t *lens, int64_t R, int64_t H, int64_t W, int64_t GQ, int64_t D, float softcap,
+                     int64_t P, int64_t per_head, double alpha, float rtol, uint8_t *out) {
+#define SELECT(D_) select_pages(qs, kmin, kmax, (int)dtype, table, lens, R, H, W, GQ, D_, softcap, P, per_head, \
+                                alpha, rtol, out)
+    if (R % H || W <= 0 || P <= 0) return 3;
+    if (D == 64) return SELECT(64);
+    if (D == 128) return SELECT(128);
+    return SELECT(D);
+#undef SELECT
+}
+
+/* ------------------------------------------------------------------------------------------ summary appends */
+/* kvs_append_summaries: the Q keys [R, Q, D] (kdtype) just appended to each row (row r's entry i at slot offs[r] +
+ * lens[r] - Q + i, lens counting them) reduced into their pages' kmin, kmax [pages, D] (sdtype): float32 keys
+ * rounded outward to float16 summaries (kmin down, kmax up), 16-bit keys into summaries of their dtype as they are;
+ * a NaN stays (min / max propagate it). int32 offs, lens (the ragged cache's). Returns 1 (nothing written) for a
+ * slot outside the summaries, 3 for a pair of dtypes it does not read (float32 -> 1, 1 -> 1, 2 -> 2). */
+int kvs_append_summaries(const void *keys, int64_t kdtype, uint16_t *kmin, uint16_t *kmax, int64_t sdtype,
+                         const int32_t *offs, const int32_t *lens, int64_t R, int64_t Q, int64_t D, int64_t P,
+                         int64_t n_pages) {
+    if (!((kdtype == 0 && sdtype == 1) || (kdtype == 1 && sdtype == 1) || (kdtype == 2 && sdtype == 2))) return 3;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t first = (int64_t)offs[r] + lens[r] - Q;
+        if (first < 0 || (first + Q - 1) / P >= n_pages) return 1;
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t i = 0; i < Q; i++) {
+            const int64_t page = ((int64_t)offs[r] + lens[r] - Q + i) / P, e = r * Q + i;
+            uint16_t *lo = kmin + page * D, *hi = kmax + page * D;
+            for (int64_t c = 0; c < D; c++) {
+                uint16_t down, up;
+                if (kdtype == 0) {
+                    const float x = ((const float *)keys)[e * D + c];
+                    down = half_outward(x, 0);
+                    up = half_outward(x, 1);
+                } else {
+                    down = up = ((const uint16_t *)keys)[e * D + c];
+                }
+                const float d = sixteen_to_float(down, (int)sdtype), u = sixteen_to_float(up, (int)sdtype);
+                const float l = sixteen_to_float(lo[c], (int)sdtype), h = sixteen_to_float(hi[c], (int)sdtype);
+                if (!isnan(l) && (isnan(d) || d < l)) lo[c] = down;
+                if (!isnan(h) && (isnan(u) || u > h)) hi[c] = up;
+            }
+        }
+    return 0;
+}

@@ -1,12 +1,16 @@
-"""The fused CPU kernels of sparse reads (``sparse_cpu_kernel.c``), built on first use: Quest page bounds and
-attention over the selected pages of a full-precision ragged cache (Quest, Tang et al., ICML 2024).
+"""The fused CPU kernels of sparse reads (``sparse_cpu_kernel.c``), built on first use: Quest page bounds, the pages
+a reader selects, attention over the selected pages of a full-precision ragged cache and the appends of page
+summaries (Quest, Tang et al., ICML 2024).
 
 :func:`page_bounds_cpu` computes what :func:`~.sparse.page_bounds` computes, reading each page's 16-bit summaries
 where they lie (no gathered ``[R, W, D]`` copies); :func:`sparse_attention_cpu` computes what
 :func:`~.sparse.sparse_attention_ref` computes, reading each selected page's keys and values where they lie (no
 gather into ``[R, M * P, D]``, no padding to the longest row's list, no host sync), for decode-shaped calls (at most
 :data:`~..quantized.cpu_kernel.MAX_QUERIES` queries per row). Same pages, same causal rule, soft-cap and sinks,
-float32 arithmetic: equal to float rounding.
+float32 arithmetic: equal to float rounding. :func:`select_pages_cpu` selects what
+:class:`~kvpress_ada.readers.TopPages` selects (uniform or Ada read budgets) from the bounds in one call per layer;
+:func:`append_summaries_cpu` folds appended keys into their pages' summaries as :func:`~.sparse.append_summaries` does
+(bit for bit).
 
 Built, cached and switched as :mod:`..quantized.cpu_kernel` is (the system C compiler, ``$KVPRESS_ADA_CACHE``,
 ``$KVPRESS_ADA_CPU_KERNEL=0`` or a :func:`~..quantized.cpu_kernel.use_cpu_kernel` block turns it off); where it does
@@ -25,7 +29,8 @@ from torch import Tensor
 
 from ..quantized.cpu_kernel import MAX_QUERIES, build_kernel, kernel_wanted
 
-__all__ = ["sparse_cpu_kernel", "page_bounds_cpu", "sparse_attention_cpu", "top_k_cpu"]
+__all__ = ["sparse_cpu_kernel", "page_bounds_cpu", "sparse_attention_cpu", "top_k_cpu", "select_pages_cpu",
+           "append_summaries_cpu"]
 
 _SOURCE = Path(__file__).with_name("sparse_cpu_kernel.c")
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -50,6 +55,10 @@ def _library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [_P, _P, _I, _I, real, _I, _P]
+    lib.kvs_select_pages.restype = ctypes.c_int
+    lib.kvs_select_pages.argtypes = [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I, ctypes.c_double, _F, _P]
+    lib.kvs_append_summaries.restype = ctypes.c_int
+    lib.kvs_append_summaries.argtypes = [_P, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I]
     return lib
 
 
@@ -137,3 +146,56 @@ def top_k_cpu(scores: Tensor, k: Tensor, recent_first: bool, rtol: float) -> Ten
     if status == 2:
         raise MemoryError("top-k (CPU kernel): out of memory for the row buffer")
     return None if status else out
+
+
+def select_pages_cpu(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, lengths: Tensor, scale: float,
+                     softcap: float | None, page_size: int, per_head: int, alpha: float | None,
+                     rtol: float) -> Tensor | None:
+    """``[B, H_kv, W]`` bool: the pages :class:`~kvpress_ada.readers.TopPages` reads (``per_head`` pages per kv head
+    on average, split uniformly (``alpha`` None) or by Ada-KV with ``alpha``; ties within ``rtol``) for ``q [B, H_q,
+    1, D]`` over rows of ``lengths [B * H_kv]`` entries, from the summaries' bounds (:func:`page_bounds_cpu`), by the
+    fused kernel; ``None`` when it does not serve the call (as :func:`page_bounds_cpu`; a NaN score: the torch code
+    decides)."""
+    if torch.compiler.is_compiling() or kmin.dtype not in _DTYPES or kmax.dtype != kmin.dtype \
+            or q.dtype not in _DTYPES:
+        return None
+    lib = _served(q, kmin, kmax, table, lengths)
+    if lib is None:
+        return None
+    B, H_q, Q, D = q.shape
+    R, W = table.shape
+    H = R // B
+    GQ = (H_q // H) * Q
+    qs = (q.float() * scale).reshape(R, GQ, D).contiguous()
+    kmin, kmax, table = kmin.contiguous(), kmax.contiguous(), table.to(torch.int64).contiguous()
+    lens = lengths.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(B, H, W, dtype=torch.bool)
+    status = lib.kvs_select_pages(qs.data_ptr(), kmin.data_ptr(), kmax.data_ptr(), _DTYPES[kmin.dtype],
+                                  table.data_ptr(), lens.data_ptr(), R, H, W, GQ, D, float(softcap or 0.0),
+                                  int(page_size), int(per_head), -1.0 if alpha is None else float(alpha), rtol,
+                                  out.data_ptr())
+    if status == 2:
+        raise MemoryError("page selection (CPU kernel): out of memory for its buffers")
+    return None if status else out
+
+
+def append_summaries_cpu(k_new: Tensor, kmin: Tensor, kmax: Tensor, row_offsets: Tensor, row_lengths: Tensor,
+                         page_size: int) -> bool:
+    """Fold ``k_new [B, H_kv, Q, D]`` (just appended) into the summaries in place as
+    :func:`~.sparse.append_summaries` does (the same bits), by the fused kernel; ``False`` (nothing written) when it
+    does not serve the call: not CPU tensors, a pair of dtypes other than float32 keys into float16 summaries or
+    16-bit keys into summaries of their dtype, offsets not int32, or the kernel unavailable."""
+    if torch.compiler.is_compiling() or kmin.dtype != kmax.dtype or not kmin.is_contiguous() \
+            or not kmax.is_contiguous() or row_offsets.dtype != torch.int32 or row_lengths.dtype != torch.int32:
+        return False
+    pair = (_DTYPES.get(k_new.dtype), _DTYPES.get(kmin.dtype))
+    if pair not in ((0, 1), (1, 1), (2, 2)):
+        return False
+    lib = _served(k_new, kmin, kmax, row_offsets, row_lengths)
+    if lib is None:
+        return False
+    B, H, Q, D = k_new.shape
+    keys = k_new.contiguous()
+    offs, lens = row_offsets.contiguous(), row_lengths.contiguous()
+    return not lib.kvs_append_summaries(keys.data_ptr(), pair[0], kmin.data_ptr(), kmax.data_ptr(), pair[1],
+                                        offs.data_ptr(), lens.data_ptr(), B * H, Q, D, int(page_size), kmin.shape[0])

@@ -71,9 +71,10 @@ DIFFERENCES = {
     "EntropyGatedChunkKVPress": "as ChunkKVPress (chunks from the first token, the window averaged into its chunks); "
                                 "ours counts chunks from the last entry, protects the window one by one and scores "
                                 "it as the ranking's best score in its chunk's statistics (kvpress's SnapKV: the "
-                                "best plus one): the same walk where the window is whole chunks at the end; with "
-                                "SnapKV on the tiny model the chunks' entropies lie within 1e-6 (near-uniform "
-                                "attention), so float rounding of either side's scores decides the median gate",
+                                "best plus one): the same walk where the window is whole chunks at the end; ours takes "
+                                "scores, means and entropies within the top-k's tie tolerance (1e-5) as ties, where "
+                                "kvpress's rounding decides: with SnapKV on the tiny model every chunk's entropy lies "
+                                "within 1e-6 of the median (near-uniform attention), so ours gates no chunk",
     "BlockPress": "layers after the first: ours is a real chunked prefill (later blocks attend to the compressed "
                   "cache, so deeper keys differ); kvpress scores its blocks after one full forward (the first layer's "
                   "keys are the same: exact there)",
@@ -262,12 +263,13 @@ def _cases() -> dict[str, Case]:
         "entropy_gated_chunkkv/knorm": Case(
             "llama", 100, "EntropyGatedChunkKVPress", {"press": kv("KnormPress", **r)},
             lambda m: EntropyGatedChunkKV(scorer=KNorm())),
-        "entropy_gated_chunkkv/qwen3_knorm_chunk6": Case(
+        # (not KNorm on qwen3: its normed keys' norms lie within the tie tolerance of one another)
+        "entropy_gated_chunkkv/qwen3_keydiff_chunk6": Case(
             "qwen3", 96, "EntropyGatedChunkKVPress",
-            {"press": kv("KnormPress", **r), "chunk_length": 6, "low_entropy_chunk_length": 2},
-            lambda m: EntropyGatedChunkKV(scorer=KNorm(), length=6, low_entropy_length=2)),
-        # the tiny model's attention is near uniform: its chunks' entropies lie within 1e-6, so float rounding decides
-        # the median gate (DIFFERENCES): reported
+            {"press": kv("KeyDiffPress", **r), "chunk_length": 6, "low_entropy_chunk_length": 2},
+            lambda m: EntropyGatedChunkKV(scorer=KeyDiff(), length=6, low_entropy_length=2)),
+        # the tiny model's attention is near uniform: its chunks' entropies lie within 1e-6, float ties of the median
+        # gate (DIFFERENCES): reported
         "entropy_gated_chunkkv/window20_kernel1": Case(
             "llama", 100, "EntropyGatedChunkKVPress",
             {"press": kv("SnapKVPress", **{**snap16, "window_size": 20}), "chunk_length": 10,

@@ -12,13 +12,16 @@ Per ranking (a batch row, its kv heads' scores summed with ``shared``; else each
 * the order kept: chunks by decreasing score, each chunk's (taken) entries by decreasing score, then the spiky
   chunks' other entries by decreasing score (kvpress's top-up).
 
-kvpress walks that order until its budget is spent; here the order is written as scores (strictly decreasing
-along it, more than the tie tolerance apart), so a top-k of any size keeps exactly that walk's entries and the
-pipeline keeps its exact budget. The score at the ``j``-th place is the ``j``-th best chunk mean of the ranking
-(ChunkKV's score of an entry), so an Ada allocator splits a layer's budget across heads as it would for
-ChunkKV(shared=False), and each head keeps its gated walk of that size. Entries the wrapped scorer protects
-(``+inf``) stay protected; in a chunk's statistics each counts as the ranking's largest finite score (kvpress's
-SnapKV gives its window the largest score plus one).
+kvpress walks that order until its budget is spent; here the walk is written as scores that never rise along it,
+so a top-k of any size keeps that walk's entries and the pipeline keeps its exact budget. An entry taken with its
+chunk scores the chunk's mean (ChunkKV's score: what an Ada allocator compares across heads), a spiky chunk's
+other entry its own score; wherever the walk orders two entries by more than the top-k's tie tolerance (1e-5,
+relative) the later one scores lower by a relative step of 2e-5, so the top-k keeps exactly the walk's order; a
+float tie (two scores, two chunk means, a mean or an entropy at the median, within that tolerance) stays a tie,
+decided by position alike whatever rounding produced it (a padded row, another process's heads): there the kept set
+may differ from kvpress's, which decides it by the rounding. Entries the wrapped scorer protects (``+inf``) stay
+protected; in a chunk's statistics each counts as the ranking's largest finite score (kvpress's SnapKV gives its
+window the largest score plus one).
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ import torch
 from pydantic import Field, model_validator
 
 from ..observation import Observation
+from ..ranking import TIE_RTOL
 from .base import register_scorer
-from .chunkkv import ChunkKV, chunk_means
+from .chunkkv import ChunkKV
 
 EPSILON = 1e-8  # kvpress's: in the shares' denominator and inside the entropy's log
 #: relative gap between consecutive scores of the order: above the top-k's tie tolerance (1e-5)
@@ -68,82 +72,86 @@ class EntropyGatedChunkKV(ChunkKV):
 def gated_order_scores(scores: torch.Tensor, key_mask: torch.Tensor, length: int, low: int,
                        shared: bool) -> torch.Tensor:
     """``[B, H, L]``: scores whose top-k of any size is the entropy-gated walk (module docstring) of ``scores
-    [B, H, L]`` over the valid entries of ``key_mask [B, L]``, the ``j``-th place of a ranking scored by its
-    ``j``-th best ChunkKV score; ``+inf`` entries, padding and entries scored ``-inf`` or NaN keep their scores."""
+    [B, H, L]`` over the valid entries of ``key_mask [B, L]``; ``+inf`` entries, padding and entries scored ``-inf``
+    or NaN keep their scores."""
     B, H, L = scores.shape
-    s = scores.float()  # the walk's statistics in float32, as kvpress computes them (a near tie then falls alike)
+    s = scores.float()  # the walk's statistics in float32, as kvpress computes them
     protected = key_mask[:, None, :] & (s == math.inf)
     usable = key_mask[:, None, :] & (torch.isfinite(s) | protected)
     finite = torch.where(usable & ~protected, s, torch.full_like(s, -math.inf))
-    means = chunk_means(s, key_mask, length, shared).double()  # ChunkKV's scores: the magnitudes
-    means = torch.where(usable & ~protected, means, torch.full_like(means, -math.inf))
     if shared:  # one ranking per row: protected entries count as the row's best score, heads summed
         best = finite.amax(dim=(1, 2), keepdim=True)
         best = torch.where(torch.isfinite(best), best, torch.zeros_like(best))
         rows = torch.where(protected, best, torch.where(usable, s, torch.zeros_like(s))).sum(1)  # [B, L]
-        mask = usable.all(1) & key_mask
-        means = means.amax(1)  # the row's shared mean (an entry protected in every head: -inf)
+        mask, kept = usable.all(1) & key_mask, protected.all(1)
         chunk_mask = key_mask
     else:
         best = finite.amax(dim=2, keepdim=True)
         best = torch.where(torch.isfinite(best), best, torch.zeros_like(best))
         rows = torch.where(protected, best, torch.where(usable, s, torch.zeros_like(s))).reshape(B * H, L)
-        mask, means = usable.reshape(B * H, L), means.reshape(B * H, L)
+        mask, kept = usable.reshape(B * H, L), protected.reshape(B * H, L)
         chunk_mask = key_mask[:, None, :].expand(B, H, L).reshape(B * H, L)
-    place = _walk(rows, mask, chunk_mask, length, low)
-    placed = mask & torch.isfinite(means)  # protected entries keep +inf: the others are placed after them
-    order = torch.argsort(torch.where(placed, place, torch.full_like(place, 2 * L)), dim=1)
-    place = torch.empty_like(order).scatter_(1, order, torch.arange(L, device=s.device).expand_as(order))
-    base = torch.where(placed, means, torch.full_like(means, -math.inf)).sort(dim=1, descending=True).values
+    placed = mask & ~kept  # protected entries keep +inf: the others are placed after them, in the walk's order
     group = 1 if shared else H
-    values = _strictly_decreasing(base.view(B, group, L), placed.view(B, group, L)).view(B * group, L)
-    out = torch.where(placed, values.gather(1, place.clamp(max=L - 1)), torch.zeros_like(values)).view(B, group, L)
-    placed = placed.view(B, group, L)
-    return torch.where(placed & usable & ~protected, out.expand(B, H, L).float(), s)
+    values = _walk_scores(rows, mask, placed, chunk_mask, length, low)  # [B * group, L]
+    out = values.view(B, group, L).expand(B, H, L)
+    return torch.where(placed.view(B, group, L) & usable & ~protected, out.float(), s)
 
 
-def _walk(y: torch.Tensor, mask: torch.Tensor, chunk_mask: torch.Tensor, length: int, low: int) -> torch.Tensor:
-    """``[R, L]`` long: each entry's place in the gated walk of rows ``y [R, L]`` over the entries of
-    ``mask``, chunks of ``length`` entries of ``chunk_mask`` counted from the end (entries outside ``mask`` last)."""
+def _walk_scores(y: torch.Tensor, mask: torch.Tensor, placed: torch.Tensor, chunk_mask: torch.Tensor, length: int,
+                 low: int) -> torch.Tensor:
+    """``[R, L]`` float64: the score of each ``placed`` entry of rows ``y [R, L]`` (rankings over the entries of
+    ``mask``), from its place in the gated walk (module docstring)."""
     R, L = y.shape
     from_end = chunk_mask.long().flip(-1).cumsum(-1).flip(-1) - 1
     n_chunks = L // length + 1
     chunk = (from_end.clamp(min=0) // length).masked_fill(~mask, n_chunks)  # entries left out: a chunk of their own
-    weight = mask.to(y.dtype)
-    values = torch.where(mask, y, torch.zeros_like(y))
+    at = chunk.clamp(max=n_chunks - 1)
 
     def per_chunk(x: torch.Tensor) -> torch.Tensor:
-        return y.new_zeros(R, n_chunks + 1).scatter_add_(1, chunk, x)[:, :n_chunks]
+        return x.new_zeros(R, n_chunks + 1).scatter_add_(1, chunk, x)[:, :n_chunks]
 
-    count = per_chunk(weight)
+    count = per_chunk(mask.to(y.dtype))
     real = count > 0
-    mean = per_chunk(values) / count.clamp(min=1)
+    mean = per_chunk(torch.where(mask, y, torch.zeros_like(y))) / count.clamp(min=1)
     lowest = torch.where(mask, y, torch.full_like(y, math.inf))
     low_point = y.new_zeros(R, n_chunks + 1).scatter_reduce(1, chunk, lowest, "amin", include_self=False)[:, :n_chunks]
     shift = low_point.clamp(max=0.0).nan_to_num(0.0, posinf=0.0)
-    shifted = torch.where(mask, y - shift.gather(1, chunk.clamp(max=n_chunks - 1)), torch.zeros_like(y))
-    p = shifted / (per_chunk(shifted) + EPSILON).gather(1, chunk.clamp(max=n_chunks - 1))
+    shifted = torch.where(mask, y - shift.gather(1, at), torch.zeros_like(y))
+    p = shifted / (per_chunk(shifted) + EPSILON).gather(1, at)
     entropy = per_chunk(torch.where(mask, -p * (p + EPSILON).log(), torch.zeros_like(p)))
     entropy = torch.where(count > 1, entropy / count.clamp(min=2).log(), torch.zeros_like(entropy)).clamp(0.0, 1.0)
-    spiky = real & (mean >= _lower_median(mean, real)) & (entropy < _lower_median(entropy, real))
+    # the gate, with the top-k's tie tolerance: a mean within it of the median counts as at the median, an entropy
+    # within it of the median as not below (float noise never flips a chunk)
+    mean_median, entropy_median = _lower_median(mean, real), _lower_median(entropy, real)
+    spiky = (real & (mean >= mean_median - TIE_RTOL * mean_median.abs())
+             & (entropy < entropy_median - TIE_RTOL * entropy_median.abs()))
 
     rank = _descending_rank(y, mask)  # over the row, ties to the most recent
-    # place within its chunk by decreasing score
-    grouped = torch.argsort(chunk * (L + 1) + rank, dim=1)
-    at = torch.empty_like(grouped).scatter_(1, grouped, torch.arange(L, device=y.device).expand(R, L))
-    start = torch.cumsum(count, 1) - count  # entries of the chunks before (chunk 0 first)
-    within = at - start.long().gather(1, chunk.clamp(max=n_chunks - 1))
-    # chunks by decreasing mean, ties to the most recent (chunk 0 is the most recent)
+    grouped = torch.argsort(chunk * (L + 1) + rank, dim=1)  # by chunk, then by decreasing score
+    slot = torch.empty_like(grouped).scatter_(1, grouped, torch.arange(L, device=y.device).expand(R, L))
+    within = slot - (torch.cumsum(count, 1) - count).long().gather(1, at)  # place within its chunk
     chunk_order = torch.argsort(torch.where(real, -mean, torch.full_like(mean, math.inf)), dim=1, stable=True)
     chunk_place = torch.empty_like(chunk_order).scatter_(1, chunk_order, torch.arange(n_chunks, device=y.device)
                                                          .expand(R, n_chunks))
-    taken = mask & (~spiky.gather(1, chunk.clamp(max=n_chunks - 1)) | (within < low))
-    first = chunk_place.gather(1, chunk.clamp(max=n_chunks - 1)) * (length + 1) + within
+    taken = mask & (~spiky.gather(1, at) | (within < low))  # with its chunk; the others: kvpress's top-up
+    first = chunk_place.gather(1, at) * (length + 1) + within
     later = (n_chunks + 1) * (length + 1) + rank
-    key = torch.where(taken, first, torch.where(mask, later, torch.full_like(later, 4 * (n_chunks + 2) * (L + 1))))
-    place = torch.empty_like(key).scatter_(1, torch.argsort(key, dim=1),
-                                           torch.arange(L, device=y.device).expand(R, L))
-    return place
+    key = torch.where(taken, first, later).masked_fill(~placed, 4 * (n_chunks + 2) * (L + 1))
+    order = torch.argsort(key, dim=1)  # the placed entries in the walk's order, then the others
+
+    # along the walk: an entry taken with its chunk is worth the chunk's mean, a spiky chunk's other entry its own
+    # score; the scores fall by a step above the tie tolerance wherever the walk orders two entries by more than it
+    # (within a chunk or among the others, by their scores; into the others, always)
+    walked = lambda x: x.gather(1, order)  # noqa: E731
+    w_taken, w_chunk, w_y, w_placed = walked(taken), walked(chunk), walked(y).double(), walked(placed)
+    worth = torch.where(w_taken, mean.double().gather(1, w_chunk.clamp(max=n_chunks - 1)), w_y)
+    prev_taken, prev_chunk, prev_y = w_taken.roll(1, 1), w_chunk.roll(1, 1), w_y.roll(1, 1)
+    apart = prev_y - w_y > TIE_RTOL * torch.maximum(prev_y.abs(), w_y.abs())
+    step = torch.where(w_taken, prev_taken & (prev_chunk == w_chunk) & apart, prev_taken | apart)
+    step[:, 0] = False
+    values = _falling(worth, w_placed, step)
+    return torch.empty_like(values).scatter_(1, order, values)
 
 
 def _lower_median(x: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -163,20 +171,20 @@ def _descending_rank(y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return rank.flip(1)
 
 
-def _strictly_decreasing(base: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[B, G, L]``: for each ranking's places ``0 .. n - 1`` (``n`` its entries of ``mask``), a positive score
-    below the one before by a relative ``_GAP`` at least, equal to the sorted ``base [B, G, L]`` where that
-    already holds; shifted by one amount per batch row (every ranking of a row compares alike after it)."""
-    B, G, L = base.shape
-    n = mask.sum(-1, keepdim=True)  # [B, G, 1]
-    place = torch.arange(L, device=base.device, dtype=torch.float64)
-    inside = place < n
-    finite = torch.where(inside, base, torch.full_like(base, math.nan))
-    lo = finite.nan_to_num(math.inf).amin(dim=(1, 2), keepdim=True)
-    hi = finite.nan_to_num(-math.inf).amax(dim=(1, 2), keepdim=True)
-    lo = torch.where(torch.isfinite(lo), lo, torch.zeros_like(lo))
-    hi = torch.where(torch.isfinite(hi), hi, torch.zeros_like(hi))
-    floor = torch.maximum((hi - lo).abs(), torch.maximum(hi.abs(), lo.abs())).clamp(min=1e-30) * 1e-3
-    positive = torch.where(inside, base - lo + floor, floor)
-    logs = positive.log() + place * _GAP
-    return (torch.cummin(logs, dim=-1).values - place * _GAP).exp()
+def _falling(worth: torch.Tensor, placed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """``[R, L]``: along each row's places (``placed`` first, in order), ``v_j = min(worth_j, v_{j-1} - g_j |v_{j-1}|)``
+    with ``g_j = _GAP`` where ``step`` (else 0): multiplicative steps, so the scores keep ``worth``'s units (no shift:
+    Ada compares them across heads as they are). Sign by sign, in the log domain: a positive candidate ``worth_k``
+    shrinks by ``(1 - g)`` per step after it, a non-positive one grows by ``(1 + g)`` in magnitude, and any
+    non-positive candidate so far is below every positive one."""
+    worth = torch.where(placed, worth, torch.zeros_like(worth))
+    steps = torch.cumsum(step.double(), dim=1)
+    shrink, grow = math.log1p(-_GAP), math.log1p(_GAP)
+    positive = worth > 0
+    up = torch.where(positive, worth.abs().clamp(min=1e-300).log() - steps * shrink, torch.full_like(worth, math.inf))
+    best_up = (torch.cummin(up, dim=1).values + steps * shrink).exp()
+    down = torch.where(positive, torch.full_like(worth, -math.inf), worth.abs().clamp(min=1e-300).log() - steps * grow)
+    down = torch.where(~positive & (worth == 0), torch.full_like(worth, -math.inf), down)
+    best_down = -(torch.cummax(down, dim=1).values + steps * grow).exp()
+    below = torch.cummax((~positive).long(), dim=1).values.bool()  # a non-positive candidate so far
+    return torch.where(below, best_down, best_up)

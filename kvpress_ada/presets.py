@@ -131,7 +131,7 @@ _PRESETS: dict[str, Callable[[], dict]] = {
     "ada_chunkkv": lambda: dict(scorer=ChunkKV(shared=False), allocator=AdaHead(alpha=ADA_ALPHA)),
     # entropy-gated ChunkKV (kvpress's EntropyGatedChunkKVPress): SnapKV's chunks of 10 in decreasing mean, an
     # important chunk whose scores sit on few tokens (entropy below the median) keeps only its 4 best, the budget
-    # freed going to further chunks; the Ada variant splits the budget across heads as ada_chunkkv's scores would
+    # freed going to further chunks; the Ada variant walks each head apart and compares the heads' chunk means
     "entropy_gated_chunkkv": lambda: dict(scorer=EntropyGatedChunkKV()),
     "ada_entropy_gated_chunkkv": lambda: dict(scorer=EntropyGatedChunkKV(shared=False),
                                               allocator=AdaHead(alpha=ADA_ALPHA)),

@@ -2,8 +2,11 @@
 and its build: cached per source and machine, refused in one warning when no compiler works, off by variable."""
 
 import ctypes
+import fnmatch
+import re
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,6 +152,23 @@ def test_shared_header_is_found_and_keys_the_build(fresh_library, tmp_path_facto
     (include / "kvpress_half.h").write_text((include / "kvpress_half.h").read_text() + "/* edited */\n")
     second = quantized_cpu.build_kernel(source, "probe", include)
     assert second != first and first.exists() and second.exists()
+
+
+def test_every_kernel_source_and_shared_header_ships_as_package_data():
+    """An installed (non-editable) wheel builds the kernels from its own files: every C source under kernels/ and
+    every header it includes (found in the shared include folder) match pyproject's package-data."""
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(quantized_cpu.__file__).resolve().parents[2]  # the kvpress_ada package
+    pyproject = root.parent / "pyproject.toml"
+    if not pyproject.is_file():
+        pytest.skip("not a source checkout")
+    patterns = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["kvpress_ada"]
+    shipped = lambda path: any(fnmatch.fnmatch(path.relative_to(root).as_posix(), p) for p in patterns)  # noqa: E731
+    sources = sorted((root / "kernels").glob("*/*.c"))
+    assert sources and all(shipped(c) for c in sources)
+    included = {name for c in sources for name in re.findall(r'#include "([^"]+)"', c.read_text())}
+    assert included  # the shared 16-bit helpers at least
+    assert all((quantized_cpu.INCLUDE / name).is_file() and shipped(quantized_cpu.INCLUDE / name) for name in included)
 
 
 def test_no_compiler_is_one_warning_and_the_reference(fresh_library, monkeypatch):

@@ -67,6 +67,7 @@ class Config:
     forward: Callable | None = None  # a torch.compile'd model.forward (full cache), or None
     compile: bool = False  # press configs: decode through the library's compiled step (press(model, compile=True))
     row_loop: bool = False  # eager reference attention with one matmul pair per row (for the comparison row)
+    unfused: bool = False  # a reader's page selection and summary appends by the torch code (for the comparison row)
 
     @property
     def label(self) -> str:
@@ -113,6 +114,25 @@ def row_loop(enabled: bool):
         reference.LOOP_FREE = before
 
 
+@contextmanager
+def unfused_reads(enabled: bool):
+    """A reader's page selection (bounds by their kernel, then TopPages' torch code: shares, budgets, top-k) and the
+    page-summary appends by the torch code instead of the fused CPU kernels (for the comparison row)."""
+    from kvpress_ada.kernels.ragged import sparse
+    from kvpress_ada.readers import Reader, TopPages
+
+    if not enabled:
+        yield
+        return
+    select, append = TopPages.select_fused, sparse.append_summaries_cpu
+    TopPages.select_fused = Reader.select_fused
+    sparse.append_summaries_cpu = lambda *args: False
+    try:
+        yield
+    finally:
+        TopPages.select_fused, sparse.append_summaries_cpu = select, append
+
+
 def compiled_variants(model, configs: list[Config]) -> list[Config]:
     """The same configs decoded compiled. Press configs use the library's compiled decode step
     (``with press(model, compile=True)``: one ``torch.compile(model.forward, fullgraph=True)`` shared by all of
@@ -121,7 +141,7 @@ def compiled_variants(model, configs: list[Config]) -> list[Config]:
     forward = torch.compile(model.forward, dynamic=True)
     return [Config(f"{c.name}+compile", c.ratio, c.make_cache, c.press, c.position_start, setup_s=c.setup_s,
                    forward=forward if c.press is None else None, compile=c.press is not None)
-            for c in configs if not c.row_loop]
+            for c in configs if not c.row_loop and not c.unfused]
 
 
 def dense_from_keep(prefill, masks: list[torch.Tensor]):
@@ -163,7 +183,7 @@ def repeated_prefill(prefill, batch: int):
 
 
 def build_configs(prefill, methods, ratios, dense: bool, row_loop_rows: bool = False,
-                  files: dict | None = None) -> list[Config]:
+                  files: dict | None = None, unfused_rows: bool = False) -> list[Config]:
     from kvpress_ada import preset
 
     configs = [Config("full", 0.0, lambda: prefill.compressed_cache(None))]
@@ -173,6 +193,10 @@ def build_configs(prefill, methods, ratios, dense: bool, row_loop_rows: bool = F
         configs.append(Config(label, float(press.compression_ratio or 0.0),
                               (lambda p=press, m=masks: prefill.compressed_cache(p, m)), press,
                               setup_s=time.perf_counter() - t0))
+        if unfused_rows and press.reader is not None:
+            configs.append(Config(f"{label}+unfused", float(press.compression_ratio or 0.0),
+                                  (lambda p=press, m=masks: prefill.compressed_cache(p, m)), press,
+                                  setup_s=configs[-1].setup_s, unfused=True))
     for method in methods:
         name, _, storage = method.partition(":")  # "ada_snapkv:int4": the preset storing int4 records
         for r in ratios:
@@ -195,7 +219,7 @@ def time_config(model, cfg: Config, first_id, steps: int) -> tuple[float, float,
     cache = cfg.make_cache()
     cfg.kv_bytes = common.cache_nbytes(cache)
     times: list[float] = []
-    with forward_of(model, cfg.forward), row_loop(cfg.row_loop):
+    with forward_of(model, cfg.forward), row_loop(cfg.row_loop), unfused_reads(cfg.unfused):
         tokens = common.decode(model, cache, first_id, steps, press_of(cfg), cfg.position_start, times)
     return first_id.shape[0] * steps / sum(times), 1000 * statistics.median(times), tokens
 
@@ -331,6 +355,9 @@ def main(argv=None) -> int:
     parser.add_argument("--row-loop", action="store_true",
                         help="also time eager ada_* with the per-row attention loop (the path before the loop-free "
                         "one)")
+    parser.add_argument("--unfused-reads", action="store_true",
+                        help="also time each --config with a reader with its page selection and summary appends by "
+                             "the torch code (the path before their fused CPU kernels), in the same run")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (< 1 min)")
     parser.add_argument("--out", default=None, help="JSON output path (default: benchmarks/results/decode.json, "
                         "PNG next to it; with --quick a temporary folder)")
@@ -372,12 +399,13 @@ def main(argv=None) -> int:
         prefill = repeated_prefill(capture_prefill(model, ids, hidden_states=needs_hidden), args.batch)
         prefill_s = time.perf_counter() - t0
         first = prefill.logits.argmax(-1, keepdim=True)
-        configs = build_configs(prefill, args.methods, args.ratios, not args.no_dense, args.row_loop, files)
+        configs = build_configs(prefill, args.methods, args.ratios, not args.no_dense, args.row_loop, files,
+                                args.unfused_reads)
         if args.compile:
             configs += compiled_variants(model, configs)
         for cfg in configs:  # warm-up: first-call costs (and compilation) do not land in a timed run
             t0 = time.perf_counter()
-            with forward_of(model, cfg.forward), row_loop(cfg.row_loop):
+            with forward_of(model, cfg.forward), row_loop(cfg.row_loop), unfused_reads(cfg.unfused):
                 common.decode(model, cfg.make_cache(), first, 3, press_of(cfg), cfg.position_start)
             cfg.warmup_s = time.perf_counter() - t0
         jobs = [(rep, t) for rep in range(args.reps) for t in args.threads]
@@ -401,7 +429,7 @@ def main(argv=None) -> int:
         full_tokens = configs[0].tokens
         ctx_results[L] = {"prefill_s": prefill_s, "configs": [{
             "name": c.name, "label": c.label, "ratio": c.ratio, "kv_bytes": c.kv_bytes, "warmup_s": c.warmup_s,
-            "compiled": c.forward is not None or c.compile, "row_loop": c.row_loop,
+            "compiled": c.forward is not None or c.compile, "row_loop": c.row_loop, "unfused": c.unfused,
             "kv_fraction": c.kv_bytes / configs[0].kv_bytes, "select_s": c.setup_s,
             "tokens_per_s": c.tps, "median_step_ms": c.step_ms,
             "tokens": c.tokens, "token_agreement_with_full": sum(a == b for a, b in zip(c.tokens, full_tokens)) / len(

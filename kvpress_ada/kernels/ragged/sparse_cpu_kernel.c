@@ -400,11 +400,43 @@ static void round_to_total(const double *v, int64_t H, int64_t total, int64_t up
     }
 }
 
+/* e^x for x <= 0 (NaN stays NaN) within a few ulps of double, branch-free (the loop over a row vectorises):
+ * x = k ln2 + r (|r| <= ln2 / 2, ln2 in two parts, k ln2_hi exact), e^r by its Taylor series to r^13 (the rest
+ * below 1e-17), times 2^k built in the exponent bits; below -708 (where 2^k leaves the normal range) 0: a share
+ * of it rounds to 0 in float32 as torch's does */
+static inline double exp_nonpositive(double x) {
+    const double shifter = 6755399441055744.0; /* 1.5 * 2^52: y / ln2 + shifter holds round(y / ln2) in its bits */
+    const double y = x < -708.0 ? -708.0 : x;
+    const double t = y * 1.4426950408889634 + shifter, k = t - shifter;
+    const double r = (y - k * 6.93147180369123816490e-01) - k * 1.90821492927058770002e-10;
+    double p = 1.0 / 6227020800.0; /* 1 / 13! */
+    p = p * r + 1.0 / 479001600.0;
+    p = p * r + 1.0 / 39916800.0;
+    p = p * r + 1.0 / 3628800.0;
+    p = p * r + 1.0 / 362880.0;
+    p = p * r + 1.0 / 40320.0;
+    p = p * r + 1.0 / 5040.0;
+    p = p * r + 1.0 / 720.0;
+    p = p * r + 1.0 / 120.0;
+    p = p * r + 1.0 / 24.0;
+    p = p * r + 1.0 / 6.0;
+    p = p * r + 0.5;
+    p = p * r + 1.0;
+    p = p * r + 1.0;
+    int64_t bits;
+    memcpy(&bits, &t, sizeof bits);
+    const uint64_t e = (uint64_t)(bits - (int64_t)0x4338000000000000LL + 1023) << 52; /* 2^k */
+    double scale;
+    memcpy(&scale, &e, sizeof scale);
+    return x < -708.0 ? 0.0 : p * scale;
+}
+
 /* sc [W]: a row's scores from its bounds b [GQ, W], pages (ceil(lens / P)) of its pages holding an entry; the
  * softmax in float64 (dbuf [W] scratch), its largest over the queries rounded once to float32, as TopPages computes
  * it (so the sums' order and exp's last bits do not decide); 1 when a score that decides is NaN (a bound of +inf:
  * the softmax over it is NaN, as torch's) */
-static int row_scores(const float *b, int64_t GQ, int64_t W, int64_t pages, double *dbuf, float *sc) {
+static int row_scores(const float *b, int64_t GQ, int64_t W, int64_t pages, double *restrict dbuf,
+                      float *restrict sc) {
     for (int64_t m = 0; m < GQ; m++) {
         const float *l = b + m * W;
         double top = -INFINITY, sum = 0.0;
@@ -412,8 +444,9 @@ static int row_scores(const float *b, int64_t GQ, int64_t W, int64_t pages, doub
             dbuf[j] = j < pages ? (double)l[j] : (double)-FLT_MAX; /* never NaN (row_bounds) */
             top = dbuf[j] > top ? dbuf[j] : top;
         }
+#pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < W; j++) {
-            dbuf[j] = exp(dbuf[j] - top);
+            dbuf[j] = exp_nonpositive(dbuf[j] - top); /* NaN where top is +inf: inf - inf */
             sum += dbuf[j];
         }
         const double inv = 1.0 / sum;

@@ -4,6 +4,8 @@ version, never per forward."""
 
 from __future__ import annotations
 
+import os
+from os import PathLike
 from pathlib import Path
 from typing import Callable
 
@@ -42,3 +44,42 @@ def shipped_for(folder: Path, suffix: str, fingerprint: str, fingerprint_of: Cal
         except Exception:  # noqa: BLE001 - a hint, never a second error
             continue
     return found
+
+
+def read_tensors(file: str, metadata_key: str) -> tuple[str, dict]:
+    """The header string stored under ``metadata_key`` and every tensor of the safetensors ``file``
+    (``ValueError`` when the header has no such entry)."""
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as f:
+        header = (f.metadata() or {}).get(metadata_key)
+        if header is None:
+            raise ValueError(f"no {metadata_key!r} metadata in its header")
+        return header, {key: f.get_tensor(key) for key in f.keys()}
+
+
+def expect_keys(tensors: dict, expected: set[str]) -> None:
+    """``ValueError`` naming the tensors found when they are not exactly ``expected``."""
+    if set(tensors) != expected:
+        raise ValueError(f"tensors {sorted(tensors)}, expected {sorted(expected)}")
+
+
+def why_unreadable(err: Exception) -> str:
+    """One line saying why a file did not load: a pydantic error's first location and message, or the error's
+    own text (safetensors, JSON and shape errors)."""
+    errors = getattr(err, "errors", None)
+    if callable(errors):
+        first = errors()[0]
+        return f"{'.'.join(str(p) for p in first['loc']) or 'top level'}: {first['msg']}"
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def write_tensors(path: str | PathLike, tensors: dict, metadata_key: str, header: str) -> None:
+    """Write ``tensors`` with ``header`` under ``metadata_key`` to ``path`` through a temporary file (never half a
+    file)."""
+    from safetensors.torch import save_file
+
+    target = Path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={metadata_key: header})
+    os.replace(tmp, target)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from . import packaged
 from .calibration import ModelIdentity, model_identity
@@ -224,42 +224,26 @@ def load(path: str) -> Surrogate:
 
 @functools.lru_cache(maxsize=16)
 def _load(file: str, mtime_ns: int, size: int, label: str) -> Surrogate:
-    from safetensors import safe_open
-
     try:
-        with safe_open(file, framework="pt") as f:
-            header = (f.metadata() or {}).get(METADATA_KEY)
-            if header is None:
-                raise ValueError(f"no {METADATA_KEY!r} metadata in its header")
-            meta = SurrogateMeta.model_validate_json(header)
-            layers: list[dict[str, torch.Tensor]] = [{} for _ in range(meta.model.num_layers)]
-            for key in f.keys():
-                parts = key.split(".")
-                if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit() \
-                        or int(parts[1]) >= len(layers):
-                    raise ValueError(f"unexpected tensor {key!r}")
-                layers[int(parts[1])][parts[2]] = f.get_tensor(key)
+        header, tensors = packaged.read_tensors(file, METADATA_KEY)
+        meta = SurrogateMeta.model_validate_json(header)
+        layers: list[dict[str, torch.Tensor]] = [{} for _ in range(meta.model.num_layers)]
+        for key, tensor in tensors.items():
+            parts = key.split(".")
+            if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit() or int(parts[1]) >= len(layers):
+                raise ValueError(f"unexpected tensor {key!r}")
+            layers[int(parts[1])][parts[2]] = tensor
         return Surrogate(layers, meta)
     except Exception as err:  # noqa: BLE001 - safetensors, JSON, pydantic and shape errors all mean one thing
-        if isinstance(err, ValidationError):
-            first = err.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "top level"
-            why = f"{where}: {first['msg']}"
-        else:
-            why = " ".join(str(err).split()) or type(err).__name__
-        raise SurrogateError(f"surrogate file {label!r} is not a kvpress-ada surrogate ({why})") from None
+        raise SurrogateError(f"surrogate file {label!r} is not a kvpress-ada surrogate "
+                             f"({packaged.why_unreadable(err)})") from None
 
 
 def save(surrogate: Surrogate, path: str | os.PathLike) -> None:
     """Write ``surrogate`` to ``path`` (through a temporary file: never half a file)."""
-    from safetensors.torch import save_file
-
     tensors = {f"layers.{i}.{k}": surrogate.weights(i)[k] for i in range(surrogate.n_layers)
                for k in _TENSORS[surrogate.kind]}
-    target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={METADATA_KEY: surrogate.meta.model_dump_json()})
-    os.replace(tmp, target)
+    packaged.write_tensors(path, tensors, METADATA_KEY, surrogate.meta.model_dump_json())
 
 
 __all__ = ["FORMAT", "SHIPPED_GATE", "SHIPPED_LINEAR", "SHIPPED_MLP", "Surrogate", "SurrogateError", "SurrogateMeta",

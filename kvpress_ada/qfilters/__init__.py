@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from .. import packaged
 from ..calibration import ModelIdentity, model_identity
@@ -97,34 +97,18 @@ def load(path: str) -> QFilters:
 
 @functools.lru_cache(maxsize=16)
 def _load(file: str, mtime_ns: int, size: int, label: str) -> QFilters:
-    from safetensors import safe_open
-
     try:
-        with safe_open(file, framework="pt") as f:
-            header = (f.metadata() or {}).get(METADATA_KEY)
-            if header is None:
-                raise ValueError(f"no {METADATA_KEY!r} metadata in its header")
-            if set(f.keys()) != {"filters"}:
-                raise ValueError(f"tensors {sorted(f.keys())}, expected ['filters']")
-            return QFilters(f.get_tensor("filters"), QFiltersMeta.model_validate_json(header))
+        header, tensors = packaged.read_tensors(file, METADATA_KEY)
+        packaged.expect_keys(tensors, {"filters"})
+        return QFilters(tensors["filters"], QFiltersMeta.model_validate_json(header))
     except Exception as err:  # noqa: BLE001 - safetensors, JSON, pydantic and shape errors all mean one thing
-        if isinstance(err, ValidationError):
-            first = err.errors()[0]
-            why = f"{'.'.join(str(p) for p in first['loc']) or 'top level'}: {first['msg']}"
-        else:
-            why = " ".join(str(err).split()) or type(err).__name__
-        raise QFiltersError(f"Q-filters file {label!r} is not a kvpress-ada Q-filters file ({why})") from None
+        raise QFiltersError(f"Q-filters file {label!r} is not a kvpress-ada Q-filters file "
+                            f"({packaged.why_unreadable(err)})") from None
 
 
 def save(qfilters: QFilters, path: str | os.PathLike) -> None:
     """Write ``qfilters`` to ``path`` (through a temporary file: never half a file)."""
-    from safetensors.torch import save_file
-
-    target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
-    save_file({"filters": qfilters.filters.contiguous()}, str(tmp),
-              metadata={METADATA_KEY: qfilters.meta.model_dump_json()})
-    os.replace(tmp, target)
+    packaged.write_tensors(path, {"filters": qfilters.filters}, METADATA_KEY, qfilters.meta.model_dump_json())
 
 
 __all__ = ["FORMAT", "SHIPPED", "QFilters", "QFiltersError", "QFiltersMeta", "load", "resolve", "save"]

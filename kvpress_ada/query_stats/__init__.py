@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from .. import packaged
 from ..calibration import ModelIdentity, model_identity
@@ -123,41 +123,24 @@ def load(path: str) -> QueryStats:
 
 @functools.lru_cache(maxsize=16)
 def _load(file: str, mtime_ns: int, size: int, label: str) -> QueryStats:
-    from safetensors import safe_open
-
     try:
-        with safe_open(file, framework="pt") as f:
-            header = (f.metadata() or {}).get(METADATA_KEY)
-            if header is None:
-                raise ValueError(f"no {METADATA_KEY!r} metadata in its header")
-            if set(f.keys()) != {"mean", "cov_upper"}:
-                raise ValueError(f"tensors {sorted(f.keys())}, expected ['cov_upper', 'mean']")
-            mean = f.get_tensor("mean").float()
-            cov = _full(f.get_tensor("cov_upper").float(), mean.shape[-1])
-            return QueryStats(mean, cov, QueryStatsMeta.model_validate_json(header))
+        header, tensors = packaged.read_tensors(file, METADATA_KEY)
+        packaged.expect_keys(tensors, {"mean", "cov_upper"})
+        mean = tensors["mean"].float()
+        cov = _full(tensors["cov_upper"].float(), mean.shape[-1])
+        return QueryStats(mean, cov, QueryStatsMeta.model_validate_json(header))
     except Exception as err:  # noqa: BLE001 - safetensors, JSON, pydantic and shape errors all mean one thing
-        if isinstance(err, ValidationError):
-            first = err.errors()[0]
-            why = f"{'.'.join(str(p) for p in first['loc']) or 'top level'}: {first['msg']}"
-        else:
-            why = " ".join(str(err).split()) or type(err).__name__
         raise QueryStatsError(f"query statistics file {label!r} is not a kvpress-ada query statistics file "
-                              f"({why})") from None
+                              f"({packaged.why_unreadable(err)})") from None
 
 
 def save(stats: QueryStats, path: str | os.PathLike) -> None:
     """Write ``stats`` to ``path`` (through a temporary file: never half a file); the covariance's upper triangle in
     float16 where every value fits, else float32."""
-    from safetensors.torch import save_file
-
     upper = _upper(stats.cov)
     if bool(upper.abs().max() < _FLOAT16_MAX) and bool(torch.isfinite(upper).all()):
         upper = upper.half()
-    target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
-    save_file({"mean": stats.mean.contiguous(), "cov_upper": upper.contiguous()}, str(tmp),
-              metadata={METADATA_KEY: stats.meta.model_dump_json()})
-    os.replace(tmp, target)
+    packaged.write_tensors(path, {"mean": stats.mean, "cov_upper": upper}, METADATA_KEY, stats.meta.model_dump_json())
 
 
 __all__ = ["FORMAT", "SHIPPED", "QueryStats", "QueryStatsError", "QueryStatsMeta", "load", "resolve", "save"]

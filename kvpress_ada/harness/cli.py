@@ -566,17 +566,30 @@ def _calibrate_inputs(args) -> tuple[list[str], list[float], Any]:
     return tasks, ratios, scorer
 
 
-def _file_job(args, tasks: list[str], example: str) -> tuple[Path, Any, Any]:
+def _file_job(args, tasks: list[str] | None, example: str) -> tuple[Path, Any, Any]:
     """The checked ``--out`` file, the model and its tokenizer of a command that writes one file from
-    ``--n`` texts of ``tasks`` (``calibrate``, ``distill``); exits 2 before any prefill on bad input."""
+    ``--n`` texts of ``tasks`` (``calibrate``, ``distill``; ``None``: documentation texts, ``qfilters``,
+    ``query-stats``); exits 2 before any prefill on bad input."""
     out = Path(args.out)
     if out.is_dir():
         raise UsageError(f"--out {args.out} is a directory; give a file name such as {example}")
     _prepare_out(str(out.parent if str(out.parent) else "."))
     model, tok = _load_model(args.model)
     _check_context(model, args.context)
-    _check_tasks_fit(tasks, tok, args.context, args.seed)
+    if tasks is not None:
+        _check_tasks_fit(tasks, tok, args.context, args.seed)
     return out, model, tok
+
+
+def _check_text_options(args, minimums: dict[str, int]) -> None:
+    """Each option at or above its minimum (``{"--n": 1, ...}``) and a seed apart from eval's (commands that
+    measure a model over documentation texts); exits 2 on bad input."""
+    for option, least in minimums.items():
+        value = getattr(args, option.removeprefix("--").replace("-", "_"))
+        if value < least:
+            raise UsageError(f"{option} must be >= {least}, got {value}")
+    if args.seed < choices.CALIBRATION_SEED:
+        raise UsageError(f"--seed must be >= {choices.CALIBRATION_SEED} (eval uses --seed 0), got {args.seed}")
 
 
 def cmd_calibrate(args) -> int:
@@ -678,17 +691,8 @@ def cmd_distill(args) -> int:
 
 # --------------------------------------------------------------------------- qfilters
 def cmd_qfilters(args) -> int:
-    for option, value, least in (("--n", args.n, 1), ("--context", args.context, 64), ("--samples", args.samples, 1)):
-        if value < least:
-            raise UsageError(f"{option} must be >= {least}, got {value}")
-    if args.seed < choices.CALIBRATION_SEED:
-        raise UsageError(f"--seed must be >= {choices.CALIBRATION_SEED} (eval uses --seed 0), got {args.seed}")
-    out = Path(args.out)
-    if out.is_dir():
-        raise UsageError(f"--out {args.out} is a directory; give a file name such as qfilters.safetensors")
-    _prepare_out(str(out.parent if str(out.parent) else "."))
-    model, tok = _load_model(args.model)
-    _check_context(model, args.context)
+    _check_text_options(args, {"--n": 1, "--context": 64, "--samples": 1})
+    out, model, tok = _file_job(args, None, "qfilters.safetensors")
     from kvpress_ada.harness.qfilters import make_qfilters
     from kvpress_ada.qfilters import save
 
@@ -704,19 +708,10 @@ def cmd_qfilters(args) -> int:
 
 # --------------------------------------------------------------------------- query-stats
 def cmd_query_stats(args) -> int:
-    for option, value, least in (("--n", args.n, 1), ("--context", args.context, 64), ("--sinks", args.sinks, 0)):
-        if value < least:
-            raise UsageError(f"{option} must be >= {least}, got {value}")
+    _check_text_options(args, {"--n": 1, "--context": 64, "--sinks": 0})
     if args.sinks >= args.context:
         raise UsageError(f"--sinks must be below --context ({args.context}), got {args.sinks}")
-    if args.seed < choices.CALIBRATION_SEED:
-        raise UsageError(f"--seed must be >= {choices.CALIBRATION_SEED} (eval uses --seed 0), got {args.seed}")
-    out = Path(args.out)
-    if out.is_dir():
-        raise UsageError(f"--out {args.out} is a directory; give a file name such as query_stats.safetensors")
-    _prepare_out(str(out.parent if str(out.parent) else "."))
-    model, tok = _load_model(args.model)
-    _check_context(model, args.context)
+    out, model, tok = _file_job(args, None, "query_stats.safetensors")
     from kvpress_ada.harness.query_stats import make_query_stats
     from kvpress_ada.query_stats import save
 

@@ -200,8 +200,9 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(1)
     report = build(args.ratio, load_summaries(args.compare))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    import common
+
+    common.write_json(args.out.with_suffix(".json"), report)
     text = markdown(report)
     args.out.with_suffix(".md").write_text(text)
     png = plot(report, args.out.with_suffix(".png"))

@@ -215,3 +215,44 @@ def test_eval_records_carry_the_bytes_read_per_step(tokenizer):
     old = {k: v for k, v in vars(dense).items() if k != "read_bytes_per_step"}
     table = format_table(EvalResult([Record(**old)], 0.0, True).summary())
     assert "read MB" in table and table.splitlines()[-1].split()[8] == "-"
+
+
+@pytest.mark.parametrize("decode_from", [0, 3])
+def test_teacher_forcing_under_a_reader_reads_as_the_answer_does(decode_from):
+    """Under a reader, the eval's teacher-forced logits (KL, top-1, hidden error) are those of the answer's own steps:
+    the tokens before ``decode_from`` (the question) in one forward, each later token in a forward of its own (the
+    reader reads sparsely only there); they differ from one multi-token forward (dense reads) and leave the cache
+    as it was. Without a reader one forward is the same thing."""
+    from kvpress_ada.harness.eval.runner import _teacher_forced
+
+    model = build_model("llama", seed=5)
+    base = Pipeline(scorer=SnapKV(window=8), compression_ratio=0.5)
+    press = base.replace(reader=TopPages(budget=8, page_size=4))
+    prefill = capture_prefill(model, _ids(96))
+    tokens = _ids(9, seed=1)
+    key = cache_kwarg(model)
+
+    def by_hand(stepped: bool):
+        cache = prefill.compressed_cache(press, prefill.keep_masks(press))
+        parts = ([tokens[:, :decode_from]] if decode_from else []) + [tokens[:, t:t + 1] for t in
+                                                                       range(decode_from, tokens.shape[1])]
+        out = []
+        with torch.inference_mode(), press(model):
+            for part in parts if stepped else [tokens]:
+                res = model(input_ids=part, use_cache=True, **{key: cache})
+                cache = output_cache(res)
+                out.append(res.logits)
+        return torch.cat(out, 1)
+
+    cache = prefill.compressed_cache(press, prefill.keep_masks(press))
+    length = cache.get_seq_length()
+    logits, hidden = _teacher_forced(model, press, cache, tokens, decode_from)
+    assert cache.get_seq_length() == length
+    assert logits.shape[1] == tokens.shape[1] and all(h.shape[1] == tokens.shape[1] for h in hidden)
+    torch.testing.assert_close(logits, by_hand(stepped=True))
+    assert not torch.allclose(logits, by_hand(stepped=False), atol=1e-4)  # a budget of 8 tokens reads less
+    keep = prefill.keep_masks(base)
+    with torch.inference_mode(), base(model):
+        plain = model(input_ids=tokens, use_cache=True, **{key: prefill.compressed_cache(base, keep)})
+    dense = _teacher_forced(model, base, prefill.compressed_cache(base, keep), tokens, decode_from)[0]
+    torch.testing.assert_close(dense, plain.logits)

@@ -96,18 +96,30 @@ def _decoding(press, cache=None) -> bool:
 
 
 @torch.inference_mode()
-def _teacher_forced(model, press, cache, tokens: torch.Tensor):
+def _teacher_forced(model, press, cache, tokens: torch.Tensor, decode_from: int = 0):
     """Logits ``[B, T, V]`` and per-layer hidden states ``[B, T, H]`` of ``tokens [B, T]`` fed over ``cache``
-    (left as it was)."""
+    (left as it was). Under a press with a reader (sparse reads at single-token decode steps) the tokens from
+    ``decode_from`` on are fed one per forward, as the answer is generated, those before in one forward (the
+    question's prefill): what is measured is what the answer read."""
     length = cache.get_seq_length()
     copied = _decoding(press, cache)
     if copied:
         cache = copy.deepcopy(cache)
+    stepped = press is not None and press.reader is not None and tokens.shape[1] - decode_from > 1
+    parts = ([tokens[:, :decode_from]] if decode_from else []) + [tokens[:, t:t + 1] for t in
+                                                                   range(decode_from, tokens.shape[1])]
+    logits, hidden = [], []
     with _routed(press, model):
-        out = model(input_ids=tokens, use_cache=True, output_hidden_states=True, **{cache_kwarg(model): cache})
+        for part in parts if stepped else [tokens]:
+            out = model(input_ids=part, use_cache=True, output_hidden_states=True, **{cache_kwarg(model): cache})
+            cache = output_cache(out)
+            logits.append(out.logits)
+            hidden.append(out.hidden_states)
     if not copied:
-        _crop_to(output_cache(out), length)
-    return out.logits, out.hidden_states
+        _crop_to(cache, length)
+    if len(logits) == 1:
+        return logits[0], hidden[0]
+    return torch.cat(logits, 1), tuple(torch.cat(layer, 1) for layer in zip(*hidden))
 
 
 def _row(logits: torch.Tensor, hidden, e: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -160,6 +172,7 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
     first = [int(prefill.logits.argmax(-1))]
     continuation = (full_tokens or first) if question_aware else full_tokens
     forced = torch.tensor([continuation], device=device, dtype=torch.long)
+    decode_from = 0 if question_aware else tail_ids.shape[1]  # the answer's tokens (decode steps) start here
     if not question_aware:
         forced = torch.cat([tail_ids, forced], 1)
     full_logits, full_hidden = _row(*_teacher_forced(model, None, full_cache, forced))
@@ -189,7 +202,7 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
         row_bytes = cache.batch_nbytes()
         # decode routing is the same for every press of the group: any of them routes the batch
         rows, reads = answer(presses[0], cache, rows=len(group))
-        logits, hidden = _teacher_forced(model, presses[0], cache, forced.expand(len(group), -1))
+        logits, hidden = _teacher_forced(model, presses[0], cache, forced.expand(len(group), -1), decode_from)
         for e, i in enumerate(group):
             text = tokenizer.decode(rows[e], skip_special_tokens=True).strip()
             row_logits, row_hidden = _row(logits, hidden, e)
@@ -211,7 +224,7 @@ def evaluate_sample(model, tokenizer, sample, entries: list[Entry], index: int =
                 else sum(int(cache.head_lengths(j).sum()) for j in range(len(prefill.layers))))
         tokens, reads = answer(entry.press, cache, next_logits)
         text = tokenizer.decode(tokens[0], skip_special_tokens=True).strip()
-        logits, hidden = _row(*_teacher_forced(model, entry.press, cache, forced))
+        logits, hidden = _row(*_teacher_forced(model, entry.press, cache, forced, decode_from))
         record(i, text, kv_bytes, logits, hidden, keep, kept, reads[0])
         del cache
     records += [results[i] for i in range(len(entries))]

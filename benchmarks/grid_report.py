@@ -45,6 +45,44 @@ def merge(paths: list[Path]) -> tuple[list[dict], list[dict]]:
     return list(cells.values()), sources
 
 
+def plot_reads(summary: list[dict], path: Path, title: str) -> Path | None:
+    """Accuracy (95% CI) against the KV bytes read per decode step, one labelled point per (label, ratio) that
+    measured it; rows without a reader or an eviction read what they hold (the full cache: its KV bytes, dashed).
+    ``None`` (nothing written) when no row measured its reads or matplotlib is missing."""
+    rows = [s for s in summary if s.get("read_bytes_per_step")]
+    if not rows:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for s in rows:
+        x = s["read_bytes_per_step"] / 2**20
+        ax.errorbar([x], [s["accuracy"]], yerr=[s["ci95"]], fmt="o", capsize=3)
+        ax.annotate(f"{s['label']}@{s['ratio']:g}", (x, s["accuracy"]), fontsize=7, xytext=(4, 3),
+                    textcoords="offset points")
+    full = next((s for s in summary if s["label"] == "full"), None)
+    if full is not None:
+        ax.axhline(full["accuracy"], color="k", linestyle=":", label="full cache")
+        ax.axvline(full["kv_bytes"] / 2**20, color="k", linestyle="--", linewidth=0.8,
+                   label="full cache's KV (what it reads)")
+    ax.set_xscale("log")
+    ax.set_xlabel("KV bytes read per decode step (MiB, measured)")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="+", type=Path)
@@ -87,9 +125,10 @@ def main(argv=None) -> int:
     common.write_json(args.out / "report.json", common.rounded({  # 5 significant digits: a summary, not records
         "date": common.now_iso(), "sources": sources, "summary": summary, "summary_by_task": by_task, "paired": pairs,
         "best": best}))
-    plot_accuracy(summary, args.out / "report.png",
-                  title=f"question-{sources[0].get('setting') or 'agnostic'}, {', '.join(sources[0]['tasks'] or [])},\n"
-                        f"{sources[0]['context']} tokens (merged: {len(sources)} runs)")
+    title = (f"question-{sources[0].get('setting') or 'agnostic'}, {', '.join(sources[0]['tasks'] or [])},\n"
+             f"{sources[0]['context']} tokens (merged: {len(sources)} runs)")
+    plot_accuracy(summary, args.out / "report.png", title=title)
+    plot_reads(summary, args.out / "report_reads.png", title)
     print(format_table(summary))
     for task, rows in by_task.items():
         print(f"\n{task}:\n{format_table(rows)}")

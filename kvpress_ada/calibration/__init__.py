@@ -87,6 +87,20 @@ def model_identity(config: Any, name: str | None = None) -> ModelIdentity:
                          config=values)
 
 
+class MeasuredMeta(BaseModel):
+    """What a file measured on a model from text (Q-filters, query statistics) records besides its tensors: its
+    format, the model it was made for, the text it came from, and the library, time and command that made it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    format: str
+    model: ModelIdentity
+    data: dict[str, Any] = Field(description="the text the queries came from")
+    library_version: str
+    created: str
+    seconds: float | None = None
+    command: list[str] | None = None
+
+
 class Calibration(BaseModel):
     """A calibration file: ``shares[layer][kv_head]`` (non-negative, summing to 1 over the model)
     plus where they came from. ``spread``: the standard deviation of each share over the

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from .. import packaged
-from ..calibration import ModelIdentity, model_identity
+from ..calibration import MeasuredMeta, model_identity
 
 FORMAT = "kvpress_ada.qfilters/1"
 METADATA_KEY = "kvpress_ada.qfilters"
@@ -36,17 +36,11 @@ class QFiltersError(ValueError):
     """A Q-filters file that is missing, malformed, or made for another model."""
 
 
-class QFiltersMeta(BaseModel):
+class QFiltersMeta(MeasuredMeta):
     """What a Q-filters file records besides its filters."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     format: str = FORMAT
-    model: ModelIdentity
     data: dict[str, Any] = Field(description="the text the queries came from: texts, tokens, seed, samples per head")
-    library_version: str
-    created: str
-    seconds: float | None = None
-    command: list[str] | None = None
 
 
 class QFilters:

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from .. import packaged
-from ..calibration import ModelIdentity, model_identity
+from ..calibration import MeasuredMeta, model_identity
 
 FORMAT = "kvpress_ada.query_stats/1"
 METADATA_KEY = "kvpress_ada.query_stats"
@@ -40,17 +40,11 @@ class QueryStatsError(ValueError):
     """A query-statistics file that is missing, malformed, or made for another model."""
 
 
-class QueryStatsMeta(BaseModel):
+class QueryStatsMeta(MeasuredMeta):
     """What a query-statistics file records besides its tensors."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     format: str = FORMAT
-    model: ModelIdentity
     data: dict[str, Any] = Field(description="the text the queries came from: texts, tokens, seed, sinks left out")
-    library_version: str
-    created: str
-    seconds: float | None = None
-    command: list[str] | None = None
 
 
 class QueryStats:

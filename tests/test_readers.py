@@ -241,6 +241,42 @@ def test_read_allocation_totals_and_floors(seed, allocator, budget, width):
     assert bool((counts >= torch.minimum(held, torch.full_like(held, floor))).all())
 
 
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), allocator=st.sampled_from(ALLOCATORS), fraction=st.floats(0.05, 1.0),
+       width=st.integers(1, 16))
+def test_a_read_fraction_grows_the_budget_with_what_the_heads_hold(seed, allocator, fraction, width):
+    """With ``fraction``, each batch row of a layer reads exactly ``min(H * max(ceil(budget / P), ceil(fraction *
+    its heads' mean pages held)), pages held)`` pages, with the same floors; ``fraction=1`` reads every page held;
+    the fused CPU kernel (a fixed budget) is not used."""
+    name, fields = allocator
+    P = 4
+    reader = TopPages(budget=2 * P, page_size=P, fraction=fraction, allocator={"name": name, **fields})
+    g = torch.Generator().manual_seed(seed)
+    B, H, G = 3, 4, 2
+    lengths = torch.randint(0, width * P + 1, (B, H), generator=g)
+    exists, always = row_pages(lengths, P, width)
+    bounds = (torch.randn(B, H, G, width, generator=g) * 5).masked_fill(~exists[:, :, None], float("-inf"))
+    _, counts = reader.page_counts(bounds, lengths, layer_idx=0)
+    selected = reader.select(bounds, lengths, layer_idx=0)
+    held = exists.sum(-1)
+    per_head = torch.clamp(torch.ceil(held.double().mean(-1) * fraction).long(), min=reader.pages_per_head)
+    assert torch.equal(counts.sum(-1), torch.minimum(H * per_head, held.sum(-1)))
+    assert torch.equal(selected.sum(-1), counts) and bool((selected <= exists).all())
+    assert bool((always <= selected).all())
+    everything = reader.model_copy(update={"fraction": 1.0}).select(bounds, lengths, layer_idx=0)
+    assert torch.equal(everything, exists)
+    q = torch.randn(B, H * G, 8)
+    assert reader.select_fused(q, q, q, torch.zeros(1), lengths, 1.0, 0) is None
+
+
+def test_read_fraction_is_checked_and_round_trips():
+    reader = TopPages(budget=32, page_size=16, fraction=0.25, allocator="ada")
+    assert READERS.build(reader.model_dump()) == reader
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValidationError, match="fraction"):
+            TopPages(fraction=bad)
+
+
 def test_ada_reads_more_pages_of_the_peaked_heads():
     """Ada gives the read budget to the heads whose bounds are far apart (a few pages hold the attention); the
     uniform allocator reads the same number of pages in every head."""

@@ -39,12 +39,19 @@ class TopPages(Reader):
     the pages it holds), then its best pages by bound. A head with fewer pages than its share reads them all and
     its excess goes to the best unread pages of the row's other heads, so each batch row of a layer reads exactly
     ``min(H_kv * ceil(budget / page_size), pages held)`` pages.
+
+    ``fraction`` (optional): a read budget that grows with the cache: each row of a layer reads on average at least
+    ``ceil(fraction * its heads' mean pages held)`` pages per kv head (``budget`` stays the floor), so a long
+    generation keeps reading the same share of what its heads hold (the torch selection; the fused CPU kernel takes
+    the fixed budget only).
     """
 
     name: Literal["top_pages"] = "top_pages"
     budget: int = Field(1024, ge=1, le=MAX_READ, description="average tokens read per kv head and decode step "
                                                              "(rounded up to whole pages)")
     page_size: int = Field(16, ge=1, le=256, description="consecutive kept entries per page (a power of two)")
+    fraction: float | None = Field(None, gt=0.0, le=1.0, description="read at least this share of the pages each "
+                                                                      "row's heads hold on average (None: budget only)")
     allocator: SerializeAsAny[HeadAllocator] = Field(default_factory=UniformHead,
                                                      description="splits a layer's read budget across its kv heads")
 
@@ -97,6 +104,9 @@ class TopPages(Reader):
         inf = torch.full_like(share, float("inf"))
         scores = torch.where(always, inf, torch.where(exists, share, -inf))
         per_head = torch.full((B,), self.pages_per_head, dtype=torch.long, device=bounds.device)
+        if self.fraction is not None:  # the share of the row's mean pages held, whole pages, the budget its floor
+            held = exists.sum(-1).double().mean(-1)
+            per_head = torch.maximum(per_head, torch.ceil(held * self.fraction).long())
         counts = self.allocator.allocate_layer(scores, per_head, layer_idx, comparable=True).long()
         if (counts.device.type == "cpu" and not torch.compiler.is_compiling()
                 and bool((counts <= exists.sum(-1)).all())):
@@ -114,8 +124,8 @@ class TopPages(Reader):
         :meth:`select` in one C call per layer (:func:`~kvpress_ada.kernels.ragged.sparse_cpu_kernel.select_pages_cpu`;
         the same pages as :meth:`select` over the kernel's bounds); ``None`` otherwise (the torch code)."""
         kind = type(self.allocator)
-        if kind is not UniformHead and kind is not AdaHead:  # a subclass may split otherwise
-            return None
+        if (kind is not UniformHead and kind is not AdaHead) or self.fraction is not None:  # a subclass may split
+            return None  # otherwise; the kernel takes a fixed budget
         alpha = self.allocator.alpha if isinstance(self.allocator, AdaHead) else None
         return select_pages_cpu(query, kmin, kmax, table, lengths, scale, softcap, self.page_size, self.pages_per_head,
                                 alpha, TIE_RTOL)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from os import PathLike
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -83,3 +83,15 @@ def write_tensors(path: str | PathLike, tensors: dict, metadata_key: str, header
     tmp = target.with_name(target.name + ".tmp")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={metadata_key: header})
     os.replace(tmp, target)
+
+
+def refuse_other_model(made: Any, other: Any, folder: Path, suffix: str, fingerprint_of: Callable[[str], str],
+                       error: type[Exception], source: str, said: str, use: str, make: str) -> None:
+    """Raise ``error`` in one line when ``other`` (the model in use, a ``ModelIdentity``) is not ``made`` (the one a
+    file was made on): ``source`` and ``said`` (e.g. ``"were made for model {made}, not for {other}"``), then the
+    files shipped in ``folder`` for ``other`` and how to use them (``use``), or how to ``make`` one."""
+    if other.fingerprint == made.fingerprint:
+        return
+    shipped = shipped_for(folder, suffix, other.fingerprint, fingerprint_of)
+    fix = f"this package ships {' and '.join(shipped)} for it{use}" if shipped else make
+    raise error(f"{source} {said.format(made=made.describe(), other=other.describe())}; {fix}")

@@ -143,13 +143,11 @@ class Surrogate:
     # ------------------------------------------------------------ using it
     def check_model(self, config: Any, source: str = "this surrogate") -> None:
         """Refuse a model whose fingerprint differs from the one this surrogate was trained on."""
-        other = model_identity(config)
-        if other.fingerprint != self._meta.model.fingerprint:
-            shipped = packaged.shipped_for(_HERE, SUFFIX, other.fingerprint, lambda p: load(p).meta.model.fingerprint)
-            fix = (f"this package ships {' and '.join(shipped)} for it" if shipped else
-                   "train one with `kvpress-ada distill --model <that model> --out surrogate.safetensors`")
-            raise SurrogateError(f"{source} was trained for model {self._meta.model.describe()}, not for "
-                                 f"{other.describe()}; {fix}")
+        packaged.refuse_other_model(self._meta.model, model_identity(config), _HERE, SUFFIX,
+                                    lambda p: load(p).meta.model.fingerprint, SurrogateError,
+                                    source, "was trained for model {made}, not for {other}", "",
+                                    "train one with `kvpress-ada distill --model <that model> --out "
+                                    "surrogate.safetensors`")
 
     def predict(self, hidden: torch.Tensor, layer_idx: int) -> torch.Tensor:
         """``[B, H_kv, T]`` float32: the predicted log teacher score of every token of ``hidden

@@ -150,15 +150,11 @@ class Calibration(BaseModel):
 
     def check_model(self, config: Any, source: str = "this calibration") -> None:
         """Refuse a model whose fingerprint differs from the one this calibration was made on."""
-        other = model_identity(config)
-        if other.fingerprint != self.model.fingerprint:
-            shipped = packaged.shipped_for(_HERE, ".json", other.fingerprint, _budget_fingerprint)
-            fix = (f"this package ships {' and '.join(shipped)} for it (Calibrated(path=...) / "
-                   "CalibratedLayer(path=...))" if shipped else
-                   "run `kvpress-ada calibrate --model <that model> --out heads.json` and use "
-                   "Calibrated(path='heads.json') / CalibratedLayer(path='heads.json')")
-            raise CalibrationError(f"{source} was made for model {self.model.describe()}, not for "
-                                   f"{other.describe()}; {fix}")
+        packaged.refuse_other_model(self.model, model_identity(config), _HERE, ".json", _budget_fingerprint,
+                                    CalibrationError, source, "was made for model {made}, not for {other}",
+                                    " (Calibrated(path=...) / CalibratedLayer(path=...))",
+                                    "run `kvpress-ada calibrate --model <that model> --out heads.json` and use "
+                                    "Calibrated(path='heads.json') / CalibratedLayer(path='heads.json')")
 
     def save(self, path: str | os.PathLike) -> None:
         Path(path).write_text(json.dumps(self.model_dump(mode="json"), indent=1) + "\n")

@@ -66,13 +66,10 @@ class QFilters:
 
     def check_model(self, config: Any, source: str = "these Q-filters") -> None:
         """Refuse, in one line naming the command that makes filters, a model other than the one they were made on."""
-        other = model_identity(config)
-        if other.fingerprint != self.meta.model.fingerprint:
-            shipped = packaged.shipped_for(_HERE, SUFFIX, other.fingerprint, lambda p: load(p).meta.model.fingerprint)
-            fix = (f"this package ships {' and '.join(shipped)} for it (QFilter(path=...))" if shipped else
-                   f"make them with `{MAKE}` and use QFilter(path='qfilters.safetensors')")
-            raise QFiltersError(f"{source} were made for model {self.meta.model.describe()}, not for "
-                                f"{other.describe()}; {fix}")
+        packaged.refuse_other_model(self.meta.model, model_identity(config), _HERE, SUFFIX,
+                                    lambda p: load(p).meta.model.fingerprint, QFiltersError,
+                                    source, "were made for model {made}, not for {other}", " (QFilter(path=...))",
+                                    f"make them with `{MAKE}` and use QFilter(path='qfilters.safetensors')")
 
     def __repr__(self) -> str:
         return f"QFilters(model {self.meta.model.describe()}, {tuple(self.filters.shape)})"

@@ -78,13 +78,12 @@ class QueryStats:
 
     def check_model(self, config: Any, source: str = "these query statistics") -> None:
         """Refuse, in one line naming the command that makes them, a model other than the one they were made on."""
-        other = model_identity(config)
-        if other.fingerprint != self.meta.model.fingerprint:
-            shipped = packaged.shipped_for(_HERE, SUFFIX, other.fingerprint, lambda p: load(p).meta.model.fingerprint)
-            fix = (f"this package ships {' and '.join(shipped)} for it (ExpectedAttentionStats(path=...))" if shipped
-                   else f"make them with `{MAKE}` and use ExpectedAttentionStats(path='query_stats.safetensors')")
-            raise QueryStatsError(f"{source} were measured on model {self.meta.model.describe()}, not on "
-                                  f"{other.describe()}; {fix}")
+        packaged.refuse_other_model(self.meta.model, model_identity(config), _HERE, SUFFIX,
+                                    lambda p: load(p).meta.model.fingerprint, QueryStatsError,
+                                    source, "were measured on model {made}, not on {other}",
+                                    " (ExpectedAttentionStats(path=...))",
+                                    f"make them with `{MAKE}` and use "
+                                    "ExpectedAttentionStats(path='query_stats.safetensors')")
 
     def __repr__(self) -> str:
         return f"QueryStats(model {self.meta.model.describe()}, {tuple(self.mean.shape)})"

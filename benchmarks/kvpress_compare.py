@@ -544,7 +544,7 @@ def _register_diagnostics():
     from kvpress_ada.allocators.heads import flat_topk_counts
     from kvpress_ada.allocators.layers import register_layer_schedule
     from kvpress_ada.scorers.attention import window_attention
-    from kvpress_ada.scorers.expected_attention import _rotate
+    from kvpress_ada.scorers.expected_attention import rotate
 
     @register_scorer("snapkv_kvpress")
     class SnapKVKvpress(Scorer):
@@ -594,13 +594,13 @@ def _register_diagnostics():
             inv = obs.rope_inv_freq.float().to(q.device)
             pos = torch.arange(L, device=q.device, dtype=torch.float32)
             back = -pos[:, None] * inv[None, :]
-            q = _rotate(q, torch.cat([back.cos()] * 2, -1), torch.cat([back.sin()] * 2, -1))  # back to pre-RoPE
+            q = rotate(q, torch.cat([back.cos()] * 2, -1), torch.cat([back.sin()] * 2, -1))  # back to pre-RoPE
             future = torch.arange(L, L + self.n_future, device=q.device, dtype=torch.float32)
             ang = future[:, None] * inv[None, :]
             cos = torch.cat([ang.cos().mean(0)] * 2)  # the averaged rotation R = mean_p R(p)
             sin = torch.cat([ang.sin().mean(0)] * 2)
             q = q[:, :, self.n_sink:]
-            q = _rotate(q, cos, sin)
+            q = rotate(q, cos, sin)
             mu = q.mean(dim=2)  # [B, Hq, D]
             c = q - mu[:, :, None]
             cov = torch.einsum("bhsi,bhsj->bhij", c, c) / q.shape[2]

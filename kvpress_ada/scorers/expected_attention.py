@@ -79,8 +79,9 @@ def gaussian_scores(mean: torch.Tensor, cov: torch.Tensor | None, keys: torch.Te
     return scores
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE rotation (half-split layout) of ``x`` by angles given as ``cos``/``sin`` over the last dim."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE rotation (half-split layout) of ``x`` by angles given as ``cos``/``sin`` over the last dim (an averaged
+    rotation ``diag(cos) + diag(sin) P`` too)."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
@@ -92,6 +93,6 @@ def rotate_to_future(q: torch.Tensor, inv_freq: torch.Tensor, n_future: int) -> 
     ``M = mean_k R(k)``: ``O((w + n_future) D)`` work, relative positions only (padding-safe)."""
     w = q.shape[2]
     shift = torch.arange(w, 0, -1, device=q.device, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [w, D/2]
-    q = _rotate(q, torch.cat([shift.cos()] * 2, dim=-1), torch.cat([shift.sin()] * 2, dim=-1))
+    q = rotate(q, torch.cat([shift.cos()] * 2, dim=-1), torch.cat([shift.sin()] * 2, dim=-1))
     ahead = torch.arange(n_future, device=q.device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return _rotate(q, torch.cat([ahead.cos().mean(0)] * 2), torch.cat([ahead.sin().mean(0)] * 2))
+    return rotate(q, torch.cat([ahead.cos().mean(0)] * 2), torch.cat([ahead.sin().mean(0)] * 2))

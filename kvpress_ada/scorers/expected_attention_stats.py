@@ -31,7 +31,7 @@ from pydantic import Field
 from .. import query_stats
 from ..observation import Observation
 from .base import Scorer, register_scorer
-from .expected_attention import gaussian_scores
+from .expected_attention import gaussian_scores, rotate
 
 
 @register_scorer("expected_attention_stats")
@@ -81,12 +81,12 @@ class ExpectedAttentionStats(Scorer):
         cos = torch.cat([angle.cos().mean(1)] * 2, dim=-1)[:, None, None, :]  # [B, 1, 1, D]: R's average
         sin = torch.cat([angle.sin().mean(1)] * 2, dim=-1)[:, None, None, :]
         mean = mean_all[obs.layer_idx, start:start + Hkv * G].view(1, Hkv, G, D)
-        mean = _rotate(mean, cos, sin)  # [B, H_kv, G, D]: R mu
+        mean = rotate(mean, cos, sin)  # [B, H_kv, G, D]: R mu
         cov = None
         if self.use_covariance:
             sigma = cov_all[obs.layer_idx, start:start + Hkv * G].view(1, Hkv, G, D, D)
-            half = _rotate(sigma, cos[..., None, :], sin[..., None, :])  # Sigma R^T (R on each row)
-            cov = _rotate(half.transpose(-1, -2), cos[..., None, :], sin[..., None, :]).transpose(-1, -2)
+            half = rotate(sigma, cos[..., None, :], sin[..., None, :])  # Sigma R^T (R on each row)
+            cov = rotate(half.transpose(-1, -2), cos[..., None, :], sin[..., None, :]).transpose(-1, -2)
         sink = valid & (position < self.sinks)
         scores = gaussian_scores(mean, cov, obs.keys.float(), obs.values, valid & ~sink, obs.scaling, self.use_vnorm)
         return scores.nan_to_num(0.0).masked_fill(sink, float("inf"))
@@ -104,8 +104,3 @@ def rope_positions(obs: Observation) -> tuple[torch.Tensor, torch.Tensor]:
     first = pos.masked_fill(~valid, torch.iinfo(torch.long).max).amin(dim=(1, 2), keepdim=True)
     return (pos - first).masked_fill(~valid, 0), valid
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` rotated by the averaged RoPE matrix ``diag(cos) + diag(sin) P`` over its last dim (half-split layout)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin

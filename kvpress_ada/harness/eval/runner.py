@@ -105,12 +105,12 @@ def _teacher_forced(model, press, cache, tokens: torch.Tensor, decode_from: int 
     copied = _decoding(press, cache)
     if copied:
         cache = copy.deepcopy(cache)
-    stepped = press is not None and press.reader is not None and tokens.shape[1] - decode_from > 1
-    parts = ([tokens[:, :decode_from]] if decode_from else []) + [tokens[:, t:t + 1] for t in
-                                                                   range(decode_from, tokens.shape[1])]
+    parts = [tokens]
+    if press is not None and press.reader is not None and tokens.shape[1] - decode_from > 1:
+        parts = ([tokens[:, :decode_from]] if decode_from else []) + list(tokens[:, decode_from:].split(1, dim=1))
     logits, hidden = [], []
     with _routed(press, model):
-        for part in parts if stepped else [tokens]:
+        for part in parts:
             out = model(input_ids=part, use_cache=True, output_hidden_states=True, **{cache_kwarg(model): cache})
             cache = output_cache(out)
             logits.append(out.logits)

@@ -246,8 +246,8 @@ def test_read_allocation_totals_and_floors(seed, allocator, budget, width):
        width=st.integers(1, 16))
 def test_a_read_fraction_grows_the_budget_with_what_the_heads_hold(seed, allocator, fraction, width):
     """With ``fraction``, each batch row of a layer reads exactly ``min(H * max(ceil(budget / P), ceil(fraction *
-    its heads' mean pages held)), pages held)`` pages, with the same floors; ``fraction=1`` reads every page held;
-    the fused CPU kernel (a fixed budget) is not used."""
+    its heads' mean pages held)), pages held)`` pages, with the same floors; ``fraction=1`` reads every page held
+    (the fused CPU kernel's selection with a fraction: tests/test_sparse_cpu.py)."""
     name, fields = allocator
     P = 4
     reader = TopPages(budget=2 * P, page_size=P, fraction=fraction, allocator={"name": name, **fields})
@@ -265,8 +265,6 @@ def test_a_read_fraction_grows_the_budget_with_what_the_heads_hold(seed, allocat
     assert bool((always <= selected).all())
     everything = reader.model_copy(update={"fraction": 1.0}).select(bounds, lengths, layer_idx=0)
     assert torch.equal(everything, exists)
-    q = torch.randn(B, H * G, 8)
-    assert reader.select_fused(q, q, q, torch.zeros(1), lengths, 1.0, 0) is None
 
 
 def test_read_fraction_is_checked_and_round_trips():

@@ -235,15 +235,15 @@ READ_ALLOCATORS = ["uniform", AdaHead(alpha=0.2), AdaHead(alpha=0.0), AdaHead(al
 @given(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.sampled_from([1, 4, 16]),
        st.integers(1, 2), st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 3]), st.integers(2, 6),
        st.lists(st.integers(0, 90), min_size=16, max_size=16), st.sampled_from(READ_ALLOCATORS),
-       st.sampled_from([None, 3.0]), st.integers(0, 9_999))
+       st.sampled_from([None, 3.0]), st.sampled_from([None, 0.3, 0.5, 1.0]), st.integers(0, 9_999))
 def test_select_kernel_selects_what_the_torch_reader_selects(dtype, P, B, H, G, pages, lengths, allocator, softcap,
-                                                             seed):
-    """Every allocation path: uniform and Ada budgets (alpha 0, 0.2, 0.5: remainders tied, 1), heads holding fewer
-    pages than their count (their excess to the other heads' best pages), empty rows, first and newest pages forced,
-    GQA groups, soft-cap (bounds saturate: near ties); the C kernel's selection is the torch code's, page for page,
-    and each batch row reads its budget of held pages."""
+                                                             fraction, seed):
+    """Every allocation path: uniform and Ada budgets (alpha 0, 0.2, 0.5: remainders tied, 1), a budget growing with
+    the pages held (``fraction``), heads holding fewer pages than their count (their excess to the other heads' best
+    pages), empty rows, first and newest pages forced, GQA groups, soft-cap (bounds saturate: near ties); the C
+    kernel's selection is the torch code's, page for page, and each batch row reads its budget of held pages."""
     q, _, _, offs, lens, table, kmin, kmax = _selection_case(dtype, P, B, H, G, lengths[:B * H], seed)
-    reader = TopPages(budget=pages * P, page_size=P, allocator=allocator)
+    reader = TopPages(budget=pages * P, page_size=P, fraction=fraction, allocator=allocator)
     got = reader.select_fused(q, kmin, kmax, table, lens, 0.3, 0, softcap)
     want = _torch_selection(reader, q, kmin, kmax, table, lens, 0.3, softcap)
     assert got is not None and got.dtype == torch.bool and got.shape == (B, H, table.shape[1])
@@ -253,7 +253,10 @@ def test_select_kernel_selects_what_the_torch_reader_selects(dtype, P, B, H, G, 
     assert bool((read.sum(-1) <= held).all())  # held pages only
     first, newest = read[held > 0, 0], read[held > 0].gather(1, (held[held > 0] - 1)[:, None])
     assert bool(first.all()) and bool(newest.all())  # the sinks' page and the newest, always
-    per_batch = torch.minimum(held.view(B, H).sum(-1), torch.tensor(H * reader.pages_per_head))
+    per_head = torch.full((B,), reader.pages_per_head)
+    if fraction is not None:
+        per_head = torch.maximum(per_head, torch.ceil(held.view(B, H).double().mean(-1) * fraction).long())
+    per_batch = torch.minimum(held.view(B, H).sum(-1), H * per_head)
     assert torch.equal(got.sum((-1, -2)), per_batch)  # each batch row reads its budget, or all it holds
 
 

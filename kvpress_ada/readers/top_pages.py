@@ -42,8 +42,7 @@ class TopPages(Reader):
 
     ``fraction`` (optional): a read budget that grows with the cache: each row of a layer reads on average at least
     ``ceil(fraction * its heads' mean pages held)`` pages per kv head (``budget`` stays the floor), so a long
-    generation keeps reading the same share of what its heads hold (the torch selection; the fused CPU kernel takes
-    the fixed budget only).
+    generation keeps reading the same share of what its heads hold.
     """
 
     name: Literal["top_pages"] = "top_pages"
@@ -124,11 +123,11 @@ class TopPages(Reader):
         :meth:`select` in one C call per layer (:func:`~kvpress_ada.kernels.ragged.sparse_cpu_kernel.select_pages_cpu`;
         the same pages as :meth:`select` over the kernel's bounds); ``None`` otherwise (the torch code)."""
         kind = type(self.allocator)
-        if (kind is not UniformHead and kind is not AdaHead) or self.fraction is not None:  # a subclass may split
-            return None  # otherwise; the kernel takes a fixed budget
+        if kind is not UniformHead and kind is not AdaHead:  # a subclass may split otherwise
+            return None
         alpha = self.allocator.alpha if isinstance(self.allocator, AdaHead) else None
         return select_pages_cpu(query, kmin, kmax, table, lengths, scale, softcap, self.page_size, self.pages_per_head,
-                                alpha, TIE_RTOL)
+                                alpha, TIE_RTOL, self.fraction)
 
 
 def _best(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -350,7 +350,8 @@ TOP_K(double, kvs_top_k_f64, fabs)
  *  - the pages of a row that hold an entry (j < ceil(lens[r] / P)) compete with the largest over its GQ queries of
  *    their softmax weight over the row's W pages (the others at float32's lowest logit), its first and newest page
  *    always read (+inf), the others never (-inf);
- *  - each kv head reads per_head pages (alpha < 0: uniform), or Ada-KV's split of its batch row's H * per_head:
+ *  - each kv head reads per_head pages, or (fraction > 0) the more of that and ceil(fraction * the mean over the
+ *    batch row's heads of the pages they hold) (alpha < 0: uniform), or Ada-KV's split of its batch row's H * that:
  *    the top-k over the scores flattened by (page, head), mixed with per_head by alpha, rounded by largest remainder
  *    (ties: the larger adaptive count, then the lower head), at most W;
  *  - counts over what a head holds go to the best unread pages of its batch row's other heads (fit_to_valid);
@@ -465,7 +466,8 @@ static int row_scores(const float *b, int64_t GQ, int64_t W, int64_t pages, doub
 
 INLINE int select_pages(const float *qs, const void *kmin, const void *kmax, int dtype, const int64_t *table,
                         const int64_t *lens, int64_t R, int64_t H, int64_t W, int64_t GQ, const int64_t D,
-                        float softcap, int64_t P, int64_t per_head, double alpha, float rtol, uint8_t *out) {
+                        float softcap, int64_t P, int64_t per_head, double fraction, double alpha, float rtol,
+                        uint8_t *out) {
     const int64_t HW = H * W;
     /* floats: qp, qn [GQ, D], lo, hi [D], bounds [GQ, W], scores, rest, flat, buf [H, W]; double: mixed, frac [H],
      * dbuf [W]; int64: pages, counts, adaptive, extra, order [H]; bytes: mask, chosen [H, W] */
@@ -488,15 +490,22 @@ INLINE int select_pages(const float *qs, const void *kmin, const void *kmax, int
             status = row_scores(bnd, GQ, W, held, dbuf, sc + h * W);
         }
         if (status) break;
+        int64_t per_row = per_head;
+        if (fraction > 0.0) { /* the heads' mean pages held (sum, then one division, as torch's mean), times fraction */
+            int64_t held_sum = 0;
+            for (int64_t h = 0; h < H; h++) held_sum += pages[h];
+            const double mean = (double)held_sum / (double)H, grown = ceil(mean * fraction);
+            per_row = grown > (double)per_row ? (int64_t)grown : per_row;
+        }
         if (alpha < 0.0) {
-            for (int64_t h = 0; h < H; h++) counts[h] = per_head;
+            for (int64_t h = 0; h < H; h++) counts[h] = per_row;
         } else { /* Ada-KV */
-            flat_counts(sc, H, W, H * per_head, rtol, flat, buf, mask, adaptive);
+            flat_counts(sc, H, W, H * per_row, rtol, flat, buf, mask, adaptive);
             for (int64_t h = 0; h < H; h++) { /* two statements: no fused multiply-add (torch rounds each step) */
-                const double uniform = alpha * (double)per_head, own = (1.0 - alpha) * (double)adaptive[h];
+                const double uniform = alpha * (double)per_row, own = (1.0 - alpha) * (double)adaptive[h];
                 mixed[h] = uniform + own;
             }
-            round_to_total(mixed, H, H * per_head, W, adaptive, frac, order, counts);
+            round_to_total(mixed, H, H * per_row, W, adaptive, frac, order, counts);
         }
         int64_t over = 0, room = 0; /* fit_to_valid: counts a head cannot fill go to the others' best pages */
         for (int64_t h = 0; h < H; h++) {
@@ -527,9 +536,9 @@ INLINE int select_pages(const float *qs, const void *kmin, const void *kmax, int
 
 int kvs_select_pages(const float *qs, const void *kmin, const void *kmax, int64_t dtype, const int64_t *table,
                      const int64_t *lens, int64_t R, int64_t H, int64_t W, int64_t GQ, int64_t D, float softcap,
-                     int64_t P, int64_t per_head, double alpha, float rtol, uint8_t *out) {
+                     int64_t P, int64_t per_head, double fraction, double alpha, float rtol, uint8_t *out) {
 #define SELECT(D_) select_pages(qs, kmin, kmax, (int)dtype, table, lens, R, H, W, GQ, D_, softcap, P, per_head, \
-                                alpha, rtol, out)
+                                fraction, alpha, rtol, out)
     if (R % H || W <= 0 || P <= 0) return 3;
     if (D == 64) return SELECT(64);
     if (D == 128) return SELECT(128);

@@ -56,7 +56,8 @@ def _library() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
         fn.argtypes = [_P, _P, _I, _I, real, _I, _P]
     lib.kvs_select_pages.restype = ctypes.c_int
-    lib.kvs_select_pages.argtypes = [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I, ctypes.c_double, _F, _P]
+    lib.kvs_select_pages.argtypes = [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I, ctypes.c_double,
+                                     ctypes.c_double, _F, _P]
     lib.kvs_append_summaries.restype = ctypes.c_int
     lib.kvs_append_summaries.argtypes = [_P, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I]
     return lib
@@ -150,9 +151,10 @@ def top_k_cpu(scores: Tensor, k: Tensor, recent_first: bool, rtol: float) -> Ten
 
 def select_pages_cpu(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, lengths: Tensor, scale: float,
                      softcap: float | None, page_size: int, per_head: int, alpha: float | None,
-                     rtol: float) -> Tensor | None:
+                     rtol: float, fraction: float | None = None) -> Tensor | None:
     """``[B, H_kv, W]`` bool: the pages :class:`~kvpress_ada.readers.TopPages` reads (``per_head`` pages per kv head
-    on average, split uniformly (``alpha`` None) or by Ada-KV with ``alpha``; ties within ``rtol``) for ``q [B, H_q,
+    on average, or with ``fraction`` the more of that and ``ceil(fraction *`` the batch row's heads' mean pages
+    held``)``, split uniformly (``alpha`` None) or by Ada-KV with ``alpha``; ties within ``rtol``) for ``q [B, H_q,
     1, D]`` over rows of ``lengths [B * H_kv]`` entries, from the summaries' bounds (:func:`page_bounds_cpu`), by the
     fused kernel; ``None`` when it does not serve the call (as :func:`page_bounds_cpu`; a NaN score: the torch code
     decides)."""
@@ -172,7 +174,8 @@ def select_pages_cpu(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, lengt
     out = torch.empty(B, H, W, dtype=torch.bool)
     status = lib.kvs_select_pages(qs.data_ptr(), kmin.data_ptr(), kmax.data_ptr(), _DTYPES[kmin.dtype],
                                   table.data_ptr(), lens.data_ptr(), R, H, W, GQ, D, float(softcap or 0.0),
-                                  int(page_size), int(per_head), -1.0 if alpha is None else float(alpha), rtol,
+                                  int(page_size), int(per_head), float(fraction or 0.0),
+                                  -1.0 if alpha is None else float(alpha), rtol,
                                   out.data_ptr())
     if status == 2:
         raise MemoryError("page selection (CPU kernel): out of memory for its buffers")

@@ -222,6 +222,34 @@ def decode(model, cache, first_id: torch.Tensor, steps: int, press=None, positio
 # ----------------------------------------------------------------------------- stats and output
 
 
+def config_pipelines(specs: list[str]) -> dict:
+    """``{label: Pipeline}`` of ``--config FILE[@R]`` (label: the file name, with ``@R`` when a ratio is given);
+    ValueError naming the bad spec otherwise."""
+    from kvpress_ada.harness.cli import UsageError, _load_config
+
+    out: dict = {}
+    for spec in specs:
+        path, sep, ratio = spec.rpartition("@") if "@" in spec else (spec, "", "")
+        try:
+            pipeline = _load_config(path)
+        except UsageError as err:
+            raise ValueError(str(err)) from None
+        label = Path(path).stem
+        if sep:
+            try:
+                r = float(ratio)
+            except ValueError:
+                r = -1.0
+            if not 0 <= r < 1:
+                raise ValueError(f"--config {spec}: the ratio after @ must be a number in [0, 1), got {ratio!r}")
+            pipeline = pipeline.model_copy(update={"compression_ratio": r})
+            label = f"{label}@{ratio}"
+        if label in out or label == "full":
+            raise ValueError(f"--config {spec}: its label {label!r} is taken; every config needs its own label")
+        out[label] = pipeline
+    return out
+
+
 def summarize(values: list[float]) -> dict:
     return {"median": statistics.median(values), "best": max(values), "worst": min(values), "n": len(values),
             "all": values}

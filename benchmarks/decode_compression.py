@@ -83,38 +83,10 @@ def parse_args(argv=None):
     if args.prompt_tokens < 0:
         p.error(f"--prompt-tokens must be >= 0, got {args.prompt_tokens}")
     try:  # pipeline files are checked before the model loads
-        args.pipelines = config_pipelines(args.config)
+        args.pipelines = common.config_pipelines(args.config)
     except ValueError as err:
         p.error(str(err))
     return args
-
-
-def config_pipelines(specs: list[str]) -> dict:
-    """``{label: Pipeline}`` of ``--config FILE[@R]`` (label: the file name, with ``@R`` when a ratio is given);
-    ValueError naming the bad spec otherwise."""
-    from kvpress_ada.harness.cli import UsageError, _load_config
-
-    out: dict = {}
-    for spec in specs:
-        path, sep, ratio = spec.rpartition("@") if "@" in spec else (spec, "", "")
-        try:
-            pipeline = _load_config(path)
-        except UsageError as err:
-            raise ValueError(str(err)) from None
-        label = Path(path).stem
-        if sep:
-            try:
-                r = float(ratio)
-            except ValueError:
-                r = -1.0
-            if not 0 <= r < 1:
-                raise ValueError(f"--config {spec}: the ratio after @ must be a number in [0, 1), got {ratio!r}")
-            pipeline = pipeline.model_copy(update={"compression_ratio": r})
-            label = f"{label}@{ratio}"
-        if label in out or label == "full":
-            raise ValueError(f"--config {spec}: its label {label!r} is taken; every config needs its own label")
-        out[label] = pipeline
-    return out
 
 
 SUMMARY_REQUEST = "\n\nSummarise the text above in detail, section by section."

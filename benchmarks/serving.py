@@ -29,7 +29,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import machine_info, write_json  # noqa: E402
+from common import config_pipelines, machine_info, write_json  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from kvpress_ada.harness.eval.scoring import METRICS  # noqa: E402
@@ -123,6 +123,10 @@ def main() -> None:
                         help="comma-separated presets; PRESET:RATIO for another ratio than --ratio (snapkv:0: a press "
                              "that keeps everything, what the host costs by itself); PRESET@STORAGE (e.g. kvzap@int4, "
                              "kvzap:0.9@int4) stores the kept entries as a registered storage says")
+    parser.add_argument("--config", action="append", default=[], metavar="FILE[@R]",
+                        help="a pipeline file (YAML or JSON, as `kvpress-ada eval --config`; e.g. an eviction with a "
+                             "reader) served after the presets, labelled by its file name; @R sets its ratio; "
+                             "repeatable")
     parser.add_argument("--ratio", type=float, default=0.75)
     parser.add_argument("--task", default="passkey")
     parser.add_argument("--requests", type=int, default=24)
@@ -143,6 +147,11 @@ def main() -> None:
     args = parser.parse_args()
     if (args.decode_budget is None) != (args.decode_interval is None):
         parser.error("--decode-budget and --decode-interval go together")
+    try:  # pipeline files are checked before any model loads
+        files = config_pipelines(args.config)
+    except ValueError as err:
+        parser.error(str(err))
+    presets = [name for name in args.presets.split(",") if name]
 
     from transformers import AutoTokenizer
 
@@ -161,16 +170,19 @@ def main() -> None:
                "cpus": sorted(os.sched_getaffinity(0)),
                "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
                "prompt_tokens": [len(p) for p in ids], "runs": {}}
-    def press_for(spec: str):
-        spec, _, storage = spec.partition("@")
-        name, _, ratio = spec.partition(":")
-        press = press_from(name, float(ratio) if ratio else args.ratio, args.prefill_chunk)
+    def with_options(press, storage: str = ""):
         changes = {"storage": storage} if storage else {}
         if args.decode_budget is not None:
             changes.update(decode_budget=args.decode_budget, decode_interval=args.decode_interval)
         return press.replace(**changes) if changes else press
 
-    configs = [("vLLM (full cache)", None)] + [(name, press_for(name)) for name in args.presets.split(",")]
+    def press_for(spec: str):
+        spec, _, storage = spec.partition("@")
+        name, _, ratio = spec.partition(":")
+        return with_options(press_from(name, float(ratio) if ratio else args.ratio, args.prefill_chunk), storage)
+
+    configs = [("vLLM (full cache)", None)] + [(name, press_for(name)) for name in presets] + \
+        [(label, with_options(press_from(pipeline, None, args.prefill_chunk))) for label, pipeline in files.items()]
     for label, press in configs:
         run = serve(model_dir, press, ids, args.new_tokens, args.kv_blocks, args.dtype, args.prefill_chunk)
         run["accuracy"] = accuracy(run["tokens"])

@@ -11,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import common  # noqa: E402
 import decode_compression as dc  # noqa: E402
 
 CONFIG = "scorer: {name: snapkv}\nreader: {name: top_pages, budget: 32, page_size: 16}\ncompression_ratio: 0.5\n"
@@ -24,7 +25,7 @@ def config(tmp_path) -> str:
 
 
 def test_labels_and_ratio_override(config):
-    pipelines = dc.config_pipelines([config, f"{config}@0.9375"])
+    pipelines = common.config_pipelines([config, f"{config}@0.9375"])
     assert list(pipelines) == ["snap_read", "snap_read@0.9375"]
     assert pipelines["snap_read"].compression_ratio == 0.5
     assert pipelines["snap_read@0.9375"].compression_ratio == 0.9375
@@ -34,14 +35,14 @@ def test_labels_and_ratio_override(config):
 @pytest.mark.parametrize("suffix, message", [("@1.5", "in [0, 1), got '1.5'"), ("@x", "got 'x'")])
 def test_bad_ratio_is_one_line(config, suffix, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        dc.config_pipelines([config + suffix])
+        common.config_pipelines([config + suffix])
 
 
 def test_duplicate_label_and_missing_file(config, tmp_path):
     with pytest.raises(ValueError, match="label 'snap_read' is taken"):
-        dc.config_pipelines([config, config])
+        common.config_pipelines([config, config])
     with pytest.raises(ValueError, match="no such file"):
-        dc.config_pipelines([str(tmp_path / "missing.yaml")])
+        common.config_pipelines([str(tmp_path / "missing.yaml")])
 
 
 def test_cli_errors_before_the_model_loads(config, capsys):

@@ -16,7 +16,15 @@
  *                                       (unscaled) logits: soft-capping and sinks need q . k itself
  *   sinks  float32 [H_kv * G]          NULL, or one logit per query head in each softmax denominator (GPT-OSS)
  *   out    float32 [B, H_kv, G, Q, D]  written (0 for a query that sees nothing)
+ *
+ * kvq_sparse_attention: the same over the entries of each row's selected pages only (Quest reads), the fused form
+ * of kvpress_ada/kernels/ragged/sparse.py's sparse_quantized_attention_ref: each selected page's records read and
+ * dequantized where they lie (no gather, no padding to the longest row's list), the anchor and ring slots from side
+ * as above. Instead of offs:
+ *   table     int64 [rows, W]  flat page of page j of row r (-1: none): its ranks j * P .. at slots table * P ..
+ *   selected  uint8 [rows, W]  the pages row r reads (a page of table -1 never)
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -159,10 +167,103 @@ INLINE int attend(const float *q, const uint8_t *k_rec, const uint8_t *v_rec, in
     return 0;
 }
 
-#define SPECIALISED(D_, ENC_, BITS_, GROUP_)                                                                   \
-    if (D == D_ && enc == ENC_ && bits == BITS_ && group == GROUP_)                                           \
-        return attend(q, k_rec, v_rec, width, offs, lens, side, R, B, H_kv, G, Q, D_, ENC_, BITS_, GROUP_, sdtype, \
-                      lut, scale, softcap, bias, sinks, out);
+/* ------------------------------------------------------------------------ attention over selected pages */
+/* the first page at or after j that row r reads (W: none) */
+static inline int64_t next_listed(const int64_t *table, const uint8_t *selected, int64_t r, int64_t W, int64_t j) {
+    while (j < W && !(selected[r * W + j] && table[r * W + j] >= 0)) j++;
+    return j;
+}
+
+/* the body of kvq_sparse_attention (attend's entries, logits and softmax, over the listed pages' entries only: each
+ * entry's rank and slot kept for the values' pass); inlined into the same specialisations */
+INLINE int attend_pages(const float *q, const uint8_t *k_rec, const uint8_t *v_rec, int64_t width,
+                        const int64_t *table, const uint8_t *selected, int64_t W, int64_t P, const int64_t *lens,
+                        const float *side, int64_t R, int64_t B, int64_t H_kv, int64_t G, int64_t Q, const int64_t D,
+                        const int enc, const int bits, const int group, int64_t sdtype, const float *lut, float scale,
+                        float softcap, const float *bias, const float *sinks, float *out) {
+    const int64_t rows = B * H_kv, M = G * Q;
+    const float *v_side = side + (1 + R) * rows * D;
+    int64_t most = 0; /* the most pages a row reads */
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t c = 0;
+        for (int64_t j = 0; j < W; j++) c += selected[r * W + j] && table[r * W + j] >= 0;
+        most = c > most ? c : most;
+    }
+    const int64_t cap = (most > 0 ? most : 1) * P;
+    /* scores [M, cap], the row maxima and sums [2 M], a dequantized entry [D]; the slot and rank of each listed
+     * entry [2 cap] */
+    float *scores = malloc(sizeof(float) * (size_t)(M * cap + 2 * M + D) + sizeof(int64_t) * (size_t)(2 * cap));
+    if (!scores) return 1;
+    float *top = scores + M * cap, *total = top + M, *buf = total + M;
+    int64_t *slot = (int64_t *)(buf + D), *rank = slot + cap;
+    memset(out, 0, sizeof(float) * (size_t)(rows * M * D));
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t n = lens[r];
+        if (n <= 0) continue;
+        const float *qr = q + r * M * D;
+        float *o = out + r * M * D;
+        int64_t count = 0; /* entries listed: those the row holds in its selected pages */
+        for (int64_t j = next_listed(table, selected, r, W, 0); j < W; j = next_listed(table, selected, r, W, j + 1)) {
+            const int64_t start = j * P, page = table[r * W + j], held = n - start < P ? n - start : P;
+            for (int64_t e = 0; e < held; e++) {
+                const int64_t t = start + e, s = page * P + e;
+                const float *k = entry(t, n, R, r, rows, (int)D, side, k_rec + s * width, enc, bits, group,
+                                       (int)sdtype, lut, buf);
+                for (int64_t m = 0; m < M; m++) { /* query i = m % Q sees ranks t < n - (Q - 1 - i) */
+                    float x = -INFINITY;
+                    if (t < n - (Q - 1 - m % Q)) {
+                        const float *qm = qr + m * D;
+                        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                        for (int64_t c = 0; c < D; c++) dot += qm[c] * k[c];
+                        x = dot * scale;
+                        if (bias) x += bias[r * M + m] * scale; /* the logit's missing q . c, before any soft-cap */
+                        if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
+                    }
+                    scores[m * cap + count] = x;
+                }
+                slot[count] = s;
+                rank[count++] = t;
+            }
+        }
+        for (int64_t m = 0; m < M; m++) {
+            float *x = scores + m * cap, best = -INFINITY, sum = 0.0f;
+            const float sink = sinks ? sinks[(r % H_kv) * G + m / Q] : 0.0f;
+            for (int64_t i = 0; i < count; i++) best = x[i] > best ? x[i] : best;
+            if (sinks) best = sink > best ? sink : best;
+            best = best < -FLT_MAX ? -FLT_MAX : best; /* a query that sees nothing: exp(-inf - finite) = 0 */
+            for (int64_t i = 0; i < count; i++) {
+                x[i] = expf(x[i] - best);
+                sum += x[i];
+            }
+            if (sinks) sum += expf(sink - best);
+            top[m] = best;
+            total[m] = sum;
+        }
+        for (int64_t i = 0; i < count; i++) {
+            const float *v = entry(rank[i], n, R, r, rows, (int)D, v_side, v_rec + slot[i] * width, enc, bits, group,
+                                   (int)sdtype, lut, buf);
+            for (int64_t m = 0; m < M; m++) {
+                const float p = scores[m * cap + i];
+                float *restrict om = o + m * D;
+#pragma omp simd
+                for (int64_t c = 0; c < D; c++) om[c] += p * v[c];
+            }
+        }
+        for (int64_t m = 0; m < M; m++) {
+            const float d = total[m] > FLT_MIN ? total[m] : FLT_MIN;
+            for (int64_t c = 0; c < D; c++) o[m * D + c] /= d;
+        }
+    }
+    free(scores);
+    return 0;
+}
+
+/* the shapes both kernels are specialised for (head dim, encoding, bits, group), each a call X(D, enc, bits, group);
+ * any other shape runs the generic body */
+#define SPECIALISATIONS(X)                                                                                     \
+    X(64, 0, 4, 32) X(64, 0, 8, 32) X(128, 0, 4, 32) X(128, 0, 8, 32) X(64, 0, 4, 64) X(128, 0, 4, 64)        \
+    X(128, 0, 4, 128) X(64, 1, 8, 64) X(128, 1, 8, 128)
 
 /* enc 0: integers of bits 4 or 8; enc 1: float8 e4m3 (bits 8); group: channels per scale (the head dim for one) */
 int kvq_attention(const float *q, const uint8_t *k_rec, const uint8_t *v_rec, int64_t width,
@@ -171,15 +272,33 @@ int kvq_attention(const float *q, const uint8_t *k_rec, const uint8_t *v_rec, in
                   int64_t sdtype, float scale, float softcap, const float *bias, const float *sinks, float *out) {
     float lut[256];
     e4m3_table(lut);
-    SPECIALISED(64, 0, 4, 32)
-    SPECIALISED(64, 0, 8, 32)
-    SPECIALISED(128, 0, 4, 32)
-    SPECIALISED(128, 0, 8, 32)
-    SPECIALISED(64, 0, 4, 64)
-    SPECIALISED(128, 0, 4, 64)
-    SPECIALISED(128, 0, 4, 128)
-    SPECIALISED(64, 1, 8, 64)
-    SPECIALISED(128, 1, 8, 128)
+#define DENSE(D_, ENC_, BITS_, GROUP_)                                                                          \
+    if (D == D_ && enc == ENC_ && bits == BITS_ && group == GROUP_)                                           \
+        return attend(q, k_rec, v_rec, width, offs, lens, side, R, B, H_kv, G, Q, D_, ENC_, BITS_, GROUP_, sdtype, \
+                      lut, scale, softcap, bias, sinks, out);
+    SPECIALISATIONS(DENSE)
+#undef DENSE
     return attend(q, k_rec, v_rec, width, offs, lens, side, R, B, H_kv, G, Q, D, (int)enc, (int)bits, (int)group,
                   sdtype, lut, scale, softcap, bias, sinks, out);
+}
+
+/* the arguments of kvq_attention with table, selected [rows, W] and the page size P for offs; n_pages: the pages the
+ * records hold (a listed page past them: 3, nothing read) */
+int kvq_sparse_attention(const float *q, const uint8_t *k_rec, const uint8_t *v_rec, int64_t width,
+                         const int64_t *table, const uint8_t *selected, int64_t W, int64_t P, int64_t n_pages,
+                         const int64_t *lens, const float *side, int64_t R, int64_t B, int64_t H_kv, int64_t G,
+                         int64_t Q, int64_t D, int64_t enc, int64_t bits, int64_t group, int64_t sdtype, float scale,
+                         float softcap, const float *bias, const float *sinks, float *out) {
+    for (int64_t i = 0; i < B * H_kv * W; i++)
+        if (selected[i] && table[i] >= n_pages) return 3;
+    float lut[256];
+    e4m3_table(lut);
+#define SPARSE(D_, ENC_, BITS_, GROUP_)                                                                         \
+    if (D == D_ && enc == ENC_ && bits == BITS_ && group == GROUP_)                                           \
+        return attend_pages(q, k_rec, v_rec, width, table, selected, W, P, lens, side, R, B, H_kv, G, Q, D_, ENC_, \
+                            BITS_, GROUP_, sdtype, lut, scale, softcap, bias, sinks, out);
+    SPECIALISATIONS(SPARSE)
+#undef SPARSE
+    return attend_pages(q, k_rec, v_rec, width, table, selected, W, P, lens, side, R, B, H_kv, G, Q, D, (int)enc,
+                        (int)bits, (int)group, sdtype, lut, scale, softcap, bias, sinks, out);
 }

@@ -5,6 +5,9 @@ records, anchor and residual slots, bottom-right causal rule, float32 arithmetic
 the layer's dequantized keys and values: each entry is dequantized as it is read, so a decode step reads
 the records' bytes once. It serves decode-shaped calls (at most :data:`MAX_QUERIES` queries per row);
 longer ones (a prefill chunk) are matrix products the torch reference does better.
+:func:`sparse_quantized_attention_cpu` computes what :func:`~..ragged.sparse.sparse_quantized_attention_ref`
+computes (Quest reads: only the selected pages' entries, Tang et al., ICML 2024) the same way, each selected page's
+records read and dequantized where they lie (no gather of the pages, no dequantized copy, no host sync).
 
 The C source is compiled once per machine with the system C compiler (``$CC``, else ``cc``; flags
 ``-O3 -march=native``) into ``$KVPRESS_ADA_CACHE`` (default ``~/.cache/kvpress_ada``) under a name
@@ -34,8 +37,8 @@ from torch import Tensor
 
 from .scheme import RecordLayout, centre_logits, key_rotation, residual_of, side_operands
 
-__all__ = ["MAX_QUERIES", "ENV_VAR", "cpu_kernel", "use_cpu_kernel", "quantized_attention_cpu", "build_kernel",
-           "kernel_wanted", "INCLUDE"]
+__all__ = ["MAX_QUERIES", "ENV_VAR", "cpu_kernel", "use_cpu_kernel", "quantized_attention_cpu",
+           "sparse_quantized_attention_cpu", "build_kernel", "kernel_wanted", "INCLUDE"]
 
 MAX_QUERIES = 4
 """Most queries per head (``Q``) the fused kernel takes; longer calls (prefill chunks) go to the torch reference."""
@@ -143,6 +146,10 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [_P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_float,
                    _P, _P, _P]
+    fn = lib.kvq_sparse_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_P, _P, _P, _I, _P, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float,
+                   ctypes.c_float, _P, _P, _P]
     return lib
 
 
@@ -188,4 +195,47 @@ def quantized_attention_cpu(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets
                                out.data_ptr())
     if status:
         raise MemoryError("quantized attention (CPU kernel): out of memory for the score buffer")
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def sparse_quantized_attention_cpu(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_lengths: Tensor, side: Tensor,
+                                   table: Tensor, selected: Tensor, page_size: int, scale: float, layout: RecordLayout,
+                                   softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor | None:
+    """What :func:`~..ragged.sparse.sparse_quantized_attention_ref` returns for these (validated) arguments, by the
+    fused kernel; ``None`` when it does not serve the call (traced, not plain CPU tensors, more than
+    :data:`MAX_QUERIES` queries per row, an encoding it does not know, or the kernel unavailable): the caller then
+    runs the reference. Raises ``ValueError`` when ``table`` lists a selected page past the records' pages."""
+    extra = () if sinks is None else (sinks,)
+    B, H_q, Q, D = q.shape
+    if torch.compiler.is_compiling() or Q > MAX_QUERIES or q.dtype not in _SCALE_DTYPES \
+            or layout.encoding not in _ENCODINGS or not kernel_wanted() or not all(
+                type(t) is Tensor and t.device.type == "cpu"
+                for t in (q, k_rec, v_rec, row_lengths, side, table, selected, *extra)):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    rows, W = table.shape
+    H_kv = rows // B
+    R = key_rotation(layout, D, q.device)
+    q_rot = (q.float() if R is None else q.float() @ R).contiguous()
+    operands = side_operands(side, layout).contiguous()
+    lens = row_lengths.to(torch.int64).contiguous()
+    pages, chosen = table.to(torch.int64).contiguous(), selected.contiguous()
+    k_rec, v_rec = k_rec.contiguous(), v_rec.contiguous()
+    out = torch.empty(B, H_q, Q, D, dtype=torch.float32)
+    bias = centre_logits(q, side) if softcap or sinks is not None else None  # as quantized_attention_cpu's
+    sink = None if sinks is None else sinks.float().contiguous()
+    status = lib.kvq_sparse_attention(q_rot.data_ptr(), k_rec.data_ptr(), v_rec.data_ptr(), k_rec.shape[1],
+                                      pages.data_ptr(), chosen.data_ptr(), W, int(page_size),
+                                      k_rec.shape[0] // int(page_size), lens.data_ptr(), operands.data_ptr(),
+                                      residual_of(side), B, H_kv, H_q // H_kv, Q, D, _ENCODINGS[layout.encoding],
+                                      layout.bits, layout.group_size(D), _SCALE_DTYPES[layout.scale_dtype(q.dtype)],
+                                      float(scale), float(softcap or 0.0), None if bias is None else bias.data_ptr(),
+                                      None if sink is None else sink.data_ptr(), out.data_ptr())
+    if status == 3:
+        raise ValueError(f"table lists a selected page past the {k_rec.shape[0] // int(page_size)} pages of the "
+                         "records")
+    if status:
+        raise MemoryError("sparse quantized attention (CPU kernel): out of memory for the score buffer")
     return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -15,7 +15,9 @@ in float32).
 * :func:`append_summaries` - an in-place custom op: the appended keys reduced into their pages' summaries;
 * :func:`page_bounds` - each query head's bound over each page of its row (plain torch: traced in a compiled step);
 * :func:`sparse_quantized_attention` - a custom op: the same over rows of quantized records (int8, int4, fp8), only
-  the selected pages' records dequantized (torch, every backend);
+  the selected pages' records dequantized: on CPU the fused C kernel
+  (:func:`~..quantized.cpu_kernel.sparse_quantized_attention_cpu`: each selected page's records read and dequantized
+  where they lie) for decode-shaped calls, else (and on every other backend) the torch reference here;
 * :func:`sparse_ragged_attention` - a custom op: attention over the entries of the selected pages only, dispatched
   as the ragged ops are (:mod:`..support`): the Triton kernel (:mod:`.sparse_triton_kernel`, split-K over each
   row's selected pages) on CUDA, on CPU the fused C kernel (:mod:`.sparse_cpu_kernel`: each selected page read where
@@ -29,6 +31,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from ..quantized.cpu_kernel import sparse_quantized_attention_cpu
 from ..quantized.ops import op_fields, op_layout
 from ..quantized.scheme import RecordLayout, check_side, dequantize, key_rotation, residual_of, side_operands
 from ..support import check_logit_extras, resolve_backend, triton_module
@@ -350,6 +353,10 @@ def _sparse_quantized_impl(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets:
                            layout: RecordLayout, softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
     if q.numel() == 0:
         return torch.zeros_like(q)
+    fused = sparse_quantized_attention_cpu(q, k_rec, v_rec, row_lengths, side, table, selected, page_size, scale,
+                                           layout, softcap, sinks)
+    if fused is not None:
+        return fused
     return sparse_quantized_attention_ref(q, k_rec, v_rec, row_offsets, row_lengths, side, table, selected,
                                           page_size, scale, layout, softcap, sinks)
 
@@ -378,8 +385,10 @@ def sparse_quantized_attention(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offs
     """:func:`~..quantized.ops.quantized_attention` over the entries of the selected pages only (``table``,
     ``selected``, ``page_size``: as :func:`sparse_ragged_attention`): rows of records ``k_rec, v_rec uint8 [N,
     width]`` of ``layout`` with their ``side`` tensors, each non-empty row's first entry read as its anchor and
-    its newest ``residual`` entries from its ring, only the selected pages' records dequantized. The torch
-    reference on every backend (no Triton kernel yet). With every page selected this is quantized attention (the
+    its newest ``residual`` entries from its ring, only the selected pages' records dequantized. On CPU the fused
+    kernel for decode-shaped calls (at most :data:`~..quantized.cpu_kernel.MAX_QUERIES` queries per row;
+    ``KVPRESS_ADA_CPU_KERNEL=0`` or ``use_cpu_kernel(False)``: the torch reference), the torch reference otherwise
+    and on every other backend (no Triton kernel yet). With every page selected this is quantized attention (the
     same read-back keys and values; sums in another order)."""
     cap = _check_sparse(q, k_rec, v_rec, row_offsets, row_lengths, table, selected, page_size, softcap, sinks,
                         records=True)

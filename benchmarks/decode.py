@@ -67,7 +67,9 @@ class Config:
     forward: Callable | None = None  # a torch.compile'd model.forward (full cache), or None
     compile: bool = False  # press configs: decode through the library's compiled step (press(model, compile=True))
     row_loop: bool = False  # eager reference attention with one matmul pair per row (for the comparison row)
-    unfused: bool = False  # a reader's page selection and summary appends by the torch code (for the comparison row)
+    # for the comparison rows: "reads", a reader's page selection and summary appends by the torch code; "records",
+    # its attention over quantized records by the torch reference (gather and dequantize); "": the fused kernels
+    unfused: str = ""
 
     @property
     def label(self) -> str:
@@ -115,13 +117,23 @@ def row_loop(enabled: bool):
 
 
 @contextmanager
-def unfused_reads(enabled: bool):
-    """A reader's page selection (bounds by their kernel, then TopPages' torch code: shares, budgets, top-k) and the
-    page-summary appends by the torch code instead of the fused CPU kernels (for the comparison row)."""
+def unfused_reads(part: str):
+    """``"reads"``: a reader's page selection (bounds by their kernel, then TopPages' torch code: shares, budgets,
+    top-k) and the page-summary appends by the torch code instead of the fused CPU kernels; ``"records"``: its
+    attention over quantized records by the torch reference (the selected pages gathered and dequantized) instead of
+    the fused kernel; ``""``: as they are (for the comparison rows)."""
     from kvpress_ada.kernels.ragged import sparse
     from kvpress_ada.readers import Reader, TopPages
 
-    if not enabled:
+    if part == "records":
+        fused = sparse.sparse_quantized_attention_cpu
+        sparse.sparse_quantized_attention_cpu = lambda *args: None
+        try:
+            yield
+        finally:
+            sparse.sparse_quantized_attention_cpu = fused
+        return
+    if part != "reads":
         yield
         return
     select, append = TopPages.select_fused, sparse.append_summaries_cpu
@@ -183,7 +195,8 @@ def repeated_prefill(prefill, batch: int):
 
 
 def build_configs(prefill, methods, ratios, dense: bool, row_loop_rows: bool = False,
-                  files: dict | None = None, unfused_rows: bool = False) -> list[Config]:
+                  files: dict | None = None, unfused_rows: bool = False,
+                  unfused_records: bool = False) -> list[Config]:
     from kvpress_ada import preset
 
     configs = [Config("full", 0.0, lambda: prefill.compressed_cache(None))]
@@ -196,7 +209,11 @@ def build_configs(prefill, methods, ratios, dense: bool, row_loop_rows: bool = F
         if unfused_rows and press.reader is not None:
             configs.append(Config(f"{label}+unfused", float(press.compression_ratio or 0.0),
                                   (lambda p=press, m=masks: prefill.compressed_cache(p, m)), press,
-                                  setup_s=configs[-1].setup_s, unfused=True))
+                                  setup_s=configs[-1].setup_s, unfused="reads"))
+        if unfused_records and press.reader is not None and press.storage.quantized:
+            configs.append(Config(f"{label}+torch_records", float(press.compression_ratio or 0.0),
+                                  (lambda p=press, m=masks: prefill.compressed_cache(p, m)), press,
+                                  setup_s=configs[-1].setup_s, unfused="records"))
     for method in methods:
         name, _, storage = method.partition(":")  # "ada_snapkv:int4": the preset storing int4 records
         for r in ratios:
@@ -358,6 +375,10 @@ def main(argv=None) -> int:
     parser.add_argument("--unfused-reads", action="store_true",
                         help="also time each --config with a reader with its page selection and summary appends by "
                              "the torch code (the path before their fused CPU kernels), in the same run")
+    parser.add_argument("--unfused-records", action="store_true",
+                        help="also time each --config with a reader over quantized records with its attention by the "
+                             "torch reference (the selected pages gathered and dequantized: the path before the fused "
+                             "CPU kernel), in the same run")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (< 1 min)")
     parser.add_argument("--out", default=None, help="JSON output path (default: benchmarks/results/decode.json, "
                         "PNG next to it; with --quick a temporary folder)")
@@ -400,7 +421,7 @@ def main(argv=None) -> int:
         prefill_s = time.perf_counter() - t0
         first = prefill.logits.argmax(-1, keepdim=True)
         configs = build_configs(prefill, args.methods, args.ratios, not args.no_dense, args.row_loop, files,
-                                args.unfused_reads)
+                                args.unfused_reads, args.unfused_records)
         if args.compile:
             configs += compiled_variants(model, configs)
         for cfg in configs:  # warm-up: first-call costs (and compilation) do not land in a timed run

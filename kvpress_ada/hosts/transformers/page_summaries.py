@@ -2,9 +2,10 @@
 
 A :class:`~.ragged_cache.RaggedLayer` that reads sparsely holds, beside its flat buffers, each page's channel-wise
 key ``kmin, kmax`` (:mod:`kvpress_ada.kernels.ragged.sparse`) and the page table of its rows. They are rebuilt
-whenever the layer is laid out (compression, decode compaction, re-layout, crop) and updated in place by every
-append (one custom op, no host sync, so the compiled decode step keeps them current). A decode step (one query
-per row) scores every page with its bound, asks the reader which pages each kv head reads, and attends over
+whenever the layer is laid out anew (compression, decode compaction, crop), moved with their rows when the layer
+grows (the entries move unchanged, so the summaries do not depend on when the buffers grew) and updated in place
+by every append (one custom op, no host sync, so the compiled decode step keeps them current). A decode step (one
+query per row) scores every page with its bound, asks the reader which pages each kv head reads, and attends over
 those (:func:`~kvpress_ada.kernels.ragged.sparse.sparse_ragged_attention`). The summaries are 16-bit
 (:func:`~kvpress_ada.kernels.ragged.sparse.summary_dtype`: a 16-bit cache's dtype, float16 rounded outward for
 float32 keys), so ``nbytes`` counts ``2 * D * 2 / page_size`` bytes per slot, plus 8 bytes per page of the table.
@@ -45,7 +46,7 @@ class PageSummaries:
         self.table = torch.empty(0, 0, dtype=torch.long)
 
     def rebuild(self, keys: tuple[torch.Tensor, ...], row_offsets: torch.Tensor, row_lengths: torch.Tensor) -> None:
-        """Summaries of every page of the layout (eager: at each (re-)layout, crop or compaction) over ``keys``:
+        """Summaries of every page of the layout (eager: at each layout, crop or compaction) over ``keys``:
         one ``[N, D]`` tensor of what each slot's key reads as, or several whose union each summary covers (a slot
         of quantized storage reads as its record, or from the residual ring while it is among the newest)."""
         with torch.inference_mode(False):  # normal tensors, as the flat buffers (RaggedLayer._layout)
@@ -54,12 +55,34 @@ class PageSummaries:
                 kmin, kmax = page_summaries(more, row_offsets, row_lengths, self.size)
                 self.kmin, self.kmax = torch.minimum(self.kmin, kmin), torch.maximum(self.kmax, kmax)
             self.table = page_table(row_offsets, keys[0].shape[0], self.size)
+        self._mark()
+
+    def move(self, old_offsets: torch.Tensor, row_offsets: torch.Tensor, row_lengths: torch.Tensor,
+             n_slots: int) -> None:
+        """The summaries of every row's pages moved with the row to ``row_offsets`` in a layout of ``n_slots`` slots
+        (a re-layout that moves the entries unchanged, :meth:`~.ragged_cache.RaggedLayer._grow`): each page keeps
+        what it covered, so the summaries do not depend on when the buffers grew."""
+        P = self.size
+        pages = (row_lengths.long() + P - 1) // P
+        j = torch.arange(int(pages.max()) if pages.numel() else 0, device=pages.device)
+        held = j < pages[:, None]
+        src = (old_offsets.long()[:, None] // P + j)[held]
+        dst = (row_offsets.long()[:, None] // P + j)[held]
+        with torch.inference_mode(False):
+            kmin = self.kmin.new_full((n_slots // P, self.kmin.shape[-1]), float("inf"))
+            kmax = self.kmax.new_full((n_slots // P, self.kmax.shape[-1]), float("-inf"))
+            kmin[dst], kmax[dst] = self.kmin[src], self.kmax[src]
+            self.kmin, self.kmax = kmin, kmax
+            self.table = page_table(row_offsets, n_slots, P)
+        self._mark()
+
+    def _mark(self) -> None:
         if torch.compiler.is_compiling():
             return
         for t in (self.kmin, self.kmax):
             torch._dynamo.maybe_mark_dynamic(t, 0)
         torch._dynamo.maybe_mark_dynamic(self.table, 1)
-        if keys[0].device.type == "cuda":
+        if self.kmin.device.type == "cuda":
             for t in (self.kmin, self.kmax, self.table):
                 torch._dynamo.mark_static_address(t)
 

@@ -197,7 +197,8 @@ class RaggedLayer(DenseUntilKept):
         dst = _row_token_index(self.row_offsets, host_lengths)
         self.k_flat[dst] = old_k[src]
         self.v_flat[dst] = old_v[src]
-        self._rebuild_pages()
+        if self.pages is not None:  # the entries moved unchanged: so do their pages' summaries
+            self.pages.move(old_offsets, self.row_offsets, self.row_lengths, self.k_flat.shape[0])
 
     # ------------------------------------------------------------ sparse reads
     def read_with(self, reader: Any, layer_idx: int = 0) -> None:

@@ -19,7 +19,7 @@ from kvpress_ada.serving.pages import PagePool
 from kvpress_ada.serving.pools import page_pool
 from kvpress_ada.serving.record_pages import QuantizedPagePool
 from kvpress_ada.serving.requests import PagedServing, check_servable
-from kvpress_ada.storage import Int4
+from kvpress_ada.storage import Int4, Int8
 
 ENGINE = "kvpress_ada_test_engine"
 
@@ -460,18 +460,23 @@ def _pages_per_head(selected, lengths, page_size):
     return tuple(tuple(j for j in range(int(n)) if selected[h, j]) for h, n in enumerate(held))
 
 
+@pytest.mark.parametrize("storage", [None, Int4(group_size=16, residual=4), Int8(group_size=16, residual=0)],
+                         ids=["full", "int4", "int8"])
 @pytest.mark.parametrize("mode", list(READING))
-def test_requests_read_the_pages_each_reads_alone_on_the_transformers_host(llama, monkeypatch, mode):
+def test_requests_read_the_pages_each_reads_alone_on_the_transformers_host(llama, monkeypatch, mode, storage):
     """Under a reader (Ada's read budget over Quest's page bounds) requests packed in mixed steps (staggered
     arrivals, prompts in an engine's chunks of 40 beside others' decode tokens) read at each decode step, per
-    (layer, kv head), the pages the transformers host reads for each alone, and generate its tokens; each held
-    page's summaries are the min / max of the keys it holds after appends and compactions, a free page's the
-    identities; pages held count their summaries' bytes."""
+    (layer, kv head), the pages the transformers host reads for each alone, and generate its tokens, in full
+    precision and as int4 / int8 records (the quantized pools' own summaries of their rows' pages, the records of
+    the selected pages read); each held full-precision page's summaries are the min / max of the keys it holds
+    after appends and compactions, a free page's the identities; pages held count their summaries' bytes."""
     from kvpress_ada.hosts.transformers.page_summaries import PageSummaries
     from kvpress_ada.readers import TopPages
 
     P = 8
     press = Pipeline(**READING[mode], reader=TopPages(budget=2 * P, page_size=P, allocator=AdaHead(alpha=0.2)))
+    if storage is not None:
+        press = press.replace(storage=storage)
     served: dict[str, dict[int, list]] = {}
     pages_read = PagedServing._pages_read
 
@@ -504,9 +509,17 @@ def test_requests_read_the_pages_each_reads_alone_on_the_transformers_host(llama
         assert engine.kept(r) == host_kept and tokens[r] == host_tokens, (mode, r)
         assert served[r] == alone and len(alone) == len(llama.model.layers), (mode, r)
         assert all(len(steps) == new - 1 for steps in alone.values())  # every decode step of every layer read pages
-        held = [len(seq.pages[h]) for seq in engine.serving.requests[r].seqs for h in range(seq.heads)]
+        held = [-(-n // P) for seq in engine.serving.requests[r].seqs for n in seq.lengths]
         fewer += sum(len(js) < n for steps in alone.values() for per_head in steps for js, n in zip(per_head, held))
     assert fewer > 0  # heads read fewer pages than they hold
+    if storage is not None:  # records: each row's reader pages summarised in the pool's own store (their values:
+        for layer, pool in enumerate(engine.serving.pools):  # tests/test_quantized_paging.py)
+            seqs = [r.seqs[layer] for r in engine.serving.requests.values()]
+            assert isinstance(pool, QuantizedPagePool) and all(pool.compressed(seq) for seq in seqs)
+            pages = sum(-(-n // P) for seq in seqs for n in seq.lengths)
+            assert pool.nbytes(seqs) == (sum(seq.pages_held for seq in seqs) * pool.pages.shape[1]
+                                         + pages * 2 * pool.head_dim * 2)  # kmin, kmax in float16
+        return
     for pool, layer_seqs in zip(engine.serving.pools, zip(*(r.seqs for r in engine.serving.requests.values()))):
         used = torch.zeros(pool.capacity, dtype=torch.bool)
         for seq in layer_seqs:

@@ -160,6 +160,34 @@ class PagePool:
         if page.numel():
             self._fold(page, self._read(page, slot)[0])
 
+    def summaries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kmin, kmax) [pages, D]``: the summaries a reader's bounds read
+        (:func:`~kvpress_ada.readers.select_pages`), at the ids :meth:`summary_pages` gives."""
+        if self.kmin is None or self.kmax is None:
+            raise ValueError("this pool keeps no page summaries: call summarise() first")
+        return self.kmin, self.kmax
+
+    def summary_pages(self, seqs: list[PagedSequence], rows: torch.Tensor) -> torch.Tensor:
+        """``[len(seqs) * H_kv, W]``: the ids in :meth:`summaries` of the reader's pages of each row of ``seqs``
+        (``-1`` after them), ``rows`` being those rows of the step's page table: here the pool's pages are the
+        reader's, so ``rows`` itself."""
+        return rows
+
+    def read_selected(self, table: torch.Tensor, lengths: torch.Tensor, members: torch.Tensor,
+                      selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(table, lengths)`` of a step (from :meth:`append`) with the rows of its sequences ``members [n]`` reading
+        only their ``selected [n, H_kv, W]`` pages (``W`` of :meth:`summary_pages`): here those rows' page tables cut
+        to the selected pages (:func:`selected_table`), which :meth:`attend` then reads."""
+        n, H, W = selected.shape
+        M = table.shape[1]
+        rows = (members.to(table.device)[:, None] * H + torch.arange(H, device=table.device)).reshape(-1)
+        picked = torch.zeros(n * H, M, dtype=torch.bool, device=table.device)
+        picked[:, :W] = selected.reshape(n * H, W)
+        cut_t, cut_l = selected_table(table[rows], lengths[rows], picked, self.page_size)
+        table, lengths = table.clone(), lengths.clone()
+        table[rows], lengths[rows] = cut_t, cut_l
+        return table, lengths
+
     def _fold(self, page: torch.Tensor, keys: torch.Tensor) -> None:
         """Reduce ``keys [n, D]`` (as stored) into the summaries of their pages ``page [n]``, rounded outward."""
         if self.kmin is None or self.kmax is None:

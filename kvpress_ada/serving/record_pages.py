@@ -15,6 +15,14 @@ A step builds one page table; :meth:`~QuantizedPagePool.append` reads the rows' 
 pages, whole) and writes back only the vectors it changed (anchors, the new tokens' ring slots); attention reads
 each compressed row's pages whole and picks its records out of them into the ragged layout, then runs
 :func:`~kvpress_ada.kernels.quantized_attention`; eviction moves kept records as bytes (never quantized twice).
+
+Under a press with a ``reader`` (:meth:`~QuantizedPagePool.summarise`) a compressed row is cut, for the reader, into
+pages of ``S`` consecutive entries (page ``j``: entries ``j * S ..``; not the pool's pages, which hold records of more
+entries after the row's side tensors) whose Quest summaries (:class:`RowSummaries`) are kept as the transformers
+host's quantized ragged layer keeps them: over what each entry reads back as (its record, the anchor, and while it
+is in its row's residual ring its full-precision copy); a single-query step of a row the reader does not read whole
+gathers only the selected pages' records and attends with
+:func:`~kvpress_ada.kernels.ragged.sparse.sparse_quantized_attention`.
 """
 
 from __future__ import annotations
@@ -34,11 +42,74 @@ from ..kernels.quantized.scheme import (
     row_anchors,
     side_slots,
 )
+from ..kernels.ragged.sparse import round_outward, sparse_quantized_attention, summary_dtype
 from .pages import PagedSequence, PagePool, PoolExhausted
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class RowSummaries:
+    """Quest's page summaries (Tang et al., ICML 2024) of compressed rows, as the reader pages them: page ``j`` of a
+    (sequence, kv head) row holds its entries ``j * page_size .. j * page_size + page_size - 1``, and its ``kmin,
+    kmax [D]`` (float16: keys read back from records in float32, rounded outward, as the transformers host's
+    quantized layer keeps them) lie at the page's id in a store of their own, grown as rows grow; ``+inf`` /
+    ``-inf`` while a page holds nothing. ``unrecorded``: per sequence, its rows' newest entries whose records are
+    not folded in yet (see :meth:`QuantizedPagePool.append`)."""
+
+    def __init__(self, page_size: int, head_dim: int, device: torch.device):
+        self.page_size = page_size
+        dtype = summary_dtype(torch.float32)
+        self.kmin = torch.empty(0, head_dim, dtype=dtype, device=device)
+        self.kmax = torch.empty(0, head_dim, dtype=dtype, device=device)
+        self.rows: dict[int, list[list[int]]] = {}  # id(sequence) -> each kv head's page ids, in page order
+        self.unrecorded: dict[int, int] = {}
+        self._free: list[int] = []
+
+    def _take(self, n: int) -> list[int]:
+        if n > len(self._free):  # grow the store (at least double it): its pages are ours, not the engine's
+            P, D = self.kmin.shape
+            extra = max(n - len(self._free), P, 64)
+            self.kmin = torch.cat([self.kmin, self.kmin.new_full((extra, D), float("inf"))])
+            self.kmax = torch.cat([self.kmax, self.kmax.new_full((extra, D), float("-inf"))])
+            self._free[:0] = range(P + extra - 1, P - 1, -1)
+        return [self._free.pop() for _ in range(n)]
+
+    def fit(self, seq: PagedSequence) -> None:
+        """Give each row of ``seq`` the pages its length needs (new pages hold nothing yet)."""
+        rows = self.rows.setdefault(id(seq), [[] for _ in range(seq.heads)])
+        for ids, n in zip(rows, seq.lengths):
+            ids.extend(self._take(_cdiv(n, self.page_size) - len(ids)))
+
+    def drop(self, seq: PagedSequence) -> None:
+        """Return the pages of ``seq``'s rows (their summaries back to the identities)."""
+        self.unrecorded.pop(id(seq), None)
+        ids = [i for row in self.rows.pop(id(seq), []) for i in row]
+        if ids:
+            index = torch.tensor(ids, dtype=torch.long, device=self.kmin.device)
+            self.kmin[index], self.kmax[index] = float("inf"), float("-inf")
+            self._free.extend(reversed(ids))
+
+    def table(self, seqs: list[PagedSequence]) -> torch.Tensor:
+        """``int64 [N * H_kv, W]``: the page ids of each row of ``seqs`` (row ``n * H_kv + h``), ``-1`` after them."""
+        rows = [ids for seq in seqs for ids in self.rows.get(id(seq), [[]] * seq.heads)]
+        W = max((len(ids) for ids in rows), default=0) or 1
+        table = torch.tensor([ids + [-1] * (W - len(ids)) for ids in rows], dtype=torch.long).view(len(rows), W)
+        return table.to(self.kmin.device)
+
+    def fold(self, table: torch.Tensor, row: torch.Tensor, rank: torch.Tensor, keys: torch.Tensor) -> None:
+        """Reduce ``keys [n, D]``, entries of rank ``rank [n]`` in rows ``row [n]`` of ``table``, into their pages'
+        summaries, rounded outward."""
+        if not row.numel():
+            return
+        page = table[row, rank // self.page_size][:, None].expand(-1, keys.shape[-1])
+        self.kmin.scatter_reduce_(0, page, round_outward(keys, self.kmin.dtype, up=False), "amin", include_self=True)
+        self.kmax.scatter_reduce_(0, page, round_outward(keys, self.kmax.dtype, up=True), "amax", include_self=True)
+
+    def nbytes(self, seqs: list[PagedSequence]) -> int:
+        pages = sum(len(ids) for seq in seqs for ids in self.rows.get(id(seq), []))
+        return pages * (self.kmin[0].nbytes + self.kmax[0].nbytes) if pages else 0
 
 
 class QuantizedPagePool(PagePool):
@@ -75,6 +146,8 @@ class QuantizedPagePool(PagePool):
         self._side_layout: torch.Tensor | None = None  # where the side's words lie in a row's first pages
         # the table append returned last, its sequences, which of them are compressed, and their side tensors
         self._last: tuple[torch.Tensor, list[PagedSequence], list[int], torch.Tensor | None] | None = None
+        self.row_summaries: RowSummaries | None = None  # the reader's pages of compressed rows (summarise)
+        self._selected: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None  # read_selected's, for attend
 
     @staticmethod
     def geometry(page_size: int, head_dim: int, dtype: torch.dtype, layout: RecordLayout) -> tuple[int, int]:
@@ -107,6 +180,8 @@ class QuantizedPagePool(PagePool):
     # ------------------------------------------------------------------ pages
     def release(self, seq: PagedSequence) -> None:
         self._compressed.pop(id(seq), None)
+        if self.row_summaries is not None:
+            self.row_summaries.drop(seq)
         super().release(seq)
 
     def pages_needed(self, seq: PagedSequence, tokens: int) -> int:
@@ -116,8 +191,122 @@ class QuantizedPagePool(PagePool):
         return sum(_cdiv(self.side_slots + n + tokens, per) - len(p) for n, p in zip(seq.lengths, seq.pages))
 
     def nbytes(self, seqs: list[PagedSequence]) -> int:
-        """Bytes of the pages ``seqs`` hold (records, scales, zero points and side tensors all live in them)."""
-        return sum(seq.pages_held for seq in seqs) * self.pages.shape[1]
+        """Bytes of the pages ``seqs`` hold (records, scales, zero points and side tensors all live in them), with
+        their rows' page summaries while the pool keeps them."""
+        summaries = 0 if self.row_summaries is None else self.row_summaries.nbytes(seqs)
+        return sum(seq.pages_held for seq in seqs) * self.pages.shape[1] + summaries
+
+    # ------------------------------------------------------------------ page summaries (a reader's pages)
+    def summarise(self) -> None:
+        """Keep the Quest summaries of compressed rows' reader pages from now on (:class:`RowSummaries`), as the
+        transformers host's quantized ragged layer keeps its pages': rebuilt by every :meth:`retain` over what each
+        kept entry reads back as (its record's key, the anchor for a row's first entry, and, for its newest
+        ``residual`` entries, also their ring copies: an entry reads from the ring now and from its record once it
+        leaves), folded in by every :meth:`append`. Full-precision sequences (not yet evicted from) are read
+        densely and keep none."""
+        if self.row_summaries is None:
+            self.row_summaries = RowSummaries(self.page_size, self.head_dim, self.pages.device)
+            self._summarise_rows(list(self._compressed.values()))
+
+    def summaries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.row_summaries is None:
+            raise ValueError("this pool keeps no page summaries: call summarise() first")
+        return self.row_summaries.kmin, self.row_summaries.kmax
+
+    def summary_pages(self, seqs: list[PagedSequence], rows: torch.Tensor) -> torch.Tensor:
+        """As :meth:`PagePool.summary_pages`: the ids of the reader's pages of compressed ``seqs``' rows in
+        :meth:`summaries` (``rows``, their pool pages, are not the reader's pages here)."""
+        if self.row_summaries is None:
+            raise ValueError("this pool keeps no page summaries: call summarise() first")
+        if not all(self.compressed(seq) for seq in seqs):
+            raise ValueError("a quantized pool reads selected pages of compressed sequences only (a sequence not yet "
+                             "evicted from is read densely)")
+        return self.row_summaries.table(seqs)
+
+    def _page_keys(self, k_rec: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor,
+                   side: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``[n, D]`` twice, in ragged order: each entry's key read back from its record (a row's first
+        entry: its anchor), then the same with each row's newest ``residual`` entries read from its ring (the
+        transformers host's quantized layer's ``_page_keys``)."""
+        D, n = self.head_dim, k_rec.shape[0]
+        centre = side[2].repeat_interleave(lengths.long(), dim=0, output_size=n)
+        recorded = torch.empty(n + 1, D, dtype=torch.float32, device=k_rec.device)  # slot n: where "no slot" goes
+        recorded[:n] = decode_keys(k_rec, centre, D, self.layout, self.dtype, torch.float32)
+        R = self.residual
+        at = side_slots(offsets, lengths, R, n)
+        recorded.index_copy_(0, at[0], side[0].float())
+        ringed = recorded.clone()
+        if R:
+            ringed.index_copy_(0, at[1:].reshape(-1), side[3:3 + R].float().reshape(-1, D))
+        return recorded[:n], ringed[:n]
+
+    def _summarise_rows(self, seqs: list[PagedSequence]) -> None:
+        """Rebuild the summaries of compressed ``seqs``' rows from what they hold now (no record left to fold)."""
+        summaries = self.row_summaries
+        if summaries is None or not seqs:
+            return
+        for seq in seqs:
+            summaries.drop(seq)
+            summaries.fit(seq)
+            summaries.unrecorded[id(seq)] = 0
+        rows, lengths = self._rows(seqs), self._lengths(seqs)
+        k_rec, _, offsets = self._gathered(rows, lengths)
+        recorded, ringed = self._page_keys(k_rec, offsets, lengths, self._read_side(rows))
+        n = lengths.long()
+        row = torch.repeat_interleave(torch.arange(n.shape[0], device=n.device), n, output_size=k_rec.shape[0])
+        rank = torch.arange(k_rec.shape[0], device=n.device) - offsets.long()[row]
+        table = summaries.table(seqs)
+        summaries.fold(table, row, rank, recorded)
+        summaries.fold(table, row, rank, ringed)
+
+    def _summarise_appended(self, seqs: list[PagedSequence], rows: torch.Tensor, side: torch.Tensor,
+                            keys: torch.Tensor, c: int) -> None:
+        """Fold ``c`` tokens just appended to each of compressed ``seqs`` (``keys [B * c, H_kv, D]``, their page
+        table ``rows``, ``side``) into their rows' summaries as the transformers host's quantized layer does over
+        its eager decode: the keys as appended (they read from the ring now); their records when that layer writes
+        them, it deferring an append of at most ``residual`` tokens until the next would push one out of the ring
+        (then every pending record at once), and folding a longer append's records at once."""
+        summaries = self.row_summaries
+        assert summaries is not None
+        B, H, D = len(seqs), seqs[0].heads, self.head_dim
+        for seq in seqs:
+            summaries.fit(seq)
+        table = summaries.table(seqs)
+        after = self._lengths(seqs).long()
+        before = after - c
+        device = after.device
+        row = torch.arange(B * H, device=device).repeat_interleave(c)
+        rank = (before[:, None] + torch.arange(c, device=device)).reshape(-1)
+        summaries.fold(table, row, rank, keys.to(self.dtype).view(B, c, H, D).transpose(1, 2).reshape(-1, D))
+        recorded_rows: list[torch.Tensor] = []
+        recorded_ranks: list[torch.Tensor] = []
+        for b, seq in enumerate(seqs):
+            pending = summaries.unrecorded.get(id(seq), 0)
+            first, count = [], []
+            if pending + c > self.residual:  # the pending records are written before this append
+                first.append(-pending)
+                count.append(pending)
+                pending = 0
+            if c <= self.residual:
+                pending += c
+            else:  # quantized at once
+                first.append(0)
+                count.append(c)
+            summaries.unrecorded[id(seq)] = pending
+            for f, k in zip(first, count):
+                if k:
+                    span = torch.arange(f, f + k, device=device)
+                    heads = torch.arange(b * H, b * H + H, device=device)
+                    recorded_rows.append(heads.repeat_interleave(k))
+                    recorded_ranks.append((before[heads][:, None] + span).reshape(-1))
+        if not recorded_rows:
+            return
+        row, rank = torch.cat(recorded_rows), torch.cat(recorded_ranks)
+        entry = rank + self.side_slots
+        per = self.records_per_page
+        records = self.k_rec[rows[row, entry // per], entry % per]
+        summaries.fold(table, row, rank, decode_keys(records, side[2][row], D, self.layout, self.dtype,
+                                                     torch.float32))
 
     # ------------------------------------------------------------------ slots
     def _slots(self, seqs: list[PagedSequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
@@ -266,9 +455,13 @@ class QuantizedPagePool(PagePool):
                 part = side if pick is None else side[:, pick]
                 self._append_records([seqs[n] for n in members], by_row[members].flatten(0, 1), part, keys[tokens],
                                      values[tokens], positions[tokens], c, None if scores is None else scores[tokens])
+                if self.row_summaries is not None:
+                    self._summarise_appended([seqs[n] for n in members], by_row[members].flatten(0, 1), part,
+                                             keys[tokens], c)
                 if pick is not None:
                     side[:, pick] = part
         self._last = (table, list(seqs), compressed, side)
+        self._selected = None
         return table, self._lengths(seqs)
 
     @staticmethod
@@ -327,14 +520,33 @@ class QuantizedPagePool(PagePool):
         if scores is not None:
             self.scores[page, slot] = by_row(scores.float())
 
+    def read_selected(self, table: torch.Tensor, lengths: torch.Tensor, members: torch.Tensor,
+                      selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`PagePool.read_selected`: ``table, lengths`` unchanged (the table :meth:`append` returned last),
+        and :meth:`attend` then runs each single-query compressed sequence of ``members`` over the records of its
+        ``selected`` pages only (:func:`~kvpress_ada.kernels.ragged.sparse.sparse_quantized_attention`)."""
+        if self._last is None or self._last[0] is not table:
+            raise ValueError("a quantized pool reads selected pages of the table its last append returned")
+        seqs = self._last[1]
+        picked = {}
+        for i, n in enumerate(members.tolist()):
+            if not self.compressed(seqs[n]):
+                raise ValueError("a quantized pool reads selected pages of compressed sequences only")
+            picked[n] = selected[i]
+        self._selected = (table, picked)
+        return table, lengths
+
     def attend(self, query: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, query_start: torch.Tensor,
                scale: float) -> torch.Tensor:
         """As :meth:`PagePool.attend`, over the rows of the table :meth:`append` returned last: full-precision
         sequences through :func:`~kvpress_ada.kernels.paged.ops.paged_attention`, compressed ones (grouped by their
-        token counts) through :func:`~kvpress_ada.kernels.quantized_attention` over their records."""
+        token counts) through :func:`~kvpress_ada.kernels.quantized_attention` over their records, those whose
+        pages :meth:`read_selected` gave (a single query each) over the records of those pages only
+        (:func:`~kvpress_ada.kernels.ragged.sparse.sparse_quantized_attention`)."""
         if self._last is None or self._last[0] is not table:
             raise ValueError("a quantized pool attends over the table its last append returned")
         _, seqs, compressed, side = self._last
+        picked = self._selected[1] if self._selected is not None and self._selected[0] is table else {}
         H = seqs[0].heads if seqs else 0
         counts = (query_start[1:] - query_start[:-1]).tolist()
         starts = query_start.tolist()
@@ -349,10 +561,24 @@ class QuantizedPagePool(PagePool):
         T, H_q, D = query.shape
         groups = self._by_count(seqs, counts)
         by_row = table.long().view(len(seqs), H, -1) if groups else table
-        for c, members in groups.items():
+        for c, group in groups.items():
+            assert side is not None
+            sparse = [n for n in group if n in picked]
+            if sparse:
+                if c != 1:
+                    raise ValueError(f"a step of {c} tokens reads selected pages: the reader reads single-query "
+                                     "steps")
+                tokens = self._tokens(sparse, starts, query.device)
+                pick = self._side_rows(compressed, sparse, H)
+                out[tokens] = self._attend_pages(query[tokens], by_row[sparse].flatten(0, 1),
+                                                 self._lengths([seqs[n] for n in sparse]),
+                                                 side if pick is None else side[:, pick],
+                                                 torch.cat([picked[n] for n in sparse]), scale)
+            members = [n for n in group if n not in picked]
+            if not members:
+                continue
             tokens = self._tokens(members, starts, query.device)
             pick = self._side_rows(compressed, members, H)
-            assert side is not None
             row_lengths = self._lengths([seqs[n] for n in members])
             k_rec, v_rec, offsets = self._gathered(by_row[members].flatten(0, 1), row_lengths)
             part = side if pick is None else side[:, pick]
@@ -360,6 +586,33 @@ class QuantizedPagePool(PagePool):
             o = kernels.quantized_attention(q, k_rec, v_rec, offsets, row_lengths, part, scale, self.layout)
             out[tokens] = o.transpose(1, 2).reshape(len(members) * c, H_q, D)
         return out
+
+    def _attend_pages(self, query: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, side: torch.Tensor,
+                      selected: torch.Tensor, scale: float) -> torch.Tensor:
+        """``[n, H_q, D]``: the single queries ``query [n, H_q, D]`` of ``n`` compressed sequences over the
+        ``selected [n * H_kv, W]`` reader pages of their rows (page table ``rows``, ``lengths``, ``side``): only
+        those pages' records are gathered (each page's ``S`` record slots, zeros past the row's end) and read by
+        :func:`~kvpress_ada.kernels.ragged.sparse.sparse_quantized_attention`."""
+        S, per, m = self.page_size, self.records_per_page, self.side_slots
+        n, H_q, D = query.shape
+        R, W = selected.shape
+        n_len = lengths.long()
+        chosen = selected & (torch.arange(W, device=selected.device) < (n_len[:, None] + S - 1) // S)
+        row, j = chosen.nonzero(as_tuple=True)  # row after row, pages in order
+        entry = j[:, None] * S + torch.arange(S, device=j.device)  # [pages, S] each page's entries
+        valid = entry < n_len[row][:, None]
+        slot = torch.where(valid, entry, 0) + m
+        words = self._words[rows[row[:, None], slot // per], :, slot % per]  # [pages, S, 2, width / 4]
+        words = torch.where(valid[..., None, None], words, 0)  # past the row's end: zero records (never read)
+        k_rec = words[:, :, 0].reshape(-1, self.width // 4).view(torch.uint8)
+        v_rec = words[:, :, 1].reshape(-1, self.width // 4).view(torch.uint8)
+        table = torch.full((R, W), -1, dtype=torch.long, device=rows.device)
+        table[row, j] = torch.arange(row.shape[0], device=rows.device)
+        counts = chosen.sum(-1)
+        offsets = ((torch.cumsum(counts, 0) - counts) * S).to(torch.int32)  # where each row's first page lies
+        out = sparse_quantized_attention(query.view(n, 1, H_q, D).transpose(1, 2), k_rec, v_rec, offsets,
+                                         lengths.to(torch.int32), side, table, chosen, S, scale, self.layout)
+        return out.transpose(1, 2).reshape(n, H_q, D)
 
     def view(self, seqs: list[PagedSequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """As :meth:`PagePool.view`; a compressed sequence's entries as they read back (its rows' anchors and
@@ -420,6 +673,7 @@ class QuantizedPagePool(PagePool):
                                           (torch.cumsum(c, 0) - c).to(torch.int32), k_rec, v_rec, side, self.layout)
             self._write_side(self._rows([seq]), side)
             self._place(seq, k_rec, v_rec, positions[n][kept[0]], scores[n][kept[0]])
+        self._summarise_rows(seqs)
 
     def _place(self, seq: PagedSequence, k_rec: torch.Tensor, v_rec: torch.Tensor, positions: torch.Tensor,
                scores: torch.Tensor) -> None:

@@ -27,9 +27,11 @@ aborted request's pages. Positions are the engine's (true sequence positions), s
 the true length while a row holds fewer entries.
 
 Under a press with a ``reader``, the pools keep their pages' summaries and a request decoding one token over
-what the press kept attends over its rows' page tables cut to the pages the reader selects (the transformers
-host's compressed layer reads a single-query step so); the reader's ``page_size`` must be the pools' page size
-(:func:`reading_pages_of` makes it so).
+what the press kept reads only the pages the reader selects (the transformers host's compressed layer reads a
+single-query step so): a full-precision pool attends over its rows' page tables cut to them, a quantized pool
+(:class:`~.record_pages.QuantizedPagePool`) over the records of those pages of its rows (pages of as many entries,
+summarised over what they read back as, as the transformers host's quantized layer does); the reader's
+``page_size`` must be the pools' page size (:func:`reading_pages_of` makes it so).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import torch
 from ..observation import Budget, LayerView
 from ..readers import select_pages
 from ..runtime import EndOfStep, FixedInputs, HeldEntries, LayerClock, Schedule, Trigger, layer_view, window_of
-from .pages import PagedSequence, PagePool, selected_table
+from .pages import PagedSequence, PagePool
 
 if TYPE_CHECKING:
     from ..pipeline import Pipeline
@@ -70,10 +72,6 @@ def check_servable(press: Pipeline) -> None:
     if press.evictor.rerotate:
         raise ValueError("the evictor re-rotates the keys it keeps (rerotate=True), which a serving engine's pages "
                          "do not: serve with rerotate=False, or run the press through the transformers host")
-    if press.reader is not None and press.storage.quantized:
-        raise ValueError(f"reader {type(press.reader).__name__} reads selected pages of full-precision entries in a "
-                         f"serving engine, not of storage={press.storage.label!r} records: serve the reader with "
-                         "full-precision storage, or run the press through the transformers host")
 
 
 def reading_pages_of(press: Pipeline, page_size: int) -> Pipeline:
@@ -303,35 +301,36 @@ class PagedServing:
     def _read_table(self, layer_idx: int, ids: list[str], requests: list[ServedRequest], query: torch.Tensor,
                     table: torch.Tensor, lengths: torch.Tensor, counts: list[int], start: torch.Tensor,
                     scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(table, lengths)`` with the rows of each request that decodes one token over what the press kept (as the
-        transformers host's compressed layer reads a single-query step) cut to the pages the reader selects for it;
-        a request whose longest row the reader reads whole keeps its rows (dense reads: the same entries)."""
+        """``(table, lengths)`` for :meth:`PagePool.attend` with each request that decodes one token over what the
+        press kept (as the transformers host's compressed layer reads a single-query step) reading only the pages the
+        reader selects for it (:meth:`PagePool.read_selected`: full-precision pools cut its rows' page tables, a
+        quantized pool reads the selected pages' records); a request whose longest row the reader reads whole keeps
+        its rows (dense reads: the same entries)."""
         reader = self.press.reader
         assert reader is not None
         reads = [n for n, (r, c) in enumerate(zip(requests, counts))
                  if c == 1 and r.evicted and not reader.reads_every_page(max(r.seqs[layer_idx].lengths))]
         if not reads:
             return table, lengths
+        pool = self.pools[layer_idx]
         N, H = len(ids), self.n_kv_heads
         M = table.shape[1]
         at = torch.tensor(reads, device=table.device)
-        rows_t, rows_l = table.view(N, H, M)[at].reshape(-1, M), lengths.view(N, H)[at].reshape(-1)
+        rows_l = lengths.view(N, H)[at].reshape(-1)
+        pages = pool.summary_pages([requests[n].seqs[layer_idx] for n in reads], table.view(N, H, M)[at].reshape(-1, M))
         q = query[start[at].long()][:, :, None]  # [n, H_q, 1, D]
-        selected = self._pages_read(layer_idx, [ids[n] for n in reads], q, rows_t, rows_l, scaling)
-        cut_t, cut_l = selected_table(rows_t, rows_l, selected.reshape(-1, M), self.pools[layer_idx].page_size)
-        table, lengths = table.clone(), lengths.clone()
-        table.view(N, H, M)[at] = cut_t.view(-1, H, M)
-        lengths.view(N, H)[at] = cut_l.view(-1, H)
-        return table, lengths
+        selected = self._pages_read(layer_idx, [ids[n] for n in reads], q, pages, rows_l, scaling)
+        return pool.read_selected(table, lengths, at, selected)
 
     def _pages_read(self, layer_idx: int, ids: list[str], query: torch.Tensor, table: torch.Tensor,
                     lengths: torch.Tensor, scaling: float) -> torch.Tensor:
-        """``[n, H_kv, M]`` bool: the pages the reader reads for requests ``ids`` (their single queries ``[n, H_q, 1,
-        D]``, their rows' ``table [n * H_kv, M]`` and ``lengths``), from the pool's page summaries (``ids``: for a
-        caller that records what each request reads)."""
+        """``[n, H_kv, W]`` bool: the pages the reader reads for requests ``ids`` (their single queries ``[n, H_q, 1,
+        D]``, their rows' reader pages ``table [n * H_kv, W]``: :meth:`PagePool.summary_pages`, and ``lengths``),
+        from the pool's page summaries (``ids``: for a caller that records what each request reads)."""
         pool, reader = self.pools[layer_idx], self.press.reader
-        assert pool.kmin is not None and pool.kmax is not None and reader is not None
-        return select_pages(reader, query, pool.kmin, pool.kmax, table.long(), lengths, scaling, layer_idx)
+        assert reader is not None
+        kmin, kmax = pool.summaries()
+        return select_pages(reader, query, kmin, kmax, table.long(), lengths, scaling, layer_idx)
 
     # ------------------------------------------------------------------ internals
     def _advance(self, layer_idx: int, ids: list[str], requests: list[ServedRequest], query: torch.Tensor,

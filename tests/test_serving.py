@@ -536,13 +536,16 @@ def test_requests_read_the_pages_each_reads_alone_on_the_transformers_host(llama
         assert pool.nbytes(list(layer_seqs)) == sum(s.pages_held for s in layer_seqs) * (2 * P * D * 4 + 2 * D * 2)
 
 
-def test_a_request_computed_again_under_a_reader_reads_its_generated_tokens_one_at_a_time(llama):
+@pytest.mark.parametrize("storage", [None, Int4(group_size=16, residual=4)], ids=["full", "int4"])
+def test_a_request_computed_again_under_a_reader_reads_its_generated_tokens_one_at_a_time(llama, storage):
     """Computed again with what it had generated (as after a preemption), a request under a reader meets each
-    generated token as it did the first time (a single query reading selected pages), so its next token is the
-    uninterrupted run's."""
+    generated token as it did the first time (a single query reading selected pages; of int4 records too), so its
+    next token is the uninterrupted run's."""
     from kvpress_ada.readers import TopPages
 
     press = Pipeline(scorer=SnapKV(window=16), compression_ratio=0.5, reader=TopPages(budget=16, page_size=8))
+    if storage is not None:
+        press = press.replace(storage=storage)
     first, again, token = _run_then_replay(llama, press, _prompt(90, 8), generated=6)
     assert token == first.tokens["r"][6]
     assert again.kept("r") == first.kept("r")

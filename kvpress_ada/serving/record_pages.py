@@ -61,8 +61,9 @@ class RowSummaries:
     def __init__(self, page_size: int, head_dim: int, device: torch.device):
         self.page_size = page_size
         dtype = summary_dtype(torch.float32)
-        self.kmin = torch.empty(0, head_dim, dtype=dtype, device=device)
-        self.kmax = torch.empty(0, head_dim, dtype=dtype, device=device)
+        with torch.inference_mode(False):  # normal tensors: an engine's forward (inference mode) and a release
+            self.kmin = torch.empty(0, head_dim, dtype=dtype, device=device)  # outside it both update them
+            self.kmax = torch.empty(0, head_dim, dtype=dtype, device=device)
         self.rows: dict[int, list[list[int]]] = {}  # id(sequence) -> each kv head's page ids, in page order
         self.unrecorded: dict[int, int] = {}
         self._free: list[int] = []
@@ -71,8 +72,9 @@ class RowSummaries:
         if n > len(self._free):  # grow the store (at least double it): its pages are ours, not the engine's
             P, D = self.kmin.shape
             extra = max(n - len(self._free), P, 64)
-            self.kmin = torch.cat([self.kmin, self.kmin.new_full((extra, D), float("inf"))])
-            self.kmax = torch.cat([self.kmax, self.kmax.new_full((extra, D), float("-inf"))])
+            with torch.inference_mode(False):
+                self.kmin = torch.cat([self.kmin, self.kmin.new_full((extra, D), float("inf"))])
+                self.kmax = torch.cat([self.kmax, self.kmax.new_full((extra, D), float("-inf"))])
             self._free[:0] = range(P + extra - 1, P - 1, -1)
         return [self._free.pop() for _ in range(n)]
 

@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "kvpress_half.h" /* from_bits, half_to_float, sixteen_to_float, INLINE */
+#include "kvpress_pages.h" /* next_listed, most_listed, softmax_numerators */
 
 /* sdtype: 0 float32, 1 float16, 2 bfloat16 */
 static inline float read_scale(const uint8_t *p, int sdtype) {
@@ -168,11 +169,6 @@ INLINE int attend(const float *q, const uint8_t *k_rec, const uint8_t *v_rec, in
 }
 
 /* ------------------------------------------------------------------------ attention over selected pages */
-/* the first page at or after j that row r reads (W: none) */
-static inline int64_t next_listed(const int64_t *table, const uint8_t *selected, int64_t r, int64_t W, int64_t j) {
-    while (j < W && !(selected[r * W + j] && table[r * W + j] >= 0)) j++;
-    return j;
-}
 
 /* the body of kvq_sparse_attention (attend's entries, logits and softmax, over the listed pages' entries only: each
  * entry's rank and slot kept for the values' pass); inlined into the same specialisations */
@@ -183,12 +179,7 @@ INLINE int attend_pages(const float *q, const uint8_t *k_rec, const uint8_t *v_r
                         float softcap, const float *bias, const float *sinks, float *out) {
     const int64_t rows = B * H_kv, M = G * Q;
     const float *v_side = side + (1 + R) * rows * D;
-    int64_t most = 0; /* the most pages a row reads */
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t c = 0;
-        for (int64_t j = 0; j < W; j++) c += selected[r * W + j] && table[r * W + j] >= 0;
-        most = c > most ? c : most;
-    }
+    const int64_t most = most_listed(table, selected, rows, W); /* the most pages a row reads */
     const int64_t cap = (most > 0 ? most : 1) * P;
     /* scores [M, cap], the row maxima and sums [2 M], a dequantized entry [D]; the slot and rank of each listed
      * entry [2 cap] */
@@ -226,20 +217,7 @@ INLINE int attend_pages(const float *q, const uint8_t *k_rec, const uint8_t *v_r
                 rank[count++] = t;
             }
         }
-        for (int64_t m = 0; m < M; m++) {
-            float *x = scores + m * cap, best = -INFINITY, sum = 0.0f;
-            const float sink = sinks ? sinks[(r % H_kv) * G + m / Q] : 0.0f;
-            for (int64_t i = 0; i < count; i++) best = x[i] > best ? x[i] : best;
-            if (sinks) best = sink > best ? sink : best;
-            best = best < -FLT_MAX ? -FLT_MAX : best; /* a query that sees nothing: exp(-inf - finite) = 0 */
-            for (int64_t i = 0; i < count; i++) {
-                x[i] = expf(x[i] - best);
-                sum += x[i];
-            }
-            if (sinks) sum += expf(sink - best);
-            top[m] = best;
-            total[m] = sum;
-        }
+        softmax_numerators(scores, M, cap, count, sinks ? sinks + (r % H_kv) * G : NULL, Q, top, total);
         for (int64_t i = 0; i < count; i++) {
             const float *v = entry(rank[i], n, R, r, rows, (int)D, v_side, v_rec + slot[i] * width, enc, bits, group,
                                    (int)sdtype, lut, buf);

@@ -45,8 +45,8 @@ MAX_QUERIES = 4
 ENV_VAR = "KVPRESS_ADA_CPU_KERNEL"
 _SOURCE = Path(__file__).with_name("cpu_kernel.c")
 INCLUDE = Path(__file__).parent.parent / "include"
-"""The headers the fused CPU kernels share (``kvpress_half.h``), on the compiler's include path; shipped as package
-data beside the sources."""
+"""The headers the fused CPU kernels share (``kvpress_half.h``, ``kvpress_pages.h``), on the compiler's include path;
+shipped as package data beside the sources."""
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c11", "-shared", "-fPIC")
 _SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _P = ctypes.c_void_p

@@ -27,6 +27,7 @@
 #endif
 
 #include "kvpress_half.h" /* from_bits, half_to_float, sixteen_to_float, INLINE */
+#include "kvpress_pages.h" /* next_listed, most_listed, softmax_numerators */
 
 /* row i of a [*, D] tensor of dtype, as float32: the row itself (float32), or converted into buf */
 INLINE const float *row_of(const void *base, int64_t i, int dtype, int64_t D, float *restrict buf) {
@@ -184,20 +185,10 @@ int kvs_page_bounds(const float *qs, const void *kmin, const void *kmax, int64_t
 /* ------------------------------------------------------------------------------ attention over selected pages */
 #define PREFETCH 8 /* value rows read ahead */
 
-/* the first page at or after j that row r reads (W: none) */
-static inline int64_t next_listed(const int64_t *table, const uint8_t *selected, int64_t r, int64_t W, int64_t j) {
-    while (j < W && !(selected[r * W + j] && table[r * W + j] >= 0)) j++;
-    return j;
-}
 INLINE int attend(const float *qs, const void *k, const void *v, int dtype, const int64_t *table,
                   const uint8_t *selected, const int64_t *lens, int64_t R, int64_t W, int64_t H_kv, int64_t G,
                   const int64_t Q, int64_t P, const int64_t D, float softcap, const float *sinks, float *out) {
-    int64_t most = 0; /* the most pages a row reads */
-    for (int64_t r = 0; r < R; r++) {
-        int64_t c = 0;
-        for (int64_t j = 0; j < W; j++) c += selected[r * W + j] && table[r * W + j] >= 0;
-        most = c > most ? c : most;
-    }
+    const int64_t most = most_listed(table, selected, R, W); /* the most pages a row reads */
     const int64_t GQ = G * Q, cap = (most > 0 ? most : 1) * P, size = dtype == 0 ? 4 : 2;
     /* scores [GQ, cap], the slot of each listed entry [cap], the row maxima and sums [2 GQ], a converted row [D] */
     float *scores = malloc(sizeof(float) * (size_t)(GQ * cap + 2 * GQ + D) + sizeof(int64_t) * (size_t)cap);
@@ -233,20 +224,7 @@ INLINE int attend(const float *qs, const void *k, const void *v, int dtype, cons
                 slot[count++] = s;
             }
         }
-        for (int64_t m = 0; m < GQ; m++) {
-            float *x = scores + m * cap, best = -INFINITY, sum = 0.0f;
-            const float sink = sinks ? sinks[(r % H_kv) * G + m / Q] : 0.0f;
-            for (int64_t i = 0; i < count; i++) best = x[i] > best ? x[i] : best;
-            if (sinks) best = sink > best ? sink : best;
-            best = best < -FLT_MAX ? -FLT_MAX : best; /* a query that sees nothing: exp(-inf - finite) = 0 */
-            for (int64_t i = 0; i < count; i++) {
-                x[i] = expf(x[i] - best);
-                sum += x[i];
-            }
-            if (sinks) sum += expf(sink - best);
-            top[m] = best;
-            total[m] = sum;
-        }
+        softmax_numerators(scores, GQ, cap, count, sinks ? sinks + (r % H_kv) * G : NULL, Q, top, total);
         for (int64_t i = 0; i < count; i++) {
             if (i + PREFETCH < count)
                 for (int64_t b = 0; b < D * size; b += 64)

@@ -1,6 +1,6 @@
 /* Attention over selected pages, shared by the fused CPU kernels that read them (ragged/sparse_cpu_kernel.c over
  * full-precision entries, quantized/cpu_kernel.c over records): which pages a row reads, and the softmax of a row's
- * logits with an attention sink.
+ * logits with an attention sink, the weighted values' sums.
  *
  * Built with -I <this folder> by kvpress_ada/kernels/quantized/cpu_kernel.py (build_kernel), whose cache key hashes
  * every header here: an edit rebuilds every kernel that includes it.
@@ -49,6 +49,25 @@ INLINE void softmax_numerators(float *scores, int64_t M, int64_t cap, int64_t co
         if (row_sinks) sum += expf(sink - best);
         top[m] = best;
         total[m] = sum;
+    }
+}
+
+/* the weighted value of entry i added to each of M queries' outputs: o[m * D ..] += scores[m * cap + i] * v */
+INLINE void add_weighted(float *o, const float *scores, int64_t cap, int64_t i, int64_t M, const int64_t D,
+                         const float *v) {
+    for (int64_t m = 0; m < M; m++) {
+        const float p = scores[m * cap + i];
+        float *restrict om = o + m * D;
+#pragma omp simd
+        for (int64_t c = 0; c < D; c++) om[c] += p * v[c];
+    }
+}
+
+/* each of M queries' outputs divided by its softmax sum (a query that sees nothing keeps its zeros) */
+INLINE void divide_by_sums(float *o, const float *total, int64_t M, const int64_t D) {
+    for (int64_t m = 0; m < M; m++) {
+        const float d = total[m] > FLT_MIN ? total[m] : FLT_MIN;
+        for (int64_t c = 0; c < D; c++) o[m * D + c] /= d;
     }
 }
 

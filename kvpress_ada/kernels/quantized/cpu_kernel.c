@@ -31,7 +31,7 @@
 #include <string.h>
 
 #include "kvpress_half.h" /* from_bits, half_to_float, sixteen_to_float, INLINE */
-#include "kvpress_pages.h" /* next_listed, most_listed, softmax_numerators */
+#include "kvpress_pages.h" /* next_listed, most_listed, softmax_numerators, add_weighted, divide_by_sums */
 
 /* sdtype: 0 float32, 1 float16, 2 bfloat16 */
 static inline float read_scale(const uint8_t *p, int sdtype) {
@@ -221,17 +221,9 @@ INLINE int attend_pages(const float *q, const uint8_t *k_rec, const uint8_t *v_r
         for (int64_t i = 0; i < count; i++) {
             const float *v = entry(rank[i], n, R, r, rows, (int)D, v_side, v_rec + slot[i] * width, enc, bits, group,
                                    (int)sdtype, lut, buf);
-            for (int64_t m = 0; m < M; m++) {
-                const float p = scores[m * cap + i];
-                float *restrict om = o + m * D;
-#pragma omp simd
-                for (int64_t c = 0; c < D; c++) om[c] += p * v[c];
-            }
+            add_weighted(o, scores, cap, i, M, D, v);
         }
-        for (int64_t m = 0; m < M; m++) {
-            const float d = total[m] > FLT_MIN ? total[m] : FLT_MIN;
-            for (int64_t c = 0; c < D; c++) o[m * D + c] /= d;
-        }
+        divide_by_sums(o, total, M, D);
     }
     free(scores);
     return 0;

@@ -27,7 +27,7 @@
 #endif
 
 #include "kvpress_half.h" /* from_bits, half_to_float, sixteen_to_float, INLINE */
-#include "kvpress_pages.h" /* next_listed, most_listed, softmax_numerators */
+#include "kvpress_pages.h" /* next_listed, most_listed, softmax_numerators, add_weighted, divide_by_sums */
 
 /* row i of a [*, D] tensor of dtype, as float32: the row itself (float32), or converted into buf */
 INLINE const float *row_of(const void *base, int64_t i, int dtype, int64_t D, float *restrict buf) {
@@ -230,17 +230,9 @@ INLINE int attend(const float *qs, const void *k, const void *v, int dtype, cons
                 for (int64_t b = 0; b < D * size; b += 64)
                     __builtin_prefetch((const char *)v + slot[i + PREFETCH] * D * size + b);
             const float *val = row_of(v, slot[i], dtype, D, buf);
-            for (int64_t m = 0; m < GQ; m++) {
-                const float p = scores[m * cap + i];
-                float *restrict om = o + m * D;
-#pragma omp simd
-                for (int64_t c = 0; c < D; c++) om[c] += p * val[c];
-            }
+            add_weighted(o, scores, cap, i, GQ, D, val);
         }
-        for (int64_t m = 0; m < GQ; m++) {
-            const float d = total[m] > FLT_MIN ? total[m] : FLT_MIN;
-            for (int64_t c = 0; c < D; c++) o[m * D + c] /= d;
-        }
+        divide_by_sums(o, total, GQ, D);
     }
     free(scores);
     return 0;

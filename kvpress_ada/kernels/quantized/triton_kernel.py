@@ -33,7 +33,7 @@ from ..ragged.triton_kernel import LOG2E, default_config, merge_splits, query_ti
 from ..support import check_head_dim
 from .scheme import RecordLayout, attention_operands, centre_logits, check_record, residual_of, residual_operands
 
-__all__ = ["quantized_attention_triton"]
+__all__ = ["quantized_attention_triton", "entry_tile"]
 
 
 @triton.jit
@@ -67,6 +67,24 @@ def _dequantized_tile(REC_ptr, SC_ptr, rows, kv_mask, offs_d, rec_width, sc_widt
     else:
         out = elements * scale + tl.load(sc_ptrs + n_groups, mask=kv_mask, other=0.0).to(tl.float32)
     return out
+
+
+@triton.jit
+def entry_tile(REC_ptr, SC_ptr, TAIL_ptr, first, slots, pos, held, n, row, R, offs_d, rec_width, sc_width,
+               HEAD_DIM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, E4M3: tl.constexpr,
+               RESID: tl.constexpr):
+    """``[BLOCK_N, HEAD_DIM]`` float32: the keys (or values) a row reads at ranks ``pos`` (its entries held at
+    ``slots``, int64, where ``held``; ``[BLOCK_N]`` each): the records dequantized, the row's newest ``RESID`` of its
+    ``n`` from its ring ``TAIL_ptr`` (float32 ``[RESID, R, HEAD_DIM]``, rank ``j`` at ``j % RESID``), rank 0 as
+    ``first`` (``[1, HEAD_DIM]`` float32: its anchor). Nothing is loaded where not ``held`` (0 there)."""
+    mask = held[:, None]
+    x = _dequantized_tile(REC_ptr, SC_ptr, slots[:, None], mask, offs_d, rec_width, sc_width, HEAD_DIM, BITS, GROUP,
+                          E4M3)
+    if RESID > 0:
+        in_tail = (pos >= n - RESID)[:, None] & mask
+        tail = ((pos % RESID).to(tl.int64)[:, None] * R + row) * HEAD_DIM + offs_d[None, :]
+        x = tl.where(in_tail, tl.load(TAIL_ptr + tail, mask=in_tail, other=0.0), x)
+    return tl.where((pos == 0)[:, None] & mask, first, x)
 
 
 @triton.jit
@@ -113,16 +131,10 @@ def _quantized_split_kernel(
         # staged through shared memory: 22 KB -> 150 KB per program at head dim 128 on sm_90)
         for start in tl.range(lo, hi, BLOCK_N, num_stages=1):
             offs_n = start + offs_j
-            kv_mask = (offs_n < hi)[:, None]
-            rows = base + offs_n.to(tl.int64)[:, None]
-            is_anchor = (offs_n == 0)[:, None]
-            k = _dequantized_tile(K_ptr, KS_ptr, rows, kv_mask, offs_d, rec_width, sc_width,
-                                  HEAD_DIM, BITS, GROUP, E4M3)
-            if RESID > 0:  # the row's newest RESID slots: its residual ring (float32, [RESID, R, D])
-                in_tail = (offs_n >= n - RESID)[:, None] & kv_mask
-                tail = ((offs_n % RESID).to(tl.int64)[:, None] * R + row) * HEAD_DIM + offs_d[None, :]
-                k = tl.where(in_tail, tl.load(TK_ptr + tail, mask=in_tail, other=0.0), k)
-            k = tl.where(is_anchor, anchor_k, k).to(q.dtype)
+            held = offs_n < hi
+            rows = base + offs_n.to(tl.int64)
+            k = entry_tile(K_ptr, KS_ptr, TK_ptr, anchor_k, rows, offs_n, held, n, row, R, offs_d, rec_width,
+                           sc_width, HEAD_DIM, BITS, GROUP, E4M3, RESID).to(q.dtype)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -132,18 +144,15 @@ def _quantized_split_kernel(
             s = s * qk_scale
             if SOFTCAP:
                 s = soft_cap(s, cap_log2)
-            vis = (offs_n[None, :] < limit[:, None]) & (offs_n < hi)[None, :]
+            vis = (offs_n[None, :] < limit[:, None]) & held[None, :]
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = _dequantized_tile(V_ptr, VS_ptr, rows, kv_mask, offs_d, rec_width, sc_width,
-                                  HEAD_DIM, BITS, GROUP, E4M3)
-            if RESID > 0:
-                v = tl.where(in_tail, tl.load(TV_ptr + tail, mask=in_tail, other=0.0), v)
-            v = tl.where(is_anchor, anchor_v, v).to(q.dtype)
+            v = entry_tile(V_ptr, VS_ptr, TV_ptr, anchor_v, rows, offs_n, held, n, row, R, offs_d, rec_width,
+                           sc_width, HEAD_DIM, BITS, GROUP, E4M3, RESID).to(q.dtype)
             if IEEE:
                 pv = tl.dot(p.to(q.dtype), v, input_precision="ieee")
             else:

@@ -15,9 +15,10 @@ in float32).
 * :func:`append_summaries` - an in-place custom op: the appended keys reduced into their pages' summaries;
 * :func:`page_bounds` - each query head's bound over each page of its row (plain torch: traced in a compiled step);
 * :func:`sparse_quantized_attention` - a custom op: the same over rows of quantized records (int8, int4, fp8), only
-  the selected pages' records dequantized: on CPU the fused C kernel
+  the selected pages' records dequantized: the Triton kernel (:mod:`..quantized.sparse_triton_kernel`: the page walk
+  below, each tile dequantized in registers as the dense kernel over records does) on CUDA, on CPU the fused C kernel
   (:func:`~..quantized.cpu_kernel.sparse_quantized_attention_cpu`: each selected page's records read and dequantized
-  where they lie) for decode-shaped calls, else (and on every other backend) the torch reference here;
+  where they lie) for decode-shaped calls, else the torch reference here;
 * :func:`sparse_ragged_attention` - a custom op: attention over the entries of the selected pages only, dispatched
   as the ragged ops are (:mod:`..support`): the Triton kernel (:mod:`.sparse_triton_kernel`, split-K over each
   row's selected pages) on CUDA, on CPU the fused C kernel (:mod:`.sparse_cpu_kernel`: each selected page read where
@@ -353,6 +354,9 @@ def _sparse_quantized_impl(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offsets:
                            layout: RecordLayout, softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
     if q.numel() == 0:
         return torch.zeros_like(q)
+    if resolve_backend(q.device, q.shape[-1]) == "triton":
+        return triton_module("quantized.sparse_triton_kernel").sparse_quantized_attention_triton(
+            q, k_rec, v_rec, row_lengths, side, table, selected, page_size, scale, layout, softcap=softcap, sinks=sinks)
     fused = sparse_quantized_attention_cpu(q, k_rec, v_rec, row_lengths, side, table, selected, page_size, scale,
                                            layout, softcap, sinks)
     if fused is not None:
@@ -385,11 +389,12 @@ def sparse_quantized_attention(q: Tensor, k_rec: Tensor, v_rec: Tensor, row_offs
     """:func:`~..quantized.ops.quantized_attention` over the entries of the selected pages only (``table``,
     ``selected``, ``page_size``: as :func:`sparse_ragged_attention`): rows of records ``k_rec, v_rec uint8 [N,
     width]`` of ``layout`` with their ``side`` tensors, each non-empty row's first entry read as its anchor and
-    its newest ``residual`` entries from its ring, only the selected pages' records dequantized. On CPU the fused
-    kernel for decode-shaped calls (at most :data:`~..quantized.cpu_kernel.MAX_QUERIES` queries per row;
-    ``KVPRESS_ADA_CPU_KERNEL=0`` or ``use_cpu_kernel(False)``: the torch reference), the torch reference otherwise
-    and on every other backend (no Triton kernel yet). With every page selected this is quantized attention (the
-    same read-back keys and values; sums in another order)."""
+    its newest ``residual`` entries from its ring, only the selected pages' records dequantized. The Triton kernel
+    on CUDA (:mod:`..quantized.sparse_triton_kernel`; as :func:`sparse_ragged_attention` dispatches); on CPU the
+    fused kernel for decode-shaped calls (at most :data:`~..quantized.cpu_kernel.MAX_QUERIES` queries per row;
+    ``KVPRESS_ADA_CPU_KERNEL=0`` or ``use_cpu_kernel(False)``: the torch reference), the torch reference otherwise.
+    With every page selected this is quantized attention (the same read-back keys and values; sums in another
+    order)."""
     cap = _check_sparse(q, k_rec, v_rec, row_offsets, row_lengths, table, selected, page_size, softcap, sinks,
                         records=True)
     check_side(side, row_offsets.shape[0], q.shape[-1], q.dtype, q.device)

@@ -25,7 +25,35 @@ import triton.language as tl
 from ..support import check_head_dim
 from .triton_kernel import LOG2E, default_config, dot, merge_splits, online_softmax, query_tile, row_split, soft_cap
 
-__all__ = ["selected_pages", "sparse_attention_triton"]
+__all__ = ["selected_pages", "page_split", "page_slots", "sparse_attention_triton"]
+
+
+@triton.jit
+def page_split(pid, CNT_ptr, LEN_ptr, R, SPLIT, PAGE: tl.constexpr, R_PAD: tl.constexpr):
+    """Which work program ``pid`` runs when each row's selected pages (``CNT_ptr[r]`` of them), seen as one sequence
+    of ``count * PAGE`` slots, are cut into splits of ``SPLIT`` pages, row after row: ``(total, row, n, lo, hi)``,
+    ``total`` the programs with work (``pid >= total``: none), ``n`` the row's length and ``[lo, hi)`` the places
+    of the split's slots in the row's sequence."""
+    total, row, local = row_split(pid, CNT_ptr, R, SPLIT, R_PAD)
+    count = tl.load(CNT_ptr + row, mask=pid < total, other=0).to(tl.int32)
+    n = tl.load(LEN_ptr + row, mask=pid < total, other=0).to(tl.int32)
+    lo = local * SPLIT * PAGE
+    hi = tl.minimum(local * SPLIT + SPLIT, count) * PAGE
+    return total, row, n, lo, hi
+
+
+@triton.jit
+def page_slots(PAGE_ptr, J_ptr, lists, t, hi, n, PAGE: tl.constexpr):
+    """Slots at places ``t`` (``< hi``) of a row's selected-page sequence (its page lists at ``lists``:
+    :func:`selected_pages`): ``(pos, held, slot)``, each slot's rank in its row, whether it holds an entry (a
+    place ``< hi`` and a rank ``< n``: others are never loaded) and its flat slot (int64)."""
+    inside = t < hi
+    pi = t // PAGE
+    s = t % PAGE
+    j = tl.load(J_ptr + lists + pi, mask=inside, other=0).to(tl.int32)
+    page = tl.load(PAGE_ptr + lists + pi, mask=inside, other=0).to(tl.int64)
+    pos = j * PAGE + s
+    return pos, inside & (pos < n), page * PAGE + s
 
 
 @triton.jit
@@ -45,13 +73,8 @@ def _sparse_split_kernel(
     pid = tl.program_id(0)
     mt = tl.program_id(1)
 
-    # which (row, split) is this program? splits of SPLIT selected pages, row after row
-    total, row, local = row_split(pid, CNT_ptr, R, SPLIT, R_PAD)
+    total, row, n, lo, hi = page_split(pid, CNT_ptr, LEN_ptr, R, SPLIT, PAGE, R_PAD)
     if pid < total:
-        count = tl.load(CNT_ptr + row).to(tl.int32)
-        n = tl.load(LEN_ptr + row).to(tl.int32)
-        lo = local * SPLIT * PAGE  # slots of the row's selected-page sequence this split reads
-        hi = tl.minimum(local * SPLIT + SPLIT, count) * PAGE
         b = row // H_kv
         h = row % H_kv
 
@@ -65,15 +88,7 @@ def _sparse_split_kernel(
         lists = row.to(tl.int64) * W
         offs_t = tl.arange(0, BLOCK_N)
         for start in range(lo, hi, BLOCK_N):
-            t = start + offs_t
-            inside = t < hi
-            pi = t // PAGE
-            s = t % PAGE
-            j = tl.load(J_ptr + lists + pi, mask=inside, other=0).to(tl.int32)
-            page = tl.load(PAGE_ptr + lists + pi, mask=inside, other=0).to(tl.int64)
-            pos = j * PAGE + s  # the entry's index in its row
-            held = inside & (pos < n)  # slots past the row's length hold no entry: never loaded
-            slot = page * PAGE + s
+            pos, held, slot = page_slots(PAGE_ptr, J_ptr, lists, start + offs_t, hi, n, PAGE)
             k = tl.load(K_ptr + slot[:, None] * stride_k + offs_d[None, :], mask=held[:, None], other=0.0)
             sc = dot(q, tl.trans(k), IEEE) * qk_scale
             if SOFTCAP:

@@ -176,3 +176,28 @@ def test_a_quantized_layer_under_a_reader_reads_through_the_kernel(kind):
         want = sparse.sparse_quantized_attention(*args, softcap=3.0)
     assert float(want.abs().max()) > 0
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_kernel_compiles_for_hopper():
+    """Full sm_90 codegen (bundled ptxas, no GPU) of the split kernel over selected pages of int8 / int4 / e4m3
+    records, with and without the logit extras, at head dim 128: it compiles and its shared memory fits sm_86 and
+    up."""
+    import json
+    import subprocess
+    import sys
+
+    import triton
+
+    if "nvidia" not in getattr(triton.backends, "backends", {}):
+        pytest.skip("Triton's NVIDIA backend is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for extras in ([], ["--extras"]):
+        cmd = [sys.executable, "-m", "kvpress_ada.kernels.aot_check", "--dtype", "bf16", "fp32", "--head-dim", "128",
+               "--m", "4", *extras]
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+        assert len(rows) == 2
+        for row in rows:
+            for name in ("int8", "int4", "e4m3"):
+                assert row[f"sparse_quantized_split_{name}"]["shared"] <= 99 * 1024, row

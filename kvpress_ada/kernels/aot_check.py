@@ -42,8 +42,8 @@ def _compile(kernel, types, consts, num_warps, num_stages, arch):
 
 def check(dtype: str, head_dim: int, m_total: int, arch: int = 90, extras: bool = False) -> dict:
     """Compile the split, reduce and compact kernels, the split kernel over int8 / int4 records (groups of
-    32 channels) and e4m3 records (one scale per head), and the split kernel over selected pages (16-entry
-    pages), for one (dtype, head_dim, G*Q); ``extras``: with
+    32 channels) and e4m3 records (one scale per head), and the split kernels over selected pages (16-entry
+    pages) of full-precision entries and of those records, for one (dtype, head_dim, G*Q); ``extras``: with
     soft-capping and sinks compiled in."""
     import torch
 
@@ -93,6 +93,22 @@ def check(dtype: str, head_dim: int, m_total: int, arch: int = 90, extras: bool 
         cfg["num_stages"],
         arch,
     )
+    from .quantized import sparse_triton_kernel as sq
+
+    for name, bits, group, e4m3 in (("int8", 8, min(32, head_dim), False), ("int4", 4, min(32, head_dim), False),
+                                    ("e4m3", 8, head_dim, True)):
+        scales = "*fp32" if e4m3 else t
+        out[f"sparse_quantized_split_{name}"] = _compile(
+            sq._sparse_quantized_split_kernel,
+            {"Q_ptr": t, "K_ptr": "*u8", "V_ptr": "*u8", "KS_ptr": scales, "VS_ptr": scales, "AK_ptr": "*fp32",
+             "AV_ptr": t, "TK_ptr": "*fp32", "TV_ptr": "*fp32", "CNT_ptr": "*i32", "PAGE_ptr": "*i32",
+             "J_ptr": "*i32", "qk_scale": "fp32", **f32},
+            dict(PAGE=16, HEAD_DIM=head_dim, BITS=bits, GROUP=group, E4M3=e4m3, RESID=32, BLOCK_M=cfg["block_m"],
+                 BLOCK_N=cfg["block_n"], R_PAD=16, IEEE=dtype == "fp32", SOFTCAP=extras, SHIFT=extras),
+            cfg["num_warps"],
+            cfg["num_stages"],
+            arch,
+        )
     out["reduce"] = _compile(
         tk._ragged_attn_reduce_kernel,
         {"O_ptr": t, **f32},

@@ -77,7 +77,7 @@ step() {
     [ -s "$json" ] || printf '{"benchmark": "%s", "error": "no result: %s"}\n' "$name" "$why" > "$json"
 }
 step kernels gpu_kernels.json "${KERNELS_TIMEOUT:-90}" benchmarks/gpu/bench_kernels.py
-step quantized gpu_quantized.json "${QUANTIZED_TIMEOUT:-60}" benchmarks/gpu/bench_quantized.py
+step quantized gpu_quantized.json "${QUANTIZED_TIMEOUT:-90}" benchmarks/gpu/bench_quantized.py
 step e2e gpu_e2e.json "${E2E_TIMEOUT:-170}" benchmarks/gpu/bench_e2e.py --check-first
 step sweep gpu_kernels_sweep.json "${SWEEP_TIMEOUT:-70}" benchmarks/gpu/bench_kernels.py --sweep --no-check \
     --contexts 32768

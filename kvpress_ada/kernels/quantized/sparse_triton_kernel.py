@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ragged.sparse_triton_kernel import page_slots, page_split, selected_pages
+from ..ragged.sparse_triton_kernel import page_slots, page_split, selected_pages, split_geometry, split_partials
 from ..ragged.triton_kernel import LOG2E, default_config, dot, merge_splits, online_softmax, query_tile, soft_cap
 from ..support import check_head_dim
 from .scheme import RecordLayout, attention_operands, centre_logits, check_record, residual_of, residual_operands
@@ -119,22 +119,12 @@ def sparse_quantized_attention_triton(q: torch.Tensor, k_rec: torch.Tensor, v_re
     M_total = G * Q
     P = int(page_size)
     cfg = default_config(D, M_total, k_rec.shape[0], dtype, q.device)
-    block_m = block_m or cfg["block_m"]
-    block_n = block_n or cfg["block_n"]
-    split = split_pages or max(1, cfg["split_size"] // (4 * P))
-    if block_m < 16 or block_n < 16 or block_m & (block_m - 1) or block_n & (block_n - 1):
-        raise ValueError(f"block_m={block_m}, block_n={block_n}: must be powers of two >= 16")
-    if split <= 0:
-        raise ValueError(f"split_pages={split} must be positive")
+    block_m, block_n, split = split_geometry(cfg, P, block_m, block_n, split_pages)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if R == 0 or W == 0:
         return out.zero_()
     pages, js, counts = selected_pages(table, selected)
-    m_tiles = triton.cdiv(M_total, block_m)
-    slots = triton.cdiv(k_rec.shape[0] // P, split) + R  # >= the number of splits: rows hold distinct pages
-    pm = torch.empty(slots, m_tiles * block_m, device=q.device, dtype=torch.float32)
-    pl = torch.empty_like(pm)
-    pacc = torch.empty(slots, m_tiles * block_m, D, device=q.device, dtype=torch.float32)
+    m_tiles, slots, (pm, pl, pacc) = split_partials(k_rec.shape[0] // P, split, R, M_total, block_m, D, q.device)
     sdtype = layout.scale_dtype(dtype)
     ks, vs = k_rec.view(sdtype), v_rec.view(sdtype)  # the same bytes, indexed in scale-sized elements
     _sparse_quantized_split_kernel[(slots, m_tiles)](

@@ -120,6 +120,31 @@ def selected_pages(table: torch.Tensor, selected: torch.Tensor) -> tuple[torch.T
     return pages.to(torch.int32).contiguous(), js.to(torch.int32).contiguous(), counts
 
 
+def split_geometry(cfg: dict, page_size: int, block_m: int, block_n: int, split_pages: int) -> tuple[int, int, int]:
+    """``(block_m, block_n, split)`` of a split kernel over selected pages: the given ones, zeros from ``cfg``
+    (:func:`~.triton_kernel.default_config`; a split of a quarter of its split size, in pages); a one-line error for
+    blocks that are not powers of two >= 16 or a split that is not positive."""
+    block_m = block_m or cfg["block_m"]
+    block_n = block_n or cfg["block_n"]
+    split = split_pages or max(1, cfg["split_size"] // (4 * page_size))
+    if block_m < 16 or block_n < 16 or block_m & (block_m - 1) or block_n & (block_n - 1):
+        raise ValueError(f"block_m={block_m}, block_n={block_n}: must be powers of two >= 16")
+    if split <= 0:
+        raise ValueError(f"split_pages={split} must be positive")
+    return block_m, block_n, split
+
+
+def split_partials(n_pages: int, split: int, rows: int, m_total: int, block_m: int, head_dim: int,
+                   device: torch.device) -> tuple[int, int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(m_tiles, slots, (pm, pl, pacc))``: the query tiles, the grid's split slots (at least the splits of rows
+    holding distinct pages of a cache of ``n_pages``) and each slot's float32 partial maxima, sums and outputs."""
+    m_tiles = triton.cdiv(m_total, block_m)
+    slots = triton.cdiv(n_pages, split) + rows
+    pm = torch.empty(slots, m_tiles * block_m, device=device, dtype=torch.float32)
+    return m_tiles, slots, (pm, torch.empty_like(pm), torch.empty(slots, m_tiles * block_m, head_dim, device=device,
+                                                                   dtype=torch.float32))
+
+
 def sparse_attention_triton(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, row_lengths: torch.Tensor,
                             table: torch.Tensor, selected: torch.Tensor, page_size: int, scale: float, *,
                             softcap: float = 0.0, sinks: torch.Tensor | None = None, split_pages: int = 0,
@@ -142,22 +167,12 @@ def sparse_attention_triton(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch
     P = int(page_size)
     n_pages = k_flat.shape[0] // P
     cfg = default_config(D, M_total, k_flat.shape[0], q.dtype, q.device)
-    block_m = block_m or cfg["block_m"]
-    block_n = block_n or cfg["block_n"]
-    split = split_pages or max(1, cfg["split_size"] // (4 * P))
-    if block_m < 16 or block_n < 16 or block_m & (block_m - 1) or block_n & (block_n - 1):
-        raise ValueError(f"block_m={block_m}, block_n={block_n}: must be powers of two >= 16")
-    if split <= 0:
-        raise ValueError(f"split_pages={split} must be positive")
+    block_m, block_n, split = split_geometry(cfg, P, block_m, block_n, split_pages)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if R == 0 or W == 0:
         return out.zero_()
     pages, js, counts = selected_pages(table, selected)
-    m_tiles = triton.cdiv(M_total, block_m)
-    slots = triton.cdiv(n_pages, split) + R  # >= the number of splits: rows hold distinct pages
-    pm = torch.empty(slots, m_tiles * block_m, device=q.device, dtype=torch.float32)
-    pl = torch.empty_like(pm)
-    pacc = torch.empty(slots, m_tiles * block_m, D, device=q.device, dtype=torch.float32)
+    m_tiles, slots, (pm, pl, pacc) = split_partials(n_pages, split, R, M_total, block_m, D, q.device)
     _sparse_split_kernel[(slots, m_tiles)](
         q, k_flat, v_flat, row_lengths, counts, pages, js, pm, pl, pacc,
         float(scale) / softcap if softcap else float(scale) * LOG2E, float(softcap) * LOG2E,

@@ -4,6 +4,7 @@ selected is ragged attention; rows and queries that read nothing give zeros; the
 
 from __future__ import annotations
 
+import functools
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # standalone runs; conftest sets it too
@@ -141,9 +142,11 @@ def test_the_op_dispatches_to_the_triton_kernel(monkeypatch):
     torch.testing.assert_close(raw, ref, atol=2e-5, rtol=2e-5)
 
 
-def test_triton_kernel_compiles_for_hopper():
-    """Full sm_90 codegen (bundled ptxas, no GPU) of the split kernel over selected pages, with and without the
-    logit extras: shared memory fits sm_86 and up, and the gathered K/V loads are still software-pipelined."""
+@functools.cache
+def hopper_codegen(extras: bool) -> tuple[dict, ...]:
+    """The rows of ``python -m kvpress_ada.kernels.aot_check`` (full sm_90 codegen, bundled ptxas, no GPU) at bf16 and
+    fp32, head dim 128, 4 queries, with or without the logit extras; run once per session (the sparse kernels' tests
+    read it); skips without Triton's NVIDIA backend."""
     import json
     import subprocess
     import sys
@@ -153,12 +156,18 @@ def test_triton_kernel_compiles_for_hopper():
     if "nvidia" not in getattr(triton.backends, "backends", {}):
         pytest.skip("Triton's NVIDIA backend is not installed")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    for extras in ([], ["--extras"]):
-        cmd = [sys.executable, "-m", "kvpress_ada.kernels.aot_check", "--dtype", "bf16", "fp32", "--head-dim", "128",
-               "--m", "4", *extras]
-        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-        assert res.returncode == 0, res.stderr[-3000:]
-        rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-        assert len(rows) == 2
-        for row in rows:
+    cmd = [sys.executable, "-m", "kvpress_ada.kernels.aot_check", "--dtype", "bf16", "fp32", "--head-dim", "128",
+           "--m", "4", *(["--extras"] if extras else [])]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = tuple(json.loads(line) for line in res.stdout.splitlines() if line.startswith("{"))
+    assert len(rows) == 2
+    return rows
+
+
+def test_triton_kernel_compiles_for_hopper():
+    """Full sm_90 codegen of the split kernel over selected pages, with and without the logit extras: shared memory
+    fits sm_86 and up, and the gathered K/V loads are still software-pipelined."""
+    for extras in (False, True):
+        for row in hopper_codegen(extras):
             assert row["sparse_split"]["shared"] <= 99 * 1024 and row["sparse_split"]["cp_async"] > 0, row

@@ -60,6 +60,22 @@ def _extras(kind, H_q, seed):
     return softcap, sinks
 
 
+def assert_blind_queries_zero(got, lens, table, selected, P):
+    """A row that reads nothing, or a query that sees none of the entries read (``got [B, H_q, Q, D]``, queries
+    bottom-right causal over rows of ``lens``): exact zeros."""
+    B, H_q, Q, _ = got.shape
+    H_kv = lens.shape[0] // B
+    G = H_q // H_kv
+    for r in range(B * H_kv):
+        b, h = divmod(r, H_kv)
+        n = int(lens[r])
+        read = ((selected[r] & (table[r] >= 0))[torch.arange(n) // P]).nonzero()
+        first = int(read.min()) if read.numel() else n  # the oldest entry read
+        for i in range(Q):
+            if first >= n - (Q - 1 - i):
+                assert bool((got[b, h * G:(h + 1) * G, i] == 0).all())
+
+
 def _poisoned(k_rec, v_rec, offs, lens, selected, P):
     """Copies of the records with every slot the kernel must not read (past a row's length, in a page not selected,
     in no row) set to 0xff bytes: NaN scales, so that a read of one shows in the output. (The reference reads the
@@ -100,14 +116,7 @@ def test_kernel_equals_the_reference_and_the_oracle(dtype, encoding, dims, P, B,
         dense = quantized_cpu.quantized_attention_cpu(q, k_rec, v_rec, offs, lens, side, D ** -0.5, layout,
                                                       softcap=softcap, sinks=sinks)
         torch.testing.assert_close(got.float(), dense.float(), atol=TOL[dtype], rtol=TOL[dtype])
-    for r in range(B * H_kv):  # a row that reads nothing, or a query that sees nothing: exact zeros
-        b, h = divmod(r, H_kv)
-        n = int(lens[r])
-        read = ((selected[r] & (table[r] >= 0))[torch.arange(n) // P]).nonzero()
-        first = int(read.min()) if read.numel() else n  # the oldest entry read
-        for i in range(Q):
-            if first >= n - (Q - 1 - i):
-                assert bool((got[b, h * G:(h + 1) * G, i] == 0).all())
+    assert_blind_queries_zero(got, lens, table, selected, P)
 
 
 @pytest.mark.parametrize("encoding", ["int4", "int8", "e4m3"])

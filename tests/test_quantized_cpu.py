@@ -154,6 +154,21 @@ def test_shared_header_is_found_and_keys_the_build(fresh_library, tmp_path_facto
     assert second != first and first.exists() and second.exists()
 
 
+def test_a_source_edited_after_import_is_not_built(fresh_library, tmp_path_factory):
+    """A process whose bindings were imported before its kernel's source (or a shared header) changed refuses to
+    build it, naming the file (its ctypes argument types may be those of the old source); the kernel modules then
+    warn and run the torch reference. Sources older than the import build as usual."""
+    include = tmp_path_factory.mktemp("include")
+    shutil.copy(quantized_cpu.INCLUDE / "kvpress_half.h", include)
+    source = tmp_path_factory.mktemp("src") / "probe.c"
+    source.write_text(_PROBE)
+    before = min(source.stat().st_mtime, (include / "kvpress_half.h").stat().st_mtime) - 10.0
+    after = max(source.stat().st_mtime, (include / "kvpress_half.h").stat().st_mtime) + 10.0
+    with pytest.raises(RuntimeError, match=r"probe\.c, kvpress_half\.h changed after this process imported"):
+        quantized_cpu.build_kernel(source, "probe", include, loaded_at=before)
+    assert quantized_cpu.build_kernel(source, "probe", include, loaded_at=after).exists()
+
+
 def test_every_kernel_source_and_shared_header_ships_as_package_data():
     """An installed (non-editable) wheel builds the kernels from its own files: every C source under kernels/ and
     every header it includes (found in the shared include folder) match pyproject's package-data."""

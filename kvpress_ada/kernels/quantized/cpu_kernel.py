@@ -28,6 +28,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +49,7 @@ INCLUDE = Path(__file__).parent.parent / "include"
 """The headers the fused CPU kernels share (``kvpress_half.h``, ``kvpress_pages.h``), on the compiler's include path;
 shipped as package data beside the sources."""
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c11", "-shared", "-fPIC")
+_LOADED_AT = time.time()  # this module's bindings (ctypes argument types) are those of its sources as of now
 _SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -72,7 +74,7 @@ def _cache_dir() -> Path:
 
 def _build() -> Path:
     """Compile the kernel (or find it built) and return the shared library's path; raises on failure."""
-    return build_kernel(_SOURCE, "quantized_cpu")
+    return build_kernel(_SOURCE, "quantized_cpu", loaded_at=_LOADED_AT)
 
 
 def _headers(include: Path) -> list[bytes]:
@@ -80,12 +82,19 @@ def _headers(include: Path) -> list[bytes]:
     return [h.name.encode() + b"\0" + h.read_bytes() for h in sorted(include.glob("*.h"))]
 
 
-def build_kernel(path: Path, stem: str, include: Path | None = None) -> Path:
+def build_kernel(path: Path, stem: str, include: Path | None = None, loaded_at: float | None = None) -> Path:
     """Compile the C source ``path`` with the system compiler (or find it built) into the cache directory as
     ``<stem>-<hash of source, shared headers, flags, compiler, CPU>.so`` and return the shared library's path;
     raises on failure. The headers are those of ``include`` (default :data:`INCLUDE`), on the include path. This
-    kernel's build and any other fused CPU kernel's (:mod:`..ragged.sparse_cpu_kernel`)."""
+    kernel's build and any other fused CPU kernel's (:mod:`..ragged.sparse_cpu_kernel`). ``loaded_at``: when the
+    caller's bindings were imported; a source or header modified since raises (a process must not call a library
+    built from sources newer than its own argument types: a long run beside an edit of the tree)."""
     include = INCLUDE if include is None else include
+    if loaded_at is not None:
+        newer = [f.name for f in (path, *sorted(include.glob("*.h"))) if f.stat().st_mtime > loaded_at]
+        if newer:
+            raise RuntimeError(f"{', '.join(newer)} changed after this process imported its bindings; restart it to "
+                               "use the edited kernel")
     compiler = shutil.which(os.environ.get("CC") or "cc")
     if compiler is None:
         raise RuntimeError(f"no C compiler ({os.environ.get('CC') or 'cc'}) on PATH")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import time
 import warnings
 from pathlib import Path
 
@@ -33,6 +34,7 @@ __all__ = ["sparse_cpu_kernel", "page_bounds_cpu", "sparse_attention_cpu", "top_
            "append_summaries_cpu"]
 
 _SOURCE = Path(__file__).with_name("sparse_cpu_kernel.c")
+_LOADED_AT = time.time()  # this module's bindings (ctypes argument types) are those of its source as of now
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -42,7 +44,7 @@ _F = ctypes.c_float
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
     try:
-        lib = ctypes.CDLL(str(build_kernel(_SOURCE, "sparse_cpu")))
+        lib = ctypes.CDLL(str(build_kernel(_SOURCE, "sparse_cpu", loaded_at=_LOADED_AT)))
     except Exception as error:  # noqa: BLE001 - any failure leaves the torch code in charge
         warnings.warn(f"kvpress_ada: the fused CPU kernel of sparse reads is unavailable ({error}); the torch "
                       "reference runs instead", RuntimeWarning, stacklevel=2)

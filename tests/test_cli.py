@@ -44,6 +44,28 @@ def test_eval_with_config_files(tiny_model_dir, tmp_path):
     assert labels == {"full", "mine", "mine_chunked"}
 
 
+def test_eval_config_at_its_own_ratios(tiny_model_dir, tmp_path):
+    """FILE@R rows run at R only (the same file at several ratios, one prefill per sample for all); plain configs
+    and presets at every --ratios; a row at R equals the same config run with --ratios R."""
+    config = tmp_path / "mine.yaml"
+    config.write_text("scorer: {name: tova}\nallocator: {name: ada, alpha: 0.5}\ncompression_ratio: 0.5\n")
+    other = tmp_path / "other.yaml"
+    other.write_text("scorer: {name: knorm}\ncompression_ratio: 0.5\n")
+    common = ["eval", "--model", tiny_model_dir, "--tasks", "passkey", "--n", "1", "--context", "200",
+              "--max-new-tokens", "2", "--no-progress"]
+    out = tmp_path / "run"
+    assert main([*common, "--presets", "snapkv", "--config", f"{config}@0.25", "--config", f"{config}@0.75",
+                 "--config", str(other), "--ratios", "0.5", "--out", str(out)]) == 0
+    records = json.loads((out / "results.json").read_text())["records"]
+    cells = {(r["label"], r["ratio"]) for r in records}
+    assert cells == {("full", 0.0), ("snapkv", 0.5), ("mine", 0.25), ("mine", 0.75), ("other", 0.5)}
+    alone = tmp_path / "alone"
+    assert main([*common, "--presets", "", "--config", str(config), "--ratios", "0.75", "--out", str(alone)]) == 0
+    single = [r for r in json.loads((alone / "results.json").read_text())["records"] if r["label"] == "mine"]
+    at = [r for r in records if r["label"] == "mine" and r["ratio"] == 0.75]
+    assert [(r["answer"], r["kv_bytes"]) for r in at] == [(r["answer"], r["kv_bytes"]) for r in single]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--presets", "snapkv,nope"], "unknown preset 'nope'; valid presets: snapkv"),
     (["--tasks", "passkey,bogus"], "unknown task 'bogus'; valid tasks: passkey"),

@@ -157,6 +157,42 @@ def test_duplicates_refused(option, value, shown, loads, tmp_path, capsys):
     assert loads == []
 
 
+@pytest.mark.parametrize("suffix, message", [
+    ("@0.5x", "the ratio after @ must be a number in [0, 1), got '0.5x'"),
+    ("@1", "the ratio after @ must be a number in [0, 1), got '1'"),
+    ("@-0.1", "the ratio after @ must be a number in [0, 1), got '-0.1'"),
+])
+def test_config_at_bad_ratio_refused(suffix, message, loads, tmp_path, capsys):
+    config = tmp_path / "mine.yaml"
+    config.write_text("scorer: {name: tova}\ncompression_ratio: 0.5\n")
+    code, err = run(["eval", "--model", "tiny", *SMALL, "--config", f"{config}{suffix}", "--out", str(tmp_path)],
+                    capsys)
+    assert code == 2
+    assert one_line(err) == f"kvpress-ada eval: error: --config {config}{suffix}: {message}"
+    assert loads == []
+
+
+def test_config_at_same_ratio_twice_refused(loads, tmp_path, capsys):
+    config = tmp_path / "mine.yaml"
+    config.write_text("scorer: {name: tova}\ncompression_ratio: 0.5\n")
+    code, err = run(["eval", "--model", "tiny", *SMALL, "--config", f"{config}@0.25", "--config", f"{config}@0.25",
+                     "--out", str(tmp_path)], capsys)
+    assert code == 2
+    assert one_line(err) == f"kvpress-ada eval: error: --config {config}@0.25: given twice; give each file@ratio once"
+    assert loads == []
+
+
+def test_config_at_ratio_and_plain_refused(loads, tmp_path, capsys):
+    """A file at every --ratios and the same file at its own ratio would give two rows of one label and ratio."""
+    config = tmp_path / "mine.yaml"
+    config.write_text("scorer: {name: tova}\ncompression_ratio: 0.5\n")
+    code, err = run(["eval", "--model", "tiny", *SMALL, "--config", str(config), "--config", f"{config}@0.25",
+                     "--out", str(tmp_path)], capsys)
+    assert code == 2
+    assert "its label 'mine' (the file name) is also another row's label" in one_line(err)
+    assert loads == []
+
+
 @pytest.mark.parametrize("stem, taken, earlier", [
     ("snapkv", "another row's label (a preset or an earlier --config)", False),
     ("full", "the full-cache row", False),

@@ -44,10 +44,8 @@ def single(tiny_dir, tmp_path_factory):
 
 def _settings(argv):
     args = cli.build_parser().parse_args(argv)
-    presets, tasks, ratios, configs = cli._eval_inputs(args)
-    from kvpress_ada.harness.eval.runner import grid
-
-    return cli._settings(args, tasks, grid(presets, ratios) + grid(configs, ratios))
+    tasks, entries = cli._eval_entries(args)
+    return cli._settings(args, tasks, entries)
 
 
 def test_sharding_round_robin_covers_every_sample_once():

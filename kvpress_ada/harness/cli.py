@@ -103,6 +103,21 @@ def _load_config(path: str):
         raise UsageError(f"--config {path}: {_config_error(err)}") from None
 
 
+def _config_spec(spec: str) -> tuple[str, float | None]:
+    """``FILE`` or ``FILE@R`` (the config at ratio ``R`` only) -> ``(FILE, R or None)``; an existing file whose name
+    holds ``@`` is a file."""
+    path, sep, tail = spec.rpartition("@")
+    if not sep or Path(spec).is_file():
+        return spec, None
+    try:
+        ratio = float(tail)
+    except ValueError:
+        ratio = -1.0
+    if not 0.0 <= ratio < 1.0:
+        raise UsageError(f"--config {spec}: the ratio after @ must be a number in [0, 1), got {tail!r}")
+    return path, ratio
+
+
 def _config_label(path: str, presets: list[str]) -> str:
     """The config's row label (its file name); it must differ from every other row's label."""
     label = Path(path).stem
@@ -337,8 +352,9 @@ def cmd_demo(args) -> int:
 
 
 # --------------------------------------------------------------------------- eval
-def _eval_inputs(args) -> tuple[list[str], list[str], list[float], dict]:
-    """Presets, tasks, ratios and ``{label: Pipeline}`` configs, all checked; nothing loaded yet."""
+def _eval_inputs(args) -> tuple[list[str], list[str], list[float], dict, dict[str, list[float]]]:
+    """Presets, tasks, ratios, ``{label: Pipeline}`` configs and ``{label: ratios}`` of the configs given as
+    ``FILE@R`` (each at its own ratios instead of ``--ratios``), all checked; nothing loaded yet."""
     from kvpress_ada.harness.eval.tasks import TASKS
 
     presets = _unique("--presets", _split(args.presets) if args.presets else [])
@@ -354,12 +370,35 @@ def _eval_inputs(args) -> tuple[list[str], list[str], list[float], dict]:
         raise UsageError(f"--n must be >= 1 samples per task, got {args.n}")
     _check_common(args)
     configs: dict[str, Any] = {}
-    for path in args.config or []:
+    own_ratios: dict[str, list[float]] = {}
+    paths: dict[str, str] = {}
+    for spec in args.config or []:
+        path, ratio = _config_spec(spec)
+        label = Path(path).stem
+        if ratio is not None and label in own_ratios and paths[label] == path:  # the same file at another ratio
+            if ratio in own_ratios[label]:
+                raise UsageError(f"--config {spec}: given twice; give each file@ratio once")
+            own_ratios[label].append(ratio)
+            continue
         label = _config_label(path, [*presets, *configs])
         configs[label] = _load_config(path)
+        paths[label] = path
+        if ratio is not None:
+            own_ratios[label] = [ratio]
     if not presets and not configs:
         raise UsageError("give --presets and/or --config")
-    return presets, tasks, ratios, configs
+    return presets, tasks, ratios, configs, own_ratios
+
+
+def _eval_entries(args) -> tuple[list[str], list]:
+    """Tasks and the entries (label, ratio, press) of ``eval``: presets and plain configs at every ``--ratios``,
+    ``FILE@R`` configs at their own ratios; ``--prefill-chunk`` applied."""
+    from kvpress_ada.harness.eval.runner import grid
+
+    presets, tasks, ratios, configs, own_ratios = _eval_inputs(args)
+    entries = grid(presets, ratios) + [entry for label, press in configs.items()
+                                       for entry in grid({label: press}, own_ratios.get(label, ratios))]
+    return tasks, _with_prefill_chunk(entries, args.prefill_chunk)
 
 
 def _with_prefill_chunk(entries: list, chunk: int | None) -> list:
@@ -424,7 +463,7 @@ def _resume_hint(args) -> str:
 
 
 def cmd_eval(args) -> int:
-    presets, tasks, ratios, configs = _eval_inputs(args)
+    tasks, entries = _eval_entries(args)
     if args.workers is not None and args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
@@ -433,7 +472,7 @@ def cmd_eval(args) -> int:
     from kvpress_ada.harness.distributed import init, launched
     from kvpress_ada.harness.eval import parallel
     from kvpress_ada.harness.eval.report import format_table, plot_accuracy
-    from kvpress_ada.harness.eval.runner import EvalResult, evaluate, grid
+    from kvpress_ada.harness.eval.runner import EvalResult, evaluate
 
     if args.workers is not None:
         if launched():
@@ -443,7 +482,6 @@ def cmd_eval(args) -> int:
             if code == 130:  # the workers' own notes were dropped: one line for the run
                 print(parallel.interrupted_note(Path(args.out), _resume_hint(args)), file=sys.stderr)
             return code
-    entries = _with_prefill_chunk(grid(presets, ratios) + grid(configs, ratios), args.prefill_chunk)
     entries = [replace(e, press=_with_storage(_with_decode(e.press, args), args)) for e in entries]
     settings = _settings(args, tasks, entries)
     out = _prepare_out(args.out)
@@ -848,7 +886,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", default="default", help=model_help)
     ev.add_argument("--config", action="append", help="a Pipeline as JSON or YAML (custom compositions, registered "
                                                       "scorers), repeatable; its rows are labelled with the file "
-                                                      "name, which must differ from every other row's label")
+                                                      "name, which must differ from every other row's label; "
+                                                      "FILE@R runs it at ratio R only instead of --ratios (the same "
+                                                      "file may be given at several ratios)")
     ev.add_argument("--max-new-tokens", type=int, default=24, help="answer length limit (>= 1)")
     ev.add_argument("--prefill-chunk", type=int, default=None,
                     help="prefill the context in chunks of N tokens, compressing after each (Pipeline.prefill_chunk; "

@@ -22,10 +22,20 @@ import triton
 import triton.language as tl
 
 from ..ragged.sparse_triton_kernel import page_slots, page_split, selected_pages, split_geometry, split_partials
-from ..ragged.triton_kernel import LOG2E, default_config, dot, merge_splits, online_softmax, query_tile, soft_cap
+from ..ragged.triton_kernel import (
+    LOG2E,
+    default_config,
+    dot,
+    merge_splits,
+    online_softmax,
+    query_tile,
+    soft_cap,
+    softmax_start,
+    store_partials,
+)
 from ..support import check_head_dim
 from .scheme import RecordLayout, attention_operands, centre_logits, check_record, residual_of, residual_operands
-from .triton_kernel import entry_tile
+from .triton_kernel import entry_tile, row_anchor
 
 __all__ = ["sparse_quantized_attention_triton"]
 
@@ -52,20 +62,12 @@ def _sparse_quantized_split_kernel(
     mt = tl.program_id(1)
     total, row, n, lo, hi = page_split(pid, CNT_ptr, LEN_ptr, R, SPLIT, PAGE, R_PAD)
     if pid < total:
-        b = row // H_kv
-        h = row % H_kv
-        q, offs_m, offs_d, m_valid, qi = query_tile(Q_ptr, b, h, mt, G, NQ, M_TOTAL, stride_qb, stride_qh, stride_qq,
-                                                    HEAD_DIM, BLOCK_M)
-        limit = n - (NQ - 1 - qi)  # bottom-right causal: query i sees the row's first n - (Q - 1 - i) entries
+        q, offs_m, offs_d, m_valid, limit = query_tile(Q_ptr, row, mt, n, H_kv, G, NQ, M_TOTAL, stride_qb, stride_qh,
+                                                       stride_qq, HEAD_DIM, BLOCK_M)
         if SHIFT:
             bias = tl.load(BIAS_ptr + row.to(tl.int64) * M_TOTAL + offs_m, mask=m_valid, other=0.0)
-        # the row's anchor (read in place of its rank 0): key in the records' space (float32), value
-        anchor_k = tl.load(AK_ptr + row.to(tl.int64) * HEAD_DIM + offs_d)[None, :]
-        anchor_v = tl.load(AV_ptr + row.to(tl.int64) * HEAD_DIM + offs_d).to(tl.float32)[None, :]
-
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        anchor_k, anchor_v = row_anchor(AK_ptr, AV_ptr, row, offs_d, HEAD_DIM)
+        m_i, l_i, acc = softmax_start(BLOCK_M, HEAD_DIM)
         lists = row.to(tl.int64) * W
         offs_t = tl.arange(0, BLOCK_N)
         # not software-pipelined, as the dense kernel over records (its masked float32 ring loads)
@@ -86,11 +88,8 @@ def _sparse_quantized_split_kernel(
                            HEAD_DIM, BITS, GROUP, E4M3, RESID).to(q.dtype)
             acc = acc * alpha[:, None] + dot(p.to(q.dtype), v, IEEE)
 
-        out = pid.to(tl.int64)
-        tl.store(PM_ptr + out * stride_pm + offs_m, m_i, mask=m_valid)
-        tl.store(PL_ptr + out * stride_pm + offs_m, l_i, mask=m_valid)
-        tl.store(PACC_ptr + out * stride_pacc_s + offs_m[:, None] * stride_pacc_m + offs_d[None, :], acc,
-                 mask=m_valid[:, None])
+        store_partials(PM_ptr, PL_ptr, PACC_ptr, pid, offs_m, offs_d, m_valid, m_i, l_i, acc, stride_pm, stride_pacc_s,
+                       stride_pacc_m)
 
 
 def sparse_quantized_attention_triton(q: torch.Tensor, k_rec: torch.Tensor, v_rec: torch.Tensor,

@@ -29,7 +29,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ragged.triton_kernel import LOG2E, default_config, merge_splits, query_tile, row_split, soft_cap
+from ..ragged.triton_kernel import (
+    LOG2E,
+    default_config,
+    dot,
+    merge_splits,
+    online_softmax,
+    query_tile,
+    row_split,
+    soft_cap,
+    softmax_start,
+    store_partials,
+)
 from ..support import check_head_dim
 from .scheme import RecordLayout, attention_operands, centre_logits, check_record, residual_of, residual_operands
 
@@ -88,6 +99,14 @@ def entry_tile(REC_ptr, SC_ptr, TAIL_ptr, first, slots, pos, held, n, row, R, of
 
 
 @triton.jit
+def row_anchor(AK_ptr, AV_ptr, row, offs_d, HEAD_DIM: tl.constexpr):
+    """Row ``row``'s anchor (read in place of its rank 0), ``[1, HEAD_DIM]`` each: its key in the records' space
+    (float32) and its value (as float32)."""
+    base = row.to(tl.int64) * HEAD_DIM
+    return tl.load(AK_ptr + base + offs_d)[None, :], tl.load(AV_ptr + base + offs_d).to(tl.float32)[None, :]
+
+
+@triton.jit
 def _quantized_split_kernel(
     Q_ptr, K_ptr, V_ptr, KS_ptr, VS_ptr, AK_ptr, AV_ptr, TK_ptr, TV_ptr, OFF_ptr, LEN_ptr, PM_ptr, PL_ptr, PACC_ptr,
     BIAS_ptr,  # [R, M_TOTAL] float32 q . c of each query (read when SHIFT)
@@ -110,22 +129,12 @@ def _quantized_split_kernel(
         base = tl.load(OFF_ptr + row).to(tl.int64)
         lo = local * SPLIT
         hi = tl.minimum(lo + SPLIT, n)
-        b = row // H_kv
-        h = row % H_kv
-
-        q, offs_m, offs_d, m_valid, qi = query_tile(Q_ptr, b, h, mt, G, NQ, M_TOTAL, stride_qb, stride_qh, stride_qq,
-                                                    HEAD_DIM, BLOCK_M)
-        limit = n - (NQ - 1 - qi)  # bottom-right causal: query i sees the first n - (Q - 1 - i) entries
+        q, offs_m, offs_d, m_valid, limit = query_tile(Q_ptr, row, mt, n, H_kv, G, NQ, M_TOTAL, stride_qb, stride_qh,
+                                                       stride_qq, HEAD_DIM, BLOCK_M)
         if SHIFT:
             bias = tl.load(BIAS_ptr + row.to(tl.int64) * M_TOTAL + offs_m, mask=m_valid, other=0.0)
-
-        # the row's anchor (read in place of its first slot): key in the records' space (float32), value
-        anchor_k = tl.load(AK_ptr + row.to(tl.int64) * HEAD_DIM + offs_d)[None, :]
-        anchor_v = tl.load(AV_ptr + row.to(tl.int64) * HEAD_DIM + offs_d).to(tl.float32)[None, :]
-
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        anchor_k, anchor_v = row_anchor(AK_ptr, AV_ptr, row, offs_d, HEAD_DIM)
+        m_i, l_i, acc = softmax_start(BLOCK_M, HEAD_DIM)
         offs_j = tl.arange(0, BLOCK_N)
         # not software-pipelined (as without a residual, whose masked float32 tail loads would otherwise be
         # staged through shared memory: 22 KB -> 150 KB per program at head dim 128 on sm_90)
@@ -135,10 +144,7 @@ def _quantized_split_kernel(
             rows = base + offs_n.to(tl.int64)
             k = entry_tile(K_ptr, KS_ptr, TK_ptr, anchor_k, rows, offs_n, held, n, row, R, offs_d, rec_width,
                            sc_width, HEAD_DIM, BITS, GROUP, E4M3, RESID).to(q.dtype)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
+            s = dot(q, tl.trans(k), IEEE)
             if SHIFT:
                 s = s + bias[:, None]
             s = s * qk_scale
@@ -146,25 +152,13 @@ def _quantized_split_kernel(
                 s = soft_cap(s, cap_log2)
             vis = (offs_n[None, :] < limit[:, None]) & held[None, :]
             s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i, alpha, p, l_i = online_softmax(s, m_i, l_i)
             v = entry_tile(V_ptr, VS_ptr, TV_ptr, anchor_v, rows, offs_n, held, n, row, R, offs_d, rec_width,
                            sc_width, HEAD_DIM, BITS, GROUP, E4M3, RESID).to(q.dtype)
-            if IEEE:
-                pv = tl.dot(p.to(q.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(q.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            acc = acc * alpha[:, None] + dot(p.to(q.dtype), v, IEEE)
 
-        slot = pid.to(tl.int64)
-        tl.store(PM_ptr + slot * stride_pm + offs_m, m_i, mask=m_valid)
-        tl.store(PL_ptr + slot * stride_pm + offs_m, l_i, mask=m_valid)
-        tl.store(PACC_ptr + slot * stride_pacc_s + offs_m[:, None] * stride_pacc_m + offs_d[None, :], acc,
-                 mask=m_valid[:, None])
+        store_partials(PM_ptr, PL_ptr, PACC_ptr, pid, offs_m, offs_d, m_valid, m_i, l_i, acc, stride_pm, stride_pacc_s,
+                       stride_pacc_m)
 
 
 def quantized_attention_triton(q: torch.Tensor, k_rec: torch.Tensor, v_rec: torch.Tensor, row_offsets: torch.Tensor,

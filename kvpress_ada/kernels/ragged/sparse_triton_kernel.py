@@ -23,7 +23,18 @@ import triton
 import triton.language as tl
 
 from ..support import check_head_dim
-from .triton_kernel import LOG2E, default_config, dot, merge_splits, online_softmax, query_tile, row_split, soft_cap
+from .triton_kernel import (
+    LOG2E,
+    default_config,
+    dot,
+    merge_splits,
+    online_softmax,
+    query_tile,
+    row_split,
+    soft_cap,
+    softmax_start,
+    store_partials,
+)
 
 __all__ = ["selected_pages", "page_split", "page_slots", "sparse_attention_triton"]
 
@@ -75,16 +86,9 @@ def _sparse_split_kernel(
 
     total, row, n, lo, hi = page_split(pid, CNT_ptr, LEN_ptr, R, SPLIT, PAGE, R_PAD)
     if pid < total:
-        b = row // H_kv
-        h = row % H_kv
-
-        q, offs_m, offs_d, m_valid, qi = query_tile(Q_ptr, b, h, mt, G, NQ, M_TOTAL, stride_qb, stride_qh, stride_qq,
-                                                    HEAD_DIM, BLOCK_M)
-        limit = n - (NQ - 1 - qi)  # bottom-right causal: query i sees the row's first n - (Q - 1 - i) entries
-
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        q, offs_m, offs_d, m_valid, limit = query_tile(Q_ptr, row, mt, n, H_kv, G, NQ, M_TOTAL, stride_qb, stride_qh,
+                                                       stride_qq, HEAD_DIM, BLOCK_M)
+        m_i, l_i, acc = softmax_start(BLOCK_M, HEAD_DIM)
         lists = row.to(tl.int64) * W
         offs_t = tl.arange(0, BLOCK_N)
         for start in range(lo, hi, BLOCK_N):
@@ -99,11 +103,8 @@ def _sparse_split_kernel(
             v = tl.load(V_ptr + slot[:, None] * stride_v + offs_d[None, :], mask=held[:, None], other=0.0)
             acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
 
-        out = pid.to(tl.int64)
-        tl.store(PM_ptr + out * stride_pm + offs_m, m_i, mask=m_valid)
-        tl.store(PL_ptr + out * stride_pm + offs_m, l_i, mask=m_valid)
-        tl.store(PACC_ptr + out * stride_pacc_s + offs_m[:, None] * stride_pacc_m + offs_d[None, :], acc,
-                 mask=m_valid[:, None])
+        store_partials(PM_ptr, PL_ptr, PACC_ptr, pid, offs_m, offs_d, m_valid, m_i, l_i, acc, stride_pm, stride_pacc_s,
+                       stride_pacc_m)
 
 
 def selected_pages(table: torch.Tensor, selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

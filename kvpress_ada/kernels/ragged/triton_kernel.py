@@ -91,11 +91,14 @@ def row_split(pid, LEN_ptr, R, SPLIT, R_PAD: tl.constexpr):
 
 
 @triton.jit
-def query_tile(Q_ptr, b, h, mt, G, NQ, M_TOTAL, stride_qb, stride_qh, stride_qq, HEAD_DIM: tl.constexpr,
+def query_tile(Q_ptr, row, mt, n, H_kv, G, NQ, M_TOTAL, stride_qb, stride_qh, stride_qq, HEAD_DIM: tl.constexpr,
                BLOCK_M: tl.constexpr):
-    """Tile ``mt`` of the ``M_TOTAL = G * NQ`` (query head of the group, query) pairs of kv head ``h`` of batch
-    row ``b``: ``(q [BLOCK_M, HEAD_DIM], offs_m, offs_d, m_valid, qi)``, ``q`` zero past ``M_TOTAL``, ``qi`` each
-    pair's query index (for the bottom-right causal limit)."""
+    """Tile ``mt`` of the ``M_TOTAL = G * NQ`` (query head of the group, query) pairs of ragged row ``row`` (kv head
+    ``row % H_kv`` of batch row ``row // H_kv``, ``n`` entries): ``(q [BLOCK_M, HEAD_DIM], offs_m, offs_d, m_valid,
+    limit)``, ``q`` zero past ``M_TOTAL``, ``limit`` each pair's bottom-right causal limit (query ``i`` of ``NQ``
+    sees the row's first ``n - (NQ - 1 - i)`` entries)."""
+    b = row // H_kv
+    h = row % H_kv
     offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     m_valid = offs_m < M_TOTAL
@@ -103,7 +106,7 @@ def query_tile(Q_ptr, b, h, mt, G, NQ, M_TOTAL, stride_qb, stride_qh, stride_qq,
     qi = offs_m % NQ
     q = tl.load(Q_ptr + b.to(tl.int64) * stride_qb + (h * G + g).to(tl.int64)[:, None] * stride_qh
                 + qi[:, None] * stride_qq + offs_d[None, :], mask=m_valid[:, None], other=0.0)
-    return q, offs_m, offs_d, m_valid, qi
+    return q, offs_m, offs_d, m_valid, n - (NQ - 1 - qi)
 
 
 @triton.jit
@@ -116,6 +119,26 @@ def online_softmax(s, m_i, l_i):
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def softmax_start(BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """An empty online softmax (float32): running maxima ``-inf`` and sums 0 ``[BLOCK_M]``, outputs 0
+    ``[BLOCK_M, HEAD_DIM]``."""
+    return (tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
+            tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32))
+
+
+@triton.jit
+def store_partials(PM_ptr, PL_ptr, PACC_ptr, slot, offs_m, offs_d, m_valid, m_i, l_i, acc, stride_pm, stride_pacc_s,
+                   stride_pacc_m):
+    """Split ``slot``'s partial maxima, sums and outputs (the merge's inputs), for the real queries only
+    (``m_valid``: the merge reads only those)."""
+    slot = slot.to(tl.int64)
+    tl.store(PM_ptr + slot * stride_pm + offs_m, m_i, mask=m_valid)
+    tl.store(PL_ptr + slot * stride_pm + offs_m, l_i, mask=m_valid)
+    tl.store(PACC_ptr + slot * stride_pacc_s + offs_m[:, None] * stride_pacc_m + offs_d[None, :], acc,
+             mask=m_valid[:, None])
 
 
 @triton.jit
@@ -160,17 +183,9 @@ def _ragged_attn_split_kernel(
         base = tl.load(OFF_ptr + row).to(tl.int64)
         lo = local * SPLIT
         hi = tl.minimum(lo + SPLIT, n)
-        b = row // H_kv
-        h = row % H_kv
-
-        q, offs_m, offs_d, m_valid, qi = query_tile(Q_ptr, b, h, mt, G, NQ, M_TOTAL, stride_qb, stride_qh, stride_qq,
-                                                    HEAD_DIM, BLOCK_M)
-        # bottom-right aligned causal limit: query i sees the first n - (Q - 1 - i) entries
-        limit = n - (NQ - 1 - qi)
-
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        q, offs_m, offs_d, m_valid, limit = query_tile(Q_ptr, row, mt, n, H_kv, G, NQ, M_TOTAL, stride_qb, stride_qh,
+                                                       stride_qq, HEAD_DIM, BLOCK_M)
+        m_i, l_i, acc = softmax_start(BLOCK_M, HEAD_DIM)
         # 64-bit base pointers of this split, 32-bit offsets inside it (split <= 2^31 / D)
         k_base = K_ptr + (base + lo) * stride_k
         v_base = V_ptr + (base + lo) * stride_v
@@ -189,15 +204,8 @@ def _ragged_attn_split_kernel(
             v = tl.load(v_base + rel * stride_v + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
             acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
 
-        # only the real queries' partials are written (the reduce reads only those)
-        slot = pid.to(tl.int64)
-        tl.store(PM_ptr + slot * stride_pm + offs_m, m_i, mask=m_valid)
-        tl.store(PL_ptr + slot * stride_pm + offs_m, l_i, mask=m_valid)
-        tl.store(
-            PACC_ptr + slot * stride_pacc_s + offs_m[:, None] * stride_pacc_m + offs_d[None, :],
-            acc,
-            mask=m_valid[:, None],
-        )
+        store_partials(PM_ptr, PL_ptr, PACC_ptr, pid, offs_m, offs_d, m_valid, m_i, l_i, acc, stride_pm, stride_pacc_s,
+                       stride_pacc_m)
 
 
 @triton.jit

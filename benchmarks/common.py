@@ -225,25 +225,19 @@ def decode(model, cache, first_id: torch.Tensor, steps: int, press=None, positio
 def config_pipelines(specs: list[str]) -> dict:
     """``{label: Pipeline}`` of ``--config FILE[@R]`` (label: the file name, with ``@R`` when a ratio is given);
     ValueError naming the bad spec otherwise."""
-    from kvpress_ada.harness.cli import UsageError, _load_config
+    from kvpress_ada.harness.cli import UsageError, _config_spec, _load_config
 
     out: dict = {}
     for spec in specs:
-        path, sep, ratio = spec.rpartition("@") if "@" in spec else (spec, "", "")
         try:
+            path, ratio = _config_spec(spec)
             pipeline = _load_config(path)
         except UsageError as err:
             raise ValueError(str(err)) from None
         label = Path(path).stem
-        if sep:
-            try:
-                r = float(ratio)
-            except ValueError:
-                r = -1.0
-            if not 0 <= r < 1:
-                raise ValueError(f"--config {spec}: the ratio after @ must be a number in [0, 1), got {ratio!r}")
-            pipeline = pipeline.model_copy(update={"compression_ratio": r})
-            label = f"{label}@{ratio}"
+        if ratio is not None:
+            pipeline = pipeline.model_copy(update={"compression_ratio": ratio})
+            label = f"{label}@{spec.rpartition('@')[2]}"
         if label in out or label == "full":
             raise ValueError(f"--config {spec}: its label {label!r} is taken; every config needs its own label")
         out[label] = pipeline

@@ -390,12 +390,13 @@ def _eval_inputs(args) -> tuple[list[str], list[str], list[float], dict, dict[st
     return presets, tasks, ratios, configs, own_ratios
 
 
-def _eval_entries(args) -> tuple[list[str], list]:
-    """Tasks and the entries (label, ratio, press) of ``eval``: presets and plain configs at every ``--ratios``,
-    ``FILE@R`` configs at their own ratios; ``--prefill-chunk`` applied."""
+def _eval_entries(args, inputs: tuple | None = None) -> tuple[list[str], list]:
+    """Tasks and the entries (label, ratio, press) of ``eval`` (``inputs``: :func:`_eval_inputs`'s, checked again if
+    not given): presets and plain configs at every ``--ratios``, ``FILE@R`` configs at their own ratios;
+    ``--prefill-chunk`` applied. Imports torch."""
     from kvpress_ada.harness.eval.runner import grid
 
-    presets, tasks, ratios, configs, own_ratios = _eval_inputs(args)
+    presets, tasks, ratios, configs, own_ratios = inputs or _eval_inputs(args)
     entries = grid(presets, ratios) + [entry for label, press in configs.items()
                                        for entry in grid({label: press}, own_ratios.get(label, ratios))]
     return tasks, _with_prefill_chunk(entries, args.prefill_chunk)
@@ -463,7 +464,7 @@ def _resume_hint(args) -> str:
 
 
 def cmd_eval(args) -> int:
-    tasks, entries = _eval_entries(args)
+    inputs = _eval_inputs(args)
     if args.workers is not None and args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
@@ -482,6 +483,7 @@ def cmd_eval(args) -> int:
             if code == 130:  # the workers' own notes were dropped: one line for the run
                 print(parallel.interrupted_note(Path(args.out), _resume_hint(args)), file=sys.stderr)
             return code
+    tasks, entries = _eval_entries(args, inputs)
     entries = [replace(e, press=_with_storage(_with_decode(e.press, args), args)) for e in entries]
     settings = _settings(args, tasks, entries)
     out = _prepare_out(args.out)

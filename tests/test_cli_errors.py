@@ -172,24 +172,19 @@ def test_config_at_bad_ratio_refused(suffix, message, loads, tmp_path, capsys):
     assert loads == []
 
 
-def test_config_at_same_ratio_twice_refused(loads, tmp_path, capsys):
+@pytest.mark.parametrize("first, second, message", [
+    ("@0.25", "@0.25", "--config {config}@0.25: given twice; give each file@ratio once"),
+    # a file at every --ratios and the same file at its own ratio would give two rows of one label and ratio
+    ("", "@0.25", "--config {config}: its label 'mine' (the file name) is also another row's label (a preset or an "
+                  "earlier --config); rename the file so every row has its own label"),
+])
+def test_config_at_ratio_given_twice_refused(first, second, message, loads, tmp_path, capsys):
     config = tmp_path / "mine.yaml"
     config.write_text("scorer: {name: tova}\ncompression_ratio: 0.5\n")
-    code, err = run(["eval", "--model", "tiny", *SMALL, "--config", f"{config}@0.25", "--config", f"{config}@0.25",
-                     "--out", str(tmp_path)], capsys)
+    code, err = run(["eval", "--model", "tiny", *SMALL, "--config", f"{config}{first}", "--config",
+                     f"{config}{second}", "--out", str(tmp_path)], capsys)
     assert code == 2
-    assert one_line(err) == f"kvpress-ada eval: error: --config {config}@0.25: given twice; give each file@ratio once"
-    assert loads == []
-
-
-def test_config_at_ratio_and_plain_refused(loads, tmp_path, capsys):
-    """A file at every --ratios and the same file at its own ratio would give two rows of one label and ratio."""
-    config = tmp_path / "mine.yaml"
-    config.write_text("scorer: {name: tova}\ncompression_ratio: 0.5\n")
-    code, err = run(["eval", "--model", "tiny", *SMALL, "--config", str(config), "--config", f"{config}@0.25",
-                     "--out", str(tmp_path)], capsys)
-    assert code == 2
-    assert "its label 'mine' (the file name) is also another row's label" in one_line(err)
+    assert one_line(err) == "kvpress-ada eval: error: " + message.format(config=config)
     assert loads == []
 
 

@@ -8,7 +8,7 @@ paper's sign: a key's score is ``-(filter . key)``) and averages it over the kv 
 the model it was made on (:func:`kvpress_ada.calibration.model_identity`) and is refused for any other.
 
 ``path`` values: a file path, or ``builtin:NAME`` for ``kvpress_ada/qfilters/NAME.safetensors`` shipped with the
-package (``builtin:smollm2_135m``: the default model).
+package (``builtin:smollm2_135m``: the default model; ``builtin:qwen2_5_coder_0_5b``: ``qwen2.5-coder-0.5b``).
 """
 
 from __future__ import annotations

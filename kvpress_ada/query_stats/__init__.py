@@ -7,7 +7,8 @@ once per model.
 text's first ``sinks`` positions (their queries are outliers, as kvpress leaves them out) and accumulates the mean and
 the unbiased covariance. NVIDIA kvpress's ``ExpectedAttentionStatsPress`` downloads such statistics per model from the
 Hugging Face Hub (computed on BookSum); here they are computed by the library, shipped for the default model
-(``builtin:smollm2_135m``) and refused, in one line naming that command, for any other model.
+(``builtin:smollm2_135m``) and ``qwen2.5-coder-0.5b`` (``builtin:qwen2_5_coder_0_5b``), and refused, in one line naming
+that command (and the shipped file, where one fits), for any other model.
 
 A file holds ``mean [layers, H_q, D]`` (float32) and the covariance's upper triangle ``cov_upper [layers, H_q,
 D (D + 1) / 2]`` (float16 where its values fit, else float32: half the bytes of the full matrix, a quarter in float16),

@@ -16,9 +16,10 @@ position 0 (the library's ``generate`` and transformers' ``generate`` give padde
 attention mask so), and under chunked prefill or decode compression its first held entry (one of the sinks kept)
 and ``T`` one past its newest entry.
 
-The statistics are made by ``kvpress-ada query-stats`` and shipped for the default model (``builtin:smollm2_135m``);
-another model is refused in one line naming that command. Scores are not compared across heads (softmax shares of
-each head's own statistics, as Expected Attention's).
+The statistics are made by ``kvpress-ada query-stats`` and shipped for the default model (``builtin:smollm2_135m``)
+and ``qwen2.5-coder-0.5b`` (``builtin:qwen2_5_coder_0_5b``); another model is refused in one line naming that
+command. Scores are not compared across heads (softmax shares of each head's own statistics, as Expected
+Attention's).
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ class QFilter(Scorer):
 
     As NVIDIA kvpress's ``QFilterPress`` (``kvpress/presses/qfilter_press.py``, 0.5.5), which downloads the
     authors' filters from the Hugging Face Hub by model name; here they are made by ``kvpress-ada qfilters``
-    from offline text, shipped for the default model (``builtin:smollm2_135m``) and refused, in one line
-    naming that command, for any other model.
+    from offline text, shipped for the default model (``builtin:smollm2_135m``) and ``qwen2.5-coder-0.5b``
+    (``builtin:qwen2_5_coder_0_5b``), and refused, in one line naming that command, for any other model.
 
     Across heads: projections carry each head's key scale, so raw scores are not compared.
 

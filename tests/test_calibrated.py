@@ -224,7 +224,8 @@ def test_shipped_calibration_fits_qwen_coder_0_5b():
     assert f"this package ships {cal.SHIPPED}" in str(err.value) and " for it " in str(err.value)
     with pytest.raises(cal.CalibrationError) as err:
         cal.load(cal.SHIPPED).check_model(config)
-    assert "this package ships builtin:qwen2_5_coder_0_5b_kvzip for it" in str(err.value)
+    assert ("this package ships builtin:qwen2_5_coder_0_5b_kvzip and builtin:qwen2_5_coder_0_5b_lukv for it"
+            in str(err.value))
 
 
 @pytest.mark.parametrize("scorer", [StreamingLLM(), SnapKV(window=8)])

@@ -623,7 +623,10 @@ def test_triton_matches_reference(dtype, bits, group, D, Q, lens, split, seed, r
     got = quantized_attention_triton(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, layout, split_size=split)
     ref = qz.quantized_attention_ref(q, k_rec, v_rec, offs, lens_t, side, D ** -0.5, layout)
     assert torch.isfinite(got).all()
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    # float16: the kernel rounds the dequantized keys (|k| up to ~5 here) and the softmax weights to float16
+    # before its dots, as flash attention does, where the reference keeps float32: up to ~10 float16 ulps of an
+    # output near 0.25 (2.6e-3 seen). A wrong scale, group or row is off by far more.
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
 
 

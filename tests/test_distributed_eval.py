@@ -44,7 +44,7 @@ def single(tiny_dir, tmp_path_factory):
 
 def _settings(argv):
     args = cli.build_parser().parse_args(argv)
-    tasks, entries = cli._eval_entries(args)
+    tasks, entries = cli._eval_entries(args, cli._eval_inputs(args))
     return cli._settings(args, tasks, entries)
 
 

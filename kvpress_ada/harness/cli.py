@@ -390,13 +390,13 @@ def _eval_inputs(args) -> tuple[list[str], list[str], list[float], dict, dict[st
     return presets, tasks, ratios, configs, own_ratios
 
 
-def _eval_entries(args, inputs: tuple | None = None) -> tuple[list[str], list]:
-    """Tasks and the entries (label, ratio, press) of ``eval`` (``inputs``: :func:`_eval_inputs`'s, checked again if
-    not given): presets and plain configs at every ``--ratios``, ``FILE@R`` configs at their own ratios;
-    ``--prefill-chunk`` applied. Imports torch."""
+def _eval_entries(args, inputs: tuple) -> tuple[list[str], list]:
+    """Tasks and the entries (label, ratio, press) of ``eval`` from ``inputs`` (:func:`_eval_inputs`'s): presets
+    and plain configs at every ``--ratios``, ``FILE@R`` configs at their own ratios; ``--prefill-chunk`` applied.
+    Imports torch."""
     from kvpress_ada.harness.eval.runner import grid
 
-    presets, tasks, ratios, configs, own_ratios = inputs or _eval_inputs(args)
+    presets, tasks, ratios, configs, own_ratios = inputs
     entries = grid(presets, ratios) + [entry for label, press in configs.items()
                                        for entry in grid({label: press}, own_ratios.get(label, ratios))]
     return tasks, _with_prefill_chunk(entries, args.prefill_chunk)

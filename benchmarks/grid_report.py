@@ -5,8 +5,9 @@ records' ``read_bytes_per_step``: ``-`` for records that did not measure it, e.g
 Reads one or more ``quality_<setting>.json`` files written by ``benchmarks/quality.py``, or
 ``results.json`` / ``partial.json`` (a checkpoint) of ``kvpress-ada eval`` (runs over the same samples,
 e.g. a second run adding presets; records pair by task and sample index), and writes ``report.json``
-with the accuracy table (overall and per task), the paired 95% CIs of ``--pairs`` and the targets'
-verdicts, next to an accuracy plot. No per-sample records are written.
+with the accuracy table (overall with the per-layer eviction loss and hidden-state error, per task without
+them), the paired 95% CIs of ``--pairs`` and the targets' verdicts, next to an accuracy plot (and, with
+``--plot-reads``, accuracy by bytes read per step: for grids with a reader). No per-sample records are written.
 
     python benchmarks/grid_report.py benchmarks/results/grid_kvzip/quality_agnostic.json [more.json] \
         --out benchmarks/results/grid_report_agnostic
@@ -43,6 +44,14 @@ def merge(paths: list[Path]) -> tuple[list[dict], list[dict]]:
         for r in data["records"]:
             cells[(r["label"], r["ratio"], r["task"], r["sample"])] = r
     return list(cells.values()), sources
+
+
+PER_LAYER = ("eviction_loss_per_layer", "hidden_error_per_layer")
+
+
+def without_per_layer(rows: list[dict]) -> list[dict]:
+    """Summary rows without their per-layer arrays (the per-task tables: the overall table keeps them)."""
+    return [{k: v for k, v in row.items() if k not in PER_LAYER} for row in rows]
 
 
 def plot_reads(summary: list[dict], path: Path, title: str) -> Path | None:
@@ -89,6 +98,9 @@ def main(argv=None) -> int:
     parser.add_argument("--pairs", default=PAIRS, help="comma-separated a:b (accuracy of a minus b, paired, at "
                                                        "every ratio) or a@r:b@s (one pair at those ratios)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--plot-reads", action="store_true",
+                        help="also write report_reads.png (accuracy by KV bytes read per decode step): for grids with "
+                             "a reader; without one every row reads what it holds")
     args = parser.parse_args(argv)
 
     from kvpress_ada.harness.eval.report import format_table, paired_difference, plot_accuracy
@@ -97,7 +109,8 @@ def main(argv=None) -> int:
     records, sources = merge(args.inputs)
     summary = EvalResult([Record(**r) for r in records], 0.0, False).summary()
     tasks = sorted({r["task"] for r in records})
-    by_task = {task: EvalResult([Record(**r) for r in records if r["task"] == task], 0.0, False).summary()
+    by_task = {task: without_per_layer(EvalResult([Record(**r) for r in records if r["task"] == task], 0.0,
+                                                  False).summary())
                for task in tasks} if len(tasks) > 1 else {}
     ratios = sorted({r["ratio"] for r in records if r["label"] != "full"})
     pairs = []
@@ -128,7 +141,8 @@ def main(argv=None) -> int:
     title = (f"question-{sources[0].get('setting') or 'agnostic'}, {', '.join(sources[0]['tasks'] or [])},\n"
              f"{sources[0]['context']} tokens (merged: {len(sources)} runs)")
     plot_accuracy(summary, args.out / "report.png", title=title)
-    plot_reads(summary, args.out / "report_reads.png", title)
+    if args.plot_reads:
+        plot_reads(summary, args.out / "report_reads.png", title)
     print(format_table(summary))
     for task, rows in by_task.items():
         print(f"\n{task}:\n{format_table(rows)}")

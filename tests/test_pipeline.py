@@ -173,3 +173,34 @@ def test_replace_returns_a_validated_copy():
         press.replace(no_such_field=1)
     with pytest.raises(ConfigError, match="storage"):
         press.replace(storage="int3")
+
+
+def _without_paths(config):
+    """A dumped Pipeline without its file paths (a model's own calibration, filters or gate)."""
+    if isinstance(config, dict):
+        return {k: _without_paths(v) for k, v in config.items() if k != "path"}
+    return config
+
+
+# benchmark configs named after a preset that differ from it by more than a file path, and why
+CONFIGS_DIFFERING = {"qwen2.5-coder-0.5b/kvzap.yaml": "window 0: its results predate the preset's window of 16"}
+
+
+def test_benchmark_configs_are_their_presets_with_a_models_files():
+    """Every benchmark config is a valid Pipeline; one named after a preset is that preset with another model's
+    files (a typo in a hand-written copy of a preset would make its grid rows silently another press)."""
+    from pathlib import Path
+    folder = Path(__file__).resolve().parents[1] / "benchmarks/configs"
+    configs = sorted(folder.rglob("*.yaml"))
+    assert len(configs) >= 30
+    named = 0
+    for path in configs:
+        press = Pipeline.model_validate(yaml.safe_load(path.read_text()))
+        name = str(path.relative_to(folder))
+        if path.stem not in preset_names() or press.compression_ratio is None:
+            continue
+        same = (_without_paths(press.model_dump())
+                == _without_paths(preset(path.stem, compression_ratio=press.compression_ratio).model_dump()))
+        assert same != (name in CONFIGS_DIFFERING), name
+        named += 1
+    assert named >= 8  # the 0.5B's and Gemma's copies of model-bound presets

@@ -90,7 +90,8 @@ TOKEN_METHODS = ("knorm", "tova", "h2o", "criticalkv")  # token scorers with a k
 # presets of kvpress 0.5.5's later presses (not in the new-presets grid's records): run by name
 LATER_METHODS = ("entropy_gated_chunkkv", "ada_entropy_gated_chunkkv", "kvgrad", "ada_kvgrad",
                  "expected_attention_stats")
-RATIO_FREE = ("kvzap_threshold",)  # set their own budget (a threshold): run once, at ratio 0 (no cap)
+RATIO_FREE = ("kvzap_threshold", "simlayerkv", "duo_attention")  # set their own budget (a threshold, lazy layers,
+# streaming heads; a ratio would only cap each head on our side, kvpress ignores it): run once, at ratio 0 (no cap)
 ALL_METHODS = (METHODS + AGNOSTIC_METHODS + SURROGATE_METHODS + KEY_STATISTICS_METHODS + NEW_PRESET_METHODS
                + TOKEN_METHODS + LATER_METHODS)
 METHOD_GROUPS = {"question_agnostic": AGNOSTIC_METHODS, "new_presets": KEY_STATISTICS_METHODS + NEW_PRESET_METHODS}
@@ -210,8 +211,9 @@ KVPRESS_DEFAULTS = {
     "ComposedPress": "its presses in order, each on the cache the previous left (think: SnapKVPress then ThinKPress; "
                      "composed: KnormPress(1 - our first keep, 0.25) then SnapKVPress(1 - (1 - r) / 0.75), r in all)",
     "SimLayerKVPress": "n_recent=1024, n_initial=4, n_last=1; lazy_threshold=1.0 turns it off: ours (0.9, kvpress's "
-                       "value for Llama 3) is used; a prompt of at most n_initial + n_recent + n_last = 1029 tokens is "
-                       "never compressed; sets its own budget (achieved_ratio)",
+                       "value for Llama 3) is used; a prompt of at most n_initial + n_recent + n_last tokens is never "
+                       "compressed (1029 with its defaults: off at ~1k tokens), so ours is used too (n_recent 128 + "
+                       "n_last: kvpress keeps n_recent - n_last recent entries); sets its own budget (achieved_ratio)",
     "DuoAttentionPress": "head patterns downloaded for the models it knows: handed ours (sinks 128, recent 256, "
                          "kvpress_ada/calibration/smollm2_135m_duo.json); head_compression_ratio=0.0 turns it off: "
                          "ours (0.5) is used; masks (masked_key_indices), sets its own budget (achieved_ratio)",
@@ -235,7 +237,7 @@ SETTINGS_DIFFER = {
                   "attention times its own ||W_o v||_1)",
     "finch": "window: ours the last 64 queries; kvpress the question after a delimiter (question-aware: the question's "
              "tokens; question-agnostic: ours, 64, as there is no question)",
-    "simlayerkv": "n_recent: ours 128, kvpress 1024 (kvpress's row then compresses nothing at ~1k tokens); "
+    "simlayerkv": "n_recent: kvpress's default 1024 compresses nothing at ~1k tokens, ours 128 used on both sides; "
                   "lazy_threshold: kvpress's default 1.0 is off, ours 0.9 used on both sides",
     "duo_attention": "head_compression_ratio: kvpress's default 0.0 is off, ours 0.5 used on both sides (patterns, "
                      "sinks 128 and recent 256: ours on both sides)",
@@ -1151,7 +1153,8 @@ def ours_settings(methods, preset) -> dict:
     if "think" in made:
         out["think"] = {"key_channel_compression_ratio": made["think"].key_channels.ratio}
     if "simlayerkv" in made:
-        out["simlayerkv"] = {"lazy_threshold": made["simlayerkv"].scorer.lazy_threshold}
+        scorer = made["simlayerkv"].scorer
+        out["simlayerkv"] = {k: getattr(scorer, k) for k in ("lazy_threshold", "n_recent", "n_initial", "n_last")}
     if "duo_attention" in made:
         out["duo_attention"] = {"head_compression_ratio": made["duo_attention"].scorer.head_ratio}
     if "composed" in made:

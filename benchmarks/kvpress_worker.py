@@ -101,9 +101,9 @@ def _composed_second(r: float, first_keep: float) -> float:
 
 # kvpress_ada preset name -> the kvpress press spec for it (benchmarks/kvpress_presses.py builds it) at a ratio ``r``,
 # with ``ours`` = the accuracy request's ``ours[method]``: our preset's value of a setting whose kvpress default
-# turns the press off (DuoAttention's head share, SimLayerKV's threshold, ThinK's channel share) or that kvpress
-# finds another way (FINCH's window: a delimiter token), and Composed's first stage; kvpress's defaults otherwise
-# (the driver records each press's repr, which lists every field)
+# turns the press off (DuoAttention's head share, SimLayerKV's threshold and window, ThinK's channel share) or that
+# kvpress finds another way (FINCH's window: a delimiter token), and Composed's first stage; kvpress's defaults
+# otherwise (the driver records each press's repr, which lists every field)
 SPECS = {
     "snapkv": lambda r, ours: kp.spec("SnapKVPress", compression_ratio=r),
     "ada_snapkv": lambda r, ours: _ada(kp.spec("SnapKVPress", compression_ratio=r)),
@@ -150,7 +150,11 @@ SPECS = {
         kp.spec("KnormPress", compression_ratio=1 - ours["first_keep"]),
         kp.spec("SnapKVPress", compression_ratio=_composed_second(r, ours["first_keep"]))]),
     # their own budget (the ratio is not theirs: the record carries the achieved one)
-    "simlayerkv": lambda r, ours: kp.spec("SimLayerKVPress", lazy_threshold=ours["lazy_threshold"]),
+    # ours on both sides (kvpress's n_recent 1024 compresses nothing at ~1k tokens); kvpress keeps n_recent - n_last
+    # recent entries where ours keeps n_recent (kvpress_agreement.py's DIFFERENCES): the same count handed over
+    "simlayerkv": lambda r, ours: kp.spec("SimLayerKVPress", lazy_threshold=ours["lazy_threshold"],
+                                       n_initial=ours["n_initial"], n_last=ours["n_last"],
+                                       n_recent=ours["n_recent"] + ours["n_last"]),
     "duo_attention": lambda r, ours: kp.spec("DuoAttentionPress",
                                           head_compression_ratio=ours["head_compression_ratio"]),  # our patterns
     # model scope, calibrated heads

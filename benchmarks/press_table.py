@@ -6,13 +6,14 @@ of both libraries at one ratio on identical token ids and the KV bytes each hold
 Run from the repository root (about a minute: the agreement cases are recomputed on our side)::
 
     python benchmarks/press_table.py --ratio 0.75 --out benchmarks/results/press_table \
-        --compare benchmarks/results/kvpress_compare_new_presets.summary.json \
+        --compare benchmarks/results/kvpress_compare_leverage_cur.summary.json \
                   benchmarks/results/kvpress_compare_agnostic.summary.json \
                   benchmarks/results/kvpress_compare.summary.json
 
 A preset takes its accuracy from the first summary (in the order given) that holds both its row and its kvpress
-counterpart's at the ratio, per setting; the table names that file. Writes ``OUT.json``, ``OUT.md`` (the table) and
-``OUT.png``.
+counterpart's at the ratio, per setting; the table names that file. A preset that sets its own budget
+(``kvpress_compare.RATIO_FREE``: a threshold, lazy layers, streaming heads) takes its cells at ratio 0 (no cap), marked
+``own budget``. Writes ``OUT.json``, ``OUT.md`` (the table) and ``OUT.png``.
 """
 
 from __future__ import annotations
@@ -75,16 +76,20 @@ def cell(summary: dict, library: str, method: str, ratio: float, setting: str) -
     return None
 
 
-def accuracy(summaries: list[tuple[str, dict]], preset: str, counterpart: str, ratio: float) -> dict[str, dict]:
-    """Per setting: ours and kvpress's cells (mean, ci95, n, kv_fraction) from the first summary holding both."""
+def accuracy(summaries: list[tuple[str, dict]], preset: str, counterpart: str, ratio: float,
+             own_budget: bool = False) -> dict[str, dict]:
+    """Per setting: ours and kvpress's cells (mean, ci95, n, kv_fraction) from the first summary holding both; at
+    ratio 0 (no cap, marked ``own_budget``) for a preset that sets its own budget."""
     out = {}
+    if own_budget:
+        ratio = 0.0
     for setting in SETTINGS:
         for name, summary in summaries:
             ours = cell(summary, "kvpress_ada", preset, ratio, setting)
             theirs = cell(summary, "kvpress", counterpart, ratio, setting)
             if ours is not None and theirs is not None:
                 out[setting] = {"source": name, "complete": bool(summary.get("complete")), "ours": ours,
-                                "kvpress": theirs}
+                                "kvpress": theirs, **({"own_budget": True} if own_budget else {})}
                 break
     return out
 
@@ -105,7 +110,8 @@ def build(ratio: float, summaries: list[tuple[str, dict]]) -> dict:
             continue
         rows.append({"preset": preset, "kvpress": kv_name or ", ".join(agreed[preset]["presses"]),
                      "paired_with": counterpart if counterpart != preset else None,
-                     "agreement": agreed.get(preset), "accuracy": accuracy(summaries, preset, counterpart, ratio)})
+                     "agreement": agreed.get(preset),
+                     "accuracy": accuracy(summaries, preset, counterpart, ratio, preset in kc.RATIO_FREE)})
     covered = {p for row in rows for p in (row["agreement"] or {}).get("presses", [])}
     covered |= {press for name in kc.KVPRESS_NAMES.values() for press in re.findall(r"\w+Press", name)}
     without = {press: reason for table in (ka.NOT_HERE, ka.ELSEWHERE, ka.DIFFERENCES)
@@ -119,7 +125,8 @@ def fmt_acc(cell_: dict | None) -> str:
         return "-"
     o, k = cell_["ours"], cell_["kvpress"]
     star = "" if cell_["complete"] else "*"
-    return f"{o['mean']:.2f} / {k['mean']:.2f} (n = {o['n']}{star})"
+    own = ", own budget" if cell_.get("own_budget") else ""
+    return f"{o['mean']:.2f} / {k['mean']:.2f} (n = {o['n']}{star}{own})"
 
 
 def fmt_bytes(acc: dict) -> str:

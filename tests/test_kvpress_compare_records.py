@@ -145,3 +145,23 @@ def test_eval_checkpoint_still_reads(tmp_path):
     path.write_text(json.dumps(partial))
     out = kc.read_ours_records(_args([path], "aware"), payload, (BPT,))
     assert out["aware"]["source"]["format"] == "kvpress-ada eval" and len(out["aware"]["records"]) == 6
+
+
+def test_own_budget_presses_run_once_uncapped_with_our_window():
+    """SimLayerKV and DuoAttention set their own budget: our side runs them once at ratio 0 (no cap), and kvpress's
+    SimLayerKV gets our window (its default of 1,024 recent tokens would compress nothing at ~1k tokens)."""
+    from types import SimpleNamespace
+
+    from kvpress_ada import preset
+    from kvpress_ada.harness.eval.runner import grid
+
+    assert {"simlayerkv", "duo_attention", "kvzap_threshold"} <= set(kc.RATIO_FREE)
+    args = SimpleNamespace(methods=["simlayerkv", "duo_attention", "kvgrad"], ratios=[0.5, 0.75], surrogate=None)
+    entries = kc.our_entries(args, grid, preset)
+    assert sorted((e.label, e.ratio) for e in entries) == [("duo_attention", 0.0), ("kvgrad", 0.5), ("kvgrad", 0.75),
+                                                           ("simlayerkv", 0.0)]
+    ours = kc.ours_settings(["simlayerkv"], preset)["simlayerkv"]
+    scorer = preset("simlayerkv").scorer
+    assert ours == {"lazy_threshold": scorer.lazy_threshold, "n_recent": scorer.n_recent,
+                    "n_initial": scorer.n_initial, "n_last": scorer.n_last}
+    assert ours["n_recent"] < 1000 and ours["lazy_threshold"] < 1.0  # kvpress's defaults would turn it off at 1k

@@ -49,3 +49,17 @@ def test_accuracy_takes_the_first_summary_holding_both_cells_per_setting():
     assert acc["aware"]["source"] == "3"  # the 0.5 cells of "2" are another ratio
     assert pt.fmt_acc(acc["agnostic"]) == "0.40 / 0.30 (n = 4*)"
     assert pt.accuracy([("1", first)], "ada_chunkkv", "chunkkv", 0.75) == {}
+
+
+def test_a_preset_with_its_own_budget_takes_the_uncapped_cells():
+    """SimLayerKV, DuoAttention and threshold presses set their own budget: their cells at ratio 0 (no cap) are
+    paired, never a capped row at the table's ratio."""
+    summary = _summary([("kvpress_ada", "duo_attention", 0.75, "agnostic", 0.07),
+                        ("kvpress", "duo_attention", 0.75, "agnostic", 0.53),
+                        ("kvpress_ada", "duo_attention", 0.0, "agnostic", 0.5),
+                        ("kvpress", "duo_attention", 0.0, "agnostic", 0.52)])
+    acc = pt.accuracy([("s", summary)], "duo_attention", "duo_attention", 0.75, own_budget=True)
+    assert (acc["agnostic"]["ours"]["mean"], acc["agnostic"]["kvpress"]["mean"]) == (0.5, 0.52)
+    assert pt.fmt_acc(acc["agnostic"]) == "0.50 / 0.52 (n = 4, own budget)"
+    capped = pt.accuracy([("s", summary)], "duo_attention", "duo_attention", 0.75)
+    assert capped["agnostic"]["ours"]["mean"] == 0.07

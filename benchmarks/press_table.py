@@ -101,7 +101,7 @@ def build(ratio: float, summaries: list[tuple[str, dict]]) -> dict:
     recorded = ka.load()
     cases = ka._cases()
     agreed = agreement(ka.check(recorded), cases)
-    presets = sorted(set(agreed) | (set(kc.KVPRESS_NAMES) - {"full"}) | set(kc.NEW_COUNTERPART))
+    presets = sorted(set(agreed) | (set(kc.KVPRESS_NAMES) - {"full"}) | set(kc.KVPRESS_COUNTERPART))
     rows = []
     for preset in presets:
         counterpart = kc.kvpress_counterpart(preset) or preset

@@ -1328,7 +1328,9 @@ def read_ours_records(args, payload: list[dict], bytes_per_token: tuple[int, ...
                 continue
             if r["label"] == "full":
                 full[i] = r["kv_bytes"]
-            if r["label"] in labels:
+            # a preset with its own budget pairs uncapped (ratio 0) only, as kvpress runs it: a grid's capped rows
+            # are not its pair
+            if r["label"] in labels and (r["label"] not in RATIO_FREE or r["ratio"] == 0):
                 by_sample.setdefault(i, []).append({k: r.get(k) for k in OUR_RECORD_FIELDS})
         for i in sorted(by_sample):
             p = payload[i]

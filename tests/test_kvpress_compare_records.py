@@ -165,3 +165,24 @@ def test_own_budget_presses_run_once_uncapped_with_our_window():
     assert ours == {"lazy_threshold": scorer.lazy_threshold, "n_recent": scorer.n_recent,
                     "n_initial": scorer.n_initial, "n_last": scorer.n_last}
     assert ours["n_recent"] < 1000 and ours["lazy_threshold"] < 1.0  # kvpress's defaults would turn it off at 1k
+
+
+def test_own_budget_records_pair_uncapped_only(tmp_path, capsys):
+    """A grid's capped rows of a preset with its own budget are not read (kvpress runs it uncapped): no pair, said
+    so; its uncapped (ratio 0) records are read."""
+    payload = _payload()
+    path = _quality(tmp_path / "q.json", "agnostic", payload)
+    data = json.loads(path.read_text())
+    full = [r for r in data["records"] if r["label"] == "full"]
+    capped = [{**r, "label": "duo_attention", "ratio": 0.75} for r in full]
+    data["records"] += capped
+    path.write_text(json.dumps(data))
+    args = _args([path], "agnostic", ["--methods", "duo_attention"])
+    out = kc.read_ours_records(args, payload, (BPT,))
+    assert all(sorted(r["label"] for r in recs) == ["full"] for recs in out["agnostic"]["records"].values())
+    assert "has no records for duo_attention: no pair" in capsys.readouterr().err
+    data["records"] += [{**r, "ratio": 0.0} for r in capped]
+    path.write_text(json.dumps(data))
+    out = kc.read_ours_records(args, payload, (BPT,))
+    assert all(sorted((r["label"], r["ratio"]) for r in recs) == [("duo_attention", 0.0), ("full", 0.0)]
+               for recs in out["agnostic"]["records"].values())
